@@ -1,0 +1,98 @@
+"""The MLP variants the benchmark races, each built over the same canonical weights.
+
+A variant turns one layer's weights into a callable ``x -> y``. Peers are imported lazily; a
+peer that does not import is reported as skipped with the reason, never silently dropped.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from swiglu_train.layers import ParMLP
+from swiglu_train.ops import reference
+
+Layer = Callable[[torch.Tensor], torch.Tensor]
+
+
+@dataclass
+class LayerWeights:
+    """One layer's canonical parameters: fc1 [2F, D] = [W_gate; W_up] and fc2 [O, F]."""
+
+    fc1: torch.nn.Parameter
+    fc2: torch.nn.Parameter
+
+    @classmethod
+    def random(cls, d: int, f: int, o: int, dtype: torch.dtype, device: str) -> LayerWeights:
+        def param(rows: int, cols: int) -> torch.nn.Parameter:
+            w = torch.randn(rows, cols, dtype=dtype, device=device) / cols**0.5
+            return torch.nn.Parameter(w)
+
+        return cls(param(2 * f, d), param(o, f))
+
+    def parameters(self) -> list[torch.nn.Parameter]:
+        return [self.fc1, self.fc2]
+
+
+def eager(w: LayerWeights) -> Layer:
+    """Megatron-core's eager MLP: two cuBLAS GEMMs around ``F.silu(x1) * x2``."""
+    return lambda x: reference.mlp(x, w.fc1, None, w.fc2, None)
+
+
+def ours(impl: str) -> Callable[[LayerWeights], Layer]:
+    def build(w: LayerWeights) -> Layer:
+        mlp = ParMLP(w.fc1.shape[1], w.fc2.shape[1], w.fc2.shape[0], impl=impl, device="meta")
+        mlp.fc1.weight, mlp.fc2.weight = w.fc1, w.fc2
+        return mlp
+
+    return build
+
+
+def liger(w: LayerWeights) -> Layer:
+    """Liger-Kernel's fused gate/up SiLU-mul, in place in backward."""
+    from liger_kernel.ops.swiglu import LigerSiLUMulFunction
+
+    f = w.fc2.shape[1]
+    gate_w, up_w = w.fc1[:f], w.fc1[f:]
+
+    def layer(x: torch.Tensor) -> torch.Tensor:
+        return F.linear(LigerSiLUMulFunction.apply(F.linear(x, gate_w), F.linear(x, up_w)), w.fc2)
+
+    return layer
+
+
+def fla(w: LayerWeights) -> Layer:
+    """FLA's swiglu_linear: saves gate and up, recomputes h inside the fc2 backward."""
+    from fla.modules.activations import swiglu_linear
+
+    def layer(x: torch.Tensor) -> torch.Tensor:
+        gate, up = F.linear(x, w.fc1).chunk(2, dim=-1)
+        return swiglu_linear(gate, up, w.fc2, None)
+
+    return layer
+
+
+def quack(w: LayerWeights) -> Layer:
+    """quack's CuTe-DSL MLP with the activation fused into its GEMM epilogues."""
+    from quack.mlp import mlp_func
+
+    return lambda x: mlp_func(x, w.fc1, w.fc2, activation="swiglu", tuned=False)
+
+
+def compiled(w: LayerWeights) -> Layer:
+    """torch.compile (inductor) of the eager MLP."""
+    return torch.compile(eager(w))
+
+
+BUILDERS: dict[str, Callable[[LayerWeights], Layer]] = {
+    "eager": eager,
+    "compile": compiled,
+    "normal": ours("normal"),
+    "drop_h": ours("drop_h"),
+    "liger": liger,
+    "fla": fla,
+    "quack": quack,
+}

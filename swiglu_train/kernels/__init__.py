@@ -1,0 +1,1 @@
+"""Triton kernels and their launchers: shape, dtype and stride checks, no autograd."""

@@ -1,0 +1,206 @@
+"""Tiled Triton kernels for the SwiGLU activation on a canonical [gate | up] preactivation.
+
+preact is [M, 2F] with gate = preact[:, :F] and up = preact[:, F:]; h = silu(gate) * up.
+All arithmetic is fp32 after the loads. silu is rounded to the storage dtype before the
+product, exactly as eager ``F.silu(gate) * up`` rounds, so h matches Megatron's formula and
+the h recomputed in backward is bit-identical to the forward's.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from swiglu_train.kernels.runtime import INTERPRET, m_bucket
+
+SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def _configs() -> list[triton.Config]:
+    if INTERPRET:  # no CUDA events to time candidates; small tiles so tests cross tile edges
+        return [triton.Config({"BLOCK_M": 16, "BLOCK_N": 32})]
+    shapes = [
+        (1, 1024, 4),
+        (1, 2048, 8),
+        (2, 1024, 4),
+        (2, 2048, 8),
+        (4, 512, 4),
+        (4, 1024, 4),
+        (4, 1024, 8),
+        (8, 256, 4),
+        (8, 512, 4),
+        (8, 512, 8),
+        (16, 256, 8),
+        (32, 128, 4),
+    ]
+    return [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w) for bm, bn, w in shapes]
+
+
+@triton.jit
+def _tile(pid, M, F, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Map a flat program id to (rows, cols, mask); a 1D grid avoids the 65535 limit of axis 1."""
+    n_col_blocks = tl.cdiv(F, BLOCK_N)
+    pid_m = pid // n_col_blocks
+    pid_n = pid % n_col_blocks
+    rows = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask = (rows[:, None] < M) & (cols[None, :] < F)
+    return rows[:, None], cols[None, :], mask
+
+
+@triton.jit
+def _silu_times_up(gate, up, DTYPE: tl.constexpr):
+    """h = silu(gate) * up with silu rounded to DTYPE first; shared by forward and recompute."""
+    silu = gate / (1.0 + tl.exp(-gate))
+    return silu.to(DTYPE).to(tl.float32) * up
+
+
+@triton.autotune(configs=_configs(), key=["F", "M_BUCKET"])
+@triton.jit
+def _swiglu_fwd_kernel(
+    preact_ptr,
+    h_ptr,
+    M,
+    F,
+    stride_preact,
+    stride_h,
+    M_BUCKET,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    rows, cols, mask = _tile(tl.program_id(0), M, F, BLOCK_M, BLOCK_N)
+    gate_ptrs = preact_ptr + rows * stride_preact + cols
+    gate = tl.load(gate_ptrs, mask=mask).to(tl.float32)
+    up = tl.load(gate_ptrs + F, mask=mask).to(tl.float32)
+    h = _silu_times_up(gate, up, h_ptr.dtype.element_ty)
+    tl.store(h_ptr + rows * stride_h + cols, h.to(h_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.autotune(configs=_configs(), key=["F", "M_BUCKET", "WRITE_H"])
+@triton.jit
+def _swiglu_bwd_kernel(
+    preact_ptr,
+    grad_h_ptr,
+    grad_preact_ptr,
+    h_ptr,
+    M,
+    F,
+    stride_preact,
+    stride_grad_h,
+    stride_grad_preact,
+    stride_h,
+    M_BUCKET,
+    WRITE_H: tl.constexpr,
+    INPLACE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    """grad_preact = [grad_h*up*silu'(gate) | grad_h*silu(gate)], and h when WRITE_H.
+
+    INPLACE stores through the load pointers themselves (grad_preact over preact, h over
+    grad_h), so the compiler sees one address per element and keeps each load before its store.
+    """
+    rows, cols, mask = _tile(tl.program_id(0), M, F, BLOCK_M, BLOCK_N)
+    gate_ptrs = preact_ptr + rows * stride_preact + cols
+    grad_h_ptrs = grad_h_ptr + rows * stride_grad_h + cols
+    gate = tl.load(gate_ptrs, mask=mask).to(tl.float32)
+    up = tl.load(gate_ptrs + F, mask=mask).to(tl.float32)
+    grad_h = tl.load(grad_h_ptrs, mask=mask).to(tl.float32)
+
+    sig = 1.0 / (1.0 + tl.exp(-gate))
+    grad_up = grad_h * gate * sig
+    grad_gate = grad_h * up * sig * (1.0 + gate * (1.0 - sig))
+
+    if INPLACE:
+        out_ptrs = gate_ptrs
+        h_ptrs = grad_h_ptrs
+    else:
+        out_ptrs = grad_preact_ptr + rows * stride_grad_preact + cols
+        h_ptrs = h_ptr + rows * stride_h + cols
+    out_dtype = grad_preact_ptr.dtype.element_ty
+    if WRITE_H:
+        h = _silu_times_up(gate, up, h_ptr.dtype.element_ty)
+        tl.store(h_ptrs, h.to(h_ptr.dtype.element_ty), mask=mask)
+    tl.store(out_ptrs, grad_gate.to(out_dtype), mask=mask)
+    tl.store(out_ptrs + F, grad_up.to(out_dtype), mask=mask)
+
+
+def _check_preact(preact: torch.Tensor) -> tuple[int, int]:
+    if preact.dim() != 2 or preact.shape[1] % 2:
+        raise ValueError(f"preact must be [M, 2F] with an even last dim, got {tuple(preact.shape)}")
+    if preact.dtype not in SUPPORTED_DTYPES:
+        raise TypeError(f"preact dtype must be one of {SUPPORTED_DTYPES}, got {preact.dtype}")
+    if preact.stride(1) != 1:
+        raise ValueError("preact must be row-major (stride 1 along the last dim)")
+    return preact.shape[0], preact.shape[1] // 2
+
+
+def _check_like(name: str, t: torch.Tensor, ref: torch.Tensor, shape: tuple[int, int]) -> None:
+    if tuple(t.shape) != shape or t.stride(1) != 1:
+        raise ValueError(f"{name} must be row-major {shape}, got {tuple(t.shape)} {t.stride()}")
+    if t.dtype != ref.dtype or t.device != ref.device:
+        raise TypeError(f"{name} is {t.dtype} on {t.device}, expected {ref.dtype} on {ref.device}")
+
+
+def _grid(M: int, F: int):
+    return lambda meta: (triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(F, meta["BLOCK_N"]),)
+
+
+def swiglu_forward(preact: torch.Tensor, h: torch.Tensor) -> None:
+    """Write h = silu(gate) * up for a [M, 2F] preact into the given [M, F] buffer."""
+    M, F = _check_preact(preact)
+    _check_like("h", h, preact, (M, F))
+    if M == 0:
+        return
+    _swiglu_fwd_kernel[_grid(M, F)](preact, h, M, F, preact.stride(0), h.stride(0), m_bucket(M))
+
+
+_tuned_inplace_keys: set[tuple] = set()
+
+
+def swiglu_backward(
+    preact: torch.Tensor,
+    grad_h: torch.Tensor,
+    grad_preact: torch.Tensor,
+    h: torch.Tensor | None,
+) -> None:
+    """Write grad_preact and, when h is given, the recomputed h.
+
+    Passing grad_preact=preact and h=grad_h runs in place. An in-place first call for a tuning
+    key tunes once on scratch outputs, because autotuning reruns the kernel and would otherwise
+    read its own outputs as inputs.
+    """
+    M, F = _check_preact(preact)
+    _check_like("grad_h", grad_h, preact, (M, F))
+    _check_like("grad_preact", grad_preact, preact, (M, 2 * F))
+    inplace = grad_preact.data_ptr() == preact.data_ptr()
+    if h is not None:
+        _check_like("h", h, preact, (M, F))
+        if inplace != (h.data_ptr() == grad_h.data_ptr()):
+            raise ValueError("in-place backward must overwrite both preact and grad_h")
+    elif inplace:
+        raise ValueError("in-place backward is only defined together with h over grad_h")
+    if M == 0:
+        return
+    write_h = h is not None
+    key = (F, m_bucket(M), write_h, preact.dtype, preact.device)
+    if inplace and not INTERPRET and key not in _tuned_inplace_keys:
+        swiglu_backward(preact, grad_h, torch.empty_like(preact), torch.empty_like(grad_h))
+        _tuned_inplace_keys.add(key)
+    h_arg = h if write_h else grad_h  # unused pointer when WRITE_H is False
+    _swiglu_bwd_kernel[_grid(M, F)](
+        preact,
+        grad_h,
+        grad_preact,
+        h_arg,
+        M,
+        F,
+        preact.stride(0),
+        grad_h.stride(0),
+        grad_preact.stride(0),
+        h_arg.stride(0),
+        m_bucket(M),
+        WRITE_H=write_h,
+        INPLACE=inplace,
+    )

@@ -1,0 +1,113 @@
+"""SwiGLU activation ops, registered with ``torch.library`` so torch.compile treats them as
+opaque nodes with known shapes, and dispatched to Triton or to plain torch.
+
+Triton runs on CUDA, and on CPU under ``TRITON_INTERPRET=1``; elsewhere (or when asked with
+:func:`use_backend`) the plain-torch math runs, with the same outputs and the same in-place
+behaviour, so what autograd saves is identical on every backend.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+
+from swiglu_train.kernels.runtime import triton_runs_on
+from swiglu_train.ops import reference
+
+try:
+    from swiglu_train.kernels import swiglu as kernels
+except ImportError:  # no Triton on this platform: the torch backend serves everything
+    kernels = None
+
+BACKENDS = ("auto", "triton", "torch")
+_backend = "auto"
+
+
+@contextlib.contextmanager
+def use_backend(name: str) -> Iterator[None]:
+    """Force the activation backend: "triton", "torch", or "auto" (Triton wherever it runs)."""
+    global _backend
+    if name not in BACKENDS:
+        raise ValueError(f"unknown backend {name!r}; choose one of {BACKENDS}")
+    previous, _backend = _backend, name
+    try:
+        yield
+    finally:
+        _backend = previous
+
+
+def _use_triton(t: torch.Tensor) -> bool:
+    if _backend == "torch":
+        return False
+    runs = kernels is not None and triton_runs_on(t.device)
+    if _backend == "triton" and not runs:
+        raise RuntimeError(
+            f"Triton backend requested but Triton cannot run on {t.device} "
+            "(needs CUDA, or TRITON_INTERPRET=1 set before import for CPU)"
+        )
+    return runs
+
+
+@torch.library.custom_op("swiglu_train::swiglu_fwd", mutates_args=())
+def swiglu_fwd(preact: torch.Tensor) -> torch.Tensor:
+    """h = silu(gate) * up for a [M, 2F] canonical preact."""
+    if not _use_triton(preact):
+        return reference.swiglu(preact)
+    h = preact.new_empty(preact.shape[0], preact.shape[1] // 2)
+    kernels.swiglu_forward(preact, h)
+    return h
+
+
+@swiglu_fwd.register_fake
+def _(preact: torch.Tensor) -> torch.Tensor:
+    return preact.new_empty(preact.shape[0], preact.shape[1] // 2)
+
+
+@torch.library.custom_op("swiglu_train::swiglu_bwd", mutates_args=())
+def swiglu_bwd(preact: torch.Tensor, grad_h: torch.Tensor) -> torch.Tensor:
+    """grad_preact from the saved preact and grad_h (the `normal` impl's backward)."""
+    if not _use_triton(preact):
+        return reference.swiglu_grad(preact, grad_h)
+    grad_preact = torch.empty_like(preact)
+    kernels.swiglu_backward(preact, grad_h, grad_preact, None)
+    return grad_preact
+
+
+@swiglu_bwd.register_fake
+def _(preact: torch.Tensor, grad_h: torch.Tensor) -> torch.Tensor:
+    return torch.empty_like(preact)
+
+
+@torch.library.custom_op("swiglu_train::swiglu_bwd_recompute", mutates_args=())
+def swiglu_bwd_recompute(
+    preact: torch.Tensor, grad_h: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(h, grad_preact) in fresh buffers: `drop_h`'s backward when it may not overwrite."""
+    if not _use_triton(preact):
+        return reference.swiglu(preact), reference.swiglu_grad(preact, grad_h)
+    h, grad_preact = torch.empty_like(grad_h), torch.empty_like(preact)
+    kernels.swiglu_backward(preact, grad_h, grad_preact, h)
+    return h, grad_preact
+
+
+@swiglu_bwd_recompute.register_fake
+def _(preact: torch.Tensor, grad_h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.empty_like(grad_h), torch.empty_like(preact)
+
+
+@torch.library.custom_op("swiglu_train::swiglu_bwd_recompute_", mutates_args=("preact", "grad_h"))
+def swiglu_bwd_recompute_(preact: torch.Tensor, grad_h: torch.Tensor) -> None:
+    """In place: preact becomes grad_preact and grad_h becomes h; nothing is allocated."""
+    if not _use_triton(preact):
+        h, grad_preact = reference.swiglu(preact), reference.swiglu_grad(preact, grad_h)
+        preact.copy_(grad_preact)
+        grad_h.copy_(h)
+        return
+    kernels.swiglu_backward(preact, grad_h, preact, grad_h)
+
+
+@swiglu_bwd_recompute_.register_fake
+def _(preact: torch.Tensor, grad_h: torch.Tensor) -> None:
+    return None

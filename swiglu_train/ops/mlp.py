@@ -1,0 +1,112 @@
+"""The autograd side of each ParMLP impl: what is saved for backward, and how backward runs.
+
+All functions take a 2D x [M, D] and canonical weights: fc1 [2F, D] = [W_gate; W_up], fc2 [O, F].
+
+``normal``  saves preact (the activation Function) and h (fc2's F.linear), like eager Megatron.
+``drop_h``  saves preact only; backward recomputes h with grad_preact in one fused kernel,
+            by default in place: grad_preact over preact and h over grad_h.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from swiglu_train.ops.activation import (
+    swiglu_bwd,
+    swiglu_bwd_recompute,
+    swiglu_bwd_recompute_,
+    swiglu_fwd,
+)
+
+SECOND_BACKWARD_ERROR = (
+    "ParMLP(impl='drop_h') ran its backward in place: the saved preactivation now holds its "
+    "gradient, so a second backward through this graph (retain_graph=True) would compute "
+    "garbage. Build the layer with inplace=False to backpropagate more than once."
+)
+
+
+class _SwiGLU(torch.autograd.Function):
+    """The activation alone, saving preact; fc2's F.linear saves h next to it."""
+
+    @staticmethod
+    def forward(ctx, preact: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(preact)
+        return swiglu_fwd(preact)
+
+    @staticmethod
+    def backward(ctx, grad_h: torch.Tensor) -> torch.Tensor:
+        (preact,) = ctx.saved_tensors
+        return swiglu_bwd(preact, grad_h.contiguous())
+
+
+def normal_mlp(
+    x: torch.Tensor,
+    fc1_weight: torch.Tensor,
+    fc1_bias: torch.Tensor | None,
+    fc2_weight: torch.Tensor,
+    fc2_bias: torch.Tensor | None,
+    inplace: bool = True,
+) -> torch.Tensor:
+    """The seed's baseline: cuBLAS GEMMs around a Triton activation; `inplace` is unused."""
+    h = _SwiGLU.apply(F.linear(x, fc1_weight, fc1_bias))
+    return F.linear(h, fc2_weight, fc2_bias)
+
+
+class _DropH(torch.autograd.Function):
+    @staticmethod
+    def forward(
+        ctx,
+        x: torch.Tensor,
+        fc1_weight: torch.Tensor,
+        fc1_bias: torch.Tensor | None,
+        fc2_weight: torch.Tensor,
+        fc2_bias: torch.Tensor | None,
+        inplace: bool,
+    ) -> torch.Tensor:
+        preact = F.linear(x, fc1_weight, fc1_bias)
+        h = swiglu_fwd(preact)
+        y = F.linear(h, fc2_weight, fc2_bias)
+        ctx.save_for_backward(x, fc1_weight, fc2_weight, preact)
+        ctx.inplace = inplace
+        ctx.has_bias = (fc1_bias is not None, fc2_bias is not None)
+        ctx.backward_ran = False
+        return y
+
+    @staticmethod
+    def backward(ctx, grad_y: torch.Tensor):
+        # Functionalization under torch.compile turns a mutation into a copy anyway.
+        inplace = ctx.inplace and not torch.compiler.is_compiling()
+        if inplace:
+            if ctx.backward_ran:  # checked first: reading the mutated saved preact would fail
+                raise RuntimeError(SECOND_BACKWARD_ERROR)
+            ctx.backward_ran = True
+        x, fc1_weight, fc2_weight, preact = ctx.saved_tensors
+        need_x, need_w1, need_b1, need_w2, need_b2, _ = ctx.needs_input_grad
+        grad_y = grad_y.contiguous()
+        grad_h = grad_y @ fc2_weight
+        if inplace:
+            swiglu_bwd_recompute_(preact, grad_h)
+            h, grad_preact = grad_h, preact
+        else:
+            h, grad_preact = swiglu_bwd_recompute(preact, grad_h)
+        del grad_h
+        grad_w2 = grad_y.t() @ h if need_w2 else None
+        del h  # frees the [M, F] buffer before the two largest GEMM outputs are allocated
+        grad_x = grad_preact @ fc1_weight if need_x else None
+        grad_w1 = grad_preact.t() @ x if need_w1 else None
+        grad_b1 = grad_preact.sum(0) if need_b1 and ctx.has_bias[0] else None
+        grad_b2 = grad_y.sum(0) if need_b2 and ctx.has_bias[1] else None
+        return grad_x, grad_w1, grad_b1, grad_w2, grad_b2, None
+
+
+def drop_h_mlp(
+    x: torch.Tensor,
+    fc1_weight: torch.Tensor,
+    fc1_bias: torch.Tensor | None,
+    fc2_weight: torch.Tensor,
+    fc2_bias: torch.Tensor | None,
+    inplace: bool = True,
+) -> torch.Tensor:
+    """Seed 000's drop-h, with an in-place fused backward unless `inplace` is False."""
+    return _DropH.apply(x, fc1_weight, fc1_bias, fc2_weight, fc2_bias, inplace)

@@ -1,0 +1,39 @@
+"""Shared test math: float64 references and norm-relative errors."""
+
+from __future__ import annotations
+
+import torch
+
+from swiglu_train.ops import reference
+
+# Norm-relative error allowed against a float64 reference: one or two roundings of the dtype.
+TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
+
+
+def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    actual, expected = actual.double(), expected.double()
+    assert torch.isfinite(actual).all(), "non-finite values"
+    return ((actual - expected).norm() / expected.norm().clamp_min(1e-30)).item()
+
+
+def reference_outputs(mlp: torch.nn.Module, x: torch.Tensor, grad_y: torch.Tensor) -> dict:
+    """Output and grads of the eager MLP in float64 on the same values, on CPU."""
+    params = {n: p.detach().double().cpu().requires_grad_() for n, p in mlp.named_parameters()}
+    x64 = x.detach().double().cpu().requires_grad_()
+    y = reference.mlp(
+        x64,
+        params["fc1.weight"],
+        params.get("fc1.bias"),
+        params["fc2.weight"],
+        params.get("fc2.bias"),
+    )
+    y.backward(grad_y.double().cpu())
+    return {"y": y.detach(), "x": x64.grad, **{n: p.grad for n, p in params.items()}}
+
+
+def run_outputs(mlp: torch.nn.Module, x: torch.Tensor, grad_y: torch.Tensor) -> dict:
+    x = x.detach().requires_grad_()
+    mlp.zero_grad(set_to_none=True)
+    y = mlp(x)
+    y.backward(grad_y)
+    return {"y": y.detach(), "x": x.grad, **{n: p.grad for n, p in mlp.named_parameters()}}

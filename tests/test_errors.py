@@ -1,0 +1,80 @@
+"""Bad input gets an error that names the problem."""
+
+import pytest
+import torch
+
+from swiglu_train import MLP_IMPLS, ParMLP
+from swiglu_train.ops import SECOND_BACKWARD_ERROR, use_backend
+
+HAS_CUDA = torch.cuda.is_available()
+
+
+def test_unknown_impl_lists_valid_ones():
+    with pytest.raises(ValueError, match=r"unknown MLP impl 'fast'.*normal, drop_h"):
+        ParMLP(8, 16, impl="fast")
+    mlp = ParMLP(8, 16)
+    with pytest.raises(ValueError, match="valid impls"):
+        mlp.impl = "nope"
+    assert mlp.impl == "drop_h"  # a failed switch leaves the layer as it was
+    assert set(MLP_IMPLS) == {"normal", "drop_h"}
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_second_backward_through_inplace_graph_raises(backend):
+    mlp = ParMLP(8, 16, impl="drop_h")
+    x = torch.randn(5, 8, requires_grad=True)
+    with use_backend(backend):
+        y = mlp(x)
+        y.sum().backward(retain_graph=True)
+        with pytest.raises(RuntimeError, match="inplace=False") as info:
+            y.sum().backward()
+    assert str(info.value) == SECOND_BACKWARD_ERROR
+
+
+def test_wrong_dtype_names_both_dtypes():
+    mlp = ParMLP(8, 16, dtype=torch.bfloat16)
+    with pytest.raises(TypeError, match=r"input is torch\.float32.*parameters are torch\.bfloat16"):
+        mlp(torch.randn(3, 8))
+
+
+def test_integer_input():
+    with pytest.raises(TypeError, match=r"floating-point input, got torch\.int64"):
+        ParMLP(8, 16)(torch.ones(3, 8, dtype=torch.long))
+
+
+def test_unsupported_float_dtype():
+    with pytest.raises(TypeError, match=r"float64"):
+        ParMLP(8, 16, dtype=torch.float64)(torch.randn(3, 8, dtype=torch.float64))
+
+
+@pytest.mark.parametrize("shape", [(3, 9), (8,), (2, 3, 7)])
+def test_wrong_last_dim(shape):
+    x = torch.randn(*shape)
+    if shape == (8,):  # a 1D input of the right width is a single token and is fine
+        assert ParMLP(8, 16)(x).shape == (8,)
+        return
+    with pytest.raises(ValueError, match=r"last dim must be 8"):
+        ParMLP(8, 16)(x)
+
+
+def test_scalar_input():
+    with pytest.raises(ValueError, match=r"last dim must be 8"):
+        ParMLP(8, 16)(torch.tensor(1.0))
+
+
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a second device type")
+@pytest.mark.gpu
+def test_mismatched_devices():
+    with pytest.raises(ValueError, match=r"input is on cpu but its parameters are on cuda"):
+        ParMLP(8, 16, device="cuda")(torch.randn(3, 8))
+
+
+def test_mismatched_devices_meta():
+    """A device mismatch is caught before any kernel runs, without needing a GPU."""
+    with pytest.raises(ValueError, match=r"input is on meta but its parameters are on cpu"):
+        ParMLP(8, 16)(torch.randn(3, 8, device="meta"))
+
+
+def test_non_positive_sizes():
+    with pytest.raises(ValueError, match="positive"):
+        ParMLP(8, 0)

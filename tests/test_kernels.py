@@ -1,0 +1,102 @@
+"""The Triton kernels themselves, through their launchers (CPU interpreter or CUDA)."""
+
+import pytest
+import torch
+from helpers import rel_err
+
+from swiglu_train.kernels.runtime import triton_runs_on
+from swiglu_train.ops import reference
+
+kernels = pytest.importorskip("swiglu_train.kernels.swiglu")
+
+DEVICES = [
+    pytest.param(
+        "cpu",
+        marks=pytest.mark.skipif(
+            not triton_runs_on(torch.device("cpu")), reason="needs TRITON_INTERPRET=1"
+        ),
+    ),
+    pytest.param(
+        "cuda",
+        marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA")],
+    ),
+]
+# One ulp of the dtype, relative (four for fp32, whose exp differs between libraries).
+# The interpreter rounds fp32 -> bf16 toward zero and h is rounded twice (silu, then the
+# product), so there bf16 may be off by two.
+ULP = {torch.float32: 2**-21, torch.float16: 2**-10, torch.bfloat16: 2**-7}
+
+
+def assert_within_ulp(actual, expected, dtype):
+    ulps = 2 if actual.device.type == "cpu" and dtype == torch.bfloat16 else 1
+    tol = ulps * ULP[dtype]
+    torch.testing.assert_close(actual.float(), expected.float(), rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize(("m", "f"), [(1, 1), (17, 33), (70, 96), (33, 5)])
+def test_forward_matches_megatron_formula(device, dtype, m, f):
+    preact = torch.randn(m, 2 * f, device=device, dtype=dtype) * 3
+    h = torch.full((m, f), float("nan"), device=device, dtype=dtype)
+    kernels.swiglu_forward(preact, h)
+    x1, x2 = torch.chunk(preact, 2, -1)
+    assert_within_ulp(h, torch.nn.functional.silu(x1) * x2, dtype)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("mode", ["grad_only", "with_h", "inplace"])
+def test_backward_modes(device, dtype, mode):
+    m, f = 45, 70
+    preact = torch.randn(m, 2 * f, device=device, dtype=dtype) * 3
+    grad_h = torch.randn(m, f, device=device, dtype=dtype)
+    expected_grad = reference.swiglu_grad(preact.double(), grad_h.double())
+    expected_h = torch.empty(m, f, device=device, dtype=dtype)
+    kernels.swiglu_forward(preact, expected_h)
+    if mode == "inplace":
+        grad_preact, h = preact, grad_h
+    else:
+        grad_preact = torch.full_like(preact, float("nan"))
+        h = torch.full_like(grad_h, float("nan")) if mode == "with_h" else None
+    kernels.swiglu_backward(preact, grad_h, grad_preact, h)
+    assert rel_err(grad_preact, expected_grad) < (1e-6 if dtype == torch.float32 else 8e-3)
+    if h is not None:  # the recomputed h is bit-identical to the forward's
+        assert torch.equal(h, expected_h)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_strided_rows(device):
+    """Row strides larger than the width (views into wider buffers) are honoured."""
+    preact = torch.randn(9, 40, device=device)[:, :24]  # [9, 24], row stride 40
+    h = torch.empty(9, 20, device=device)[:, :12]
+    kernels.swiglu_forward(preact, h)
+    assert_within_ulp(h, reference.swiglu(preact), torch.float32)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_launcher_checks(device):
+    preact = torch.randn(4, 6, device=device)
+    with pytest.raises(ValueError, match="even last dim"):
+        kernels.swiglu_forward(torch.randn(4, 5, device=device), torch.empty(4, 2, device=device))
+    with pytest.raises(ValueError, match=r"h must be row-major \(4, 3\)"):
+        kernels.swiglu_forward(preact, torch.empty(4, 4, device=device))
+    with pytest.raises(ValueError, match="row-major"):
+        kernels.swiglu_forward(preact.t().contiguous().t(), torch.empty(4, 3, device=device))
+    with pytest.raises(TypeError, match="float64"):
+        kernels.swiglu_forward(preact.double(), torch.empty(4, 3, device=device).double())
+    with pytest.raises(TypeError, match=r"h is torch\.float16"):
+        kernels.swiglu_forward(preact, torch.empty(4, 3, device=device, dtype=torch.float16))
+    grad_h = torch.randn(4, 3, device=device)
+    with pytest.raises(ValueError, match="both preact and grad_h"):
+        kernels.swiglu_backward(preact, grad_h, preact, torch.empty_like(grad_h))
+    with pytest.raises(ValueError, match="together with h"):
+        kernels.swiglu_backward(preact, grad_h, preact, None)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_empty_batch(device):
+    preact = torch.empty(0, 8, device=device)
+    h = torch.empty(0, 4, device=device)
+    kernels.swiglu_forward(preact, h)
+    assert h.shape == (0, 4)
