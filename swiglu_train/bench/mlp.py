@@ -111,14 +111,21 @@ def run_bench(cfg: BenchConfig, progress: Callable[[str, int], Callable[[], None
     floor = floor_case(weights[0], x, grad_y)
 
     tick = progress("warm-up and correctness", len(cases))
-    reference, errors = None, {}
+    reference, errors, working = None, {}, []
     for case in cases:
-        for _ in range(cfg.warmup):  # compiles, autotunes
-            run_once(case, Clock(device))
-        grads = _grads(case, weights, x)
+        try:
+            for _ in range(cfg.warmup):  # compiles, autotunes
+                run_once(case, Clock(device))
+            grads = _grads(case, weights, x)
+        except Exception as e:  # a broken peer is reported, not allowed to sink the run
+            skipped[case.name] = f"failed: {type(e).__name__}: {e}"
+            continue
+        finally:
+            tick()
         reference = reference or grads
         errors[case.name] = max(_rel_err(a, b) for a, b in zip(grads, reference, strict=True))
-        tick()
+        working.append(case)
+    cases = working
     for _ in range(cfg.warmup):
         run_once(floor, Clock(device))
 
@@ -130,7 +137,7 @@ def run_bench(cfg: BenchConfig, progress: Callable[[str, int], Callable[[], None
     rows += [_row(c.name, times, errors[c.name], memory[c.name]) for c in cases]
     meta = _meta(cfg, device, reference_variant=cases[0].name if cases else None)
     del cases, floor, weights, x, grad_y
-    stack = _stack_table(cfg, device, progress) if cfg.stack_layers else []
+    stack = _stack_table(cfg, device, progress, rows) if cfg.stack_layers else []
     return {
         "meta": meta,
         "results": rows,
@@ -151,12 +158,13 @@ def _row(name: str, times: dict, error: float | None, mem: tuple) -> dict:
     return row
 
 
-def _stack_table(cfg: BenchConfig, device: torch.device, progress) -> list[dict]:
+def _stack_table(cfg: BenchConfig, device: torch.device, progress, measured) -> list[dict]:
     if cfg.shape[1] != cfg.shape[3]:
         return []  # a stack needs O == D
     torch.manual_seed(cfg.seed)
     weights, x, grad_y = _inputs(cfg, cfg.stack_layers)
-    cases, _ = _available(cfg.variants, weights, x, grad_y)
+    names = [r["variant"] for r in measured if r["variant"] != "floor"]
+    cases, _ = _available(names, weights, x, grad_y)
     tick = progress(f"{cfg.stack_layers}-layer stack memory", len(cases))
     rows = []
     for case in cases:

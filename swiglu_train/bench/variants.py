@@ -52,20 +52,19 @@ def ours(impl: str) -> Callable[[LayerWeights], Layer]:
 
 
 def liger(w: LayerWeights) -> Layer:
-    """Liger-Kernel's fused gate/up SiLU-mul, in place in backward."""
-    from liger_kernel.ops.swiglu import LigerSiLUMulFunction
-
-    f = w.fc2.shape[1]
-    gate_w, up_w = w.fc1[:f], w.fc1[f:]
+    """Liger-Kernel's fused gate/up SiLU-mul on the [gate | up] preact, in place in backward."""
+    from liger_kernel.ops.swiglu import LigerFusedGateUpSiLUMulFunction
 
     def layer(x: torch.Tensor) -> torch.Tensor:
-        return F.linear(LigerSiLUMulFunction.apply(F.linear(x, gate_w), F.linear(x, up_w)), w.fc2)
+        # Liger's backward returns a 2D grad, so the preact must be 2D (true of x here).
+        h = LigerFusedGateUpSiLUMulFunction.apply(F.linear(x, w.fc1), True)
+        return F.linear(h, w.fc2)
 
     return layer
 
 
 def fla(w: LayerWeights) -> Layer:
-    """FLA's swiglu_linear: saves gate and up, recomputes h inside the fc2 backward."""
+    """FLA's swiglu_linear (x is the gate): h is recomputed inside fc2's backward."""
     from fla.modules.activations import swiglu_linear
 
     def layer(x: torch.Tensor) -> torch.Tensor:
@@ -76,10 +75,13 @@ def fla(w: LayerWeights) -> Layer:
 
 
 def quack(w: LayerWeights) -> Layer:
-    """quack's CuTe-DSL MLP with the activation fused into its GEMM epilogues."""
+    """quack's CuTe-DSL MLP with the activation fused into its GEMM epilogues.
+
+    ``concat_layout=True`` reads our canonical [W_gate; W_up]; quack's default is interleaved.
+    """
     from quack.mlp import mlp_func
 
-    return lambda x: mlp_func(x, w.fc1, w.fc2, activation="swiglu", tuned=False)
+    return lambda x: mlp_func(x, w.fc1, w.fc2, activation="swiglu", tuned=False, concat_layout=True)
 
 
 def compiled(w: LayerWeights) -> Layer:
