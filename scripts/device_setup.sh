@@ -8,5 +8,5 @@ set -e
 name=$(cat .whlx/NAME.txt)
 mkdir -p /tmp/cu13x
 tar xJf .whlx/cu13libs.tar.xz -C /tmp/cu13x
-(cd /tmp/cu13x && python3 -m zipfile -c "/tmp/$name" nvidia_cutlass_dsl ./*.dist-info)
+(cd /tmp/cu13x && python3 -m zipfile -c "/tmp/$name" nvidia_cutlass_dsl *.dist-info)
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir .whl/*.whl "/tmp/$name"
