@@ -11,7 +11,7 @@ TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
 
 
 def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
-    actual, expected = actual.double(), expected.double()
+    actual, expected = actual.double().cpu(), expected.double().cpu()
     assert torch.isfinite(actual).all(), "non-finite values"
     return ((actual - expected).norm() / expected.norm().clamp_min(1e-30)).item()
 

@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+from conftest import device_backends
 
 from swiglu_train import MLP_IMPLS, ParMLP
 from swiglu_train.ops import SECOND_BACKWARD_ERROR, use_backend
@@ -19,10 +20,10 @@ def test_unknown_impl_lists_valid_ones():
     assert set(MLP_IMPLS) == {"normal", "drop_h"}
 
 
-@pytest.mark.parametrize("backend", ["torch", "triton"])
-def test_second_backward_through_inplace_graph_raises(backend):
-    mlp = ParMLP(8, 16, impl="drop_h")
-    x = torch.randn(5, 8, requires_grad=True)
+@pytest.mark.parametrize(("device", "backend"), device_backends())
+def test_second_backward_through_inplace_graph_raises(device, backend):
+    mlp = ParMLP(8, 16, impl="drop_h", device=device)
+    x = torch.randn(5, 8, device=device, requires_grad=True)
     with use_backend(backend):
         y = mlp(x)
         y.sum().backward(retain_graph=True)

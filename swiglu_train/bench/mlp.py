@@ -22,7 +22,7 @@ from swiglu_train.bench.variants import BUILDERS, LayerWeights
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 TARGET_SHAPE = (11136, 3584, 14336, 3584)  # seed 000's [M, D, F, O]
-PEERS = {"liger": "liger-kernel", "fla": "flash-linear-attention", "quack": "quack-kernels"}
+PEERS = {"liger": "liger-kernel", "fla": "fla-core", "quack": "quack-kernels"}
 
 
 @dataclass

@@ -20,7 +20,12 @@ SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 def _configs() -> list[triton.Config]:
     if INTERPRET:  # no CUDA events to time candidates; small tiles so tests cross tile edges
         return [triton.Config({"BLOCK_M": 16, "BLOCK_N": 32})]
-    shapes = [
+    shapes = [  # (BLOCK_M, BLOCK_N, num_warps); wide rows keep more bytes in flight per SM
+        (1, 16384, 16),
+        (1, 8192, 16),
+        (1, 4096, 8),
+        (1, 4096, 16),
+        (2, 4096, 16),
         (1, 1024, 4),
         (1, 2048, 8),
         (2, 1024, 4),
