@@ -100,3 +100,15 @@ def test_empty_batch(device):
     h = torch.empty(0, 4, device=device)
     kernels.swiglu_forward(preact, h)
     assert h.shape == (0, 4)
+
+
+def test_config_pruning_keeps_every_config_at_training_shapes():
+    shapes = [(1, 16384, 16), (1, 2048, 8), (8, 256, 4), (32, 128, 4)]
+    configs = [
+        kernels.triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w) for m, n, w in shapes
+    ]
+    assert kernels.prune_configs(configs, {"M": 11136, "F": 14336}) == configs
+    small = kernels.prune_configs(configs, {"M": 37, "F": 40})
+    assert [(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"]) for c in small] == [(32, 128)]
+    tiny = kernels.prune_configs(configs, {"M": 1, "F": 3000})
+    assert [(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"]) for c in tiny] == [(1, 2048)]

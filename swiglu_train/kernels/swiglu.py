@@ -42,6 +42,20 @@ def _configs() -> list[triton.Config]:
     return [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w) for bm, bn, w in shapes]
 
 
+def prune_configs(configs: list[triton.Config], named_args: dict, **_) -> list[triton.Config]:
+    """Drop tiles wider or taller than the problem: they add masked lanes and compile time only.
+
+    At training shapes (F and M in the thousands) every config survives.
+    """
+    n_cap = max(triton.next_power_of_2(named_args["F"]), min(c.kwargs["BLOCK_N"] for c in configs))
+    m_cap = triton.next_power_of_2(named_args["M"])
+    kept = [c for c in configs if c.kwargs["BLOCK_N"] <= n_cap and c.kwargs["BLOCK_M"] <= m_cap]
+    return kept or [min(configs, key=lambda c: c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"])]
+
+
+_PRUNE = {"early_config_prune": prune_configs}
+
+
 @triton.jit
 def _tile(pid, M, F, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """Map a flat program id to (rows, cols, mask); a 1D grid avoids the 65535 limit of axis 1."""
@@ -61,7 +75,7 @@ def _silu_times_up(gate, up, DTYPE: tl.constexpr):
     return silu.to(DTYPE).to(tl.float32) * up
 
 
-@triton.autotune(configs=_configs(), key=["F", "M_BUCKET"])
+@triton.autotune(configs=_configs(), key=["F", "M_BUCKET"], prune_configs_by=_PRUNE)
 @triton.jit
 def _swiglu_fwd_kernel(
     preact_ptr,
@@ -82,7 +96,7 @@ def _swiglu_fwd_kernel(
     tl.store(h_ptr + rows * stride_h + cols, h.to(h_ptr.dtype.element_ty), mask=mask)
 
 
-@triton.autotune(configs=_configs(), key=["F", "M_BUCKET", "WRITE_H"])
+@triton.autotune(configs=_configs(), key=["F", "M_BUCKET", "WRITE_H"], prune_configs_by=_PRUNE)
 @triton.jit
 def _swiglu_bwd_kernel(
     preact_ptr,
