@@ -87,7 +87,7 @@ def bench(
             return lambda: bar.advance(task)
 
         result = run_bench(cfg, progress)
-    result["meta"]["command"] = shlex.join(["swiglu-train", "bench", *sys.argv[2:]])
+    result["meta"]["command"] = shlex.join([Path(sys.argv[0]).name, *sys.argv[1:]])
     markdown = to_markdown(result)
     console.print(Markdown(markdown))
     for name, reason in result["skipped"].items():
