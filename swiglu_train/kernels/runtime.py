@@ -12,6 +12,7 @@ import os
 import torch
 
 INTERPRET: bool = os.environ.get("TRITON_INTERPRET", "0") == "1"
+SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 def triton_available() -> bool:

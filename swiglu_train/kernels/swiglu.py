@@ -12,9 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from swiglu_train.kernels.runtime import INTERPRET, m_bucket
-
-SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+from swiglu_train.kernels.runtime import INTERPRET, SUPPORTED_DTYPES, m_bucket
 
 
 def _configs() -> list[triton.Config]:

@@ -10,9 +10,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from swiglu_train.kernels.runtime import SUPPORTED_DTYPES
 from swiglu_train.layers.registry import get_impl
-
-SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 class ParMLP(nn.Module):
