@@ -1,5 +1,16 @@
-"""Memory accounting: bytes saved for backward, device-independent and exact."""
+"""Memory accounting: bytes saved for backward (exact, any device) and CUDA allocator figures,
+per step and along layer depth, with CSV and Weights & Biases sinks."""
 
-from swiglu_train.memory.saved import SavedTensorCounter
+from swiglu_train.memory.csv_log import MemoryCsv
+from swiglu_train.memory.profiler import LayerMemory, MemoryProfiler, StepMemory, find_layers
+from swiglu_train.memory.saved import SavedTensorCounter, storage_key
 
-__all__ = ["SavedTensorCounter"]
+__all__ = [
+    "LayerMemory",
+    "MemoryCsv",
+    "MemoryProfiler",
+    "SavedTensorCounter",
+    "StepMemory",
+    "find_layers",
+    "storage_key",
+]

@@ -19,7 +19,7 @@ class SavedTensorCounter(torch.autograd.graph.saved_tensors_hooks):
     """
 
     def __init__(self, exclude: Iterable[torch.Tensor] = ()) -> None:
-        self._excluded = {_storage_key(t) for t in exclude}
+        self._excluded = {storage_key(t) for t in exclude}
         self._storages: dict[tuple, int] = {}
         super().__init__(self._pack, lambda t: t)
 
@@ -28,7 +28,7 @@ class SavedTensorCounter(torch.autograd.graph.saved_tensors_hooks):
         return self
 
     def _pack(self, t: torch.Tensor) -> torch.Tensor:
-        key = _storage_key(t)
+        key = storage_key(t)
         if key not in self._excluded:
             self._storages[key] = t.untyped_storage().nbytes()
         return t
@@ -44,5 +44,6 @@ class SavedTensorCounter(torch.autograd.graph.saved_tensors_hooks):
         return len(self._storages)
 
 
-def _storage_key(t: torch.Tensor) -> tuple:
+def storage_key(t: torch.Tensor) -> tuple:
+    """Identity of the memory a tensor views: equal for every view of one storage."""
     return (t.device, t.untyped_storage().data_ptr())

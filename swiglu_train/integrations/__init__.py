@@ -1,0 +1,1 @@
+"""Adapters to training frameworks; framework code lives here and nowhere below."""

@@ -1,0 +1,93 @@
+"""Lightning callback that profiles activation memory every optimizer step.
+
+Hook points: ``on_train_batch_start`` begins a micro-batch, ``on_before_backward`` is the
+after-forward point, ``on_after_backward`` ends it. Lightning frees the previous step's
+gradients (``zero_grad``) after ``training_step`` and before ``on_before_backward``; the
+profiler adds those freed bytes back so after-forward counts the forward's own allocations
+only. Under gradient accumulation the micro-batches of one optimizer step are reduced to their
+maxima (each micro-batch's graph is freed by its backward, so maxima, not sums, are what is
+held at once). Only global rank 0 logs, with its own device's figures.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import lightning.pytorch as pl
+from lightning.pytorch.loggers import WandbLogger
+
+from swiglu_train.memory import MemoryCsv, MemoryProfiler, StepMemory
+from swiglu_train.memory.wandb_run import CSV_NAME, define_memory_metrics, run_dir
+
+STEP_KEY = "trainer/global_step"
+
+
+class MemoryProfilerCallback(pl.Callback):
+    """Logs ``memory/...`` through the trainer's loggers and to ``memory.csv``.
+
+    The CSV goes next to the W&B run when a ``WandbLogger`` is attached, else to
+    ``trainer.log_dir`` (or ``csv_path`` if given). ``per_layer`` adds the depth curve and
+    per-impl bytes at a small cost in Python hooks.
+    """
+
+    def __init__(self, per_layer: bool = True, csv_path: str | Path | None = None) -> None:
+        self.per_layer = per_layer
+        self.csv_path = Path(csv_path) if csv_path is not None else None
+        self.profiler: MemoryProfiler | None = None
+        self.csv: MemoryCsv | None = None
+        self._micro_batches: list[StepMemory] = []
+        self.last_metrics: dict[str, float] = {}  # the latest step logged
+        self.max_metrics: dict[str, float] = {}  # every key's maximum over the run
+
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        self.profiler = MemoryProfiler(pl_module, per_layer=self.per_layer)
+
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if not trainer.is_global_zero:
+            return
+        wandb_loggers = [lg for lg in trainer.loggers if isinstance(lg, WandbLogger)]
+        for logger in wandb_loggers:
+            define_memory_metrics(logger.experiment, STEP_KEY)
+        path = self.csv_path
+        if path is None and wandb_loggers:
+            path = run_dir(wandb_loggers[0].experiment) / CSV_NAME
+        if path is None:
+            path = Path(trainer.log_dir or trainer.default_root_dir) / CSV_NAME
+        self.csv = MemoryCsv(path)
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx: int) -> None:
+        self.profiler.abort()  # a micro-batch that skipped backward (None loss) leaves no hooks
+        self.profiler.begin(trainer.global_step)
+
+    def on_before_backward(self, trainer, pl_module, loss) -> None:
+        self.profiler.forward_done()
+
+    def on_after_backward(self, trainer, pl_module) -> None:
+        self._micro_batches.append(self.profiler.backward_done())
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx: int) -> None:
+        step_done = (batch_idx + 1) % trainer.accumulate_grad_batches == 0 or trainer.is_last_batch
+        if not step_done or not self._micro_batches:
+            return
+        metrics = _max_over([r.metrics() for r in self._micro_batches])
+        step = self._micro_batches[0].step
+        self._micro_batches.clear()
+        if not trainer.is_global_zero:
+            return
+        for logger in trainer.loggers:
+            logger.log_metrics(metrics, step=step)
+        self.csv.write(step, metrics)
+        self.last_metrics = metrics
+        self.max_metrics = _max_over([self.max_metrics, metrics])
+
+    def on_exception(self, trainer, pl_module, exception: BaseException) -> None:
+        if self.profiler is not None:
+            self.profiler.abort()
+
+
+def _max_over(metrics: list[dict[str, float]]) -> dict[str, float]:
+    merged: dict[str, float] = {}
+    for values in metrics:
+        for key, value in values.items():
+            merged[key] = max(value, merged.get(key, value))
+    return merged

@@ -1,0 +1,44 @@
+"""A wide CSV of per-step memory metrics that spreadsheets and pandas read directly."""
+
+from __future__ import annotations
+
+import csv
+import os
+import tempfile
+from pathlib import Path
+
+
+class MemoryCsv:
+    """``step`` plus one column per metric key.
+
+    Rows are appended; when a step brings a key the header lacks, the file is rewritten once
+    through a temporary file, so it never holds a half-written header.
+    """
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        self.columns: list[str] | None = None
+
+    def write(self, step: int, metrics: dict[str, float]) -> None:
+        row = {"step": step, **metrics}
+        if self.columns is not None and set(row) <= set(self.columns):
+            with self.path.open("a", newline="") as f:
+                csv.DictWriter(f, self.columns).writerow(row)
+            return
+        rows = self._read() if self.columns is not None else []
+        keys = {k for r in rows for k in r} | set(row)
+        self.columns = ["step", *sorted(keys - {"step"})]
+        self._rewrite([*rows, row])
+
+    def _read(self) -> list[dict[str, str]]:
+        with self.path.open(newline="") as f:
+            return [{k: v for k, v in r.items() if v != ""} for r in csv.DictReader(f)]
+
+    def _rewrite(self, rows: list[dict]) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=self.path.parent, suffix=".csv.tmp")
+        with os.fdopen(fd, "w", newline="") as f:
+            writer = csv.DictWriter(f, self.columns)
+            writer.writeheader()
+            writer.writerows(rows)
+        os.replace(tmp, self.path)

@@ -1,0 +1,246 @@
+"""Per-step activation memory: what autograd saves, per layer, and what the CUDA allocator sees.
+
+A step is bracketed by three calls any training loop can make: :meth:`MemoryProfiler.begin`
+before forward, :meth:`~MemoryProfiler.forward_done` between forward and backward, and
+:meth:`~MemoryProfiler.backward_done` after backward. Saved-for-backward bytes come from
+``saved_tensors_hooks`` and are exact on every device; allocator figures exist on CUDA only.
+
+Allocator figures are deltas over what was allocated when the step began (parameters,
+optimizer state, inputs). If the loop frees the previous step's gradients between forward and
+backward, as Lightning does (``zero_grad`` runs after ``training_step``), those freed bytes are
+added back, so ``after_forward_MiB`` is what the forward pass itself holds.
+``torch.cuda.reset_peak_memory_stats`` is called at each step start and at forward end.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from swiglu_train.layers import ParMLP
+from swiglu_train.memory.saved import storage_key
+
+MiB = 2**20
+
+
+@dataclass
+class LayerMemory:
+    """One layer (transformer block, or a bare ParMLP) of the depth curve."""
+
+    index: int
+    name: str
+    saved_bytes: int = 0
+    mlp_saved_bytes: int | None = None
+    cumulative_saved_bytes: int = 0
+    allocated_MiB: float | None = None  # allocated after this layer's forward, above step start
+
+
+@dataclass
+class StepMemory:
+    step: int
+    saved_bytes: int
+    layers: list[LayerMemory] = field(default_factory=list)
+    impl_saved_bytes: dict[str, int] = field(default_factory=dict)
+    after_forward_MiB: float | None = None
+    forward_peak_MiB: float | None = None
+    backward_peak_MiB: float | None = None
+    allocated_MiB: float | None = None  # absolute, at step start
+
+    @property
+    def peak_MiB(self) -> float | None:
+        peaks = [p for p in (self.forward_peak_MiB, self.backward_peak_MiB) if p is not None]
+        return max(peaks) if peaks else None
+
+    def metrics(self, prefix: str = "memory") -> dict[str, float]:
+        """Flat ``memory/...`` keys for loggers; CUDA-only figures are left out off CUDA."""
+        out = {f"{prefix}/saved_MiB": self.saved_bytes / MiB}
+        for key in ("after_forward", "forward_peak", "backward_peak", "peak", "allocated"):
+            value = getattr(self, f"{key}_MiB")
+            if value is not None:
+                out[f"{prefix}/{key}_MiB"] = value
+        for layer in self.layers:
+            base = f"{prefix}/layer/{layer.index}"
+            out[f"{base}/saved_MiB"] = layer.saved_bytes / MiB
+            out[f"{base}/cumulative_saved_MiB"] = layer.cumulative_saved_bytes / MiB
+            if layer.mlp_saved_bytes is not None:
+                out[f"{base}/mlp_saved_MiB"] = layer.mlp_saved_bytes / MiB
+            if layer.allocated_MiB is not None:
+                out[f"{base}/allocated_MiB"] = layer.allocated_MiB
+        for impl, nbytes in self.impl_saved_bytes.items():
+            out[f"{prefix}/impl/{impl}/saved_MiB"] = nbytes / MiB
+        return out
+
+
+def find_layers(model: nn.Module) -> tuple[list[tuple[str, nn.Module]], list[tuple[str, ParMLP]]]:
+    """(layers, mlps): the children of the model's ModuleLists (its transformer blocks), or its
+    ParMLPs when it has no blocks; and every ParMLP."""
+    mlps = [(n, m) for n, m in model.named_modules() if isinstance(m, ParMLP)]
+    blocks = [
+        (f"{name}.{child_name}" if name else child_name, child)
+        for name, module in model.named_modules()
+        if isinstance(module, nn.ModuleList)
+        for child_name, child in module.named_children()
+    ]
+    return (blocks or list(mlps)), mlps
+
+
+class MemoryProfiler:
+    """Measures every step of ``model``; ``per_layer`` adds the depth curve and per-impl bytes.
+
+    Use :meth:`step` as a context manager, or the three calls, from any training loop.
+    """
+
+    def __init__(self, model: nn.Module, per_layer: bool = True) -> None:
+        self.model = model
+        self.per_layer = per_layer
+        self.layers, self.mlps = find_layers(model) if per_layer else ([], [])
+        self.records: list[StepMemory] = []
+        self._active: _StepState | None = None
+
+    def begin(self, step: int) -> None:
+        if self._active is not None:
+            raise RuntimeError("MemoryProfiler.begin called twice without backward_done")
+        self._active = _StepState(self, step)
+
+    def forward_done(self) -> None:
+        self._require_active("forward_done").forward_done()
+
+    def backward_done(self) -> StepMemory:
+        record = self._require_active("backward_done").backward_done()
+        self._active = None
+        self.records.append(record)
+        return record
+
+    def abort(self) -> None:
+        """Drop a step that will not finish (an exception in forward), removing every hook."""
+        if self._active is not None:
+            self._active.close_forward()
+            self._active = None
+
+    @contextlib.contextmanager
+    def step(self, step: int) -> Iterator[MemoryProfiler]:
+        """``with profiler.step(i) as p: loss = fwd(); p.forward_done(); loss.backward()``."""
+        self.begin(step)
+        try:
+            yield self
+        except BaseException:
+            self.abort()
+            raise
+        self.backward_done()
+
+    def _require_active(self, call: str) -> _StepState:
+        if self._active is None:
+            raise RuntimeError(f"MemoryProfiler.{call} called outside a step (call begin first)")
+        return self._active
+
+
+class _StepState:
+    """Hooks and readings of one step in progress."""
+
+    def __init__(self, profiler: MemoryProfiler, step: int) -> None:
+        params = list(profiler.model.parameters())
+        self.device = params[0].device if params else torch.device("cpu")
+        self.cuda = self.device.type == "cuda"
+        self.params = params
+        self.excluded = {storage_key(p) for p in params}
+        self.saved: dict[tuple, int] = {}
+        self.by_module: dict[str, dict[tuple, int]] = {}
+        self.stack: list[str] = []
+        self.record = StepMemory(step=step, saved_bytes=0)
+        self.layer_index = {name: i for i, (name, _) in enumerate(profiler.layers)}
+        self.mlp_impl = {name: m.impl for name, m in profiler.mlps}
+        self.forward_open = True
+        self.handles = []
+        tracked = dict(profiler.layers) | dict(profiler.mlps)
+        for name, module in tracked.items():
+            self.handles.append(module.register_forward_pre_hook(self._push(name)))
+            self.handles.append(module.register_forward_hook(self._pop(name), always_call=True))
+        self.hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
+        if self.cuda:
+            torch.cuda.reset_peak_memory_stats(self.device)
+            self.base = torch.cuda.memory_allocated(self.device)
+            self.grad_bytes = self._grad_bytes()
+            self.record.allocated_MiB = self.base / MiB
+        self.hooks.__enter__()
+
+    def _pack(self, t: torch.Tensor) -> torch.Tensor:
+        key = storage_key(t)
+        if key not in self.excluded:
+            nbytes = t.untyped_storage().nbytes()
+            self.saved[key] = nbytes
+            for name in self.stack:
+                self.by_module.setdefault(name, {})[key] = nbytes
+        return t
+
+    def _push(self, name: str):
+        def hook(module, args):
+            self.stack.append(name)
+
+        return hook
+
+    def _pop(self, name: str):
+        def hook(module, args, output):
+            if self.stack and self.stack[-1] == name:
+                self.stack.pop()
+            index = self.layer_index.get(name)
+            if index is not None:
+                self._close_layer(index, name)
+
+        return hook
+
+    def _close_layer(self, index: int, name: str) -> None:
+        layer = LayerMemory(index, name, sum(self.by_module.get(name, {}).values()))
+        layer.cumulative_saved_bytes = sum(self.saved.values())
+        if self.cuda:
+            layer.allocated_MiB = (torch.cuda.memory_allocated(self.device) - self.base) / MiB
+        self.record.layers = [x for x in self.record.layers if x.index != index] + [layer]
+
+    def _grad_bytes(self) -> int:
+        grads = {
+            storage_key(p.grad): p.grad.untyped_storage().nbytes()
+            for p in self.params
+            if p.grad is not None and p.grad.device == self.device
+        }
+        return sum(grads.values())
+
+    def close_forward(self) -> None:
+        if not self.forward_open:
+            return
+        self.forward_open = False
+        self.hooks.__exit__(None, None, None)
+        for handle in self.handles:
+            handle.remove()
+
+    def forward_done(self) -> None:
+        if not self.forward_open:
+            raise RuntimeError("MemoryProfiler.forward_done called twice in one step")
+        self.close_forward()
+        record = self.record
+        record.saved_bytes = sum(self.saved.values())
+        record.layers.sort(key=lambda layer: layer.index)
+        for name, impl in self.mlp_impl.items():
+            nbytes = sum(self.by_module.get(name, {}).values())
+            record.impl_saved_bytes[impl] = record.impl_saved_bytes.get(impl, 0) + nbytes
+            owner = next((lay for lay in record.layers if name.startswith(f"{lay.name}.")), None)
+            if owner is not None:
+                owner.mlp_saved_bytes = (owner.mlp_saved_bytes or 0) + nbytes
+        if self.cuda:
+            freed_grads = self.grad_bytes - self._grad_bytes()
+            now = torch.cuda.memory_allocated(self.device)
+            record.after_forward_MiB = (now - self.base + freed_grads) / MiB
+            record.forward_peak_MiB = (
+                torch.cuda.max_memory_allocated(self.device) - self.base
+            ) / MiB
+            torch.cuda.reset_peak_memory_stats(self.device)
+
+    def backward_done(self) -> StepMemory:
+        if self.forward_open:
+            raise RuntimeError("MemoryProfiler.backward_done called before forward_done")
+        if self.cuda:
+            peak = torch.cuda.max_memory_allocated(self.device) - self.base
+            self.record.backward_peak_MiB = peak / MiB
+        return self.record

@@ -1,0 +1,108 @@
+"""MemoryProfilerCallback inside a real Lightning Trainer, logging to CSV and W&B offline."""
+
+import csv
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from lightning.pytorch.loggers import CSVLogger, WandbLogger
+from memory_models import Stack
+
+from swiglu_train.integrations.lightning import MemoryProfilerCallback
+from swiglu_train.memory import MemoryProfiler
+
+M, D, FFN, LAYERS, BATCHES = 12, 16, 24, 3, 8
+
+
+class StackModule(pl.LightningModule):
+    def __init__(self, impl: str) -> None:
+        super().__init__()
+        self.model = Stack(LAYERS, D, FFN, impl)
+
+    def training_step(self, batch, batch_idx):
+        return self.model(batch)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=1e-2)
+
+    def train_dataloader(self):
+        # Separate tensors: a view into one big batch tensor would count that whole storage.
+        batches = [torch.randn(M, D) for _ in range(BATCHES)]
+        return torch.utils.data.DataLoader(batches, batch_size=None)
+
+
+def expected_saved_bytes(impl: str) -> int:
+    torch.manual_seed(0)
+    model = Stack(LAYERS, D, FFN, impl)
+    profiler = MemoryProfiler(model)
+    with profiler.step(0) as p:
+        loss = model(torch.randn(M, D))
+        p.forward_done()
+        loss.backward()
+    return profiler.records[0].saved_bytes
+
+
+def fit(tmp_path: Path, impl: str, accumulate: int, loggers: list) -> MemoryProfilerCallback:
+    torch.manual_seed(0)
+    callback = MemoryProfilerCallback()
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        max_steps=3,
+        accumulate_grad_batches=accumulate,
+        logger=loggers,
+        callbacks=[callback],
+        enable_progress_bar=False,
+        enable_checkpointing=False,
+        enable_model_summary=False,
+        default_root_dir=tmp_path,
+    )
+    trainer.fit(StackModule(impl))
+    return callback
+
+
+def read_csv(path: Path) -> list[dict[str, str]]:
+    with path.open(newline="") as f:
+        return list(csv.DictReader(f))
+
+
+@pytest.mark.parametrize("accumulate", [1, 2])
+def test_csv_rows_per_optimizer_step_with_exact_bytes(tmp_path, accumulate):
+    callback = fit(tmp_path, "drop_h", accumulate, [CSVLogger(tmp_path)])
+    rows = read_csv(callback.csv.path)
+    assert [int(r["step"]) for r in rows] == [0, 1, 2]  # one row per optimizer step
+    expected = expected_saved_bytes("drop_h") / 2**20
+    for row in rows:
+        assert float(row["memory/saved_MiB"]) == pytest.approx(expected, rel=1e-12)
+        assert float(row["memory/impl/drop_h/saved_MiB"]) > 0
+        assert {f"memory/layer/{i}/saved_MiB" for i in range(LAYERS)} <= row.keys()
+    lightning_csv = read_csv(Path(callback.csv.path).parent / "metrics.csv")
+    assert any(r.get("memory/saved_MiB") for r in lightning_csv)  # through trainer.loggers too
+
+
+def test_wandb_offline_run_holds_memory_keys(tmp_path, monkeypatch):
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    logger = WandbLogger(project="swiglu-test", save_dir=tmp_path, config={"mlp_impl": "normal"})
+    callback = fit(tmp_path, "normal", 1, [logger])
+    run_path = Path(logger.experiment.dir).parent
+    logger.experiment.finish()
+    assert callback.csv.path == run_path / "memory.csv"  # the CSV sits in the W&B run dir
+    wandb_cli = Path(sys.executable).with_name("wandb")
+    out = subprocess.run(
+        [str(wandb_cli), "leet", "inspect", "--json", str(run_path)],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    history = [
+        json.loads(line)["history"]["item"] for line in out.splitlines() if '"history"' in line
+    ]
+    memory_rows = [h for h in history if "memory/saved_MiB" in h]
+    assert [h["trainer/global_step"] for h in memory_rows] == [0, 1, 2]
+    expected = expected_saved_bytes("normal") / 2**20
+    assert all(h["memory/saved_MiB"] == pytest.approx(expected) for h in memory_rows)
+    assert callback.max_metrics["memory/saved_MiB"] == pytest.approx(expected)

@@ -1,0 +1,100 @@
+"""The profiler's saved-bytes figures are exact, per layer and per impl, on CPU."""
+
+import pytest
+import torch
+from memory_models import Stack
+from torch import nn
+
+from swiglu_train import ParMLP
+from swiglu_train.memory import MemoryProfiler
+
+M, D, FFN, LAYERS = 37, 16, 24, 4
+
+
+def profile(model: nn.Module, x: torch.Tensor, per_layer: bool = True):
+    profiler = MemoryProfiler(model, per_layer=per_layer)
+    with profiler.step(0) as p:
+        loss = model(x).sum()  # sum() saves nothing, so every saved byte is the model's
+        p.forward_done()
+        loss.backward()
+    return profiler.records[-1]
+
+
+@pytest.mark.parametrize("impl", ["normal", "drop_h"])
+def test_bare_parmlp_stack_per_layer_bytes_are_analytic(impl):
+    model = nn.Sequential(*[ParMLP(D, FFN, impl=impl) for _ in range(LAYERS)])
+    x = torch.randn(M, D, requires_grad=True)
+    record = profile(model, x.clone().requires_grad_())
+    per_layer = M * D + M * 2 * FFN + (M * FFN if impl == "normal" else 0)  # x, preact, h
+    assert [layer.saved_bytes for layer in record.layers] == [per_layer * 4] * LAYERS
+    assert record.saved_bytes == LAYERS * per_layer * 4
+    assert record.impl_saved_bytes == {impl: LAYERS * per_layer * 4}
+    cumulative = [layer.cumulative_saved_bytes for layer in record.layers]
+    assert cumulative == [per_layer * 4 * (i + 1) for i in range(LAYERS)]
+    assert record.after_forward_MiB is None and record.peak_MiB is None  # CPU: no allocator
+
+
+def test_drop_h_saves_exactly_layers_m_f_itemsize_less_in_blocks():
+    x = torch.randn(3, M, D)
+    records = {}
+    for impl in ("normal", "drop_h"):
+        torch.manual_seed(0)
+        records[impl] = profile(Stack(LAYERS, D, FFN, impl), x)
+    normal, drop_h = records["normal"], records["drop_h"]
+    tokens = 3 * M
+    assert normal.saved_bytes - drop_h.saved_bytes == LAYERS * tokens * FFN * 4
+    for a, b in zip(normal.layers, drop_h.layers, strict=True):
+        assert a.name == b.name and a.name.startswith("layers.")
+        assert a.mlp_saved_bytes - b.mlp_saved_bytes == tokens * FFN * 4
+        assert b.mlp_saved_bytes == (tokens * D + tokens * 2 * FFN) * 4  # LayerNorm out, preact
+        assert a.saved_bytes > a.mlp_saved_bytes  # the block also holds the norm's tensors
+
+
+def test_metrics_keys():
+    record = profile(Stack(2, D, FFN, "drop_h"), torch.randn(M, D))
+    keys = set(record.metrics())
+    assert {"memory/saved_MiB", "memory/impl/drop_h/saved_MiB"} <= keys
+    for i in range(2):
+        assert {
+            f"memory/layer/{i}/{k}_MiB" for k in ("saved", "cumulative_saved", "mlp_saved")
+        } <= keys
+    assert not any("peak" in k or "after_forward" in k for k in keys)  # CUDA-only figures
+
+
+def test_per_layer_off_records_totals_only():
+    model = Stack(2, D, FFN, "drop_h")
+    record = profile(model, torch.randn(M, D), per_layer=False)
+    assert record.layers == [] and record.impl_saved_bytes == {}
+    assert record.saved_bytes == profile(model, torch.randn(M, D)).saved_bytes
+
+
+def test_hooks_are_removed_and_misuse_is_named():
+    model = Stack(2, D, FFN, "normal")
+    profiler = MemoryProfiler(model)
+    with pytest.raises(RuntimeError, match="outside a step"):
+        profiler.forward_done()
+    profiler.begin(0)
+    with pytest.raises(RuntimeError, match="begin called twice"):
+        profiler.begin(1)
+    loss = model(torch.randn(M, D))
+    with pytest.raises(RuntimeError, match="before forward_done"):
+        profiler.backward_done()
+    profiler.forward_done()
+    with pytest.raises(RuntimeError, match="forward_done called twice"):
+        profiler.forward_done()
+    loss.backward()
+    profiler.backward_done()
+    assert all(not m._forward_hooks and not m._forward_pre_hooks for m in model.modules())
+
+
+def test_exception_in_forward_leaves_no_hooks():
+    model = Stack(2, D, FFN, "normal")
+    profiler = MemoryProfiler(model)
+    with pytest.raises(RuntimeError, match="normalized_shape"), profiler.step(0):
+        model(torch.randn(M, D + 1))
+    assert all(not m._forward_hooks and not m._forward_pre_hooks for m in model.modules())
+    with profiler.step(1) as p:  # and the profiler is usable again
+        loss = model(torch.randn(M, D))
+        p.forward_done()
+        loss.backward()
+    assert profiler.records[-1].step == 1
