@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shlex
 import sys
 import tempfile
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Annotated
 
@@ -38,6 +40,18 @@ def write_json_atomic(path: Path, payload: dict) -> None:
         json.dump(payload, f, indent=2)
         f.write("\n")
     os.replace(f.name, path)
+
+
+@contextlib.contextmanager
+def _progress() -> Iterator[Callable[[str, int], Callable[[], None]]]:
+    """A rich progress bar factory: ``progress(label, total)`` returns the task's tick."""
+    with Progress(console=console, transient=True) as bar:
+
+        def progress(label: str, total: int) -> Callable[[], None]:
+            task = bar.add_task(label, total=total)
+            return lambda: bar.advance(task)
+
+        yield progress
 
 
 @app.command()
@@ -80,12 +94,7 @@ def bench(
         seed=seed,
         extra={"commit": commit},
     )
-    with Progress(console=console, transient=True) as bar:
-
-        def progress(label: str, total: int):
-            task = bar.add_task(label, total=total)
-            return lambda: bar.advance(task)
-
+    with _progress() as progress:
         result = run_bench(cfg, progress)
     result["meta"]["command"] = shlex.join([Path(sys.argv[0]).name, *sys.argv[1:]])
     markdown = to_markdown(result)
@@ -96,3 +105,108 @@ def bench(
         write_json_atomic(json_path, result)
         json_path.with_suffix(".md").write_text(markdown)
         console.print(f"wrote {json_path}")
+
+
+@app.command("bench-memory")
+def bench_memory(
+    layers: Annotated[str, typer.Option(help="stack depths, comma-separated")] = "1,2,4,8",
+    mlp_impl: Annotated[str, typer.Option(help="impls, comma-separated")] = "normal,drop_h",
+    shape: Annotated[str, typer.Option(help="M,D,F,O")] = "11136,3584,14336,3584",
+    device: Annotated[str, typer.Option(help="cpu (saved bytes only) or cuda")] = "cuda",
+    dtype: Annotated[str, typer.Option(help="bf16, fp16 or fp32")] = "bf16",
+    overhead_samples: Annotated[
+        int, typer.Option(help="also time the profiler's own cost over this many paired steps")
+    ] = 0,
+    json_path: Annotated[Path | None, typer.Option("--json", help="write results here")] = None,
+) -> None:
+    """The stack table: saved-for-backward bytes, after-forward and peak MiB per impl and depth."""
+    from swiglu_train.bench import memory_stack
+    from swiglu_train.bench.mlp import DTYPES
+    from swiglu_train.layers import get_impl
+
+    impls = [i for i in mlp_impl.split(",") if i]
+    for impl in impls:
+        get_impl(impl)  # a clear error listing the valid impls
+    if dtype not in DTYPES:
+        raise typer.BadParameter(f"dtype must be one of {list(DTYPES)}")
+    depths = [int(v) for v in layers.split(",") if v]
+    dims, torch_dtype = _parse_shape(shape), DTYPES[dtype]
+    rows = []
+    with _progress() as progress:
+        tick = progress("stack memory", len(impls) * len(depths))
+        for impl in impls:
+            for depth in depths:
+                rows.append(memory_stack.stack_row(impl, depth, dims, torch_dtype, device))
+                tick()
+        overhead = [
+            memory_stack.profiler_overhead(
+                impl, max(depths), dims, torch_dtype, device, overhead_samples
+            )
+            for impl in (impls if overhead_samples else [])
+        ]
+    markdown = memory_stack.to_markdown(rows)
+    console.print(Markdown(markdown))
+    for o in overhead:
+        console.print(
+            f"profiler overhead ({o['impl']}, {o['layers']} layers, {o['step_ms']:.2f} ms/step): "
+            f"totals {o['totals_overhead']:+.2%}, per-layer {o['per_layer_overhead']:+.2%}"
+        )
+    if json_path is not None:
+        meta = {
+            "command": shlex.join([Path(sys.argv[0]).name, *sys.argv[1:]]),
+            "shape": dims,
+            "dtype": dtype,
+            "device": device,
+        }
+        write_json_atomic(json_path, {"meta": meta, "results": rows, "overhead": overhead})
+        json_path.with_suffix(".md").write_text(markdown)
+        memory_stack.plot(rows).savefig(json_path.with_suffix(".png"), dpi=120)
+        console.print(f"wrote {json_path} (.md, .png)")
+
+
+@app.command()
+def compare_memory(
+    runs: Annotated[
+        list[str],
+        typer.Argument(
+            metavar="RUN...", help="W&B run dir, .wandb file or memory.csv; LABEL=PATH names it"
+        ),
+    ],
+    out: Annotated[Path, typer.Option(help="PNG to write; an HTML report goes next to it")],
+    wandb_workspace: Annotated[
+        str | None,
+        typer.Option(metavar="ENTITY/PROJECT", help="also save a W&B workspace of these panels"),
+    ] = None,
+) -> None:
+    """Compare the activation memory of runs per step and along depth: PNG + HTML report."""
+    from swiglu_train.memory.plots import write_report
+    from swiglu_train.memory.runs import load_runs
+
+    if wandb_workspace is not None:
+        from swiglu_train.memory.workspace import parse_entity_project
+
+        try:
+            parse_entity_project(wandb_workspace)
+        except ValueError as e:
+            raise typer.BadParameter(str(e), param_hint="--wandb-workspace") from e
+    try:
+        loaded = load_runs(runs)
+    except (FileNotFoundError, ValueError) as e:
+        raise typer.BadParameter(str(e), param_hint="RUN") from e
+    try:
+        for path in write_report(loaded, out):
+            console.print(f"wrote {path}")
+    except ValueError as e:
+        raise typer.BadParameter(str(e), param_hint="--out") from e
+    if wandb_workspace is None:
+        return
+    import wandb
+
+    from swiglu_train.memory.workspace import build_workspace
+
+    try:
+        build_workspace(wandb_workspace, loaded).save()
+    except (wandb.errors.Error, OSError) as e:
+        console.print(f"[red]could not save the W&B workspace to {wandb_workspace}: {e}")
+        console.print("The PNG and HTML are written; log in (`wandb login`) with network to save.")
+        raise typer.Exit(1) from e

@@ -1,0 +1,95 @@
+"""The benchmark commands run end to end on CPU (timings there are smoke only)."""
+
+import json
+
+from typer.testing import CliRunner
+
+from swiglu_train.cli import app
+
+runner = CliRunner()
+M, D, FFN = 24, 16, 40
+
+
+def test_bench_memory_stack_table_is_exact_on_cpu(tmp_path):
+    out = tmp_path / "stack.json"
+    result = runner.invoke(
+        app,
+        [
+            "bench-memory",
+            "--device",
+            "cpu",
+            "--dtype",
+            "fp32",
+            "--shape",
+            f"{M},{D},{FFN},{D}",
+            "--layers",
+            "1,3",
+            "--mlp-impl",
+            "normal,drop_h",
+            "--json",
+            str(out),
+        ],
+    )
+    assert result.exit_code == 0, result.output
+    rows = json.loads(out.read_text())["results"]
+    assert [(r["impl"], r["layers"]) for r in rows] == [
+        ("normal", 1),
+        ("normal", 3),
+        ("drop_h", 1),
+        ("drop_h", 3),
+    ]
+    for r in rows:
+        per_layer = (M * D + 2 * M * FFN + (M * FFN if r["impl"] == "normal" else 0)) * 4
+        assert r["per_layer_saved_bytes"] == [per_layer] * r["layers"]
+        assert r["saved_for_backward_bytes"] == per_layer * r["layers"]
+        assert r["after_forward_MiB"] is None and r["peak_MiB"] is None
+    assert "| drop_h | 3 |" in out.with_suffix(".md").read_text()
+    assert out.with_suffix(".png").read_bytes().startswith(b"\x89PNG")
+
+
+def test_bench_memory_rejects_unknown_impl():
+    result = runner.invoke(app, ["bench-memory", "--device", "cpu", "--mlp-impl", "save_factorz"])
+    assert result.exit_code != 0
+    assert "valid impls: normal, drop_h" in str(result.exception)
+
+
+def test_bench_memory_needs_square_stack():
+    result = runner.invoke(
+        app, ["bench-memory", "--device", "cpu", "--shape", "8,16,24,12", "--layers", "2"]
+    )
+    assert "needs O == D" in str(result.exception)
+
+
+def test_bench_smoke_on_cpu(tmp_path):
+    out = tmp_path / "mlp.json"
+    result = runner.invoke(
+        app,
+        [
+            "bench",
+            "--device",
+            "cpu",
+            "--dtype",
+            "fp32",
+            "--shape",
+            f"{M},{D},{FFN},{D}",
+            "--variants",
+            "eager,normal,drop_h,liger",
+            "--samples",
+            "30",
+            "--stack-layers",
+            "2",
+            "--json",
+            str(out),
+        ],
+    )
+    assert result.exit_code == 0, result.output
+    payload = json.loads(out.read_text())
+    names = [r["variant"] for r in payload["results"]]
+    assert names[:4] == ["floor", "eager", "normal", "drop_h"]
+    if "liger" not in names:
+        assert "liger" in payload["skipped"]  # a missing peer is reported, never dropped silently
+    for row in payload["results"][1:]:
+        assert row["full_ms"] > 0 and row["full_over_floor"] > 0
+        assert row["rel_err_vs_reference"] < 1e-5  # fp32: every variant computes the same MLP
+    assert payload["meta"]["samples"] == 30 and payload["meta"]["device_name"] == "cpu"
+    assert [r["layers"] for r in payload["stack"]] == [2, 2, 2]
