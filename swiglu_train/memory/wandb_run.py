@@ -68,7 +68,8 @@ class WandbMemoryLogger:
         self.csv = MemoryCsv(run_dir(run) / CSV_NAME)
         define_memory_metrics(run, self.STEP_KEY)
 
-    def log(self, record: StepMemory) -> None:
+    def log(self, record: StepMemory, extra: dict[str, float] | None = None) -> None:
+        """Log one step; ``extra`` (loss, throughput) goes to W&B in the same row."""
         metrics = record.metrics()
-        self.run.log({**metrics, self.STEP_KEY: record.step})
+        self.run.log({**metrics, **(extra or {}), self.STEP_KEY: record.step})
         self.csv.write(record.step, metrics)

@@ -1,0 +1,95 @@
+"""A short bf16-mixed training run of a small decoder-like stack, profiled and logged to W&B.
+
+Feeds ``swiglu-train compare-memory``: run it once per impl into one directory, e.g.
+
+    python scripts/memory_training_run.py --mlp-impl normal --out runs
+    python scripts/memory_training_run.py --mlp-impl drop_h --out runs
+    swiglu-train compare-memory runs/wandb/offline-run-* --out docs/memory.png
+
+It is a plain PyTorch loop on purpose: the profiler's step API works in any loop.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import torch
+import typer
+from torch import nn
+
+from swiglu_train import ParMLP
+from swiglu_train.memory import MemoryProfiler
+from swiglu_train.memory.wandb_run import WandbMemoryLogger, init_run
+
+
+class Block(nn.Module):
+    def __init__(self, d: int, f: int, impl: str) -> None:
+        super().__init__()
+        self.norm = nn.RMSNorm(d)
+        self.mlp = ParMLP(d, f, impl=impl)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.mlp(self.norm(x))
+
+
+class TinyLM(nn.Module):
+    def __init__(self, vocab: int, d: int, f: int, layers: int, impl: str) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, d)
+        self.layers = nn.ModuleList(Block(d, f, impl) for _ in range(layers))
+        self.head = nn.Linear(d, vocab, bias=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.embed(tokens[:, :-1])
+        for layer in self.layers:
+            x = layer(x)
+        return nn.functional.cross_entropy(self.head(x).flatten(0, 1), tokens[:, 1:].flatten())
+
+
+def main(
+    mlp_impl: Annotated[str, typer.Option()] = "drop_h",
+    out: Annotated[Path, typer.Option(help="directory for the W&B run")] = Path("runs"),
+    steps: int = 20,
+    layers: int = 4,
+    hidden: int = 1024,
+    ffn: int = 2816,
+    batch: int = 8,
+    seq: int = 1024,
+    vocab: int = 8192,
+    project: str = "swiglu-train-memory",
+    group: str = "compare-memory",
+) -> None:
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    torch.manual_seed(0)
+    model = TinyLM(vocab, hidden, ffn, layers, mlp_impl).to(device)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    config = {
+        "mlp_impl": mlp_impl,
+        "hidden_size": hidden,
+        "ffn_hidden_size": ffn,
+        "num_layers": layers,
+        "micro_batch_size": batch,
+        "seq_length": seq,
+        "device": device,
+        "precision": "bf16-mixed",
+    }
+    out.mkdir(parents=True, exist_ok=True)
+    run = init_run(project, group=group, name=mlp_impl, config=config, directory=out)
+    logger = WandbMemoryLogger(run)
+    profiler = MemoryProfiler(model, per_layer=True)
+    data = torch.randint(0, vocab, (steps, batch, seq + 1), device=device)
+    for step in range(steps):
+        optimizer.zero_grad(set_to_none=True)
+        with profiler.step(step) as p:
+            with torch.autocast(device, dtype=torch.bfloat16):
+                loss = model(data[step])
+            p.forward_done()
+            loss.backward()
+        optimizer.step()
+        logger.log(profiler.records[-1], {"train/loss": loss.item()})
+    run.finish()
+
+
+if __name__ == "__main__":
+    typer.run(main)
