@@ -42,6 +42,14 @@ def write_json_atomic(path: Path, payload: dict) -> None:
     os.replace(f.name, path)
 
 
+def _invocation() -> str:
+    """The command line as typed, for result files (``python -m`` shows up as its module)."""
+    program = Path(sys.argv[0]).name
+    if program == "__main__.py":
+        program = "python -m swiglu_train"
+    return shlex.join([program, *sys.argv[1:]])
+
+
 @contextlib.contextmanager
 def _progress() -> Iterator[Callable[[str, int], Callable[[], None]]]:
     """A rich progress bar factory: ``progress(label, total)`` returns the task's tick."""
@@ -96,7 +104,7 @@ def bench(
     )
     with _progress() as progress:
         result = run_bench(cfg, progress)
-    result["meta"]["command"] = shlex.join([Path(sys.argv[0]).name, *sys.argv[1:]])
+    result["meta"]["command"] = _invocation()
     markdown = to_markdown(result)
     console.print(Markdown(markdown))
     for name, reason in result["skipped"].items():
@@ -153,7 +161,7 @@ def bench_memory(
         )
     if json_path is not None:
         meta = {
-            "command": shlex.join([Path(sys.argv[0]).name, *sys.argv[1:]]),
+            "command": _invocation(),
             "shape": dims,
             "dtype": dtype,
             "device": device,

@@ -98,3 +98,24 @@ def test_exception_in_forward_leaves_no_hooks():
         p.forward_done()
         loss.backward()
     assert profiler.records[-1].step == 1
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_after_forward_differs_by_exactly_the_dropped_h():
+    m, d, f, layers = 2048, 512, 1408, 3
+    after = {}
+    for impl in ("normal", "drop_h"):
+        model = nn.Sequential(
+            *[ParMLP(d, f, impl=impl, device="cuda", dtype=torch.bfloat16) for _ in range(layers)]
+        )
+        x = torch.randn(m, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        model(x).sum().backward()  # warm-up: autotuning, cuBLAS workspaces
+        record = profile(model, x)
+        assert record.forward_peak_MiB >= record.after_forward_MiB > 0
+        assert record.backward_peak_MiB > 0 and record.peak_MiB >= record.backward_peak_MiB
+        assert [layer.allocated_MiB for layer in record.layers] == sorted(
+            layer.allocated_MiB for layer in record.layers
+        )  # the depth curve grows layer by layer
+        after[impl] = record.after_forward_MiB
+    assert (after["normal"] - after["drop_h"]) * 2**20 == layers * m * f * 2
