@@ -39,6 +39,7 @@ def write_json_atomic(path: Path, payload: dict) -> None:
     with tempfile.NamedTemporaryFile("w", dir=path.parent, delete=False, suffix=".tmp") as f:
         json.dump(payload, f, indent=2)
         f.write("\n")
+    os.chmod(f.name, 0o644)  # temporary files are created private; results are for sharing
     os.replace(f.name, path)
 
 
@@ -177,7 +178,7 @@ def compare_memory(
     runs: Annotated[
         list[str],
         typer.Argument(
-            metavar="RUN...", help="W&B run dir, .wandb file or memory.csv; LABEL=PATH names it"
+            metavar="RUN", help="W&B run dir, .wandb file or memory.csv; LABEL=PATH names it"
         ),
     ],
     out: Annotated[Path, typer.Option(help="PNG to write; an HTML report goes next to it")],
