@@ -48,7 +48,7 @@ def _invocation() -> str:
     program = Path(sys.argv[0]).name
     if program == "__main__.py":
         program = "python -m swiglu_train"
-    return shlex.join([program, *sys.argv[1:]])
+    return " ".join([program, shlex.join(sys.argv[1:])])
 
 
 @contextlib.contextmanager
