@@ -89,6 +89,10 @@ def test_wandb_offline_run_holds_memory_keys(tmp_path, monkeypatch):
     logger = WandbLogger(project="swiglu-test", save_dir=tmp_path, config={"mlp_impl": "normal"})
     callback = fit(tmp_path, "normal", 1, [logger])
     run_path = Path(logger.experiment.dir).parent
+    config = dict(logger.experiment.config)
+    assert config["mlp_impl"] == "normal" and config["num_layers"] == LAYERS
+    assert (config["hidden_size"], config["ffn_hidden_size"]) == (D, FFN)
+    assert config["micro_batch_shape"] == [M, D]
     logger.experiment.finish()
     assert callback.csv.path == run_path / "memory.csv"  # the CSV sits in the W&B run dir
     wandb_cli = Path(sys.executable).with_name("wandb")
@@ -106,3 +110,25 @@ def test_wandb_offline_run_holds_memory_keys(tmp_path, monkeypatch):
     expected = expected_saved_bytes("normal") / 2**20
     assert all(h["memory/saved_MiB"] == pytest.approx(expected) for h in memory_rows)
     assert callback.max_metrics["memory/saved_MiB"] == pytest.approx(expected)
+
+
+def test_ddp_rank_zero_alone_writes_the_csv(tmp_path):
+    """Two CPU ranks (gloo): one CSV row per optimizer step, none duplicated by rank 1."""
+    callback = MemoryProfilerCallback(csv_path=tmp_path / "memory.csv")
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy="ddp_spawn",
+        max_steps=2,
+        logger=False,
+        callbacks=[callback],
+        enable_progress_bar=False,
+        enable_checkpointing=False,
+        enable_model_summary=False,
+        default_root_dir=tmp_path,
+    )
+    trainer.fit(StackModule("drop_h"))
+    rows = read_csv(tmp_path / "memory.csv")
+    assert [int(r["step"]) for r in rows] == [0, 1]
+    expected = expected_saved_bytes("drop_h") / 2**20
+    assert all(float(r["memory/saved_MiB"]) == pytest.approx(expected) for r in rows)

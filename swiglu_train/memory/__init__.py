@@ -2,7 +2,13 @@
 per step and along layer depth, with CSV and Weights & Biases sinks."""
 
 from swiglu_train.memory.csv_log import MemoryCsv
-from swiglu_train.memory.profiler import LayerMemory, MemoryProfiler, StepMemory, find_layers
+from swiglu_train.memory.profiler import (
+    LayerMemory,
+    MemoryProfiler,
+    StepMemory,
+    find_layers,
+    model_config,
+)
 from swiglu_train.memory.saved import SavedTensorCounter, storage_key
 
 __all__ = [
@@ -12,5 +18,6 @@ __all__ = [
     "SavedTensorCounter",
     "StepMemory",
     "find_layers",
+    "model_config",
     "storage_key",
 ]

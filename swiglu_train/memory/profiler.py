@@ -88,6 +88,17 @@ def find_layers(model: nn.Module) -> tuple[list[tuple[str, nn.Module]], list[tup
     return (blocks or list(mlps)), mlps
 
 
+def model_config(model: nn.Module) -> dict[str, object]:
+    """What a memory comparison needs to know about a model: its MLP impls and shape."""
+    layers, mlps = find_layers(model)
+    impls = sorted({m.impl for _, m in mlps})
+    config: dict[str, object] = {"num_layers": len(layers), "mlp_impl": ",".join(impls) or None}
+    if mlps:
+        config["hidden_size"] = mlps[0][1].hidden_size
+        config["ffn_hidden_size"] = mlps[0][1].ffn_hidden_size
+    return config
+
+
 class MemoryProfiler:
     """Measures every step of ``model``; ``per_layer`` adds the depth curve and per-impl bytes.
 

@@ -14,9 +14,10 @@ from __future__ import annotations
 from pathlib import Path
 
 import lightning.pytorch as pl
+import torch
 from lightning.pytorch.loggers import WandbLogger
 
-from swiglu_train.memory import MemoryCsv, MemoryProfiler, StepMemory
+from swiglu_train.memory import MemoryCsv, MemoryProfiler, StepMemory, model_config
 from swiglu_train.memory.wandb_run import CSV_NAME, define_memory_metrics, run_dir
 
 STEP_KEY = "trainer/global_step"
@@ -36,6 +37,7 @@ class MemoryProfilerCallback(pl.Callback):
         self.profiler: MemoryProfiler | None = None
         self.csv: MemoryCsv | None = None
         self._micro_batches: list[StepMemory] = []
+        self._wandb_loggers: list[WandbLogger] = []
         self.last_metrics: dict[str, float] = {}  # the latest step logged
         self.max_metrics: dict[str, float] = {}  # every key's maximum over the run
 
@@ -46,8 +48,15 @@ class MemoryProfilerCallback(pl.Callback):
         if not trainer.is_global_zero:
             return
         wandb_loggers = [lg for lg in trainer.loggers if isinstance(lg, WandbLogger)]
+        config = {
+            **model_config(pl_module),
+            "accumulate_grad_batches": trainer.accumulate_grad_batches,
+            "world_size": trainer.world_size,
+        }
         for logger in wandb_loggers:
             define_memory_metrics(logger.experiment, STEP_KEY)
+            logger.experiment.config.update(config, allow_val_change=True)
+        self._wandb_loggers = wandb_loggers
         path = self.csv_path
         if path is None and wandb_loggers:
             path = run_dir(wandb_loggers[0].experiment) / CSV_NAME
@@ -56,6 +65,10 @@ class MemoryProfilerCallback(pl.Callback):
         self.csv = MemoryCsv(path)
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx: int) -> None:
+        if self._wandb_loggers and trainer.global_step == 0 and batch_idx == 0:
+            shape = _batch_shape(batch)
+            for logger in self._wandb_loggers:
+                logger.experiment.config.update({"micro_batch_shape": shape})
         self.profiler.abort()  # a micro-batch that skipped backward (None loss) leaves no hooks
         self.profiler.begin(trainer.global_step)
 
@@ -91,3 +104,14 @@ def _max_over(metrics: list[dict[str, float]]) -> dict[str, float]:
         for key, value in values.items():
             merged[key] = max(value, merged.get(key, value))
     return merged
+
+
+def _batch_shape(batch) -> list[int] | None:
+    """Shape of the first tensor in a batch (a tensor, a sequence or a mapping of them)."""
+    if isinstance(batch, torch.Tensor):
+        return list(batch.shape)
+    if isinstance(batch, dict):
+        batch = list(batch.values())
+    if isinstance(batch, list | tuple):
+        return next((s for s in map(_batch_shape, batch) if s is not None), None)
+    return None
