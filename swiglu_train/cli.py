@@ -219,3 +219,70 @@ def compare_memory(
         console.print(f"[red]could not save the W&B workspace to {wandb_workspace}: {e}")
         console.print("The PNG and HTML are written; log in (`wandb login`) with network to save.")
         raise typer.Exit(1) from e
+
+
+@app.command()
+def pretrain(
+    config: Annotated[
+        str | None, typer.Option(help="a YAML path, or tiny / 125m / 1b from configs/")
+    ] = None,
+    mlp_impl: Annotated[str | None, typer.Option(help="normal or drop_h")] = None,
+    data: Annotated[
+        list[str] | None,
+        typer.Option(help="text files or globs, .jsonl, or a Megatron .bin/.idx prefix"),
+    ] = None,
+    max_steps: Annotated[int | None, typer.Option()] = None,
+    micro_batch_size: Annotated[int | None, typer.Option()] = None,
+    devices: Annotated[str | None, typer.Option(help="e.g. 1, 2 or auto")] = None,
+    strategy: Annotated[str | None, typer.Option(help="auto, ddp or fsdp")] = None,
+    precision: Annotated[str | None, typer.Option(help="auto, bf16-mixed, 32-true")] = None,
+    wandb_project: Annotated[str | None, typer.Option()] = None,
+    wandb_group: Annotated[str | None, typer.Option()] = None,
+    wandb_name: Annotated[str | None, typer.Option()] = None,
+    output_dir: Annotated[str | None, typer.Option(help="checkpoints, W&B run, CSVs")] = None,
+    resume: Annotated[str | None, typer.Option(help="a .ckpt path, or 'last'")] = None,
+    summary_json: Annotated[Path | None, typer.Option(help="write the run summary here")] = None,
+) -> None:
+    """Pretrain a Llama-style model with ParMLP on local text (the stdlib by default)."""
+    from rich.table import Table
+
+    from swiglu_train.integrations.lightning.config import load_config
+    from swiglu_train.integrations.lightning.pretrain import run_pretrain
+
+    cfg = load_config(config)
+    overrides = [
+        (cfg.model, "mlp_impl", mlp_impl),
+        (cfg.data, "data", data),
+        (cfg.data, "micro_batch_size", micro_batch_size),
+        (cfg.train, "max_steps", max_steps),
+        (cfg.train, "devices", int(devices) if devices and devices.isdigit() else devices),
+        (cfg.train, "strategy", strategy),
+        (cfg.train, "precision", precision),
+        (cfg.wandb, "project", wandb_project),
+        (cfg.wandb, "group", wandb_group),
+        (cfg.wandb, "name", wandb_name),
+        (cfg, "output_dir", output_dir),
+    ]
+    for section, key, value in overrides:
+        if value is not None:
+            setattr(section, key, value)
+    summary = run_pretrain(cfg, resume=resume)
+    table = Table(title=f"pretrain summary ({summary['mlp_impl']})")
+    table.add_column("metric")
+    table.add_column("value", justify="right")
+    for key in (
+        "steps",
+        "initial_loss",
+        "final_loss",
+        "val_loss",
+        "tokens_per_s",
+        "saved_MiB",
+        "after_forward_MiB",
+        "peak_MiB",
+    ):
+        value = summary[key]
+        table.add_row(key, "—" if value is None else f"{value:,.4g}")
+    console.print(table)
+    if summary_json is not None:
+        write_json_atomic(summary_json, summary)
+        console.print(f"wrote {summary_json}")

@@ -1,0 +1,218 @@
+"""Pretraining data that never downloads: byte-level tokens from local text, packed to length.
+
+The default corpus is the running Python's own standard library sources: real, varied text
+that every machine has. ``--data`` also takes text files or globs, ``.jsonl`` files (a
+``text`` field per line) and Megatron indexed datasets (a ``.bin``/``.idx`` prefix).
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import sysconfig
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import lightning.pytorch as pl
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, Dataset, Sampler
+
+EOD = 256  # end-of-document id, after the 256 byte values
+
+
+class ByteTokenizer:
+    """UTF-8 bytes as ids 0..255, plus an end-of-document id."""
+
+    vocab_size = 257
+    eod = EOD
+
+    def encode(self, text: str) -> np.ndarray:
+        return np.frombuffer(text.encode("utf-8"), dtype=np.uint8).astype(np.int32)
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
+
+
+@dataclass
+class DataConfig:
+    data: list[str] | None = None  # None: the standard library's sources
+    seq_length: int = 128
+    micro_batch_size: int = 16
+    val_fraction: float = 0.01
+    val_batches: int = 4
+    seed: int = 1234
+
+
+def stdlib_files() -> list[Path]:
+    root = Path(sysconfig.get_paths()["stdlib"])
+    return sorted(p for p in root.rglob("*.py") if "site-packages" not in p.parts)
+
+
+def load_documents(sources: list[str] | None) -> list[tuple[str, np.ndarray]]:
+    """(name, token ids) per document, in a deterministic order."""
+    tokenizer = ByteTokenizer()
+    if not sources:
+        return [(str(p), tokenizer.encode(_read(p))) for p in stdlib_files()]
+    documents = []
+    for source in sources:
+        if Path(f"{source}.idx").exists() and Path(f"{source}.bin").exists():
+            documents += _megatron_documents(source)
+            continue
+        paths = sorted(glob.glob(source, recursive=True)) or [source]
+        for path in map(Path, paths):
+            if not path.is_file():
+                raise FileNotFoundError(
+                    f"--data {source!r}: no such file, glob match or "
+                    f"Megatron .bin/.idx prefix ({path})"
+                )
+            if path.suffix == ".jsonl":
+                documents += _jsonl_documents(path, tokenizer)
+            else:
+                documents.append((str(path), tokenizer.encode(_read(path))))
+    return documents
+
+
+def _read(path: Path) -> str:
+    return path.read_bytes().decode("utf-8", errors="replace")
+
+
+def _jsonl_documents(path: Path, tokenizer: ByteTokenizer) -> list[tuple[str, np.ndarray]]:
+    documents = []
+    with path.open() as f:
+        for number, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            record = json.loads(line)
+            if "text" not in record:
+                raise ValueError(f"{path}:{number}: a jsonl record needs a 'text' field")
+            documents.append((f"{path}:{number}", tokenizer.encode(record["text"])))
+    return documents
+
+
+def _megatron_documents(prefix: str) -> list[tuple[str, np.ndarray]]:
+    try:
+        from megatron.core.datasets.indexed_dataset import IndexedDataset
+    except ImportError as e:
+        raise ImportError(
+            f"--data {prefix!r} is a Megatron indexed dataset; install swiglu-train[megatron]"
+        ) from e
+    dataset = IndexedDataset(prefix)
+    # Copies: the items are views of a memory map that closes with the dataset.
+    return [(f"{prefix}#{i}", np.array(dataset[i], dtype=np.int32)) for i in range(len(dataset))]
+
+
+def pack(documents: list[np.ndarray], seq_length: int) -> torch.Tensor:
+    """Concatenate documents with end-of-document ids; cut into [N, seq_length + 1] rows
+    (inputs and shifted targets share a row; rows overlap by one token). Rows are int32, a
+    quarter of int64's memory for a corpus the size of the standard library."""
+    stream = np.concatenate([np.append(d, EOD) for d in documents]) if documents else []
+    rows = (len(stream) - 1) // seq_length
+    if rows < 1:
+        return torch.empty(0, seq_length + 1, dtype=torch.int32)
+    index = np.arange(rows)[:, None] * seq_length + np.arange(seq_length + 1)
+    return torch.from_numpy(np.asarray(stream)[index].astype(np.int32))
+
+
+def split(
+    documents: list[tuple[str, np.ndarray]], val_fraction: float
+) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    """Deterministic document-level split: every k-th document (k = 1 / val_fraction) of the
+    sorted corpus is held out, wherever the corpus lives."""
+    if val_fraction <= 0:
+        return [ids for _, ids in documents], []
+    stride = max(2, round(1 / val_fraction))
+    train = [ids for i, (_, ids) in enumerate(documents) if i % stride != stride - 1]
+    val = [ids for i, (_, ids) in enumerate(documents) if i % stride == stride - 1]
+    return train, val
+
+
+class StepSampler(Sampler[list[int]]):
+    """Batches of row indices from a seeded permutation per epoch, starting at a given batch.
+
+    Batch ``k`` of rank ``r`` is global batch ``k * world + r``, so ranks never share rows, and
+    resuming at ``start_batch`` yields exactly the batches an uninterrupted run would have.
+    """
+
+    def __init__(
+        self,
+        rows: int,
+        batch_size: int,
+        seed: int,
+        start_batch: int = 0,
+        rank: int = 0,
+        world: int = 1,
+    ) -> None:
+        self.rows, self.batch_size, self.seed = rows, batch_size, seed
+        self.start_batch, self.rank, self.world = start_batch, rank, world
+
+    def __iter__(self) -> Iterator[list[int]]:
+        per_epoch = self.rows // self.batch_size
+        batch = self.start_batch
+        while True:
+            epoch, offset = divmod(batch * self.world + self.rank, per_epoch)
+            generator = torch.Generator().manual_seed(self.seed + epoch)
+            order = torch.randperm(self.rows, generator=generator)
+            yield order[offset * self.batch_size : (offset + 1) * self.batch_size].tolist()
+            batch += 1
+
+    def __len__(self) -> int:
+        return 2**62  # unbounded: training length is set by max_steps
+
+
+class Rows(Dataset):
+    def __init__(self, rows: torch.Tensor) -> None:
+        self.rows = rows
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        return self.rows[index].long()
+
+
+class PackedTextData(pl.LightningDataModule):
+    def __init__(self, cfg: DataConfig, vocab_size: int) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.vocab_size = vocab_size
+        self.train_rows = self.val_rows = None
+
+    def setup(self, stage: str) -> None:
+        if self.train_rows is not None:
+            return
+        documents = load_documents(self.cfg.data)
+        train, val = split(documents, self.cfg.val_fraction)
+        self.train_rows = pack(train, self.cfg.seq_length)
+        self.val_rows = pack(val, self.cfg.seq_length)[
+            : self.cfg.val_batches * self.cfg.micro_batch_size
+        ]
+        what = self.cfg.data or "the Python standard library"
+        if len(self.train_rows) < self.cfg.micro_batch_size:
+            raise ValueError(
+                f"corpus {what} is too small: {len(self.train_rows)} training rows of "
+                f"{self.cfg.seq_length + 1} tokens, need at least {self.cfg.micro_batch_size}"
+            )
+        largest = int(self.train_rows.max())
+        if largest >= self.vocab_size:
+            raise ValueError(
+                f"corpus {what} has token id {largest} >= vocab_size {self.vocab_size}"
+            )
+
+    def train_dataloader(self) -> DataLoader:
+        # The loop state is restored before dataloaders are built, so a resumed run starts at
+        # the batch the interrupted one would have drawn next.
+        trainer = self.trainer
+        sampler = StepSampler(
+            len(self.train_rows),
+            self.cfg.micro_batch_size,
+            self.cfg.seed,
+            start_batch=trainer.global_step * trainer.accumulate_grad_batches,
+            rank=trainer.global_rank,
+            world=trainer.world_size,
+        )
+        return DataLoader(Rows(self.train_rows), batch_sampler=sampler)
+
+    def val_dataloader(self) -> DataLoader:
+        return DataLoader(Rows(self.val_rows), batch_size=self.cfg.micro_batch_size)

@@ -1,0 +1,115 @@
+"""A Llama-style decoder whose MLPs are ParMLPs: RMSNorm, RoPE, causal SDPA attention."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from swiglu_train.layers import ParMLP
+
+
+@dataclass
+class ModelConfig:
+    vocab_size: int = 320  # 256 bytes + end-of-document, padded to a multiple of 64
+    hidden_size: int = 192
+    ffn_hidden_size: int = 512
+    num_layers: int = 2
+    num_heads: int = 6
+    max_seq_length: int = 128
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+    mlp_impl: str = "drop_h"
+
+    def __post_init__(self) -> None:
+        if self.hidden_size % self.num_heads:
+            raise ValueError(
+                f"hidden_size {self.hidden_size} is not divisible by num_heads {self.num_heads}"
+            )
+        if (self.hidden_size // self.num_heads) % 2:
+            raise ValueError("the head dimension must be even for RoPE")
+
+
+def rope_tables(seq: int, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin of shape [seq, head_dim / 2] for rotary position embeddings."""
+    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
+    angles = torch.outer(torch.arange(seq, dtype=torch.float64), inv_freq)
+    return angles.cos().float(), angles.sin().float()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate channel pairs (first half, second half) of x [B, H, S, Dh], as in Llama."""
+    x1, x2 = x.chunk(2, dim=-1)
+    cos, sin = cos.to(x.dtype), sin.to(x.dtype)
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.num_heads = cfg.num_heads
+        self.qkv = nn.Linear(cfg.hidden_size, 3 * cfg.hidden_size, bias=False)
+        self.out = nn.Linear(cfg.hidden_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        b, s, d = x.shape
+        q, k, v = self.qkv(x).view(b, s, 3, self.num_heads, -1).permute(2, 0, 3, 1, 4)
+        q, k = apply_rope(q, cos[:s], sin[:s]), apply_rope(k, cos[:s], sin[:s])
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.out(y.transpose(1, 2).reshape(b, s, d))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.attn_norm = nn.RMSNorm(cfg.hidden_size, eps=cfg.norm_eps)
+        self.attn = Attention(cfg)
+        self.mlp_norm = nn.RMSNorm(cfg.hidden_size, eps=cfg.norm_eps)
+        self.mlp = ParMLP(cfg.hidden_size, cfg.ffn_hidden_size, impl=cfg.mlp_impl)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x), cos, sin)
+        return x + self.mlp(self.mlp_norm(x))
+
+
+class LlamaDecoder(nn.Module):
+    """Token ids [B, S] -> logits [B, S, vocab]."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.num_layers))
+        self.norm = nn.RMSNorm(cfg.hidden_size, eps=cfg.norm_eps)
+        self.head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        cos, sin = rope_tables(cfg.max_seq_length, cfg.hidden_size // cfg.num_heads, cfg.rope_theta)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+        self.apply(_init_weights)
+
+    def set_mlp_impl(self, impl: str) -> None:
+        """Switch every MLP to another impl; the function computed stays the same."""
+        for layer in self.layers:
+            layer.mlp.impl = impl
+        self.cfg.mlp_impl = impl
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        if tokens.shape[1] > self.cfg.max_seq_length:
+            raise ValueError(
+                f"sequence of {tokens.shape[1]} tokens exceeds max_seq_length "
+                f"{self.cfg.max_seq_length}"
+            )
+        x = self.embed(tokens)
+        for layer in self.layers:
+            x = layer(x, self.rope_cos, self.rope_sin)
+        return self.head(self.norm(x))
+
+
+def _init_weights(module: nn.Module) -> None:
+    """GPT-2/Llama-style small normal init, so the initial loss sits near log(vocab)."""
+    if isinstance(module, nn.Linear | nn.Embedding):
+        nn.init.normal_(module.weight, std=0.02)
+        if getattr(module, "bias", None) is not None:
+            nn.init.zeros_(module.bias)

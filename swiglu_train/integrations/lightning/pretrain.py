@@ -1,0 +1,123 @@
+"""Run a pretraining job from a :class:`PretrainConfig`: Trainer, loggers, checkpoints, summary."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint, RichProgressBar
+from lightning.pytorch.loggers import CSVLogger, WandbLogger
+
+from swiglu_train.integrations.lightning.config import PretrainConfig
+from swiglu_train.integrations.lightning.data import PackedTextData
+from swiglu_train.integrations.lightning.memory_callback import MemoryProfilerCallback
+from swiglu_train.integrations.lightning.module import PretrainModule
+from swiglu_train.layers import get_impl
+from swiglu_train.memory.wandb_run import wandb_mode
+
+
+class LossAndThroughput(pl.Callback):
+    """Per-optimizer-step mean loss, and tokens/s measured after the first (warm-up) step."""
+
+    def __init__(self) -> None:
+        self.losses: dict[int, float] = {}
+        self._micro: list[float] = []
+        self._tokens = 0
+        self._start: float | None = None
+        self.tokens_per_s: float | None = None
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx: int) -> None:
+        self._micro.append(float(outputs["loss"]))
+        if (batch_idx + 1) % trainer.accumulate_grad_batches:
+            return
+        step = trainer.global_step - 1
+        self.losses[step] = sum(self._micro) / len(self._micro)
+        self._micro.clear()
+        if self._start is None:  # timing starts once compilation and autotuning are done
+            self._start = time.perf_counter()
+            return
+        self._tokens += batch[:, :-1].numel() * trainer.accumulate_grad_batches * trainer.world_size
+        if pl_module.device.type == "cuda":
+            torch.cuda.synchronize()
+        self.tokens_per_s = self._tokens / (time.perf_counter() - self._start)
+
+
+def resolve_precision(precision: str) -> str:
+    if precision != "auto":
+        return precision
+    return "bf16-mixed" if torch.cuda.is_available() else "32-true"
+
+
+def run_pretrain(cfg: PretrainConfig, resume: str | None = None) -> dict[str, Any]:
+    """Train, and return the summary (losses, throughput and the profiler's memory figures)."""
+    get_impl(cfg.model.mlp_impl)  # an unknown impl fails here, listing the valid ones
+    out = Path(cfg.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    pl.seed_everything(cfg.train.seed, workers=True)
+    module = PretrainModule(cfg.model, cfg.optim, cfg.train.max_steps)
+    data = PackedTextData(cfg.data, cfg.model.vocab_size)
+    memory = MemoryProfilerCallback(per_layer=True)
+    history = LossAndThroughput()
+    wandb_logger = WandbLogger(
+        project=cfg.wandb.project,
+        group=cfg.wandb.group,
+        name=cfg.wandb.name or cfg.model.mlp_impl,
+        save_dir=str(out),
+        mode=wandb_mode(),
+        config=cfg.to_dict(),
+    )
+    checkpoints = ModelCheckpoint(
+        dirpath=out / "checkpoints",
+        every_n_train_steps=cfg.train.checkpoint_every,
+        save_last=True,
+        save_top_k=-1,
+    )
+    trainer = pl.Trainer(
+        max_steps=cfg.train.max_steps,
+        precision=resolve_precision(cfg.train.precision),
+        devices=cfg.train.devices,
+        strategy=cfg.train.strategy,
+        accumulate_grad_batches=cfg.train.accumulate_grad_batches,
+        gradient_clip_val=cfg.train.gradient_clip_val,
+        val_check_interval=cfg.train.val_check_interval,
+        check_val_every_n_epoch=None,
+        log_every_n_steps=cfg.train.log_every_n_steps,
+        logger=[wandb_logger, CSVLogger(out, name="csv")],
+        callbacks=[memory, history, checkpoints, RichProgressBar()],
+        use_distributed_sampler=False,  # the step sampler shards by rank itself
+        default_root_dir=out,
+        num_sanity_val_steps=0,
+    )
+    try:
+        trainer.fit(module, datamodule=data, ckpt_path=_checkpoint(resume, out))
+    finally:  # a crashed run must not stay the process's active W&B run
+        wandb_logger.experiment.finish()
+    losses = [history.losses[k] for k in sorted(history.losses)]
+    val = trainer.callback_metrics.get("val/loss")
+    mem = memory.max_metrics
+    return {
+        "mlp_impl": cfg.model.mlp_impl,
+        "steps": trainer.global_step,
+        "initial_loss": losses[0] if losses else None,
+        "final_loss": losses[-1] if losses else None,
+        "val_loss": float(val) if val is not None else None,
+        "losses": {str(k): v for k, v in sorted(history.losses.items())},
+        "tokens_per_s": history.tokens_per_s,
+        "saved_MiB": mem.get("memory/saved_MiB"),
+        "after_forward_MiB": mem.get("memory/after_forward_MiB"),
+        "peak_MiB": mem.get("memory/peak_MiB"),
+        "memory_csv": str(memory.csv.path) if memory.csv else None,
+        "output_dir": str(out),
+    }
+
+
+def _checkpoint(resume: str | None, out: Path) -> str | None:
+    if resume is None:
+        return None
+    path = out / "checkpoints" / "last.ckpt" if resume == "last" else Path(resume)
+    if not path.is_file():
+        raise FileNotFoundError(f"--resume: no checkpoint at {path}")
+    return str(path)

@@ -1,0 +1,207 @@
+"""The Lightning pretraining recipe on CPU: smoke runs, exact resume, data formats, bad input."""
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from swiglu_train.cli import app
+from swiglu_train.integrations.lightning.config import PretrainConfig, load_config
+from swiglu_train.integrations.lightning.data import ByteTokenizer, PackedTextData, load_documents
+from swiglu_train.integrations.lightning.pretrain import run_pretrain
+from swiglu_train.ops import use_backend
+
+runner = CliRunner()
+
+
+@pytest.fixture(autouse=True)
+def _offline_wandb_and_torch_math(monkeypatch):
+    """W&B offline; and plain-torch SwiGLU math, since the Triton interpreter would make
+    training runs crawl (the kernels have their own interpreter tests)."""
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    with use_backend("torch"):
+        yield
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> Path:
+    """A few standard-library modules as plain text files (small, fast, real)."""
+    import json as json_module
+    import shutil
+    import textwrap
+
+    root = tmp_path_factory.mktemp("corpus")
+    for module in (json_module, shutil, textwrap):
+        Path(root / Path(module.__file__).name).write_bytes(Path(module.__file__).read_bytes())
+    return root
+
+
+def small_config(tmp_path: Path, data: list[str] | None, impl: str, steps: int) -> PretrainConfig:
+    cfg = PretrainConfig()
+    cfg.model.hidden_size, cfg.model.ffn_hidden_size, cfg.model.num_heads = 64, 160, 2
+    cfg.model.mlp_impl = impl
+    cfg.data.data, cfg.data.seq_length, cfg.data.micro_batch_size = data, 64, 4
+    cfg.data.val_fraction = 0.34  # one of the three corpus files
+    cfg.train.max_steps, cfg.train.val_check_interval, cfg.train.checkpoint_every = steps, 10, 5
+    cfg.optim.warmup_steps = 3
+    cfg.output_dir = str(tmp_path / impl)
+    return cfg
+
+
+def test_tiny_yaml_is_the_builtin_default():
+    assert load_config("tiny") == PretrainConfig()
+
+
+def test_smoke_every_impl_same_initial_loss_and_loss_falls(tmp_path, corpus):
+    summaries = {
+        impl: run_pretrain(small_config(tmp_path, [str(corpus / "*.py")], impl, 20))
+        for impl in ("normal", "drop_h")
+    }
+    for s in summaries.values():
+        assert s["steps"] == 20
+        assert s["final_loss"] < s["initial_loss"] - 0.5
+        assert s["tokens_per_s"] > 0 and s["saved_MiB"] > 0 and s["val_loss"] is not None
+        assert Path(s["memory_csv"]).is_file()
+    # Same seed, canonical weights, same batches: the first step is the same function.
+    assert summaries["normal"]["initial_loss"] == summaries["drop_h"]["initial_loss"]
+    np.testing.assert_allclose(
+        list(summaries["normal"]["losses"].values()),
+        list(summaries["drop_h"]["losses"].values()),
+        rtol=1e-4,
+    )
+
+
+class Crash(Exception):
+    pass
+
+
+def test_resume_after_a_crash_repeats_the_uninterrupted_losses(tmp_path, corpus, monkeypatch):
+    data = [str(corpus / "*.py")]
+    full = run_pretrain(small_config(tmp_path / "full", data, "drop_h", 12))
+
+    from swiglu_train.integrations.lightning import pretrain as pretrain_module
+
+    original = pretrain_module.LossAndThroughput.on_train_batch_end
+
+    def crash_at_step_8(self, trainer, *args):
+        original(self, trainer, *args)
+        if trainer.global_step == 8:
+            raise Crash("simulated kill after step 8; the last checkpoint is at step 5")
+
+    monkeypatch.setattr(pretrain_module.LossAndThroughput, "on_train_batch_end", crash_at_step_8)
+    cfg = small_config(tmp_path / "crashed", data, "drop_h", 12)
+    with pytest.raises(Crash):
+        run_pretrain(cfg)
+    monkeypatch.setattr(pretrain_module.LossAndThroughput, "on_train_batch_end", original)
+    resumed = run_pretrain(cfg, resume="last")
+    assert resumed["steps"] == 12
+    assert list(resumed["losses"]) == [str(s) for s in range(5, 12)]
+    for step, loss in resumed["losses"].items():
+        assert loss == full["losses"][step], step  # bitwise: same batches, same state
+
+
+def test_resume_with_the_other_impl_continues_the_same_function(tmp_path, corpus):
+    data = [str(corpus / "*.py")]
+    cfg = small_config(tmp_path, data, "normal", 5)
+    run_pretrain(cfg)
+    checkpoint = torch.load(Path(cfg.output_dir) / "checkpoints" / "last.ckpt", weights_only=False)
+    assert checkpoint["swiglu_train"] == {"fc1_layout": "canonical", "mlp_impl": "normal"}
+    cfg.model.mlp_impl, cfg.train.max_steps = "drop_h", 8
+    resumed = run_pretrain(cfg, resume="last")
+    assert resumed["steps"] == 8 and resumed["mlp_impl"] == "drop_h"
+
+
+def test_checkpoint_in_another_layout_is_refused(tmp_path, corpus):
+    cfg = small_config(tmp_path, [str(corpus / "*.py")], "drop_h", 5)
+    run_pretrain(cfg)
+    path = Path(cfg.output_dir) / "checkpoints" / "last.ckpt"
+    checkpoint = torch.load(path, weights_only=False)
+    checkpoint["swiglu_train"]["fc1_layout"] = "packed(chunk=64,tp=1)"
+    torch.save(checkpoint, path)
+    cfg.train.max_steps = 8
+    with pytest.raises(ValueError, match=r"fc1 layout is 'packed\(chunk=64,tp=1\)'"):
+        run_pretrain(cfg, resume="last")
+
+
+def test_data_formats_text_jsonl_and_megatron(tmp_path):
+    text = "hello swiglu " * 50
+    (tmp_path / "a.txt").write_text(text)
+    (tmp_path / "b.jsonl").write_text(
+        json.dumps({"text": text}) + "\n\n" + json.dumps({"text": "second doc"}) + "\n"
+    )
+    builder_mod = pytest.importorskip("megatron.core.datasets.indexed_dataset")
+    ids = ByteTokenizer().encode(text)
+    builder = builder_mod.IndexedDatasetBuilder(str(tmp_path / "mega.bin"), dtype=np.int32)
+    builder.add_document(torch.from_numpy(ids), [len(ids)])
+    builder.finalize(str(tmp_path / "mega.idx"))
+
+    docs = load_documents(
+        [str(tmp_path / "*.txt"), str(tmp_path / "b.jsonl"), str(tmp_path / "mega")]
+    )
+    assert [name.rsplit("/", 1)[-1] for name, _ in docs] == [
+        "a.txt",
+        "b.jsonl:1",
+        "b.jsonl:3",
+        "mega#0",
+    ]
+    for name, tokens in docs:
+        expected = "second doc" if name.endswith(":3") else text
+        assert ByteTokenizer().decode(tokens) == expected, name
+
+
+def test_bad_inputs_are_named(tmp_path):
+    result = runner.invoke(app, ["pretrain", "--mlp-impl", "fast", "--output-dir", str(tmp_path)])
+    assert "valid impls: normal, drop_h" in str(result.exception)
+    missing = tmp_path / "nope.txt"
+    with pytest.raises(FileNotFoundError, match=r"nope\.txt"):
+        load_documents([str(missing)])
+    (tmp_path / "empty.txt").write_text("")
+    data = PackedTextData(
+        small_config(tmp_path, [str(tmp_path / "empty.txt")], "drop_h", 1).data, 320
+    )
+    with pytest.raises(ValueError, match=r"corpus .*empty.txt.* is too small"):
+        data.setup("fit")
+    (tmp_path / "bad.jsonl").write_text('{"body": "x"}\n')
+    with pytest.raises(ValueError, match=r"bad.jsonl:1: a jsonl record needs a 'text' field"):
+        load_documents([str(tmp_path / "bad.jsonl")])
+    with pytest.raises(
+        FileNotFoundError, match=r"config 'huge' not found; named configs: \['125m', '1b', 'tiny'\]"
+    ):
+        load_config("huge")
+    (tmp_path / "typo.yaml").write_text("model: {hiden_size: 3}\n")
+    with pytest.raises(ValueError, match=r"unknown keys \['hiden_size'\]"):
+        load_config(str(tmp_path / "typo.yaml"))
+
+
+def test_cli_default_corpus_summary_json(tmp_path):
+    """The README command on the embedded defaults, shortened: stdlib corpus, summary JSON."""
+    out = tmp_path / "summary.json"
+    result = runner.invoke(
+        app,
+        [
+            "pretrain",
+            "--max-steps",
+            "3",
+            "--micro-batch-size",
+            "2",
+            "--output-dir",
+            str(tmp_path / "run"),
+            "--summary-json",
+            str(out),
+        ],
+    )
+    assert result.exit_code == 0, result.output
+    summary = json.loads(out.read_text())
+    assert summary["mlp_impl"] == "drop_h" and summary["steps"] == 3
+    assert {
+        "initial_loss",
+        "final_loss",
+        "tokens_per_s",
+        "after_forward_MiB",
+        "peak_MiB",
+    } <= summary.keys()
+    assert list((tmp_path / "run" / "wandb").glob("offline-run-*"))
