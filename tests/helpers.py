@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from swiglu_train.layers.layout import CANONICAL, relayout
 from swiglu_train.ops import reference
 
 # Norm-relative error allowed against a float64 reference: one or two roundings of the dtype.
@@ -17,8 +18,17 @@ def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
 
 
 def reference_outputs(mlp: torch.nn.Module, x: torch.Tensor, grad_y: torch.Tensor) -> dict:
-    """Output and grads of the eager MLP in float64 on the same values, on CPU."""
-    params = {n: p.detach().double().cpu().requires_grad_() for n, p in mlp.named_parameters()}
+    """Output and grads of the eager MLP in float64 on the same values, on CPU.
+
+    A packed fc1 is unpacked for the reference and its grads packed back for comparison.
+    """
+    layout = getattr(mlp, "fc1_layout", CANONICAL)
+    params = {}
+    for n, p in mlp.named_parameters():
+        value = p.detach().double().cpu()
+        if n.startswith("fc1."):
+            value = relayout(value, layout, CANONICAL)
+        params[n] = value.requires_grad_()
     x64 = x.detach().double().cpu().requires_grad_()
     y = reference.mlp(
         x64,
@@ -28,7 +38,11 @@ def reference_outputs(mlp: torch.nn.Module, x: torch.Tensor, grad_y: torch.Tenso
         params.get("fc2.bias"),
     )
     y.backward(grad_y.double().cpu())
-    return {"y": y.detach(), "x": x64.grad, **{n: p.grad for n, p in params.items()}}
+    grads = {
+        n: relayout(p.grad, CANONICAL, layout) if n.startswith("fc1.") else p.grad
+        for n, p in params.items()
+    }
+    return {"y": y.detach(), "x": x64.grad, **grads}
 
 
 def run_outputs(mlp: torch.nn.Module, x: torch.Tensor, grad_y: torch.Tensor) -> dict:

@@ -17,7 +17,7 @@ def test_unknown_impl_lists_valid_ones():
     with pytest.raises(ValueError, match="valid impls"):
         mlp.impl = "nope"
     assert mlp.impl == "drop_h"  # a failed switch leaves the layer as it was
-    assert set(MLP_IMPLS) == {"normal", "drop_h"}
+    assert set(MLP_IMPLS) == {"normal", "drop_h", "save_factors"}
 
 
 @pytest.mark.parametrize(("device", "backend"), device_backends())

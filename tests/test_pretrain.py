@@ -109,21 +109,23 @@ def test_resume_with_the_other_impl_continues_the_same_function(tmp_path, corpus
     cfg = small_config(tmp_path, data, "normal", 5)
     run_pretrain(cfg)
     checkpoint = torch.load(Path(cfg.output_dir) / "checkpoints" / "last.ckpt", weights_only=False)
-    assert checkpoint["swiglu_train"] == {"fc1_layout": "canonical", "mlp_impl": "normal"}
+    stamp = checkpoint["swiglu_train"]
+    assert stamp["fc1_layout"] == {"kind": "canonical", "chunk": None, "tp": 1}
+    assert stamp["mlp_impl"] == "normal"
+    assert "model.layers.0.mlp.fc1.weight" in stamp["optimizer_param_names"][0]
     cfg.model.mlp_impl, cfg.train.max_steps = "drop_h", 8
     resumed = run_pretrain(cfg, resume="last")
     assert resumed["steps"] == 8 and resumed["mlp_impl"] == "drop_h"
 
 
-def test_checkpoint_in_another_layout_is_refused(tmp_path, corpus):
-    cfg = small_config(tmp_path, [str(corpus / "*.py")], "drop_h", 5)
-    run_pretrain(cfg)
-    path = Path(cfg.output_dir) / "checkpoints" / "last.ckpt"
-    checkpoint = torch.load(path, weights_only=False)
-    checkpoint["swiglu_train"]["fc1_layout"] = "packed(chunk=64,tp=1)"
-    torch.save(checkpoint, path)
-    cfg.train.max_steps = 8
-    with pytest.raises(ValueError, match=r"fc1 layout is 'packed\(chunk=64,tp=1\)'"):
+def test_resume_across_layouts_with_optimizer_state_is_refused(tmp_path, corpus):
+    cfg = small_config(tmp_path, [str(corpus / "*.py")], "save_factors", 5)
+    first = run_pretrain(cfg)
+    assert first["final_loss"] < first["initial_loss"]
+    checkpoint = torch.load(Path(cfg.output_dir) / "checkpoints" / "last.ckpt", weights_only=False)
+    assert checkpoint["swiglu_train"]["fc1_layout"]["kind"] == "packed"
+    cfg.model.mlp_impl, cfg.train.max_steps = "drop_h", 8
+    with pytest.raises(ValueError, match=r"fc1 layout is \{'kind': 'packed'.*optimizer state"):
         run_pretrain(cfg, resume="last")
 
 

@@ -1,24 +1,32 @@
 """ParMLP: a SwiGLU MLP whose memory/recompute trade-off is chosen by name.
 
-Parameters are the same for every impl (``fc1.weight`` [2F, D] in canonical [W_gate; W_up]
-layout, ``fc2.weight`` [O, F], optional biases), so a model can switch ``impl`` at any time
-and keep computing the same function.
+Parameters have the same names and shapes for every impl (``fc1.weight`` [2F, D],
+``fc2.weight`` [O, F], optional biases), so a model can switch impl and keep computing the
+same function. fc1 is in the canonical [W_gate; W_up] layout, except under packed impls
+(``save_factors``), where it is packed in chunks; a packed state_dict carries a layout stamp
+and any state_dict is converted on load to the layout of the module it is loaded into.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 from torch import nn
 
 from swiglu_train.kernels.runtime import SUPPORTED_DTYPES
-from swiglu_train.layers.registry import get_impl
+from swiglu_train.layers.layout import CANONICAL, Layout, order
+from swiglu_train.layers.registry import PACKED_IMPLS, get_impl
+
+STAMP_KEY = "_extra_state"  # a packed ParMLP's state_dict entry: {"fc1_layout": {...}}
 
 
 class ParMLP(nn.Module):
     """y = fc2(silu(x W_gateᵀ) * (x W_upᵀ)), with the autograd behaviour of ``impl``.
 
-    ``inplace=False`` lets a ``drop_h`` graph be backpropagated more than once, at the cost of
-    two activation-sized buffers in backward.
+    ``inplace=False`` lets a ``drop_h`` or ``save_factors`` graph be backpropagated more than
+    once, at the cost of activation-sized buffers in backward. ``chunk`` is the packed layout's
+    chunk for packed impls (default: the largest power of two up to 128 dividing F).
     """
 
     def __init__(
@@ -29,6 +37,7 @@ class ParMLP(nn.Module):
         bias: bool = False,
         impl: str = "drop_h",
         inplace: bool = True,
+        chunk: int | None = None,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
     ) -> None:
@@ -38,8 +47,12 @@ class ParMLP(nn.Module):
         factory = {"device": device, "dtype": dtype}
         self.fc1 = nn.Linear(hidden_size, 2 * ffn_hidden_size, bias=bias, **factory)
         self.fc2 = nn.Linear(ffn_hidden_size, output_size or hidden_size, bias=bias, **factory)
-        self.impl = impl
         self.inplace = inplace
+        self.chunk = chunk or math.gcd(ffn_hidden_size, 128)
+        self.fc1_layout = CANONICAL
+        self.set_impl(impl)
+        self._register_state_dict_hook(_stamp_layout)
+        self.register_load_state_dict_pre_hook(_convert_on_load)
 
     @property
     def impl(self) -> str:
@@ -47,8 +60,33 @@ class ParMLP(nn.Module):
 
     @impl.setter
     def impl(self, name: str) -> None:
-        self._mlp_function = get_impl(name)
-        self._impl = name
+        if self._layout_for(name) != self.fc1_layout:
+            raise ValueError(
+                f"switching ParMLP from {self._impl!r} to {name!r} repacks fc1 "
+                f"({self.fc1_layout} -> {self._layout_for(name)}); call "
+                "swiglu_train.packing.switch_impl(model, impl, optimizer) so optimizer state "
+                "follows, or mlp.set_impl(impl) when no optimizer holds these parameters"
+            )
+        self.set_impl(name)
+
+    def set_impl(self, name: str) -> torch.Tensor | None:
+        """Switch impl, repacking fc1 in place when the layout changes.
+
+        Returns the row index applied (``new = old[index]``) or None, so that callers can move
+        per-element optimizer state the same way.
+        """
+        function, target = get_impl(name), self._layout_for(name)
+        index = order(self.fc1.out_features, self.fc1_layout, target)
+        if index is not None:
+            with torch.no_grad():
+                for p in (self.fc1.weight, self.fc1.bias):
+                    if p is not None:
+                        p.copy_(p.index_select(0, index.to(p.device)))
+        self._mlp_function, self._impl, self.fc1_layout = function, name, target
+        return index
+
+    def _layout_for(self, name: str) -> Layout:
+        return Layout("packed", self.chunk) if name in PACKED_IMPLS else CANONICAL
 
     @property
     def hidden_size(self) -> int:
@@ -75,7 +113,8 @@ class ParMLP(nn.Module):
         return self._apply_impl(*tensors)
 
     def _apply_impl(self, x: torch.Tensor, *params: torch.Tensor | None) -> torch.Tensor:
-        y = self._mlp_function(x.reshape(-1, x.shape[-1]), *params, inplace=self.inplace)
+        packed = {"chunk": self.fc1_layout.chunk} if self.fc1_layout.packed else {}
+        y = self._mlp_function(x.reshape(-1, x.shape[-1]), *params, inplace=self.inplace, **packed)
         return y.view(*x.shape[:-1], y.shape[-1])
 
     def _check_input(self, x: torch.Tensor) -> None:
@@ -94,4 +133,26 @@ class ParMLP(nn.Module):
             )
 
     def extra_repr(self) -> str:
-        return f"impl={self.impl!r}, inplace={self.inplace}"
+        return f"impl={self.impl!r}, inplace={self.inplace}, fc1_layout={self.fc1_layout}"
+
+
+def _stamp_layout(module: ParMLP, state_dict: dict, prefix: str, local_metadata) -> None:
+    """Packed state carries its layout; canonical state, the ecosystem's standard, carries none."""
+    if module.fc1_layout.packed:
+        state_dict[prefix + STAMP_KEY] = {"fc1_layout": module.fc1_layout.to_dict()}
+
+
+def _convert_on_load(module: ParMLP, state_dict: dict, prefix: str, *args) -> None:
+    """Move incoming fc1 weight and bias into this module's layout (never guessing)."""
+    stamp = state_dict.pop(prefix + STAMP_KEY, None)
+    if stamp is None:
+        source = CANONICAL
+    elif not isinstance(stamp, dict) or set(stamp) != {"fc1_layout"}:
+        raise ValueError(f"{prefix}{STAMP_KEY}: unrecognised ParMLP stamp {stamp!r}")
+    else:
+        source = Layout.from_dict(stamp["fc1_layout"])
+    for name in ("fc1.weight", "fc1.bias"):
+        key = prefix + name
+        if key in state_dict and source != module.fc1_layout:
+            index = order(state_dict[key].shape[0], source, module.fc1_layout)
+            state_dict[key] = state_dict[key].index_select(0, index.to(state_dict[key].device))

@@ -2,5 +2,14 @@
 
 from swiglu_train.ops.activation import BACKENDS, use_backend
 from swiglu_train.ops.mlp import SECOND_BACKWARD_ERROR, drop_h_mlp, normal_mlp
+from swiglu_train.ops.save_factors import SECOND_BACKWARD_ERROR_FACTORS, save_factors_mlp
 
-__all__ = ["BACKENDS", "SECOND_BACKWARD_ERROR", "drop_h_mlp", "normal_mlp", "use_backend"]
+__all__ = [
+    "BACKENDS",
+    "SECOND_BACKWARD_ERROR",
+    "SECOND_BACKWARD_ERROR_FACTORS",
+    "drop_h_mlp",
+    "normal_mlp",
+    "save_factors_mlp",
+    "use_backend",
+]

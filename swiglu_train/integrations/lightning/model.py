@@ -89,12 +89,6 @@ class LlamaDecoder(nn.Module):
         self.register_buffer("rope_sin", sin, persistent=False)
         self.apply(_init_weights)
 
-    def set_mlp_impl(self, impl: str) -> None:
-        """Switch every MLP to another impl; the function computed stays the same."""
-        for layer in self.layers:
-            layer.mlp.impl = impl
-        self.cfg.mlp_impl = impl
-
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         if tokens.shape[1] > self.cfg.max_seq_length:
             raise ValueError(

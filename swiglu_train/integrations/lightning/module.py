@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from swiglu_train.integrations.lightning.model import LlamaDecoder, ModelConfig
+from swiglu_train.layers.layout import CANONICAL
 
 LAYOUT_KEY = "swiglu_train"
 
@@ -67,16 +68,28 @@ class PretrainModule(pl.LightningModule):
         )
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
 
+    def fc1_layout(self) -> dict:
+        return self.model.layers[0].mlp.fc1_layout.to_dict()
+
     def on_save_checkpoint(self, checkpoint: dict) -> None:
-        """Stamp the fc1 layout so a checkpoint is never read in the wrong one."""
-        checkpoint[LAYOUT_KEY] = {"fc1_layout": "canonical", "mlp_impl": self.model_cfg.mlp_impl}
+        """Stamp the fc1 layout and the optimizer's parameter names, so that neither the
+        weights nor the per-element optimizer state are ever read in the wrong layout."""
+        names = {p: n for n, p in self.named_parameters()}
+        groups = self.trainer.optimizers[0].param_groups if self._trainer else []
+        checkpoint[LAYOUT_KEY] = {
+            "fc1_layout": self.fc1_layout(),
+            "mlp_impl": self.model_cfg.mlp_impl,
+            "optimizer_param_names": [[names[p] for p in g["params"]] for g in groups],
+        }
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
-        stamp = checkpoint.get(LAYOUT_KEY)
-        if stamp is None:  # a checkpoint from elsewhere: canonical is the ecosystem's layout
-            return
-        if stamp.get("fc1_layout") != "canonical":
+        """Weights convert on load (ParMLP's own hook); optimizer moments cannot, so a
+        layout change with optimizer state is refused rather than silently misread."""
+        # A checkpoint from elsewhere carries no stamp: canonical is the ecosystem's layout.
+        saved = checkpoint.get(LAYOUT_KEY, {}).get("fc1_layout", CANONICAL.to_dict())
+        if saved != self.fc1_layout() and checkpoint.get("optimizer_states"):
             raise ValueError(
-                f"checkpoint fc1 layout is {stamp.get('fc1_layout')!r}; this version reads only "
-                "'canonical' checkpoints (convert it first)"
+                f"checkpoint fc1 layout is {saved} but the model's is {self.fc1_layout()}; "
+                "its optimizer state would be misread. Resume with an impl of the same layout "
+                "(normal/drop_h: canonical; save_factors: packed)"
             )

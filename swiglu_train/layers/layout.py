@@ -1,0 +1,92 @@
+"""The fc1 row layouts, and the exact permutations between them.
+
+canonical  [W_gate; W_up]: Megatron-core's and HF's layout, what every checkpoint stores.
+packed     [gate_0 | up_0 | gate_1 | up_1 | ...] in chunks of C rows, so one GEMM tile of
+           2C output columns holds a whole (gate, up) pair. Under tensor parallelism each
+           rank packs its own local shard: the global packed tensor is the concatenation of
+           tp packed shards, and a rank never holds half a pair.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class Layout:
+    kind: str = "canonical"  # "canonical" or "packed"
+    chunk: int | None = None
+    tp: int = 1
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("canonical", "packed"):
+            raise ValueError(f"unknown fc1 layout kind {self.kind!r}; use 'canonical' or 'packed'")
+        if self.kind == "packed" and (self.chunk is None or self.chunk < 1):
+            raise ValueError(f"a packed layout needs a positive chunk, got {self.chunk!r}")
+        if self.kind == "canonical" and self.chunk is not None:
+            raise ValueError("a canonical layout has no chunk")
+        if self.tp < 1:
+            raise ValueError(f"tp must be >= 1, got {self.tp}")
+
+    @property
+    def packed(self) -> bool:
+        return self.kind == "packed"
+
+    def to_dict(self) -> dict:
+        return {"kind": self.kind, "chunk": self.chunk, "tp": self.tp}
+
+    @classmethod
+    def from_dict(cls, stamp: object) -> Layout:
+        """Read a stamp; anything that is not exactly a layout stamp is refused."""
+        if not isinstance(stamp, dict) or set(stamp) != {"kind", "chunk", "tp"}:
+            raise ValueError(f"unrecognised fc1 layout stamp {stamp!r}")
+        return cls(**stamp)
+
+    def __str__(self) -> str:
+        return "canonical" if not self.packed else f"packed(chunk={self.chunk}, tp={self.tp})"
+
+
+CANONICAL = Layout()
+
+
+def packed_order(rows: int, chunk: int, tp: int = 1) -> torch.Tensor:
+    """Index such that ``packed = canonical[index]`` for a [rows, ...] fc1 tensor.
+
+    ``canonical`` is the global [W_gate; W_up]; TP rank r owns gate and up rows
+    [r*F/tp, (r+1)*F/tp) of each half and packs them on its own.
+    """
+    if rows % 2:
+        raise ValueError(f"fc1 has {rows} rows; a gated layer needs an even number")
+    ffn = rows // 2
+    if ffn % tp:
+        raise ValueError(f"ffn size {ffn} is not divisible by tp={tp}")
+    local = ffn // tp
+    if local % chunk:
+        raise ValueError(f"per-rank ffn size {local} is not divisible by chunk={chunk}")
+    r = torch.arange(tp).view(tp, 1, 1, 1)
+    c = torch.arange(local // chunk).view(1, -1, 1, 1)
+    half = torch.arange(2).view(1, 1, 2, 1)  # 0: gate, 1: up
+    t = torch.arange(chunk).view(1, 1, 1, chunk)
+    return (half * ffn + r * local + c * chunk + t).flatten()
+
+
+def order(rows: int, source: Layout, target: Layout) -> torch.Tensor | None:
+    """Index with ``target_tensor = source_tensor[index]``; None when the layouts are equal."""
+    if source == target:
+        return None
+    index = torch.arange(rows)
+    if source.packed:  # undo: canonical[packed_order] = packed
+        index = torch.empty_like(index).scatter_(
+            0, packed_order(rows, source.chunk, source.tp), index
+        )
+    if target.packed:
+        index = index[packed_order(rows, target.chunk, target.tp)]
+    return index
+
+
+def relayout(tensor: torch.Tensor, source: Layout, target: Layout) -> torch.Tensor:
+    """An fc1 weight, bias or per-element state moved from one layout to another (a copy)."""
+    index = order(tensor.shape[0], source, target)
+    return tensor.clone() if index is None else tensor.index_select(0, index.to(tensor.device))

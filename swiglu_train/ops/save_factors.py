@@ -1,0 +1,80 @@
+"""The ``save_factors`` impl (seed 002): fc1 in the packed layout, backward factors saved.
+
+Forward keeps, instead of the preactivation, the two factors backward needs, in packed column
+order: per chunk j, [up_j * silu'(gate_j) | silu(gate_j)]. Backward then multiplies them by
+grad_h in place to get grad_preact, and the two fc1 GEMMs consume it with no unpacking:
+grad_x = grad_preact @ W1_packed and grad_W1 = grad_preactᵀ @ x come out packed.
+
+This module holds the plain-torch path; the fused wide-GEMM Triton forward is still to come.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+SECOND_BACKWARD_ERROR_FACTORS = (
+    "ParMLP(impl='save_factors') ran its backward in place: the saved factors now hold "
+    "grad_preact, so a second backward through this graph (retain_graph=True) would compute "
+    "garbage. Build the layer with inplace=False to backpropagate more than once."
+)
+
+
+def _pairs(t: torch.Tensor, chunk: int) -> torch.Tensor:
+    """[M, 2F] packed -> [M, F/C, 2, C]: index 0 of dim 2 is the gate chunk, 1 the up chunk."""
+    return t.view(t.shape[0], -1, 2, chunk)
+
+
+def swiglu_packed(preact: torch.Tensor, chunk: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(h [M, F], factors [M, 2F]) from a packed preactivation.
+
+    h is rounded exactly as ``F.silu(gate) * up`` is, so it equals the other impls' h.
+    """
+    pairs = _pairs(preact, chunk)
+    gate, up = pairs[:, :, 0], pairs[:, :, 1]
+    h = (F.silu(gate) * up).reshape(preact.shape[0], -1)
+    gate32, up32 = gate.float(), up.float()
+    sig = torch.sigmoid(gate32)
+    factors = torch.stack([up32 * sig * (1 + gate32 * (1 - sig)), gate32 * sig], dim=2)
+    return h, factors.to(preact.dtype).reshape(preact.shape)
+
+
+class _SaveFactors(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, fc1_weight, fc1_bias, chunk: int, inplace: bool) -> torch.Tensor:
+        h, factors = swiglu_packed(F.linear(x, fc1_weight, fc1_bias), chunk)
+        ctx.save_for_backward(x, fc1_weight, factors)
+        ctx.chunk, ctx.inplace, ctx.has_bias = chunk, inplace, fc1_bias is not None
+        ctx.backward_ran = False
+        return h
+
+    @staticmethod
+    def backward(ctx, grad_h: torch.Tensor):
+        inplace = ctx.inplace and not torch.compiler.is_compiling()
+        if inplace:
+            if ctx.backward_ran:  # before reading the saved factors, which were overwritten
+                raise RuntimeError(SECOND_BACKWARD_ERROR_FACTORS)
+            ctx.backward_ran = True
+        x, fc1_weight, factors = ctx.saved_tensors
+        grad_h = grad_h.contiguous().view(grad_h.shape[0], -1, 1, ctx.chunk)  # [M, F/C, 1, C]
+        pairs = _pairs(factors, ctx.chunk)
+        grad_preact = (pairs.mul_(grad_h) if inplace else pairs * grad_h).view(factors.shape)
+        need_x, need_w1, need_b1 = ctx.needs_input_grad[:3]
+        grad_x = grad_preact @ fc1_weight if need_x else None
+        grad_w1 = grad_preact.t() @ x if need_w1 else None
+        grad_b1 = grad_preact.sum(0) if need_b1 and ctx.has_bias else None
+        return grad_x, grad_w1, grad_b1, None, None
+
+
+def save_factors_mlp(
+    x: torch.Tensor,
+    fc1_weight: torch.Tensor,
+    fc1_bias: torch.Tensor | None,
+    fc2_weight: torch.Tensor,
+    fc2_bias: torch.Tensor | None,
+    inplace: bool = True,
+    chunk: int = 128,
+) -> torch.Tensor:
+    """fc1 weight and bias in the packed layout with this chunk; fc2 saves h as in `normal`."""
+    h = _SaveFactors.apply(x, fc1_weight, fc1_bias, chunk, inplace)
+    return F.linear(h, fc2_weight, fc2_bias)

@@ -1,0 +1,112 @@
+"""The packed fc1 layout: exact permutations, stamps, conversion on load, impl switching."""
+
+import pytest
+import torch
+
+from swiglu_train import ParMLP
+from swiglu_train.layers.layout import CANONICAL, Layout, packed_order, relayout
+from swiglu_train.memory import SavedTensorCounter
+from swiglu_train.ops import SECOND_BACKWARD_ERROR_FACTORS
+
+
+@pytest.mark.parametrize(("ffn", "chunk", "tp"), [(8, 2, 1), (8, 2, 2), (24, 4, 3), (6, 1, 2)])
+def test_round_trip_is_bit_exact_and_chunks_hold_pairs(ffn, chunk, tp):
+    w = torch.randn(2 * ffn, 5)
+    packed = Layout("packed", chunk, tp)
+    p = relayout(w, CANONICAL, packed)
+    assert torch.equal(relayout(p, packed, CANONICAL), w)
+    local = ffn // tp
+    for rank in range(tp):  # each rank's shard is its own [gate_c | up_c] chunks
+        shard = p[rank * 2 * local : (rank + 1) * 2 * local]
+        for c in range(local // chunk):
+            start = rank * local + c * chunk
+            gate, up = (
+                shard[2 * c * chunk : (2 * c + 1) * chunk],
+                shard[(2 * c + 1) * chunk :][:chunk],
+            )
+            assert torch.equal(gate, w[start : start + chunk])
+            assert torch.equal(up, w[ffn + start : ffn + start + chunk])
+    other = Layout("packed", 1, tp)
+    assert torch.equal(relayout(relayout(p, packed, other), other, packed), p)
+
+
+def test_bad_layouts_are_named():
+    with pytest.raises(ValueError, match="even number"):
+        packed_order(7, 1)
+    with pytest.raises(ValueError, match="not divisible by chunk=3"):
+        packed_order(16, 3)
+    with pytest.raises(ValueError, match="not divisible by tp=3"):
+        packed_order(16, 2, 3)
+    with pytest.raises(ValueError, match="needs a positive chunk"):
+        Layout("packed")
+    with pytest.raises(ValueError, match="unknown fc1 layout kind 'interleaved'"):
+        Layout("interleaved", 2)
+    with pytest.raises(ValueError, match="unrecognised fc1 layout stamp"):
+        Layout.from_dict({"kind": "packed", "chunk": 4})
+
+
+def test_switching_impls_keeps_the_function():
+    torch.manual_seed(0)
+    mlp = ParMLP(16, 24, bias=True, impl="normal")
+    x = torch.randn(9, 16)
+    expected = mlp(x)
+    with pytest.raises(ValueError, match=r"repacks fc1.*switch_impl\(model, impl, optimizer\)"):
+        mlp.impl = "save_factors"
+    assert mlp.impl == "normal" and mlp.fc1_layout == CANONICAL
+    canonical_w = mlp.fc1.weight.detach().clone()
+    index = mlp.set_impl("save_factors")
+    assert torch.equal(mlp.fc1.weight, canonical_w[index])
+    assert mlp.fc1_layout == Layout("packed", 8)  # gcd(24, 128)
+    torch.testing.assert_close(mlp(x), expected, rtol=1e-6, atol=1e-6)
+    mlp.set_impl("drop_h")
+    assert torch.equal(mlp.fc1.weight, canonical_w)
+    torch.testing.assert_close(mlp(x), expected, rtol=1e-6, atol=1e-6)
+
+
+def test_state_dicts_are_stamped_and_converted_on_load():
+    torch.manual_seed(0)
+    canonical = ParMLP(16, 24, bias=True, impl="drop_h")
+    x = torch.randn(5, 16)
+    assert "_extra_state" not in canonical.state_dict()  # the ecosystem's layout: no stamp
+    packed = ParMLP(16, 24, bias=True, impl="save_factors", chunk=4)
+    packed.load_state_dict(canonical.state_dict())  # canonical -> packed on load
+    torch.testing.assert_close(packed(x), canonical(x), rtol=1e-6, atol=1e-6)
+    stamp = packed.state_dict()["_extra_state"]
+    assert stamp == {"fc1_layout": {"kind": "packed", "chunk": 4, "tp": 1}}
+    other_chunk = ParMLP(16, 24, bias=True, impl="save_factors", chunk=2)
+    other_chunk.load_state_dict(packed.state_dict())  # packed(4) -> packed(2)
+    back = ParMLP(16, 24, bias=True, impl="normal")
+    back.load_state_dict(other_chunk.state_dict())  # packed(2) -> canonical
+    assert torch.equal(back.fc1.weight, canonical.fc1.weight)
+    assert torch.equal(back.fc1.bias, canonical.fc1.bias)
+    bad = packed.state_dict()
+    bad["_extra_state"] = {"fc1_layout": "packed"}
+    with pytest.raises(ValueError, match="unrecognised fc1 layout stamp 'packed'"):
+        canonical.load_state_dict(bad)
+
+
+def test_save_factors_saves_what_normal_saves():
+    m, d, f = 13, 16, 24
+    x = torch.randn(m, d, requires_grad=True)
+    saved = {}
+    for impl in ("normal", "save_factors"):
+        mlp = ParMLP(d, f, impl=impl)
+        with SavedTensorCounter(exclude=mlp.parameters()) as counter:
+            mlp(x).sum().backward()
+        saved[impl] = counter.bytes
+    assert saved["save_factors"] == saved["normal"] == (m * d + 2 * m * f + m * f) * 4
+
+
+def test_save_factors_second_backward():
+    x = torch.randn(5, 8, requires_grad=True)
+    y = ParMLP(8, 16, impl="save_factors")(x)
+    y.sum().backward(retain_graph=True)
+    with pytest.raises(RuntimeError) as info:
+        y.sum().backward()
+    assert str(info.value) == SECOND_BACKWARD_ERROR_FACTORS
+    y = ParMLP(8, 16, impl="save_factors", inplace=False)(x)
+    x.grad = None
+    y.sum().backward(retain_graph=True)
+    first = x.grad.clone()
+    y.sum().backward()
+    torch.testing.assert_close(x.grad, 2 * first)
