@@ -1,0 +1,18 @@
+"""Layout tools: switch a live model (and its optimizer) between the canonical and packed fc1
+layouts, and convert checkpoints, optimizer state included."""
+
+from swiglu_train.layers.layout import CANONICAL, Layout, packed_order, relayout
+from swiglu_train.packing.convert import Converted, convert_checkpoint, switch_impl
+from swiglu_train.packing.optimizer import permute_live_state, permute_state
+
+__all__ = [
+    "CANONICAL",
+    "Converted",
+    "Layout",
+    "convert_checkpoint",
+    "packed_order",
+    "permute_live_state",
+    "permute_state",
+    "relayout",
+    "switch_impl",
+]

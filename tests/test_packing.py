@@ -1,0 +1,148 @@
+"""Layout changes carry optimizer state along, live and in checkpoints."""
+
+from pathlib import Path
+
+import pytest
+import torch
+from test_pretrain import small_config
+
+from swiglu_train import ParMLP
+from swiglu_train.integrations.lightning.pretrain import run_pretrain
+from swiglu_train.ops import use_backend
+from swiglu_train.packing import convert_checkpoint, switch_impl
+
+
+class TwoLayers(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = torch.nn.ModuleList(
+            ParMLP(16, 24, bias=True, impl="normal") for _ in range(2)
+        )
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = x + layer(x)
+        return x.square().mean()
+
+
+def losses(model, optimizer, batches):
+    out = []
+    for x in batches:
+        optimizer.zero_grad()
+        loss = model(x)
+        loss.backward()
+        optimizer.step()
+        out.append(loss.item())
+    return out
+
+
+@pytest.mark.parametrize(
+    "make_optimizer",
+    [
+        lambda p: torch.optim.Adam(p, lr=1e-2),
+        lambda p: torch.optim.AdamW(p, lr=1e-2, weight_decay=0.1),
+        lambda p: torch.optim.SGD(p, lr=1e-2, momentum=0.9),
+    ],
+    ids=["adam", "adamw", "sgd-momentum"],
+)
+def test_live_switch_continues_the_same_training(make_optimizer):
+    torch.manual_seed(0)
+    batches = [torch.randn(7, 16) for _ in range(8)]
+    reference, switched = TwoLayers(), TwoLayers()
+    switched.load_state_dict(reference.state_dict())
+    opt_ref, opt_sw = make_optimizer(reference.parameters()), make_optimizer(switched.parameters())
+    assert losses(reference, opt_ref, batches[:4]) == losses(switched, opt_sw, batches[:4])
+    assert switch_impl(switched, "save_factors", opt_sw) == ["layers.0", "layers.1"]
+    continued, after_switch = (
+        losses(reference, opt_ref, batches[4:]),
+        losses(switched, opt_sw, batches[4:]),
+    )
+    torch.testing.assert_close(after_switch, continued, rtol=1e-6, atol=0)
+    switch_impl(switched, "drop_h", opt_sw)  # and back: state is canonical again
+    for (_, a), (_, b) in zip(
+        reference.named_parameters(), switched.named_parameters(), strict=True
+    ):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+        for key in opt_ref.state[a]:
+            torch.testing.assert_close(
+                opt_sw.state[b][key], opt_ref.state[a][key], rtol=1e-6, atol=1e-7
+            )
+
+
+def test_non_elementwise_state_is_refused():
+    model = TwoLayers()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    opt.state[model.layers[0].fc1.weight] = {"row_variance": torch.zeros(48)}
+    with pytest.raises(
+        ValueError, match=r"layers.0.fc1: optimizer state 'row_variance' has shape \(48,\)"
+    ):
+        switch_impl(model, "save_factors", opt)
+
+
+def test_bare_state_dict_round_trip_is_bit_exact():
+    model = TwoLayers()
+    state = model.state_dict()
+    packed = convert_checkpoint(state, to="packed", chunk=4)
+    assert packed["layers.0._extra_state"] == {
+        "fc1_layout": {"kind": "packed", "chunk": 4, "tp": 1}
+    }
+    assert not torch.equal(packed["layers.0.fc1.weight"], state["layers.0.fc1.weight"])
+    back = convert_checkpoint(packed, to="canonical")
+    assert back.keys() == state.keys()
+    assert all(torch.equal(back[k], state[k]) for k in state)
+    loaded = ParMLP(16, 24, bias=True, impl="save_factors", chunk=4)
+    loaded.load_state_dict(
+        {k.removeprefix("layers.0."): v for k, v in packed.items() if k.startswith("layers.0.")}
+    )
+    x = torch.randn(5, 16)
+    torch.testing.assert_close(loaded(x), model.layers[0](x), rtol=1e-6, atol=1e-7)
+
+
+def test_bad_checkpoints_are_named():
+    with pytest.raises(ValueError, match="no ParMLP fc1 weights found"):
+        convert_checkpoint({"w": torch.zeros(2)}, to="packed")
+    with pytest.raises(ValueError, match="to must be 'packed' or 'canonical'"):
+        convert_checkpoint({}, to="interleaved")
+    ckpt = {
+        "state_dict": TwoLayers().state_dict(),
+        "optimizer_states": [{"state": {}, "param_groups": []}],
+    }
+    with pytest.raises(ValueError, match="no recorded parameter names"):
+        convert_checkpoint(ckpt, to="packed")
+
+
+def test_lightning_checkpoint_converts_and_training_continues(tmp_path):
+    """Train with normal, convert model + Adam state to save_factors, continue: the losses are
+    those of continuing with normal."""
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    import shutil
+    import textwrap
+
+    for module in (shutil, textwrap):
+        (corpus / Path(module.__file__).name).write_bytes(Path(module.__file__).read_bytes())
+    with use_backend("torch"):
+        cfg = small_config(tmp_path / "base", [str(corpus / "*.py")], "normal", 5)
+        cfg.data.val_fraction = 0.0
+        run_pretrain(cfg)
+        path = Path(cfg.output_dir) / "checkpoints" / "last.ckpt"
+        ckpt = torch.load(path, weights_only=False)
+        packed = convert_checkpoint(ckpt, to="packed", chunk=32)  # ParMLP's gcd(160, 128)
+        round_trip = convert_checkpoint(packed, to="canonical")
+        for key, value in ckpt["state_dict"].items():
+            assert torch.equal(round_trip["state_dict"][key], value), key
+        for a, b in zip(
+            ckpt["optimizer_states"][0]["state"].values(),
+            round_trip["optimizer_states"][0]["state"].values(),
+            strict=True,
+        ):
+            assert all(torch.equal(a[k], b[k]) for k in a)
+        torch.save(packed, tmp_path / "packed.ckpt")
+        cfg.train.max_steps = 10
+        continued = run_pretrain(cfg, resume=str(path))
+        cfg.model.mlp_impl = "save_factors"
+        cfg.output_dir = str(tmp_path / "packed")
+        converted = run_pretrain(cfg, resume=str(tmp_path / "packed.ckpt"))
+    a = [continued["losses"][str(s)] for s in range(5, 10)]
+    b = [converted["losses"][str(s)] for s in range(5, 10)]
+    torch.testing.assert_close(b, a, rtol=1e-6, atol=0)
