@@ -286,3 +286,73 @@ def pretrain(
     if summary_json is not None:
         write_json_atomic(summary_json, summary)
         console.print(f"wrote {summary_json}")
+
+
+@app.command()
+def convert(
+    src: Annotated[Path, typer.Argument(help="input .ckpt or .pt")],
+    dst: Annotated[Path, typer.Argument(help="output path (written atomically)")],
+    to: Annotated[str, typer.Option(help="packed, canonical, or hf (gate/up/down_proj)")],
+    chunk: Annotated[int | None, typer.Option(help="chunk of the packed layout")] = None,
+    assume_layout: Annotated[
+        str | None,
+        typer.Option(help="layout of unstamped fc1 weights: canonical, packed:C, or hf"),
+    ] = None,
+    trust: Annotated[bool, typer.Option(help="unpickle arbitrary objects (trusted files)")] = False,
+) -> None:
+    """Convert ParMLP fc1 weights, and their optimizer state, between layouts."""
+    import torch
+    from rich.table import Table
+
+    from swiglu_train.layers.layout import CANONICAL, Layout
+    from swiglu_train.packing import convert_checkpoint, from_hf, to_hf
+
+    if to not in ("packed", "canonical", "hf"):
+        raise typer.BadParameter("--to must be packed, canonical or hf")
+    try:
+        ckpt = torch.load(src, map_location="cpu", weights_only=not trust)
+    except FileNotFoundError:
+        raise typer.BadParameter(f"{src} does not exist") from None
+    except Exception as e:  # weights_only refuses arbitrary pickled objects
+        raise typer.BadParameter(f"cannot load {src} safely ({e}); pass --trust if you do") from e
+    state = ckpt.get("state_dict", ckpt)
+    stamped = any(k.endswith("_extra_state") for k in state)
+    if not stamped and assume_layout is None:
+        raise typer.BadParameter(
+            f"{src} carries no fc1 layout stamp; say what it is with --assume-layout "
+            "(canonical, packed:C or hf)"
+        )
+    report = []
+    if assume_layout == "hf":
+        ckpt = from_hf(ckpt, report)
+        assume = CANONICAL
+    elif assume_layout and assume_layout.startswith("packed:"):
+        assume = Layout("packed", int(assume_layout.split(":", 1)[1]))
+    elif assume_layout in (None, "canonical"):
+        assume = CANONICAL
+    else:
+        raise typer.BadParameter(
+            f"--assume-layout {assume_layout!r}: use canonical, packed:C or hf"
+        )
+    if to == "hf" and "state_dict" in ckpt:
+        raise typer.BadParameter("--to hf takes a bare state_dict (no optimizer state)")
+    try:
+        if to == "hf":
+            if assume != CANONICAL:
+                ckpt = convert_checkpoint(ckpt, to="canonical", assume_layout=assume)
+            out = to_hf(ckpt, report)
+        else:
+            out = convert_checkpoint(ckpt, to=to, chunk=chunk, assume_layout=assume, report=report)
+    except ValueError as e:  # a layout the input cannot take, named by the converter
+        raise typer.BadParameter(str(e)) from e
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.NamedTemporaryFile(dir=dst.parent, delete=False, suffix=".tmp") as f:
+        torch.save(out, f)
+    os.chmod(f.name, 0o644)
+    os.replace(f.name, dst)
+    table = Table(title=f"{src} -> {dst}")
+    for column in ("ParMLP", "from", "to", "optimizer states moved"):
+        table.add_column(column)
+    for r in report:
+        table.add_row(r.prefix.rstrip(".") or "(root)", r.source, r.target, str(r.optimizer_states))
+    console.print(table)

@@ -13,10 +13,10 @@ from swiglu_train.packing import convert_checkpoint, switch_impl
 
 
 class TwoLayers(torch.nn.Module):
-    def __init__(self) -> None:
+    def __init__(self, bias: bool = True) -> None:
         super().__init__()
         self.layers = torch.nn.ModuleList(
-            ParMLP(16, 24, bias=True, impl="normal") for _ in range(2)
+            ParMLP(16, 24, bias=bias, impl="normal") for _ in range(2)
         )
 
     def forward(self, x):
@@ -146,3 +146,58 @@ def test_lightning_checkpoint_converts_and_training_continues(tmp_path):
     a = [continued["losses"][str(s)] for s in range(5, 10)]
     b = [converted["losses"][str(s)] for s in range(5, 10)]
     torch.testing.assert_close(b, a, rtol=1e-6, atol=0)
+
+
+def test_convert_cli_round_trips_and_refuses_unstamped(tmp_path):
+    from typer.testing import CliRunner
+
+    from swiglu_train.cli import app
+
+    runner = CliRunner()
+    state = TwoLayers(bias=False).state_dict()  # HF's gated MLP has no biases
+    torch.save(state, tmp_path / "canonical.pt")
+    refused = runner.invoke(
+        app, ["convert", "--to", "packed", str(tmp_path / "canonical.pt"), str(tmp_path / "p.pt")]
+    )
+    assert refused.exit_code != 0 and "--assume-layout" in refused.output
+    assert not (tmp_path / "p.pt").exists()
+    ok = runner.invoke(
+        app,
+        [
+            "convert",
+            "--to",
+            "packed",
+            "--chunk",
+            "8",
+            "--assume-layout",
+            "canonical",
+            str(tmp_path / "canonical.pt"),
+            str(tmp_path / "p.pt"),
+        ],
+    )
+    assert ok.exit_code == 0, ok.output
+    assert "layers.0" in ok.output and "packed(chunk=8, tp=1)" in ok.output
+    hf = runner.invoke(
+        app, ["convert", "--to", "hf", str(tmp_path / "p.pt"), str(tmp_path / "hf.pt")]
+    )
+    assert hf.exit_code == 0, hf.output
+    hf_state = torch.load(tmp_path / "hf.pt")
+    assert torch.equal(hf_state["layers.1.gate_proj.weight"], state["layers.1.fc1.weight"][:24])
+    assert torch.equal(hf_state["layers.1.up_proj.weight"], state["layers.1.fc1.weight"][24:])
+    assert torch.equal(hf_state["layers.1.down_proj.weight"], state["layers.1.fc2.weight"])
+    back = runner.invoke(
+        app,
+        [
+            "convert",
+            "--to",
+            "canonical",
+            "--assume-layout",
+            "hf",
+            str(tmp_path / "hf.pt"),
+            str(tmp_path / "back.pt"),
+        ],
+    )
+    assert back.exit_code == 0, back.output
+    restored = torch.load(tmp_path / "back.pt")
+    assert restored.keys() == state.keys()
+    assert all(torch.equal(restored[k], state[k]) for k in state)

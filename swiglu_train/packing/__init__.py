@@ -2,7 +2,13 @@
 layouts, and convert checkpoints, optimizer state included."""
 
 from swiglu_train.layers.layout import CANONICAL, Layout, packed_order, relayout
-from swiglu_train.packing.convert import Converted, convert_checkpoint, switch_impl
+from swiglu_train.packing.convert import (
+    Converted,
+    convert_checkpoint,
+    from_hf,
+    switch_impl,
+    to_hf,
+)
 from swiglu_train.packing.optimizer import permute_live_state, permute_state
 
 __all__ = [
@@ -10,9 +16,11 @@ __all__ = [
     "Converted",
     "Layout",
     "convert_checkpoint",
+    "from_hf",
     "packed_order",
     "permute_live_state",
     "permute_state",
     "relayout",
     "switch_impl",
+    "to_hf",
 ]

@@ -138,3 +138,37 @@ def _move_optimizer_state(ckpt: dict, names: list[list[str]] | None, key: str, i
                     )
                     moved += 1
     return moved
+
+
+HF_NAMES = ("gate_proj.weight", "up_proj.weight", "down_proj.weight")
+
+
+def to_hf(state: dict, report: list[Converted] | None = None) -> dict:
+    """A bare state_dict with every ParMLP as HF Llama's gate_proj / up_proj / down_proj."""
+    out = convert_checkpoint(state, to="canonical", report=report)
+    for prefix in _mlp_prefixes(out):
+        if prefix + "fc1.bias" in out or prefix + "fc2.bias" in out:
+            raise ValueError(f"{prefix}: HF's gated MLP has no biases; this ParMLP has them")
+        gate, up = out.pop(prefix + "fc1.weight").chunk(2)
+        down = out.pop(prefix + "fc2.weight")
+        for name, value in zip(HF_NAMES, (gate, up, down), strict=True):
+            out[prefix + name] = value.contiguous()
+    return out
+
+
+def from_hf(state: dict, report: list[Converted] | None = None) -> dict:
+    """The inverse of :func:`to_hf`: canonical ParMLP fc1 = [gate_proj; up_proj]."""
+    out = dict(state)
+    prefixes = [k[: -len(HF_NAMES[0])] for k in state if k.endswith(HF_NAMES[0])]
+    if not prefixes:
+        raise ValueError("no HF gated MLPs found (expected '<prefix>gate_proj.weight')")
+    for prefix in prefixes:
+        missing = [n for n in HF_NAMES if prefix + n not in out]
+        if missing:
+            raise ValueError(f"{prefix}: HF gated MLP lacks {missing}")
+        gate, up, down = (out.pop(prefix + n) for n in HF_NAMES)
+        out[prefix + "fc1.weight"] = torch.cat([gate, up])
+        out[prefix + "fc2.weight"] = down
+        if report is not None:
+            report.append(Converted(prefix, "hf", "canonical", 0))
+    return out
