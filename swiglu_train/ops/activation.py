@@ -38,7 +38,8 @@ def use_backend(name: str) -> Iterator[None]:
         _backend = previous
 
 
-def _use_triton(t: torch.Tensor) -> bool:
+def triton_enabled(t: torch.Tensor) -> bool:
+    """Whether ops on this tensor run Triton kernels (the backend setting and the device)."""
     if _backend == "torch":
         return False
     runs = kernels is not None and triton_runs_on(t.device)
@@ -53,7 +54,7 @@ def _use_triton(t: torch.Tensor) -> bool:
 @torch.library.custom_op("swiglu_train::swiglu_fwd", mutates_args=())
 def swiglu_fwd(preact: torch.Tensor) -> torch.Tensor:
     """h = silu(gate) * up for a [M, 2F] canonical preact."""
-    if not _use_triton(preact):
+    if not triton_enabled(preact):
         return reference.swiglu(preact)
     h = preact.new_empty(preact.shape[0], preact.shape[1] // 2)
     kernels.swiglu_forward(preact, h)
@@ -68,7 +69,7 @@ def _(preact: torch.Tensor) -> torch.Tensor:
 @torch.library.custom_op("swiglu_train::swiglu_bwd", mutates_args=())
 def swiglu_bwd(preact: torch.Tensor, grad_h: torch.Tensor) -> torch.Tensor:
     """grad_preact from the saved preact and grad_h (the `normal` impl's backward)."""
-    if not _use_triton(preact):
+    if not triton_enabled(preact):
         return reference.swiglu_grad(preact, grad_h)
     grad_preact = torch.empty_like(preact)
     kernels.swiglu_backward(preact, grad_h, grad_preact, None)
@@ -85,7 +86,7 @@ def swiglu_bwd_recompute(
     preact: torch.Tensor, grad_h: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(h, grad_preact) in fresh buffers: `drop_h`'s backward when it may not overwrite."""
-    if not _use_triton(preact):
+    if not triton_enabled(preact):
         return reference.swiglu(preact), reference.swiglu_grad(preact, grad_h)
     h, grad_preact = torch.empty_like(grad_h), torch.empty_like(preact)
     kernels.swiglu_backward(preact, grad_h, grad_preact, h)
@@ -100,7 +101,7 @@ def _(preact: torch.Tensor, grad_h: torch.Tensor) -> tuple[torch.Tensor, torch.T
 @torch.library.custom_op("swiglu_train::swiglu_bwd_recompute_", mutates_args=("preact", "grad_h"))
 def swiglu_bwd_recompute_(preact: torch.Tensor, grad_h: torch.Tensor) -> None:
     """In place: preact becomes grad_preact and grad_h becomes h; nothing is allocated."""
-    if not _use_triton(preact):
+    if not triton_enabled(preact):
         h, grad_preact = reference.swiglu(preact), reference.swiglu_grad(preact, grad_h)
         preact.copy_(grad_preact)
         grad_h.copy_(h)

@@ -5,13 +5,22 @@ order: per chunk j, [up_j * silu'(gate_j) | silu(gate_j)]. Backward then multipl
 grad_h in place to get grad_preact, and the two fc1 GEMMs consume it with no unpacking:
 grad_x = grad_preact @ W1_packed and grad_W1 = grad_preactᵀ @ x come out packed.
 
-This module holds the plain-torch path; the fused wide-GEMM Triton forward is still to come.
+Where Triton runs and the chunk is a power of two >= 16, forward is one wide GEMM with the
+SwiGLU epilogue (the preactivation never reaches memory) and backward's factor product is a
+Triton kernel; elsewhere the same math runs in plain torch with the same saved tensors.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+from swiglu_train.ops.activation import triton_enabled
+
+try:
+    from swiglu_train.kernels import packed_gemm
+except ImportError:  # no Triton: the plain-torch path serves
+    packed_gemm = None
 
 SECOND_BACKWARD_ERROR_FACTORS = (
     "ParMLP(impl='save_factors') ran its backward in place: the saved factors now hold "
@@ -39,10 +48,43 @@ def swiglu_packed(preact: torch.Tensor, chunk: int) -> tuple[torch.Tensor, torch
     return h, factors.to(preact.dtype).reshape(preact.shape)
 
 
+@torch.library.custom_op("swiglu_train::packed_swiglu_fwd", mutates_args=())
+def packed_swiglu_fwd(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, chunk: int, factors: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(h, factors) from x and a packed fc1; factors is empty when not asked for."""
+    h, aux = packed_gemm.packed_swiglu_forward(x, weight, bias, chunk, factors)
+    return h, aux if aux is not None else x.new_empty(0)
+
+
+@packed_swiglu_fwd.register_fake
+def _(x, weight, bias, chunk, factors):
+    h = x.new_empty(x.shape[0], weight.shape[0] // 2)
+    return h, x.new_empty(x.shape[0], weight.shape[0]) if factors else x.new_empty(0)
+
+
+@torch.library.custom_op("swiglu_train::packed_factors_to_grad_", mutates_args=("factors",))
+def packed_factors_to_grad_(factors: torch.Tensor, grad_h: torch.Tensor, chunk: int) -> None:
+    """factors <- grad_h ⊙ factors, in place, in packed order."""
+    packed_gemm.factors_to_grad_(factors, grad_h, chunk)
+
+
+@packed_factors_to_grad_.register_fake
+def _(factors, grad_h, chunk):
+    return None
+
+
+def _fused(x: torch.Tensor, chunk: int) -> bool:
+    return packed_gemm is not None and triton_enabled(x) and packed_gemm.fused_supported(x, chunk)
+
+
 class _SaveFactors(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, fc1_weight, fc1_bias, chunk: int, inplace: bool) -> torch.Tensor:
-        h, factors = swiglu_packed(F.linear(x, fc1_weight, fc1_bias), chunk)
+        if _fused(x, chunk):
+            h, factors = packed_swiglu_fwd(x, fc1_weight, fc1_bias, chunk, True)
+        else:
+            h, factors = swiglu_packed(F.linear(x, fc1_weight, fc1_bias), chunk)
         ctx.save_for_backward(x, fc1_weight, factors)
         ctx.chunk, ctx.inplace, ctx.has_bias = chunk, inplace, fc1_bias is not None
         ctx.backward_ran = False
@@ -56,9 +98,12 @@ class _SaveFactors(torch.autograd.Function):
                 raise RuntimeError(SECOND_BACKWARD_ERROR_FACTORS)
             ctx.backward_ran = True
         x, fc1_weight, factors = ctx.saved_tensors
-        grad_h = grad_h.contiguous().view(grad_h.shape[0], -1, 1, ctx.chunk)  # [M, F/C, 1, C]
-        pairs = _pairs(factors, ctx.chunk)
-        grad_preact = (pairs.mul_(grad_h) if inplace else pairs * grad_h).view(factors.shape)
+        grad_h = grad_h.contiguous()
+        grad_preact = factors if inplace else factors.clone()
+        if _fused(x, ctx.chunk):
+            packed_factors_to_grad_(grad_preact, grad_h, ctx.chunk)
+        else:
+            _pairs(grad_preact, ctx.chunk).mul_(grad_h.view(grad_h.shape[0], -1, 1, ctx.chunk))
         need_x, need_w1, need_b1 = ctx.needs_input_grad[:3]
         grad_x = grad_preact @ fc1_weight if need_x else None
         grad_w1 = grad_preact.t() @ x if need_w1 else None
@@ -75,6 +120,15 @@ def save_factors_mlp(
     inplace: bool = True,
     chunk: int = 128,
 ) -> torch.Tensor:
-    """fc1 weight and bias in the packed layout with this chunk; fc2 saves h as in `normal`."""
-    h = _SaveFactors.apply(x, fc1_weight, fc1_bias, chunk, inplace)
+    """fc1 weight and bias in the packed layout with this chunk; fc2 saves h as in `normal`.
+
+    With no grad to compute (eval, generation) the fused kernel writes h alone.
+    """
+    needs_grad = torch.is_grad_enabled() and any(
+        t is not None and t.requires_grad for t in (x, fc1_weight, fc1_bias)
+    )
+    if not needs_grad and _fused(x, chunk):
+        h, _ = packed_swiglu_fwd(x, fc1_weight, fc1_bias, chunk, False)
+    else:
+        h = _SaveFactors.apply(x, fc1_weight, fc1_bias, chunk, inplace)
     return F.linear(h, fc2_weight, fc2_bias)

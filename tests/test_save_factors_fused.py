@@ -1,0 +1,69 @@
+"""save_factors through the fused wide-GEMM kernels (CPU interpreter, or CUDA)."""
+
+import pytest
+import torch
+from conftest import device_backends
+from helpers import TOLERANCE, reference_outputs, rel_err, run_outputs
+
+from swiglu_train import ParMLP
+from swiglu_train.ops import use_backend
+from swiglu_train.ops.save_factors import swiglu_packed
+
+kernels = pytest.importorskip("swiglu_train.kernels.packed_gemm")
+TRITON = [p for p in device_backends() if p.values[1] == "triton"]
+
+
+@pytest.mark.parametrize(("device", "backend"), TRITON)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])
+@pytest.mark.parametrize(("m", "d", "f", "chunk"), [(37, 40, 48, 16), (5, 24, 64, 32)])
+def test_fused_path_matches_float64_reference(device, backend, dtype, bias, m, d, f, chunk):
+    mlp = ParMLP(d, f, bias=bias, impl="save_factors", chunk=chunk, device=device, dtype=dtype)
+    x = torch.randn(3, m, d, device=device, dtype=dtype)
+    grad_y = torch.randn(3, m, d, device=device, dtype=dtype)
+    expected = reference_outputs(mlp, x, grad_y)
+    with use_backend(backend):
+        actual = run_outputs(mlp, x, grad_y)
+    # The interpreter rounds fp32 -> bf16 toward zero, a bias the four roundings of the fused
+    # epilogue (gate, up, silu, h) add up; CUDA rounds to nearest.
+    tol = TOLERANCE[dtype] * (2 if device == "cpu" and dtype == torch.bfloat16 else 1)
+    for name, value in expected.items():
+        assert rel_err(actual[name], value) < tol, name
+
+
+@pytest.mark.parametrize(("device", "backend"), TRITON)
+def test_kernel_writes_h_and_factors_of_the_torch_math(device, backend):
+    x = torch.randn(19, 32, device=device)
+    w = torch.randn(128, 32, device=device) / 32**0.5
+    h, factors = kernels.packed_swiglu_forward(x, w, None, 16, True)
+    ref_h, ref_factors = swiglu_packed(torch.nn.functional.linear(x, w), 16)
+    torch.testing.assert_close(h, ref_h, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(factors, ref_factors, rtol=1e-5, atol=1e-5)
+    h_only, none = kernels.packed_swiglu_forward(x, w, None, 16, False)
+    assert none is None and torch.equal(h_only, h)
+    grad_h = torch.randn(19, 64, device=device)
+    expected = (factors.view(19, 4, 2, 16) * grad_h.view(19, 4, 1, 16)).view(19, 128)
+    kernels.factors_to_grad_(factors, grad_h, 16)
+    torch.testing.assert_close(factors, expected, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize(("device", "backend"), TRITON)
+def test_inference_path_saves_nothing_and_agrees(device, backend):
+    mlp = ParMLP(32, 64, impl="save_factors", chunk=16, device=device)
+    x = torch.randn(7, 32, device=device)
+    with use_backend(backend):
+        with torch.no_grad():
+            y = mlp(x)
+        trained = mlp(x)
+    assert y.grad_fn is None
+    torch.testing.assert_close(y, trained.detach(), rtol=0, atol=0)
+
+
+def test_launcher_checks():
+    x = torch.randn(4, 32)
+    with pytest.raises(ValueError, match="does not fit"):
+        kernels.packed_swiglu_forward(x, torch.randn(48, 32), None, 16, True)
+    with pytest.raises(TypeError, match="power-of-two chunk >= 16"):
+        kernels.packed_swiglu_forward(x, torch.randn(64, 32), None, 8, True)
+    with pytest.raises(ValueError, match="does not match factors"):
+        kernels.factors_to_grad_(torch.randn(4, 64), torch.randn(4, 16), 16)
