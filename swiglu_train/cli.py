@@ -226,7 +226,7 @@ def pretrain(
     config: Annotated[
         str | None, typer.Option(help="a YAML path, or tiny / 125m / 1b from configs/")
     ] = None,
-    mlp_impl: Annotated[str | None, typer.Option(help="normal or drop_h")] = None,
+    mlp_impl: Annotated[str | None, typer.Option(help="normal, drop_h or save_factors")] = None,
     data: Annotated[
         list[str] | None,
         typer.Option(help="text files or globs, .jsonl, or a Megatron .bin/.idx prefix"),
