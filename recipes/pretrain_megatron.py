@@ -1,0 +1,312 @@
+"""Pretrain a Megatron-core GPTModel whose MLPs run a swiglu-train impl.
+
+    torchrun --nproc-per-node 8 recipes/pretrain_megatron.py --mlp-impl drop_h --tp 2
+
+GPTModel with ``get_gpt_layer_spec(mlp_impl)``, bf16 through Float16Module, Megatron's DDP
+and DistributedOptimizer, MockGPTDataset unless ``--data-path`` names indexed datasets,
+dist-ckpt save/resume, and per-step memory (profiler, rank 0) plus loss and throughput logged
+to W&B (offline without an API key). ``--mlp-impl stock`` runs Megatron's own MLP for A/B.
+
+``--device cpu`` runs on gloo in fp32 for smoke tests, with torch's AdamW stepping on the
+DDP grad buffers (Megatron's optimizers allocate on "cuda" unconditionally) and model-only
+checkpoints. Megatron still calls a few CUDA-only functions there (its RNG tracker, buffer
+allocation), which tests/megatron_support.py replaces; the test suite runs this recipe through
+tests/megatron_recipe_cpu.py, which installs those shims first.
+
+W&B gets memory, loss and throughput from global rank 0, so only with ``--pp 1`` (with
+pipeline parallelism rank 0 holds neither the loss nor a bracketed forward/backward).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+from functools import partial
+
+import torch
+import torch.nn.functional as F
+from megatron.core import dist_checkpointing, parallel_state, tensor_parallel
+from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
+from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset
+from megatron.core.distributed import (
+    DistributedDataParallel,
+    DistributedDataParallelConfig,
+    finalize_model_grads,
+)
+from megatron.core.models.gpt import GPTModel
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.optimizer import MegatronOptimizer, OptimizerConfig, get_megatron_optimizer
+from megatron.core.pipeline_parallel import get_forward_backward_func
+from megatron.core.tokenizers.text.libraries.null_tokenizer import NullTokenizer
+from megatron.core.transformer.module import Float16Module
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+from swiglu_train.integrations.megatron import SUPPORTED_IMPLS, get_gpt_layer_spec
+from swiglu_train.memory import MemoryProfiler
+from swiglu_train.memory.wandb_run import WandbMemoryLogger, init_run
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--mlp-impl", default="drop_h", choices=[*SUPPORTED_IMPLS, "stock"])
+    p.add_argument("--tp", type=int, default=1)
+    p.add_argument("--pp", type=int, default=1)
+    p.add_argument("--dp", type=int, default=None, help="checked against WORLD_SIZE/(tp*pp)")
+    p.add_argument("--sequence-parallel", action="store_true", help="needs Apex norms (local spec)")
+    p.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
+    p.add_argument("--max-steps", type=int, default=100)
+    p.add_argument("--num-layers", type=int, default=4)
+    p.add_argument("--hidden-size", type=int, default=1024)
+    p.add_argument("--ffn-hidden-size", type=int, default=2816)
+    p.add_argument("--num-attention-heads", type=int, default=16)
+    p.add_argument("--seq-length", type=int, default=1024)
+    p.add_argument("--vocab-size", type=int, default=32000)
+    p.add_argument("--micro-batch-size", type=int, default=4)
+    p.add_argument("--num-microbatches", type=int, default=1)
+    p.add_argument("--lr", type=float, default=3e-4)
+    p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--data-path", nargs="*", default=None, help="indexed dataset prefixes")
+    p.add_argument("--save", default=None, help="root of the iter_NNNNNNN dist-ckpt folders")
+    p.add_argument("--save-interval", type=int, default=0, help="0: only at the end")
+    p.add_argument("--load", default=None, help="an iter_NNNNNNN folder to resume from")
+    p.add_argument("--wandb-project", default="swiglu-train-megatron")
+    p.add_argument("--output-dir", default="runs")
+    return p.parse_args(argv)
+
+
+def initialize(args: argparse.Namespace) -> None:
+    backend = "nccl" if args.device == "cuda" else "gloo"
+    if args.device == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    torch.distributed.init_process_group(backend)
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=args.tp, pipeline_model_parallel_size=args.pp
+    )
+    dp = parallel_state.get_data_parallel_world_size()
+    if args.dp is not None and args.dp != dp:
+        raise ValueError(f"--dp {args.dp} but WORLD_SIZE/(tp*pp) gives {dp}")
+    torch.manual_seed(args.seed)
+    tensor_parallel.model_parallel_cuda_manual_seed(args.seed)
+
+
+def transformer_config(args: argparse.Namespace) -> TransformerConfig:
+    bf16 = args.device == "cuda"
+    return TransformerConfig(
+        num_layers=args.num_layers,
+        hidden_size=args.hidden_size,
+        ffn_hidden_size=args.ffn_hidden_size,
+        num_attention_heads=args.num_attention_heads,
+        tensor_model_parallel_size=args.tp,
+        pipeline_model_parallel_size=args.pp,
+        sequence_parallel=args.sequence_parallel,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        bias_activation_fusion=args.mlp_impl == "stock",
+        add_bias_linear=False,
+        normalization="RMSNorm",
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        bf16=bf16,
+        params_dtype=torch.bfloat16 if bf16 else torch.float32,
+        pipeline_dtype=torch.bfloat16 if bf16 else torch.float32,
+        use_cpu_initialization=args.device == "cpu",
+    )
+
+
+def build_model(args: argparse.Namespace, config: TransformerConfig) -> DistributedDataParallel:
+    if args.mlp_impl == "stock":
+        spec = get_gpt_layer_local_spec(normalization="RMSNorm")
+    else:
+        spec = get_gpt_layer_spec(args.mlp_impl)
+    model = GPTModel(
+        config,
+        spec,
+        vocab_size=args.vocab_size,
+        max_sequence_length=args.seq_length,
+        pre_process=parallel_state.is_pipeline_first_stage(),
+        post_process=parallel_state.is_pipeline_last_stage(),
+        position_embedding_type="rope",
+    )
+    if args.device == "cuda":
+        model = model.cuda()
+    if config.bf16:
+        model = Float16Module(config, model)
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True, use_distributed_optimizer=args.device == "cuda"
+    )
+    return DistributedDataParallel(config=config, ddp_config=ddp_config, module=model)
+
+
+class MainGradAdamW:
+    """CPU smoke runs only: torch AdamW on the grads Megatron's DDP reduced into main_grad."""
+
+    def __init__(self, model: DistributedDataParallel, lr: float) -> None:
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(self.params, lr=lr)
+
+    def zero_grad(self) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def step(self) -> None:
+        for p in self.params:
+            p.grad = p.main_grad
+        self.optimizer.step()
+
+
+def build_optimizer(args: argparse.Namespace, config: TransformerConfig, model):
+    if args.device == "cpu":
+        return MainGradAdamW(model, args.lr)
+    optimizer = get_megatron_optimizer(
+        OptimizerConfig(
+            optimizer="adam",
+            lr=args.lr,
+            bf16=config.bf16,
+            params_dtype=config.params_dtype,
+            use_distributed_optimizer=True,
+            clip_grad=1.0,
+        ),
+        [model],
+    )
+    config.grad_scale_func = optimizer.scale_loss
+    return optimizer
+
+
+def train_loader(args: argparse.Namespace) -> torch.utils.data.DataLoader:
+    config = GPTDatasetConfig(
+        random_seed=args.seed,
+        sequence_length=args.seq_length,
+        blend=(args.data_path, None) if args.data_path else None,  # None: mock data
+        split="1,0,0",
+        reset_position_ids=False,
+        reset_attention_mask=False,
+        eod_mask_loss=False,
+        create_attention_mask=True,  # the local attention's default causal mask is CUDA-only
+        tokenizer=NullTokenizer(args.vocab_size - 1),
+    )
+    dp = parallel_state.get_data_parallel_world_size()
+    samples = args.max_steps * args.num_microbatches * args.micro_batch_size * dp
+    dataset_type = GPTDataset if args.data_path else MockGPTDataset
+    train, _, _ = BlendedMegatronDatasetBuilder(
+        dataset_type, [samples, 0, 0], lambda: True, config
+    ).build()
+    sampler = torch.utils.data.DistributedSampler(
+        train, num_replicas=dp, rank=parallel_state.get_data_parallel_rank(), shuffle=False
+    )
+    return torch.utils.data.DataLoader(train, batch_size=args.micro_batch_size, sampler=sampler)
+
+
+def loss_func(loss_mask: torch.Tensor, on_first: list, output: torch.Tensor):
+    """Mean token loss; the first call marks the end of the profiled forward."""
+    if on_first:
+        on_first.pop()()
+    loss = (output.float() * loss_mask).sum() / loss_mask.sum()
+    return loss, {"lm loss": loss.detach()}
+
+
+def forward_step(device: torch.device | None, on_first: list, data_iterator, model):
+    batch = {k: v.to(device) if device else v for k, v in next(data_iterator).items()}
+    output = model(
+        batch["tokens"], batch["position_ids"], batch["attention_mask"], labels=batch["labels"]
+    )
+    return output, partial(loss_func, batch["loss_mask"].float(), on_first)
+
+
+def checkpoint_state(model: DistributedDataParallel, optimizer) -> dict:
+    state = {"model": model.module.sharded_state_dict()}  # DDP adds no keys of its own
+    if isinstance(optimizer, MegatronOptimizer):
+        state["optimizer"] = optimizer.sharded_state_dict(state["model"])
+    return state
+
+
+def save(root: str, step: int, model, optimizer) -> None:
+    """Write ``ROOT/iter_{step:07d}``, which ``--load`` takes to resume at ``step``."""
+    directory = os.path.join(root, f"iter_{step:07d}")
+    os.makedirs(directory, exist_ok=True)
+    state = checkpoint_state(model, optimizer) | {"step": step}
+    dist_checkpointing.save(state, directory)
+
+
+def load(directory: str, model, optimizer) -> int:
+    state = dist_checkpointing.load(checkpoint_state(model, optimizer), directory)
+    model.module.load_state_dict(state["model"])
+    if "optimizer" in state:
+        optimizer.load_state_dict(state["optimizer"])
+    return dist_checkpointing.load_common_state_dict(directory)["step"]
+
+
+def main(argv: list[str] | None = None) -> list[float]:
+    """Train; returns the loss of each step run (on the last pipeline stage)."""
+    args = parse_args(argv)
+    initialize(args)
+    config = transformer_config(args)
+    model = build_model(args, config)
+    optimizer = build_optimizer(args, config, model)
+    config.finalize_model_grads_func = finalize_model_grads
+    config.no_sync_func = model.no_sync
+    start = load(args.load, model, optimizer) if args.load else 0
+
+    rank0 = torch.distributed.get_rank() == 0
+    logger = None
+    if rank0:
+        run = init_run(
+            args.wandb_project, name=args.mlp_impl, config=vars(args), directory=args.output_dir
+        )
+        logger = WandbMemoryLogger(run)
+    profiler = MemoryProfiler(model) if rank0 and args.pp == 1 else None
+    device = torch.device("cuda", torch.cuda.current_device()) if args.device == "cuda" else None
+    data = iter(train_loader(args))
+    for _ in range(start * args.num_microbatches):  # resume where the saved run stopped
+        next(data)
+    forward_backward = get_forward_backward_func()
+    tokens_per_step = (
+        args.seq_length
+        * args.micro_batch_size
+        * args.num_microbatches
+        * parallel_state.get_data_parallel_world_size()
+    )
+    losses = []
+    for step in range(start, args.max_steps):
+        tic = time.perf_counter()
+        on_first = []
+        if profiler is not None:
+            profiler.begin(step)
+            on_first.append(profiler.forward_done)
+        model.zero_grad_buffer()
+        optimizer.zero_grad()
+        stats = forward_backward(
+            forward_step_func=partial(forward_step, device, on_first),
+            data_iterator=data,
+            model=[model],
+            num_microbatches=args.num_microbatches,
+            seq_length=args.seq_length,
+            micro_batch_size=args.micro_batch_size,
+            forward_only=False,
+        )
+        record = profiler.backward_done() if profiler is not None else None
+        optimizer.step()
+        if args.device == "cuda":
+            torch.cuda.synchronize()
+        seconds = time.perf_counter() - tic
+        if stats:  # the last pipeline stage
+            loss = torch.stack([s["lm loss"] for s in stats]).mean().item()
+            losses.append(loss)
+            if parallel_state.get_tensor_model_parallel_rank() == 0:
+                print(f"step {step} loss {loss:.6f} {tokens_per_step / seconds:.0f} tokens/s")
+            if logger is not None and record is not None:
+                extra = {"loss": loss, "tokens_per_s": tokens_per_step / seconds}
+                logger.log(record, extra)
+        done = step + 1
+        if args.save and (
+            done == args.max_steps or (args.save_interval and done % args.save_interval == 0)
+        ):
+            save(args.save, done, model, optimizer)
+    if logger is not None:
+        logger.run.finish()
+    parallel_state.destroy_model_parallel()
+    torch.distributed.destroy_process_group()
+    return losses
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,245 @@
+"""ParMLPMegatron: Megatron-core's ``MLP`` with its SwiGLU math replaced by one of our impls.
+
+Everything Megatron owns stays Megatron's: the ``linear_fc1`` / ``linear_fc2`` modules and
+their parameters (TP attributes, init, DDP/DistributedOptimizer buffers), the TP process
+group, and ``sharded_state_dict``. Only the local math between the two TP collectives changes:
+
+    x_tp = copy-to-TP-region(x)            or all-gather along the sequence (sequence parallel)
+    y_tp = impl(x_tp, W1_r, b1_r, W2_r)    our autograd Function, on this rank's shards
+    y    = all-reduce(y_tp)                or reduce-scatter along the sequence
+
+Megatron stores a gated fc1 with ``stride=2``: rank r holds ``[W_gate_r; W_up_r]``, which is
+exactly our canonical layout for the local shard, so the stock weights feed our impls
+unchanged and checkpoints stay interchangeable with the stock MLP at any TP size (the stock
+``sharded_state_dict`` already writes the global [W_gate; W_up]). The packed
+impl (``save_factors``) is not supported here yet: it will have to repack the local shard on
+load and unpack it in ``sharded_state_dict`` through a wrapped ``ShardedTensorFactory``.
+
+Known gap: with sequence parallelism our Function saves the all-gathered input [s, b, h],
+where the stock ColumnParallelLinear saves its [s/tp, b, h] shard and gathers it again in
+backward.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from megatron.core import parallel_state
+from megatron.core.tensor_parallel import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    copy_to_tensor_model_parallel_region,
+    gather_from_sequence_parallel_region,
+    reduce_from_tensor_model_parallel_region,
+    reduce_scatter_to_sequence_parallel_region,
+)
+from megatron.core.transformer.mlp import MLP, MLPSubmodules
+from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+from swiglu_train.kernels.runtime import SUPPORTED_DTYPES
+from swiglu_train.layers.registry import get_impl
+
+# Impls that read fc1 in the canonical layout, i.e. Megatron's own local [gate_r; up_r] shard.
+# Packed impls (save_factors) need the shard repacked on load and a ShardedTensorFactory that
+# unpacks it on save; until that exists they are refused by name.
+SUPPORTED_IMPLS: tuple[str, ...] = ("normal", "drop_h")
+
+# MLP.__init__ keywords differ across megatron-core versions; pass only those it takes.
+_BASE_INIT_PARAMS = frozenset(inspect.signature(MLP.__init__).parameters)
+
+
+def check_config(config: TransformerConfig, is_expert: bool = False) -> None:
+    """Refuse, with the reason, configs whose MLP math or kernels this layer cannot run."""
+    problems = []
+    if not config.gated_linear_unit or config.activation_func is not F.silu:
+        problems.append(
+            "it computes SwiGLU only: set gated_linear_unit=True, activation_func=F.silu"
+        )
+    if getattr(config, "fp8", None) or getattr(config, "fp4", None):
+        problems.append("FP8/FP4 runs on Transformer Engine GEMMs; unset config.fp8/fp4")
+    if getattr(config, "use_te_activation_func", False):
+        problems.append("use_te_activation_func would bypass our activation; set it False")
+    if getattr(config, "activation_func_clamp_value", None) is not None:
+        problems.append("activation_func_clamp_value (clamped SwiGLU) is not implemented")
+    if getattr(config, "glu_linear_offset", 0.0):
+        problems.append("glu_linear_offset != 0 is not implemented")
+    if config.gradient_accumulation_fusion:
+        problems.append(
+            "gradient_accumulation_fusion is not supported: our backward writes weight grads "
+            "to param.grad; set gradient_accumulation_fusion=False"
+        )
+    if getattr(config, "use_kitchen", False):
+        problems.append("use_kitchen changes the fc1 layout (stride 1); not supported")
+    if is_expert:
+        problems.append("MoE experts use expert-parallel comms; use it for dense MLPs only")
+    if problems:
+        raise ValueError("ParMLPMegatron cannot run this config: " + "; ".join(problems))
+
+
+def check_impl(name: str) -> None:
+    """Unknown names list every impl (get_impl); known ones must read the canonical layout."""
+    get_impl(name)
+    if name not in SUPPORTED_IMPLS:
+        raise ValueError(
+            f"impl {name!r} is not supported by the Megatron integration yet (it reads a packed "
+            f"fc1); supported: {', '.join(SUPPORTED_IMPLS)}"
+        )
+
+
+class ParMLPMegatron(MLP):
+    """Drop-in for ``megatron.core.transformer.mlp.MLP`` (local backend) running ``impl``.
+
+    ``bias_activation_fusion`` is ignored: our impl replaces that path whatever its value.
+    ``inplace=False`` lets a ``drop_h`` graph be backpropagated twice.
+    """
+
+    def __init__(
+        self,
+        config: TransformerConfig,
+        submodules: MLPSubmodules,
+        is_expert: bool = False,
+        input_size: int | None = None,
+        ffn_hidden_size: int | None = None,
+        tp_group: torch.distributed.ProcessGroup | None = None,
+        pg_collection: Any | None = None,
+        name: str | None = None,
+        is_mtp_layer: bool = False,
+        impl: str = "drop_h",
+        inplace: bool = True,
+    ) -> None:
+        check_config(config, is_expert)
+        _check_linears(submodules)
+        check_impl(impl)  # before any weight is allocated
+        if tp_group is None:
+            tp_group = _default_tp_group(pg_collection)
+        optional = {"pg_collection": pg_collection, "name": name, "is_mtp_layer": is_mtp_layer}
+        super().__init__(
+            config=config,
+            submodules=submodules,
+            is_expert=is_expert,
+            input_size=input_size,
+            ffn_hidden_size=config.ffn_hidden_size if ffn_hidden_size is None else ffn_hidden_size,
+            tp_group=tp_group,
+            **{k: v for k, v in optional.items() if k in _BASE_INIT_PARAMS},
+        )
+        self.impl = impl
+        self.inplace = inplace
+
+    @classmethod
+    def as_mlp_submodule(
+        cls,
+        submodules: MLPSubmodules,
+        config: TransformerConfig,
+        pg_collection: Any | None = None,
+        is_mtp_layer: bool = False,
+        is_expert: bool = False,
+        input_size: int | None = None,
+        ffn_hidden_size: int | None = None,
+        name: str | None = None,
+        layer_number: int | None = None,
+        impl: str = "drop_h",
+        inplace: bool = True,
+    ) -> ParMLPMegatron:
+        """The MLP builder that megatron-core >= 0.19 TransformerLayers call for their mlp slot
+        (0.16-0.18 build a ModuleSpec instead); see :func:`~.specs.mlp_spec`."""
+        del layer_number  # a dense MLP does not depend on its depth
+        return cls(
+            config,
+            submodules,
+            is_expert=is_expert,
+            input_size=input_size,
+            ffn_hidden_size=ffn_hidden_size,
+            pg_collection=pg_collection,
+            name=name,
+            is_mtp_layer=is_mtp_layer,
+            impl=impl,
+            inplace=inplace,
+        )
+
+    def forward(
+        self, hidden_states: torch.Tensor, per_token_scale: torch.Tensor | None = None, **kwargs
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(output, fc2 bias) like the stock MLP: the bias is left for the bias-dropout-add.
+
+        Other keywords Megatron passes (``padding_mask``, for MoE routing) do not concern a dense
+        MLP and are ignored, as the stock MLP does.
+        """
+        if per_token_scale is not None:
+            raise ValueError("ParMLPMegatron does not support per_token_scale (MoE experts)")
+        self._check_input(hidden_states)
+        fc1, fc2 = self.linear_fc1, self.linear_fc2
+        x = self._to_tp_region(hidden_states)
+        y = self._mlp_function(
+            x.reshape(-1, x.shape[-1]), fc1.weight, fc1.bias, fc2.weight, None, inplace=self.inplace
+        )
+        y = self._from_tp_region(y.view(*x.shape[:-1], y.shape[-1]))
+        return y, fc2.bias
+
+    def _to_tp_region(self, x: torch.Tensor) -> torch.Tensor:
+        """What ColumnParallelLinear does to its input: backward all-reduces (or
+        reduce-scatters, with sequence parallelism) the input gradient over TP."""
+        if self.config.sequence_parallel:
+            return gather_from_sequence_parallel_region(
+                x, tensor_parallel_output_grad=True, group=self.tp_group
+            )
+        return copy_to_tensor_model_parallel_region(x, group=self.tp_group)
+
+    def _from_tp_region(self, y: torch.Tensor) -> torch.Tensor:
+        """What RowParallelLinear does to its partial sums."""
+        if self.config.sequence_parallel:
+            return reduce_scatter_to_sequence_parallel_region(y, group=self.tp_group)
+        return reduce_from_tensor_model_parallel_region(y, group=self.tp_group)
+
+    def _check_input(self, x: torch.Tensor) -> None:
+        weight = self.linear_fc1.weight
+        if x.dtype not in SUPPORTED_DTYPES:
+            raise TypeError(f"ParMLPMegatron supports {SUPPORTED_DTYPES}, got {x.dtype}")
+        if x.dtype != weight.dtype:
+            raise TypeError(
+                f"ParMLPMegatron input is {x.dtype} but its weights are {weight.dtype}; "
+                "wrap the model in Float16Module or cast the input"
+            )
+        if x.shape[-1] != weight.shape[1]:
+            raise ValueError(
+                f"ParMLPMegatron expects a last dim of {weight.shape[1]}, got {tuple(x.shape)}"
+            )
+
+    @property
+    def impl(self) -> str:
+        return self._impl
+
+    @impl.setter
+    def impl(self, name: str) -> None:
+        check_impl(name)
+        self._mlp_function = get_impl(name)
+        self._impl = name
+
+    def extra_repr(self) -> str:
+        return f"impl={self.impl!r}, inplace={self.inplace}"
+
+
+def _check_linears(submodules: MLPSubmodules) -> None:
+    """Our forward replaces the linears' own GEMMs, which only the local ones allow."""
+    for label, kind in (("linear_fc1", ColumnParallelLinear), ("linear_fc2", RowParallelLinear)):
+        spec = getattr(submodules, label)
+        module = spec.module if isinstance(spec, ModuleSpec) else spec
+        if not (isinstance(module, type) and issubclass(module, kind)):
+            raise ValueError(
+                f"ParMLPMegatron needs {label} to be a local {kind.__name__}, got "
+                f"{getattr(module, '__name__', module)}; Transformer Engine linears are not "
+                "supported yet (use backend='local')"
+            )
+
+
+def _default_tp_group(pg_collection: Any | None) -> torch.distributed.ProcessGroup | None:
+    """The TP group when the caller passed none (TransformerLayer passes ``tp_group`` only to
+    the exact stock ``MLP`` class, never to a subclass): the collection's, else the global."""
+    if pg_collection is not None and hasattr(pg_collection, "tp"):
+        return pg_collection.tp
+    if parallel_state.model_parallel_is_initialized():
+        return parallel_state.get_tensor_model_parallel_group()
+    return None

@@ -1,0 +1,132 @@
+"""Run real megatron-core on CPU with gloo, for the Megatron integration tests.
+
+Megatron assumes CUDA in a few places that a CPU test still reaches:
+- the model-parallel RNG tracker (dropout forks, activation recompute) reads and sets the
+  CUDA generator's state;
+- the global memory buffer (the sequence-parallel all-gather in ColumnParallelLinear) and the
+  sequence-parallel collectives allocate on ``torch.cuda.current_device()``;
+- dist-ckpt's filesystem writer calls ``torch.cuda.synchronize()`` before writing;
+- the pipeline schedules count tokens in a ``torch.zeros(..., device="cuda")``.
+
+:func:`shim_cuda_only_calls` points those at the CPU generator and CPU memory. The shims live
+here, in test code, because outside tests Megatron only runs on CUDA; they are installed in
+the spawned worker processes only, never in the pytest process.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+from collections.abc import Callable, Iterator
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+pytest.importorskip("megatron.core", reason="needs the megatron extra")
+
+from megatron.core import parallel_state
+from megatron.core import utils as mcore_utils
+from megatron.core.pipeline_parallel import schedules
+from megatron.core.tensor_parallel import random as mcore_random
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+
+class _CpuMemoryBuffer(mcore_utils.GlobalMemoryBuffer):
+    """Megatron's GlobalMemoryBuffer, allocating on the CPU instead of the current GPU."""
+
+    def get_tensor(self, tensor_shape, dtype, name, mem_alloc_context=None):
+        numel = int(torch.Size(tensor_shape).numel())
+        buffer = self.buffer.get((name, dtype))
+        if buffer is None or buffer.numel() < numel:
+            buffer = self.buffer[(name, dtype)] = torch.empty(numel, dtype=dtype)
+        return buffer[:numel].view(*tensor_shape)
+
+
+class _CpuRNGStatesTracker(mcore_random.CudaRNGStatesTracker):
+    """The RNG tracker with named states of the CPU generator instead of the CUDA one."""
+
+    def add(self, name: str, seed: int) -> None:
+        if seed in self.seeds_ or name in self.states_:
+            raise ValueError(f"rng state {name} / seed {seed} already exists")
+        self.seeds_.add(seed)
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            self.states_[name] = torch.get_rng_state()
+
+
+class _TorchWithoutCudaFactories:
+    """The torch module as the schedules module sees it, with ``zeros(device="cuda")`` on CPU."""
+
+    def __getattr__(self, name: str):
+        return getattr(torch, name)
+
+    @staticmethod
+    def zeros(*args, device=None, **kwargs) -> torch.Tensor:
+        return torch.zeros(*args, **kwargs)
+
+
+def shim_cuda_only_calls(seed: int = 1234) -> None:
+    """Install the CPU stand-ins for Megatron's CUDA-only RNG and buffer calls (per process)."""
+    mcore_random._get_cuda_rng_state = lambda *args, **kwargs: torch.get_rng_state()
+    mcore_random._set_cuda_rng_state = lambda state, *args, **kwargs: torch.set_rng_state(state)
+    tracker = _CpuRNGStatesTracker()
+    tracker.add(mcore_random._MODEL_PARALLEL_RNG_TRACKER_NAME, seed)
+    mcore_random._CUDA_RNG_STATE_TRACKER = tracker
+    mcore_random._CUDA_RNG_STATE_TRACKER_INITIALIZED = True
+    parallel_state._GLOBAL_MEMORY_BUFFER = _CpuMemoryBuffer()
+    # Only ever called in the spawned worker processes, which never touch a GPU.
+    torch.cuda.current_device = lambda: torch.device("cpu")
+    torch.cuda.synchronize = lambda device=None: None
+    schedules.torch = _TorchWithoutCudaFactories()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def megatron_parallel(rank: int, world_size: int, port: int, tp: int = 1, pp: int = 1) -> Iterator:
+    """A gloo process group with Megatron's model-parallel state, torn down on exit."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.distributed.init_process_group("gloo", rank=rank, world_size=world_size)
+    try:
+        parallel_state.initialize_model_parallel(
+            tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp
+        )
+        shim_cuda_only_calls()
+        yield
+    finally:
+        parallel_state.destroy_model_parallel()
+        torch.distributed.destroy_process_group()
+
+
+def spawn(fn: Callable, world_size: int, *args) -> None:
+    """Run ``fn(rank, world_size, port, *args)`` in ``world_size`` gloo processes."""
+    torch.multiprocessing.spawn(fn, args=(world_size, free_port(), *args), nprocs=world_size)
+
+
+def swiglu_config(**overrides) -> TransformerConfig:
+    """A tiny fp32 SwiGLU config on CPU; TransformerConfig reads the TP size given here."""
+    fields = dict(
+        num_layers=2,
+        hidden_size=32,
+        ffn_hidden_size=48,
+        num_attention_heads=4,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        bias_activation_fusion=False,
+        use_cpu_initialization=True,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        normalization="RMSNorm",
+        tensor_model_parallel_size=parallel_state.get_tensor_model_parallel_world_size()
+        if parallel_state.model_parallel_is_initialized()
+        else 1,
+    )
+    fields.update(overrides)
+    return TransformerConfig(**fields)
