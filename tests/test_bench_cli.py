@@ -73,7 +73,7 @@ def test_bench_smoke_on_cpu(tmp_path):
             "--shape",
             f"{M},{D},{FFN},{D}",
             "--variants",
-            "eager,normal,drop_h,liger",
+            "eager,normal,drop_h,save_factors,liger",
             "--samples",
             "30",
             "--stack-layers",
@@ -85,11 +85,11 @@ def test_bench_smoke_on_cpu(tmp_path):
     assert result.exit_code == 0, result.output
     payload = json.loads(out.read_text())
     names = [r["variant"] for r in payload["results"]]
-    assert names[:4] == ["floor", "eager", "normal", "drop_h"]
+    assert names[:5] == ["floor", "eager", "normal", "drop_h", "save_factors"]
     if "liger" not in names:
         assert "liger" in payload["skipped"]  # a missing peer is reported, never dropped silently
     for row in payload["results"][1:]:
         assert row["full_ms"] > 0 and row["full_over_floor"] > 0
         assert row["rel_err_vs_reference"] < 1e-5  # fp32: every variant computes the same MLP
     assert payload["meta"]["samples"] == 30 and payload["meta"]["device_name"] == "cpu"
-    assert [r["layers"] for r in payload["stack"]] == [2, 2, 2]
+    assert [r["layers"] for r in payload["stack"]] == [2, 2, 2, 2]

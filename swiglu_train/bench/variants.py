@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from swiglu_train.layers import ParMLP
+from swiglu_train.layers.layout import CANONICAL, relayout
 from swiglu_train.ops import reference
 
 Layer = Callable[[torch.Tensor], torch.Tensor]
@@ -45,7 +46,11 @@ def eager(w: LayerWeights) -> Layer:
 def ours(impl: str) -> Callable[[LayerWeights], Layer]:
     def build(w: LayerWeights) -> Layer:
         mlp = ParMLP(w.fc1.shape[1], w.fc2.shape[1], w.fc2.shape[0], impl=impl, device="meta")
-        mlp.fc1.weight, mlp.fc2.weight = w.fc1, w.fc2
+        mlp.fc2.weight = w.fc2
+        if mlp.fc1_layout.packed:  # its own packed copy of the canonical weight
+            mlp.fc1.weight = torch.nn.Parameter(relayout(w.fc1.detach(), CANONICAL, mlp.fc1_layout))
+        else:
+            mlp.fc1.weight = w.fc1
         return mlp
 
     return build
@@ -94,6 +99,7 @@ BUILDERS: dict[str, Callable[[LayerWeights], Layer]] = {
     "compile": compiled,
     "normal": ours("normal"),
     "drop_h": ours("drop_h"),
+    "save_factors": ours("save_factors"),
     "liger": liger,
     "fla": fla,
     "quack": quack,
