@@ -1,0 +1,92 @@
+"""The largest micro-batch that trains without running out of GPU memory, per MLP impl.
+
+This is the user-visible win of drop_h: at the ~1B config, how many more sequences fit.
+
+    python scripts/max_micro_batch.py --config 1b --mlp-impl normal,drop_h --json out.json
+
+Each trial runs two real optimizer steps (bf16 autocast, AdamW, the recipe's model) in this
+process and frees everything after; the search doubles, then bisects.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Annotated
+
+import torch
+import typer
+
+from swiglu_train.integrations.lightning.config import load_config
+from swiglu_train.integrations.lightning.model import LlamaDecoder
+
+
+def largest_fitting(fits: Callable[[int], bool], limit: int) -> tuple[int, list[int]]:
+    """Largest n in [1, limit] with fits(n), assuming fits is monotone; and the n tried."""
+    tried, low, n = [], 0, 1
+    while n <= limit:  # double until the first failure
+        tried.append(n)
+        if not fits(n):
+            break
+        low, n = n, n * 2
+    high = min(n, limit + 1)  # the first n known (or assumed) not to fit
+    while high - low > 1:
+        mid = (low + high) // 2
+        tried.append(mid)
+        low, high = (mid, high) if fits(mid) else (low, mid)
+    return low, tried
+
+
+def trial(config: str, impl: str, micro_batch: int) -> bool:
+    """Two training steps at this micro-batch; False on CUDA out-of-memory."""
+    cfg = load_config(config)
+    cfg.model.mlp_impl = impl
+    model = optimizer = None
+    try:
+        model = LlamaDecoder(cfg.model).cuda()
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+        tokens = torch.randint(0, 256, (micro_batch, cfg.data.seq_length + 1), device="cuda")
+        for _ in range(2):
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                logits = model(tokens[:, :-1])
+            loss = torch.nn.functional.cross_entropy(
+                logits.flatten(0, 1).float(), tokens[:, 1:].flatten()
+            )
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        torch.cuda.synchronize()
+        return True
+    except torch.cuda.OutOfMemoryError:
+        return False
+    finally:
+        del model, optimizer
+        gc.collect()
+        torch.cuda.empty_cache()
+
+
+def main(
+    config: Annotated[str, typer.Option()] = "1b",
+    mlp_impl: Annotated[str, typer.Option()] = "normal,drop_h",
+    limit: Annotated[int, typer.Option(help="largest micro-batch to try")] = 256,
+    json_path: Annotated[Path | None, typer.Option("--json")] = None,
+) -> None:
+    results = []
+    for impl in mlp_impl.split(","):
+        best, tried = largest_fitting(lambda n, impl=impl: trial(config, impl, n), limit)
+        results.append({"impl": impl, "max_micro_batch": best, "tried": tried})
+        print(f"{impl}: largest micro-batch {best} (tried {tried})")
+    payload = {
+        "config": config,
+        "device_name": torch.cuda.get_device_name(),
+        "seq_length": load_config(config).data.seq_length,
+        "results": results,
+    }
+    if json_path is not None:
+        json_path.write_text(json.dumps(payload, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    typer.run(main)
