@@ -53,6 +53,9 @@ def test_recipe_trains_logs_memory_and_resumes(tmp_path: Path) -> None:
     assert [int(r["step"]) for r in rows] == [0, 1, 2, 3]
     # Two decoder layers, each saving activations for backward.
     assert all(float(r["memory/layer/1/saved_MiB"]) > 0 for r in rows)
+    # Megatron's MLP adapter counts as an MLP of its impl, inside each transformer layer.
+    assert all(float(r["memory/impl/drop_h/saved_MiB"]) > 0 for r in rows)
+    assert all(float(r["memory/layer/0/mlp_saved_MiB"]) > 0 for r in rows)
 
     assert (tmp_path / "ckpt" / "iter_0000003").is_dir()
     resumed = run_recipe(

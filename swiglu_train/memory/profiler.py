@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from swiglu_train.layers import ParMLP
+from swiglu_train.layers import MLP_IMPLS, ParMLP
 from swiglu_train.memory.saved import storage_key
 
 MiB = 2**20
@@ -75,10 +75,17 @@ class StepMemory:
         return out
 
 
-def find_layers(model: nn.Module) -> tuple[list[tuple[str, nn.Module]], list[tuple[str, ParMLP]]]:
+def is_swiglu_mlp(module: nn.Module) -> bool:
+    """A ParMLP, or a framework adapter running one of its impls (it exposes ``impl``)."""
+    return isinstance(module, ParMLP) or getattr(module, "impl", None) in MLP_IMPLS
+
+
+def find_layers(
+    model: nn.Module,
+) -> tuple[list[tuple[str, nn.Module]], list[tuple[str, nn.Module]]]:
     """(layers, mlps): the children of the model's ModuleLists (its transformer blocks), or its
-    ParMLPs when it has no blocks; and every ParMLP."""
-    mlps = [(n, m) for n, m in model.named_modules() if isinstance(m, ParMLP)]
+    MLPs when it has no blocks; and every ParMLP-like MLP."""
+    mlps = [(n, m) for n, m in model.named_modules() if is_swiglu_mlp(m)]
     blocks = [
         (f"{name}.{child_name}" if name else child_name, child)
         for name, module in model.named_modules()
@@ -93,9 +100,10 @@ def model_config(model: nn.Module) -> dict[str, object]:
     layers, mlps = find_layers(model)
     impls = sorted({m.impl for _, m in mlps})
     config: dict[str, object] = {"num_layers": len(layers), "mlp_impl": ",".join(impls) or None}
-    if mlps:
-        config["hidden_size"] = mlps[0][1].hidden_size
-        config["ffn_hidden_size"] = mlps[0][1].ffn_hidden_size
+    for key in ("hidden_size", "ffn_hidden_size"):
+        value = getattr(mlps[0][1], key, None) if mlps else None
+        if value is not None:
+            config[key] = value
     return config
 
 
