@@ -26,6 +26,20 @@ SECOND_BACKWARD_ERROR = (
 )
 
 
+def claim_inplace_backward(ctx, error: str) -> bool:
+    """Whether this backward may overwrite its saved tensors; a second backward through the
+    same graph raises ``error`` (checked before the overwritten tensors are read).
+
+    Under torch.compile it runs out of place: functionalization makes mutations copies anyway.
+    """
+    if not ctx.inplace or torch.compiler.is_compiling():
+        return False
+    if ctx.backward_ran:
+        raise RuntimeError(error)
+    ctx.backward_ran = True
+    return True
+
+
 class _SwiGLU(torch.autograd.Function):
     """The activation alone, saving preact; fc2's F.linear saves h next to it."""
 
@@ -75,12 +89,7 @@ class _DropH(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_y: torch.Tensor):
-        # Functionalization under torch.compile turns a mutation into a copy anyway.
-        inplace = ctx.inplace and not torch.compiler.is_compiling()
-        if inplace:
-            if ctx.backward_ran:  # checked first: reading the mutated saved preact would fail
-                raise RuntimeError(SECOND_BACKWARD_ERROR)
-            ctx.backward_ran = True
+        inplace = claim_inplace_backward(ctx, SECOND_BACKWARD_ERROR)
         x, fc1_weight, fc2_weight, preact = ctx.saved_tensors
         need_x, need_w1, need_b1, need_w2, need_b2, _ = ctx.needs_input_grad
         grad_y = grad_y.contiguous()

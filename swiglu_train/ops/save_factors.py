@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from swiglu_train.ops.activation import triton_enabled
+from swiglu_train.ops.mlp import claim_inplace_backward
 
 try:
     from swiglu_train.kernels import packed_gemm
@@ -92,11 +93,7 @@ class _SaveFactors(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_h: torch.Tensor):
-        inplace = ctx.inplace and not torch.compiler.is_compiling()
-        if inplace:
-            if ctx.backward_ran:  # before reading the saved factors, which were overwritten
-                raise RuntimeError(SECOND_BACKWARD_ERROR_FACTORS)
-            ctx.backward_ran = True
+        inplace = claim_inplace_backward(ctx, SECOND_BACKWARD_ERROR_FACTORS)
         x, fc1_weight, factors = ctx.saved_tensors
         grad_h = grad_h.contiguous()
         grad_preact = factors if inplace else factors.clone()
