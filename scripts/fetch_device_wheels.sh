@@ -3,7 +3,7 @@
 # git-ignored folders the device tool carries (at most 64 MiB per call):
 #   .whl   peers: liger-kernel, fla-core, quack-kernels and its cutlass-dsl/tvm-ffi deps  (11 MB)
 #   .whlx  nvidia-cutlass-dsl-libs-cu13 (88 MB) unpacked and re-compressed with xz        (48 MB)
-#   .whlw  wandb and the dependencies the box lacks                                         (24 MB)
+#   .whlw  wandb and the dependencies the box lacks, and megatron-core for Python 3.12     (27 MB)
 # .whl + .whlx fit one call (scripts/device_setup.sh installs them); .whlw goes in another.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -31,5 +31,6 @@ get .whlw wandb==0.31.0 cwevals==0.0.1b1 opentelemetry-api==1.45.2 opentelemetry
   opentelemetry-proto==1.45.2 opentelemetry-semantic-conventions==0.66b2 \
   opentelemetry-exporter-http-transport==0.66b2 opentelemetry-exporter-otlp-common==0.66b2 \
   googleapis-common-protos pydantic==2.14.4 pydantic-core==2.50.5 annotated-types \
-  typing-inspection platformdirs importlib-metadata lazy-importer distro sniffio typing-extensions
+  typing-inspection platformdirs importlib-metadata lazy-importer distro sniffio typing-extensions \
+  megatron-core==0.16.1
 du -sh .whl .whlx .whlw
