@@ -9,7 +9,7 @@ from swiglu_train import ParMLP
 from swiglu_train.ops import use_backend
 from swiglu_train.ops.save_factors import swiglu_packed
 
-kernels = pytest.importorskip("swiglu_train.kernels.packed_gemm")
+kernels = pytest.importorskip("swiglu_train.kernels.gated_gemm")
 TRITON = [p for p in device_backends() if p.values[1] == "triton"]
 
 
@@ -35,11 +35,11 @@ def test_fused_path_matches_float64_reference(device, backend, dtype, bias, m, d
 def test_kernel_writes_h_and_factors_of_the_torch_math(device, backend):
     x = torch.randn(19, 32, device=device)
     w = torch.randn(128, 32, device=device) / 32**0.5
-    h, factors = kernels.packed_swiglu_forward(x, w, None, 16, True)
+    h, factors = kernels.gated_gemm(x, w, None, chunk=16, aux="factors")
     ref_h, ref_factors = swiglu_packed(torch.nn.functional.linear(x, w), 16)
     torch.testing.assert_close(h, ref_h, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(factors, ref_factors, rtol=1e-5, atol=1e-5)
-    h_only, none = kernels.packed_swiglu_forward(x, w, None, 16, False)
+    h_only, none = kernels.gated_gemm(x, w, None, chunk=16)
     assert none is None and torch.equal(h_only, h)
     grad_h = torch.randn(19, 64, device=device)
     expected = (factors.view(19, 4, 2, 16) * grad_h.view(19, 4, 1, 16)).view(19, 128)
@@ -61,9 +61,15 @@ def test_inference_path_saves_nothing_and_agrees(device, backend):
 
 def test_launcher_checks():
     x = torch.randn(4, 32)
-    with pytest.raises(ValueError, match="does not fit"):
-        kernels.packed_swiglu_forward(x, torch.randn(48, 32), None, 16, True)
-    with pytest.raises(TypeError, match="power-of-two chunk >= 16"):
-        kernels.packed_swiglu_forward(x, torch.randn(64, 32), None, 8, True)
+    with pytest.raises(ValueError, match="needs x"):
+        kernels.gated_gemm(x, torch.randn(48, 31), None, chunk=24)
+    with pytest.raises(ValueError, match="power of two >= 16 dividing F"):
+        kernels.gated_gemm(x, torch.randn(64, 32), None, chunk=8)
+    with pytest.raises(ValueError, match="aux must be one of"):
+        kernels.gated_gemm(x, torch.randn(64, 32), None, chunk=32, aux="h")
+    with pytest.raises(TypeError, match="one dtype"):
+        kernels.gated_gemm(x, torch.randn(64, 32, dtype=torch.float64), None, chunk=32)
+    with pytest.raises(ValueError, match="fc1 bias must be"):
+        kernels.gated_gemm(x, torch.randn(64, 32), torch.randn(32), chunk=32)
     with pytest.raises(ValueError, match="does not match factors"):
         kernels.factors_to_grad_(torch.randn(4, 64), torch.randn(4, 16), 16)

@@ -15,13 +15,13 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from swiglu_train.ops.activation import triton_enabled
+from swiglu_train.ops.gated import gated_enabled, gated_fwd
 from swiglu_train.ops.mlp import claim_inplace_backward
 
 try:
-    from swiglu_train.kernels import packed_gemm
+    from swiglu_train.kernels import gated_gemm
 except ImportError:  # no Triton: the plain-torch path serves
-    packed_gemm = None
+    gated_gemm = None
 
 SECOND_BACKWARD_ERROR_FACTORS = (
     "ParMLP(impl='save_factors') ran its backward in place: the saved factors now hold "
@@ -49,25 +49,10 @@ def swiglu_packed(preact: torch.Tensor, chunk: int) -> tuple[torch.Tensor, torch
     return h, factors.to(preact.dtype).reshape(preact.shape)
 
 
-@torch.library.custom_op("swiglu_train::packed_swiglu_fwd", mutates_args=())
-def packed_swiglu_fwd(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, chunk: int, factors: bool
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(h, factors) from x and a packed fc1; factors is empty when not asked for."""
-    h, aux = packed_gemm.packed_swiglu_forward(x, weight, bias, chunk, factors)
-    return h, aux if aux is not None else x.new_empty(0)
-
-
-@packed_swiglu_fwd.register_fake
-def _(x, weight, bias, chunk, factors):
-    h = x.new_empty(x.shape[0], weight.shape[0] // 2)
-    return h, x.new_empty(x.shape[0], weight.shape[0]) if factors else x.new_empty(0)
-
-
 @torch.library.custom_op("swiglu_train::packed_factors_to_grad_", mutates_args=("factors",))
 def packed_factors_to_grad_(factors: torch.Tensor, grad_h: torch.Tensor, chunk: int) -> None:
     """factors <- grad_h ⊙ factors, in place, in packed order."""
-    packed_gemm.factors_to_grad_(factors, grad_h, chunk)
+    gated_gemm.factors_to_grad_(factors, grad_h, chunk)
 
 
 @packed_factors_to_grad_.register_fake
@@ -76,14 +61,15 @@ def _(factors, grad_h, chunk):
 
 
 def _fused(x: torch.Tensor, chunk: int) -> bool:
-    return packed_gemm is not None and triton_enabled(x) and packed_gemm.fused_supported(x, chunk)
+    """The packed kernels need a power-of-two chunk >= 16 (a tl.dot tile edge)."""
+    return gated_enabled(x, chunk, ffn_size=-1)
 
 
 class _SaveFactors(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, fc1_weight, fc1_bias, chunk: int, inplace: bool) -> torch.Tensor:
         if _fused(x, chunk):
-            h, factors = packed_swiglu_fwd(x, fc1_weight, fc1_bias, chunk, True)
+            h, factors = gated_fwd(x, fc1_weight, fc1_bias, chunk, "factors")
         else:
             h, factors = swiglu_packed(F.linear(x, fc1_weight, fc1_bias), chunk)
         ctx.save_for_backward(x, fc1_weight, factors)
@@ -125,7 +111,7 @@ def save_factors_mlp(
         t is not None and t.requires_grad for t in (x, fc1_weight, fc1_bias)
     )
     if not needs_grad and _fused(x, chunk):
-        h, _ = packed_swiglu_fwd(x, fc1_weight, fc1_bias, chunk, False)
+        h, _ = gated_fwd(x, fc1_weight, fc1_bias, chunk, "none")
     else:
         h = _SaveFactors.apply(x, fc1_weight, fc1_bias, chunk, inplace)
     return F.linear(h, fc2_weight, fc2_bias)

@@ -1,0 +1,304 @@
+"""The gated GEMM (seeds 002 and 003): x @ W1ᵀ with the SwiGLU epilogue in one kernel.
+
+W1 is [2F, K] in a packed layout of chunk C: rows [gate_j | up_j] per chunk of C. The canonical
+[W_gate; W_up] is the same layout with C = F, so one kernel serves every impl. A program owns
+a [BLOCK_M, BLOCK_N] tile of h and accumulates the matching gate and up tiles side by side
+(the seed's [BM, 2·BN] accumulator); its epilogue writes, in one pass,
+    h    [M, F]                                          (always)
+    aux  [M, 2F] in W1's column order, either the factors
+         [up·silu'(gate) | silu(gate)] for save_factors' backward, or the preactivation for
+         drop_h's (AUX = "factors" | "preact" | "none")
+so the preactivation is never read back. gate and up are rounded to the storage dtype before
+the epilogue, as a cuBLAS GEMM's output would be, so h equals every other impl's h bit for bit.
+
+On the GPU the operands stream through TMA tensor descriptors, tiles are visited in grouped
+order for L2 reuse, and the grid may be persistent (one program per SM walking tiles); the
+autotuner picks. The interpreter takes the pointer path with fp32 operands (its bf16 dot is
+wrong), which is also the path for operands TMA cannot describe (unaligned strides).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
+
+from swiglu_train.kernels.runtime import INTERPRET, SUPPORTED_DTYPES, m_bucket
+from swiglu_train.kernels.swiglu import _silu_times_up
+
+AUX_KINDS = {"none": 0, "factors": 1, "preact": 2}
+
+
+def _configs() -> list[triton.Config]:
+    if INTERPRET:
+        return [triton.Config({"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 16, "GROUP_M": 2,
+                               "PERSISTENT": False})]  # fmt: skip
+    tiles = [  # (BLOCK_M, BLOCK_N, BLOCK_K, stages, warps): the [BM, 2·BN] accumulator
+        (128, 128, 64, 3, 8),
+        (128, 128, 64, 4, 8),
+        (128, 64, 64, 4, 4),
+        (128, 64, 64, 4, 8),
+        (64, 128, 64, 4, 4),
+        (64, 64, 128, 4, 4),
+        (16, 64, 128, 4, 4),
+        (16, 128, 128, 3, 4),
+        (32, 64, 128, 4, 4),
+    ]
+    return [
+        triton.Config(
+            {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 8, "PERSISTENT": p},
+            num_stages=s,
+            num_warps=w,
+            pre_hook=_set_block_shapes,
+        )
+        for bm, bn, bk, s, w in tiles
+        for p in (False, True)
+    ]
+
+
+def _set_block_shapes(nargs: dict) -> None:
+    """TMA descriptors carry their box shape, which depends on the config being tried."""
+    if nargs["USE_TMA"]:
+        nargs["x"].block_shape = [nargs["BLOCK_M"], nargs["BLOCK_K"]]
+        nargs["w"].block_shape = [nargs["BLOCK_N"], nargs["BLOCK_K"]]
+
+
+def _prune(configs: list[triton.Config], named_args: dict, **_) -> list[triton.Config]:
+    """Keep tiles that fit the chunk (a tile must not straddle a gate/up boundary) and M."""
+    chunk, m_cap = named_args["CHUNK"], max(named_args["M_BUCKET"], 16)
+    canonical = chunk == named_args["F"]
+    fits = [c for c in configs if canonical or chunk % c.kwargs["BLOCK_N"] == 0]
+    small = [c for c in fits if c.kwargs["BLOCK_M"] <= m_cap]
+    kept = small or [min(fits, key=lambda c: c.kwargs["BLOCK_M"])]
+    return kept if m_cap >= 128 else [c for c in kept if c.kwargs["BLOCK_M"] * 2 >= m_cap] or kept
+
+
+@functools.cache
+def _num_sms(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+@triton.autotune(
+    configs=_configs(),
+    key=["M_BUCKET", "K", "F", "CHUNK", "AUX", "HAS_BIAS", "USE_TMA"],
+    prune_configs_by={"early_config_prune": _prune},
+)
+@triton.jit
+def _gated_gemm_kernel(
+    x,
+    w,
+    b_ptr,
+    h_ptr,
+    aux_ptr,
+    M,
+    K,
+    F,
+    stride_x,
+    stride_w,
+    stride_h,
+    stride_aux,
+    M_BUCKET,
+    HAS_BIAS: tl.constexpr,
+    AUX: tl.constexpr,
+    CHUNK: tl.constexpr,
+    USE_TMA: tl.constexpr,
+    UPCAST: tl.constexpr,
+    IEEE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    PERSISTENT: tl.constexpr,
+):
+    num_pid_m = tl.cdiv(M, BLOCK_M)
+    num_pid_n = tl.cdiv(F, BLOCK_N)
+    num_tiles = num_pid_m * num_pid_n
+    dtype = h_ptr.dtype.element_ty
+    for tile in tl.range(tl.program_id(0), num_tiles, tl.num_programs(0), flatten=PERSISTENT):
+        # grouped order: GROUP_M row tiles sweep the columns together, sharing W1 in L2
+        group = tile // (GROUP_M * num_pid_n)
+        first_m = group * GROUP_M
+        group_rows = min(num_pid_m - first_m, GROUP_M)
+        pid_m = first_m + (tile % (GROUP_M * num_pid_n)) % group_rows
+        pid_n = (tile % (GROUP_M * num_pid_n)) // group_rows
+        m0 = pid_m * BLOCK_M
+        n0 = pid_n * BLOCK_N
+        gate_row = (n0 // CHUNK) * 2 * CHUNK + n0 % CHUNK  # W1 row (and aux column) of gate
+        up_row = gate_row + CHUNK
+        acc_gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        rows = (m0 + tl.arange(0, BLOCK_M)).to(tl.int64)
+        ks = tl.arange(0, BLOCK_K)
+        wn = tl.arange(0, BLOCK_N).to(tl.int64)
+        for k0 in range(0, K, BLOCK_K):
+            if USE_TMA:
+                a = x.load([m0, k0])
+                b_gate = w.load([gate_row, k0])
+                b_up = w.load([up_row, k0])
+            else:
+                kmask = (k0 + ks) < K
+                a = tl.load(
+                    x + rows[:, None] * stride_x + (k0 + ks)[None, :],
+                    mask=(rows[:, None] < M) & kmask[None, :],
+                    other=0.0,
+                )
+                w_tile = w + (gate_row + wn)[:, None] * stride_w + (k0 + ks)[None, :]
+                w_mask = ((gate_row + wn)[:, None] < 2 * F) & kmask[None, :]
+                b_gate = tl.load(w_tile, mask=w_mask, other=0.0)
+                up_mask = ((up_row + wn)[:, None] < 2 * F) & kmask[None, :]
+                b_up = tl.load(w_tile + CHUNK * stride_w, mask=up_mask, other=0.0)
+            if UPCAST:  # the interpreter's bf16 dot is wrong; fp32 operands are exact there
+                a, b_gate, b_up = a.to(tl.float32), b_gate.to(tl.float32), b_up.to(tl.float32)
+            if IEEE:
+                acc_gate = tl.dot(a, b_gate.T, acc_gate, input_precision="ieee")
+                acc_up = tl.dot(a, b_up.T, acc_up, input_precision="ieee")
+            else:
+                acc_gate = tl.dot(a, b_gate.T, acc_gate)
+                acc_up = tl.dot(a, b_up.T, acc_up)
+        cols = n0 + tl.arange(0, BLOCK_N)
+        if HAS_BIAS:
+            bias_mask = cols < F
+            acc_gate += tl.load(b_ptr + gate_row + wn, mask=bias_mask).to(tl.float32)[None, :]
+            acc_up += tl.load(b_ptr + up_row + wn, mask=bias_mask).to(tl.float32)[None, :]
+        gate = acc_gate.to(dtype).to(tl.float32)
+        up = acc_up.to(dtype).to(tl.float32)
+        mask = (rows[:, None] < M) & (cols[None, :] < F)
+        h = _silu_times_up(gate, up, dtype)
+        tl.store(h_ptr + rows[:, None] * stride_h + cols[None, :], h.to(dtype), mask=mask)
+        if AUX != 0:
+            aux_gate = aux_ptr + rows[:, None] * stride_aux + (gate_row + wn)[None, :]
+            if AUX == 1:  # the factors: d h / d gate and d h / d up
+                sig = 1.0 / (1.0 + tl.exp(-gate))
+                tl.store(aux_gate, (up * sig * (1.0 + gate * (1.0 - sig))).to(dtype), mask=mask)
+                tl.store(aux_gate + CHUNK, (gate * sig).to(dtype), mask=mask)
+            else:  # the preactivation, as the GEMM would have written it
+                tl.store(aux_gate, gate.to(dtype), mask=mask)
+                tl.store(aux_gate + CHUNK, up.to(dtype), mask=mask)
+
+
+@triton.jit
+def _factors_to_grad_kernel(
+    factors_ptr, grad_h_ptr, M, stride_f, stride_g, CHUNK: tl.constexpr, BLOCK_M: tl.constexpr
+):
+    """In place: factors[:, pair j] *= grad_h[:, chunk j] -> grad_preact (packed)."""
+    rows = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+    pid_c = tl.program_id(1)
+    t = tl.arange(0, CHUNK)
+    mask = rows[:, None] < M
+    g = tl.load(grad_h_ptr + rows[:, None] * stride_g + (pid_c * CHUNK + t)[None, :], mask=mask)
+    g = g.to(tl.float32)
+    f_ptrs = factors_ptr + rows[:, None] * stride_f + (pid_c * 2 * CHUNK + t)[None, :]
+    d_gate = tl.load(f_ptrs, mask=mask).to(tl.float32) * g
+    d_up = tl.load(f_ptrs + CHUNK, mask=mask).to(tl.float32) * g
+    dtype = factors_ptr.dtype.element_ty
+    tl.store(f_ptrs, d_gate.to(dtype), mask=mask)
+    tl.store(f_ptrs + CHUNK, d_up.to(dtype), mask=mask)
+
+
+def fused_supported(x: torch.Tensor, chunk: int) -> bool:
+    """The packed kernels need a power-of-two chunk >= 16 (a tl.dot tile edge)."""
+    return chunk >= 16 and chunk & (chunk - 1) == 0 and x.dtype in SUPPORTED_DTYPES
+
+
+def _tma_ok(t: torch.Tensor) -> bool:
+    """TMA needs 16-byte aligned base and row stride (and is a GPU unit)."""
+    return (
+        not INTERPRET
+        and t.is_cuda
+        and t.data_ptr() % 16 == 0
+        and (t.stride(0) * t.element_size()) % 16 == 0
+    )
+
+
+def gated_gemm(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    *,
+    chunk: int,
+    aux: str = "none",
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(h [M, F], aux [M, 2F] or None) from x [M, K] and fc1 [2F, K] packed with ``chunk``.
+
+    ``chunk == F`` is the canonical [W_gate; W_up]; otherwise ``chunk`` must be a power of two
+    >= 16 dividing F. ``aux`` picks the second output: "factors", "preact" or "none".
+    """
+    if aux not in AUX_KINDS:
+        raise ValueError(f"aux must be one of {sorted(AUX_KINDS)}, got {aux!r}")
+    if x.dim() != 2 or weight.dim() != 2 or weight.shape[1] != x.shape[1] or weight.shape[0] % 2:
+        raise ValueError(
+            f"gated GEMM needs x [M, K] and fc1 [2F, K]; got {tuple(x.shape)} and "
+            f"{tuple(weight.shape)}"
+        )
+    m, k = x.shape
+    f = weight.shape[0] // 2
+    if chunk != f and (f % chunk or not fused_supported(x, chunk)):
+        raise ValueError(
+            f"chunk {chunk} must be F={f} (canonical) or a power of two >= 16 dividing F"
+        )
+    if x.dtype not in SUPPORTED_DTYPES or weight.dtype != x.dtype:
+        raise TypeError(f"gated GEMM needs x and fc1 of one dtype in {SUPPORTED_DTYPES}; got "
+                        f"{x.dtype} and {weight.dtype}")  # fmt: skip
+    if bias is not None and (bias.shape != (2 * f,) or bias.dtype != x.dtype):
+        raise ValueError(
+            f"fc1 bias must be [{2 * f}] {x.dtype}; got {tuple(bias.shape)} {bias.dtype}"
+        )
+    if weight.device != x.device or (bias is not None and bias.device != x.device):
+        raise ValueError(f"gated GEMM operands must share one device; x is on {x.device}")
+    x = x if x.stride(1) == 1 else x.contiguous()
+    weight = weight if weight.stride(1) == 1 else weight.contiguous()
+    h = x.new_empty(m, f)
+    aux_out = x.new_empty(m, 2 * f) if aux != "none" else None
+    if m == 0:
+        return h, aux_out
+    use_tma = _tma_ok(x) and _tma_ok(weight)
+    x_arg = TensorDescriptor.from_tensor(x, [16, 16]) if use_tma else x  # box set per config
+    w_arg = TensorDescriptor.from_tensor(weight, [16, 16]) if use_tma else weight
+    programs = _num_sms(x.device.index or 0) if x.is_cuda else 1
+
+    def grid(meta: dict) -> tuple[int]:
+        tiles = triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(f, meta["BLOCK_N"])
+        return (min(tiles, programs) if meta["PERSISTENT"] else tiles,)
+
+    _gated_gemm_kernel[grid](
+        x_arg,
+        w_arg,
+        bias if bias is not None else weight,
+        h,
+        aux_out if aux_out is not None else h,
+        m,
+        k,
+        f,
+        x.stride(0),
+        weight.stride(0),
+        h.stride(0),
+        aux_out.stride(0) if aux_out is not None else 0,
+        m_bucket(m),
+        HAS_BIAS=bias is not None,
+        AUX=AUX_KINDS[aux],
+        CHUNK=chunk,
+        USE_TMA=use_tma,
+        UPCAST=INTERPRET,
+        IEEE=x.dtype == torch.float32,
+    )
+    return h, aux_out
+
+
+def factors_to_grad_(factors: torch.Tensor, grad_h: torch.Tensor, chunk: int) -> None:
+    """Overwrite the saved factors with grad_preact = grad_h ⊙ factors (packed order)."""
+    m, rows = factors.shape
+    if grad_h.shape != (m, rows // 2) or grad_h.dtype != factors.dtype:
+        raise ValueError(
+            f"grad_h {tuple(grad_h.shape)} {grad_h.dtype} does not match factors "
+            f"{tuple(factors.shape)} {factors.dtype}"
+        )
+    if m == 0:
+        return
+    block_m = 16 if INTERPRET else 32
+    grid = (triton.cdiv(m, block_m), rows // (2 * chunk))
+    _factors_to_grad_kernel[grid](
+        factors, grad_h, m, factors.stride(0), grad_h.stride(0), CHUNK=chunk, BLOCK_M=block_m
+    )

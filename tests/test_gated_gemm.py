@@ -1,0 +1,77 @@
+"""The gated GEMM kernel: every layout (canonical = chunk F, packed) and every aux output."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import device_backends
+
+from swiglu_train.layers.layout import CANONICAL, Layout, order
+from swiglu_train.ops.save_factors import swiglu_packed
+
+kernels = pytest.importorskip("swiglu_train.kernels.gated_gemm")
+TRITON = [p for p in device_backends() if p.values[1] == "triton"]
+
+
+def _torch_gated(x, w, bias, chunk):
+    """(h, factors, preact) of the plain-torch math, in W1's own column order."""
+    preact = F.linear(x, w, bias)
+    h, factors = swiglu_packed(preact, chunk)
+    return h, factors, preact
+
+
+@pytest.mark.parametrize(("device", "backend"), TRITON)
+@pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])
+@pytest.mark.parametrize(
+    ("m", "k", "f", "chunk"),
+    [(37, 40, 48, 48), (5, 24, 23, 23), (21, 19, 64, 16), (1, 33, 40, 40), (40, 16, 64, 32)],
+    ids=["canonical", "odd-F", "packed16", "M1", "packed32"],
+)
+def test_every_aux_matches_the_torch_math(device, backend, bias, m, k, f, chunk):
+    x = torch.randn(m, k, device=device)
+    w = torch.randn(2 * f, k, device=device) / k**0.5
+    b = torch.randn(2 * f, device=device) if bias else None
+    ref_h, ref_factors, ref_preact = _torch_gated(x, w, b, chunk)
+    for aux, expected in (("none", None), ("factors", ref_factors), ("preact", ref_preact)):
+        h, out = kernels.gated_gemm(x, w, b, chunk=chunk, aux=aux)
+        torch.testing.assert_close(h, ref_h, rtol=1e-5, atol=1e-5)
+        if expected is None:
+            assert out is None
+        else:
+            torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize(("device", "backend"), TRITON)
+def test_packed_weights_give_the_canonical_h(device, backend):
+    """Packing permutes fc1's rows only: h is the same function of x in either layout."""
+    f, k = 64, 32
+    x = torch.randn(9, k, device=device)
+    w = torch.randn(2 * f, k, device=device)
+    packed = w[order(2 * f, CANONICAL, Layout("packed", 16)).to(device)]
+    h_canonical, _ = kernels.gated_gemm(x, w, None, chunk=f)
+    h_packed, _ = kernels.gated_gemm(x, packed, None, chunk=16)
+    torch.testing.assert_close(h_packed, h_canonical, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize(("device", "backend"), TRITON)
+def test_bf16_h_is_rounded_like_eager(device, backend):
+    """gate and up are rounded to bf16 first, as a GEMM output is, so h is eager's h of them."""
+    x = torch.randn(17, 32, device=device, dtype=torch.bfloat16)
+    w = (torch.randn(96, 32, device=device) / 6).to(torch.bfloat16)
+    h, preact = kernels.gated_gemm(x, w, None, chunk=48, aux="preact")
+    expected = F.silu(preact[:, :48]) * preact[:, 48:]
+    if device == "cuda":
+        assert torch.equal(h, expected)
+    else:  # the interpreter rounds fp32 -> bf16 toward zero: silu and h, an ulp each
+        torch.testing.assert_close(h, expected, rtol=2**-6, atol=1e-6)
+    gemm = F.linear(x.float(), w.float()).to(torch.bfloat16)  # a correctly rounded GEMM
+    torch.testing.assert_close(preact, gemm, rtol=2**-7, atol=1e-6)
+
+
+@pytest.mark.parametrize(("device", "backend"), TRITON)
+def test_empty_and_noncontiguous_inputs(device, backend):
+    w = torch.randn(64, 24, device=device)
+    h, aux = kernels.gated_gemm(torch.empty(0, 24, device=device), w, None, chunk=32, aux="preact")
+    assert h.shape == (0, 32) and aux.shape == (0, 64)
+    x = torch.randn(24, 11, device=device).t()  # [11, 24], column-major
+    h, _ = kernels.gated_gemm(x, w, None, chunk=32)
+    torch.testing.assert_close(h, _torch_gated(x, w, None, 32)[0], rtol=1e-5, atol=1e-5)
