@@ -229,7 +229,9 @@ def pretrain(
     config: Annotated[
         str | None, typer.Option(help="a YAML path, or tiny / 125m / 1b from configs/")
     ] = None,
-    mlp_impl: Annotated[str | None, typer.Option(help="normal, drop_h or save_factors")] = None,
+    mlp_impl: Annotated[
+        str | None, typer.Option(help="normal, drop_h, save_factors, or auto (from the table)")
+    ] = None,
     data: Annotated[
         list[str] | None,
         typer.Option(help="text files or globs, .jsonl, or a Megatron .bin/.idx prefix"),
