@@ -6,6 +6,7 @@
 #   tests      the whole test suite, the `gpu` tests included
 #   bench      scripts/bench_mlp.py at the seed shape, every variant (save_factors included)
 #   stack      swiglu-train bench-memory for every impl, with the profiler's overhead
+#   crossover  swiglu-train bench-crossover on the default grid, and impl="auto"'s table
 #   pretrain   125M Lightning runs, impls alternated twice (tokens/s, after-forward, peak)
 #   microbatch the largest micro-batch at ~1B, normal vs drop_h vs save_factors
 #   megatron   recipes/pretrain_megatron.py at TP=1 for each impl (needs the megatron wheel)
@@ -28,6 +29,9 @@ for stage in "$@"; do
     stack)
       python3 -m swiglu_train bench-memory --layers 1,2,4 --mlp-impl normal,drop_h,save_factors \
         --overhead-samples 30 --json "$OUT/stack_h200.json" 2>&1 | tail -20 ;;
+    crossover)
+      python3 scripts/bench_crossover.py --commit "$commit" --json "$OUT/crossover_h200.json" \
+        --table "$OUT/table/crossover_h200.json" 2>&1 | tail -40 ;;
     pretrain)
       for round in 1 2; do
         for impl in normal drop_h save_factors; do

@@ -156,7 +156,7 @@ def test_unknown_impl_lists_valid_ones() -> None:
         ParMLPMegatron(swiglu_config(), stock_submodules(), impl="fused")
 
 
-@pytest.mark.parametrize("impl", sorted(set(MLP_IMPLS) - set(SUPPORTED_IMPLS)))
+@pytest.mark.parametrize("impl", sorted({*MLP_IMPLS, "auto"} - set(SUPPORTED_IMPLS)))
 def test_packed_impls_are_refused_by_name(impl: str) -> None:
     with pytest.raises(ValueError, match=f"impl '{impl}' is not supported by the Megatron"):
         mlp_spec(impl)

@@ -41,7 +41,7 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from swiglu_train.kernels.runtime import SUPPORTED_DTYPES
-from swiglu_train.layers.registry import get_impl
+from swiglu_train.layers.registry import AUTO, get_impl
 
 # Impls that read fc1 in the canonical layout, i.e. Megatron's own local [gate_r; up_r] shard.
 # Packed impls (save_factors) need the shard repacked on load and a ShardedTensorFactory that
@@ -82,11 +82,12 @@ def check_config(config: TransformerConfig, is_expert: bool = False) -> None:
 
 def check_impl(name: str) -> None:
     """Unknown names list every impl (get_impl); known ones must read the canonical layout."""
-    get_impl(name)
+    if name != AUTO:
+        get_impl(name)
     if name not in SUPPORTED_IMPLS:
         raise ValueError(
-            f"impl {name!r} is not supported by the Megatron integration yet (it reads a packed "
-            f"fc1); supported: {', '.join(SUPPORTED_IMPLS)}"
+            f"impl {name!r} is not supported by the Megatron integration yet (save_factors "
+            f"reads a packed fc1, and auto may choose it); supported: {', '.join(SUPPORTED_IMPLS)}"
         )
 
 
