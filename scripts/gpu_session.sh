@@ -3,7 +3,8 @@
 #   bash scripts/gpu_session.sh STAGE [STAGE...]      results land in $OUT (default ./gpu-out)
 # Stages:
 #   setup      install carried wheels (.whl + .whlx: peers; .whlw: wandb) when present
-#   tests      the whole test suite, the `gpu` tests included
+#   tests      the `gpu` tests (CUDA params and GPU-only tests; CI runs the rest)
+#   tune       scripts/tune_gated_gemm.py: the gated GEMM's configs and its ratio to cuBLAS
 #   bench      scripts/bench_mlp.py at the seed shape, every variant (save_factors included)
 #   stack      swiglu-train bench-memory for every impl, with the profiler's overhead
 #   crossover  swiglu-train bench-crossover on the default grid, and impl="auto"'s table
@@ -22,7 +23,10 @@ for stage in "$@"; do
       [ -d .whlx ] && bash scripts/device_setup.sh
       [ -d .whlw ] && python3 -m pip install -q --no-index --no-deps --no-compile .whlw/*.whl ;;
     tests)
-      python3 -m pytest -q -p no:cacheprovider 2>&1 | tee "$OUT/pytest.log" | tail -15 ;;
+      python3 -m pytest -q -m gpu -p no:cacheprovider 2>&1 | tee "$OUT/pytest.log" | tail -15 ;;
+    tune)
+      python3 scripts/tune_gated_gemm.py --samples 30 --json "$OUT/tune_gated_h200.json" \
+        2>&1 | grep -v "^ " ;;
     bench)
       python3 scripts/bench_mlp.py --samples 40 --commit "$commit" --json "$OUT/mlp_h200.json" \
         2>&1 | tail -30 ;;
