@@ -68,7 +68,8 @@ def _set_block_shapes(nargs: dict) -> None:
     if nargs["USE_TMA"]:
         bm, bn = nargs["BLOCK_M"], nargs["BLOCK_N"]
         nargs["x"].block_shape = [bm, nargs["BLOCK_K"]]
-        nargs["w"].block_shape = [bn, nargs["BLOCK_K"]]
+        wide = nargs["CHUNK"] == bn  # the kernel's single-dot path loads gate and up together
+        nargs["w"].block_shape = [2 * bn if wide else bn, nargs["BLOCK_K"]]
         for out in ("h_out", "aux_out", "aux_up_out"):
             nargs[out].block_shape = [bm, bn]
 
@@ -86,6 +87,25 @@ def _prune(configs: list[triton.Config], named_args: dict, **constexprs) -> list
 @functools.cache
 def _num_sms(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+@triton.jit
+def _load_x(x, rows, k0, ks, M, K, stride_x, USE_TMA: tl.constexpr, m0):
+    """The [BLOCK_M, BLOCK_K] tile of x at (m0, k0): by TMA, or masked pointer loads."""
+    if USE_TMA:
+        return x.load([m0, k0])
+    mask = (rows[:, None] < M) & ((k0 + ks) < K)[None, :]
+    return tl.load(x + rows[:, None] * stride_x + (k0 + ks)[None, :], mask=mask, other=0.0)
+
+
+@triton.jit
+def _mma(a, b, acc, UPCAST: tl.constexpr, IEEE: tl.constexpr):
+    """acc += a @ bᵀ; fp32 operands in the interpreter, whose bf16 dot is wrong."""
+    if UPCAST:
+        a, b = a.to(tl.float32), b.to(tl.float32)
+    if IEEE:
+        return tl.dot(a, b.T, acc, input_precision="ieee")
+    return tl.dot(a, b.T, acc)
 
 
 @triton.autotune(
@@ -136,36 +156,39 @@ def _gated_gemm_kernel(
         n0 = pid_n * BLOCK_N
         gate_row = (n0 // CHUNK) * 2 * CHUNK + n0 % CHUNK  # W1 row (and aux column) of gate
         up_row = gate_row + CHUNK
-        acc_gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         rows = (m0 + tl.arange(0, BLOCK_M)).to(tl.int64)
         ks = tl.arange(0, BLOCK_K)
         wn = tl.arange(0, BLOCK_N).to(tl.int64)
-        for k0 in range(0, K, BLOCK_K):
-            if USE_TMA:
-                a = x.load([m0, k0])
-                b_gate = w.load([gate_row, k0])
-                b_up = w.load([up_row, k0])
-            else:
-                kmask = (k0 + ks) < K
-                a = tl.load(
-                    x + rows[:, None] * stride_x + (k0 + ks)[None, :],
-                    mask=(rows[:, None] < M) & kmask[None, :],
-                    other=0.0,
-                )
-                w_tile = w + (gate_row + wn)[:, None] * stride_w + (k0 + ks)[None, :]
-                w_mask = ((gate_row + wn)[:, None] < 2 * F) & kmask[None, :]
-                b_gate = tl.load(w_tile, mask=w_mask, other=0.0)
-                up_mask = ((up_row + wn)[:, None] < 2 * F) & kmask[None, :]
-                b_up = tl.load(w_tile + CHUNK * stride_w, mask=up_mask, other=0.0)
-            if UPCAST:  # the interpreter's bf16 dot is wrong; fp32 operands are exact there
-                a, b_gate, b_up = a.to(tl.float32), b_gate.to(tl.float32), b_up.to(tl.float32)
-            if IEEE:
-                acc_gate = tl.dot(a, b_gate.T, acc_gate, input_precision="ieee")
-                acc_up = tl.dot(a, b_up.T, acc_up, input_precision="ieee")
-            else:
-                acc_gate = tl.dot(a, b_gate.T, acc_gate)
-                acc_up = tl.dot(a, b_up.T, acc_up)
+        if CHUNK == BLOCK_N:  # the seed's wide tile: gate and up rows adjacent, one [BM, 2BN] dot
+            acc = tl.zeros((BLOCK_M, 2 * BLOCK_N), dtype=tl.float32)
+            w2 = tl.arange(0, 2 * BLOCK_N).to(tl.int64)
+            for k0 in range(0, K, BLOCK_K):
+                a = _load_x(x, rows, k0, ks, M, K, stride_x, USE_TMA, m0)
+                if USE_TMA:
+                    b = w.load([gate_row, k0])
+                else:
+                    w_tile = w + (gate_row + w2)[:, None] * stride_w + (k0 + ks)[None, :]
+                    b = tl.load(w_tile, mask=((k0 + ks) < K)[None, :], other=0.0)
+                acc = _mma(a, b, acc, UPCAST, IEEE)
+            pairs = tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N)), (0, 2, 1))
+            acc_gate, acc_up = tl.split(pairs)
+        else:  # two [BM, BN] dots sharing the x tile (canonical layout, or tiles below chunk)
+            acc_gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for k0 in range(0, K, BLOCK_K):
+                a = _load_x(x, rows, k0, ks, M, K, stride_x, USE_TMA, m0)
+                if USE_TMA:
+                    b_gate = w.load([gate_row, k0])
+                    b_up = w.load([up_row, k0])
+                else:
+                    kmask = ((k0 + ks) < K)[None, :]
+                    w_tile = w + (gate_row + wn)[:, None] * stride_w + (k0 + ks)[None, :]
+                    gate_mask = ((gate_row + wn)[:, None] < 2 * F) & kmask
+                    b_gate = tl.load(w_tile, mask=gate_mask, other=0.0)
+                    up_mask = ((up_row + wn)[:, None] < 2 * F) & kmask
+                    b_up = tl.load(w_tile + CHUNK * stride_w, mask=up_mask, other=0.0)
+                acc_gate = _mma(a, b_gate, acc_gate, UPCAST, IEEE)
+                acc_up = _mma(a, b_up, acc_up, UPCAST, IEEE)
         cols = n0 + tl.arange(0, BLOCK_N)
         if HAS_BIAS:
             bias_mask = cols < F
