@@ -92,10 +92,12 @@ def _num_sms(device_index: int) -> int:
 @triton.jit
 def _load_x(x, rows, k0, ks, M, K, stride_x, USE_TMA: tl.constexpr, m0):
     """The [BLOCK_M, BLOCK_K] tile of x at (m0, k0): by TMA, or masked pointer loads."""
-    if USE_TMA:
-        return x.load([m0, k0])
-    mask = (rows[:, None] < M) & ((k0 + ks) < K)[None, :]
-    return tl.load(x + rows[:, None] * stride_x + (k0 + ks)[None, :], mask=mask, other=0.0)
+    if USE_TMA:  # an explicit else: code after a constexpr-if return is still compiled
+        tile = x.load([m0, k0])
+    else:
+        mask = (rows[:, None] < M) & ((k0 + ks) < K)[None, :]
+        tile = tl.load(x + rows[:, None] * stride_x + (k0 + ks)[None, :], mask=mask, other=0.0)
+    return tile
 
 
 @triton.jit
@@ -104,8 +106,10 @@ def _mma(a, b, acc, UPCAST: tl.constexpr, IEEE: tl.constexpr):
     if UPCAST:
         a, b = a.to(tl.float32), b.to(tl.float32)
     if IEEE:
-        return tl.dot(a, b.T, acc, input_precision="ieee")
-    return tl.dot(a, b.T, acc)
+        acc = tl.dot(a, b.T, acc, input_precision="ieee")
+    else:
+        acc = tl.dot(a, b.T, acc)
+    return acc
 
 
 @triton.autotune(
