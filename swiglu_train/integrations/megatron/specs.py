@@ -36,9 +36,14 @@ def _check_backend(backend: str) -> None:
 
 
 def mlp_spec(
-    mlp_impl: str = "drop_h", inplace: bool = True, backend: str = "local"
+    mlp_impl: str = "drop_h",
+    inplace: bool = True,
+    backend: str = "local",
+    chunk: int | None = None,
 ) -> ModuleSpec | Callable[..., ParMLPMegatron]:
     """The MLP submodule alone, for any TransformerLayer-like spec (``submodules.mlp``).
+
+    ``chunk``: the packed layout's chunk under ``save_factors`` (see ParMLPMegatron).
 
     megatron-core < 0.19 builds that slot from a ModuleSpec; 0.19 calls a builder
     (``MLP.as_mlp_submodule`` bound to its submodules) and would drop a ModuleSpec's params.
@@ -52,10 +57,11 @@ def mlp_spec(
             submodules=submodules,
             impl=mlp_impl,
             inplace=inplace,
+            chunk=chunk,
         )
     return ModuleSpec(
         module=ParMLPMegatron,
-        params={"impl": mlp_impl, "inplace": inplace},
+        params={"impl": mlp_impl, "inplace": inplace, "chunk": chunk},
         submodules=submodules,
     )
 
@@ -66,15 +72,16 @@ def get_gpt_layer_spec(
     normalization: str = "RMSNorm",
     qk_layernorm: bool = False,
     inplace: bool = True,
+    chunk: int | None = None,
 ) -> ModuleSpec:
     """Megatron's local GPT TransformerLayer spec with our MLP, for ``GPTModel(..., spec)``."""
-    mlp = mlp_spec(mlp_impl, inplace, backend)
+    mlp = mlp_spec(mlp_impl, inplace, backend, chunk)
     layer = get_gpt_layer_local_spec(normalization=normalization, qk_layernorm=qk_layernorm)
     return dataclasses.replace(layer, submodules=dataclasses.replace(layer.submodules, mlp=mlp))
 
 
 def get_mlp_layer_spec(
-    mlp_impl: str = "drop_h", backend: str = "local", inplace: bool = True
+    mlp_impl: str = "drop_h", backend: str = "local", inplace: bool = True, chunk: int | None = None
 ) -> ModuleSpec:
     """A HybridModel/Mamba-stack ``mlp_layer`` (``MLPLayer``) with a pre-MLP RMSNorm and our MLP.
 
@@ -82,7 +89,7 @@ def get_mlp_layer_spec(
     """
     from megatron.core.ssm.mlp_layer import MLPLayer
 
-    mlp = mlp_spec(mlp_impl, inplace, backend)
+    mlp = mlp_spec(mlp_impl, inplace, backend, chunk)
     norm = LocalSpecProvider().layer_norm(rms_norm=True)
     return ModuleSpec(
         module=MLPLayer,
