@@ -1,6 +1,7 @@
 """ParMLPMegatron against Megatron's stock MLP: fp32 parity at TP=1 and TP=2 for every impl
-(save_factors with its packed fc1 included), plain state_dict compatibility, and the configs it
-refuses. Multi-rank parts run in gloo worker processes."""
+(save_factors with its packed fc1 included) and for the TE backend's activation-only MLP,
+plain state_dict compatibility, and the configs it refuses. Multi-rank parts run in gloo
+worker processes."""
 
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ from megatron.core.transformer.spec_utils import ModuleSpec, build_module  # iso
 from swiglu_train.integrations.megatron import (
     SUPPORTED_IMPLS,
     ParMLPMegatron,
+    SwiGLUActivationMLP,
     get_gpt_layer_spec,
     get_mlp_layer_spec,
     mlp_spec,
@@ -76,12 +78,20 @@ def gpt_loss(model: GPTModel, tokens: torch.Tensor) -> torch.Tensor:
     return model(tokens, positions, mask, labels=tokens.roll(-1, 1)).float().mean()
 
 
-def build_ours(impl: str, config, via_spec: bool) -> ParMLPMegatron:
-    """Our MLP, from a spec (megatron-core 0.16-0.18) or from the builder call of
-    megatron-core >= 0.19's TransformerLayer."""
+# What the MLP-level parity builds: every impl, plus the TE backend's activation-only MLP
+# (run here on Megatron's local linears, which it accepts like TE's).
+MLP_KINDS = (*SUPPORTED_IMPLS, "activation")
+
+
+def build_ours(kind: str, config, via_spec: bool):
+    """Our MLP of ``kind``, from a spec (megatron-core 0.16-0.18) or from the builder call
+    of megatron-core >= 0.19's TransformerLayer."""
+    cls = SwiGLUActivationMLP if kind == "activation" else ParMLPMegatron
+    impl = "normal" if kind == "activation" else kind
     if via_spec:
-        return build_module(mlp_spec(impl), config=config)
-    return ParMLPMegatron.as_mlp_submodule(
+        spec = ModuleSpec(module=cls, params={"impl": impl}, submodules=stock_submodules())
+        return build_module(spec, config=config)
+    return cls.as_mlp_submodule(
         submodules=stock_submodules(),
         config=config,
         pg_collection=ProcessGroupCollection.use_mpu_process_groups(),
@@ -95,7 +105,7 @@ def build_ours(impl: str, config, via_spec: bool) -> ParMLPMegatron:
 def _mlp_parity(world_size: int) -> None:
     tp_rank = torch.distributed.get_rank()
     sequence_parallel = [False, True] if world_size > 1 else [False]
-    for kind in SUPPORTED_IMPLS:
+    for kind in MLP_KINDS:
         for bias in (False, True):
             for sp in sequence_parallel:
                 label = f"{kind} bias={bias} sp={sp} tp={world_size}"
@@ -226,11 +236,41 @@ def test_unknown_impl_lists_valid_ones() -> None:
         ParMLPMegatron(swiglu_config(), stock_submodules(), impl="fused")
 
 
-def test_te_backend_is_refused() -> None:
-    with pytest.raises(ValueError, match="backend='te' is not supported yet"):
-        get_gpt_layer_spec("drop_h", backend="te")
-    with pytest.raises(ValueError, match="valid backends: local"):
+def test_te_backend_needs_transformer_engine() -> None:
+    """Without TE, backend='te' names the package and the local backend; the impls that need
+    their own GEMMs are refused first, TE or not; unknown backends list the valid ones."""
+    if te_available():
+        pytest.skip("transformer-engine is installed: the refusal does not apply")
+    with pytest.raises(ImportError, match=r"needs transformer-engine.*use backend='local'"):
+        get_gpt_layer_spec("normal", backend="te")
+    for impl in ("drop_h", "save_factors"):
+        with pytest.raises(ValueError, match=f"impl '{impl}' needs its own GEMMs"):
+            get_gpt_layer_spec(impl, backend="te")
+    with pytest.raises(ValueError, match="valid backends: local, te"):
         mlp_spec("drop_h", backend="apex")
+
+
+def test_te_backend_spec() -> None:
+    """Where TE imports: fc1 is TE's LayerNorm+Linear, fc2 TE's row-parallel, ours between."""
+    if not te_available():
+        pytest.skip("transformer-engine is not installed (cannot be on our machines)")
+    from megatron.core.extensions.transformer_engine import (
+        TELayerNormColumnParallelLinear,
+        TERowParallelLinear,
+    )
+
+    mlp = get_gpt_layer_spec("normal", backend="te").submodules.mlp
+    if not isinstance(mlp, ModuleSpec):  # megatron-core >= 0.19: a bound builder
+        mlp = ModuleSpec(module=mlp.func.__self__, submodules=mlp.keywords["submodules"])
+    assert mlp.module is SwiGLUActivationMLP
+    assert mlp.submodules.linear_fc1 is TELayerNormColumnParallelLinear
+    assert mlp.submodules.linear_fc2 is TERowParallelLinear
+
+
+def te_available() -> bool:
+    from megatron.core.extensions import transformer_engine
+
+    return bool(getattr(transformer_engine, "HAVE_TE", False))
 
 
 @pytest.mark.parametrize(
@@ -267,5 +307,5 @@ def test_transformer_engine_linears_are_refused() -> None:
     submodules = MLPSubmodules(
         linear_fc1=te.TELayerNormColumnParallelLinear, linear_fc2=te.TERowParallelLinear
     )
-    with pytest.raises(ValueError, match="Transformer Engine linears are not supported"):
+    with pytest.raises(ValueError, match=r"with Transformer Engine linears use .*backend='te'"):
         ParMLPMegatron(swiglu_config(), submodules)

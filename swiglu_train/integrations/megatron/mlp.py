@@ -293,8 +293,8 @@ class ParMLPMegatron(MLP):
             if not (isinstance(module, type) and issubclass(module, kind)):
                 raise ValueError(
                     f"ParMLPMegatron needs {label} to be a local {kind.__name__}, got "
-                    f"{getattr(module, '__name__', module)}; Transformer Engine linears are "
-                    "not supported yet (use backend='local')"
+                    f"{getattr(module, '__name__', module)}; with Transformer Engine linears use "
+                    "get_gpt_layer_spec(..., backend='te') (impl 'normal' only)"
                 )
 
     def extra_repr(self) -> str:
