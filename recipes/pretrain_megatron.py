@@ -212,10 +212,21 @@ def forward_step(device: torch.device | None, on_first: list, data_iterator, mod
     return output, partial(loss_func, batch["loss_mask"].float(), on_first)
 
 
-def checkpoint_state(model: DistributedDataParallel, optimizer) -> dict:
-    state = {"model": model.module.sharded_state_dict()}  # DDP adds no keys of its own
+def checkpoint_state(model: DistributedDataParallel, optimizer, is_loading: bool = False) -> dict:
+    """Model and optimizer sharded state; DDP adds no keys of its own.
+
+    DistributedOptimizer state goes in model space through the model's ShardedTensorFactories
+    ('fully_reshardable'): it reshards across TP/PP/DP, and a packed fc1 (save_factors) is
+    written canonical. megatron-core 0.16's default format no longer saves, and the 'dp_*'
+    formats write the flat buffers as they sit in memory, refused for a packed fc1. A fresh
+    dict per call: Megatron adds its process groups to the metadata in place.
+    """
+    metadata = {"distrib_optim_sharding_type": "fully_reshardable"}
+    state = {"model": model.module.sharded_state_dict(metadata=metadata)}
     if isinstance(optimizer, MegatronOptimizer):
-        state["optimizer"] = optimizer.sharded_state_dict(state["model"])
+        state["optimizer"] = optimizer.sharded_state_dict(
+            state["model"], is_loading, metadata=metadata
+        )
     return state
 
 
@@ -228,7 +239,7 @@ def save(root: str, step: int, model, optimizer) -> None:
 
 
 def load(directory: str, model, optimizer) -> int:
-    state = dist_checkpointing.load(checkpoint_state(model, optimizer), directory)
+    state = dist_checkpointing.load(checkpoint_state(model, optimizer, True), directory)
     model.module.load_state_dict(state["model"])
     if "optimizer" in state:
         optimizer.load_state_dict(state["optimizer"])

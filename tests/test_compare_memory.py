@@ -16,6 +16,7 @@ from typer.testing import CliRunner
 from swiglu_train.cli import app
 from swiglu_train.memory.csv_log import MemoryCsv
 from swiglu_train.memory.runs import MemoryRun, depth_curve, layer_key, load_run, load_runs
+
 # the notebook extra; the GPU box lacks it, and this file has no GPU tests
 nbformat = pytest.importorskip("nbformat")
 wandb = pytest.importorskip("wandb")

@@ -105,7 +105,7 @@ def _mma(a, b, acc, UPCAST: tl.constexpr, IEEE: tl.constexpr):
     """acc += a @ bᵀ; fp32 operands in the interpreter, whose bf16 dot is wrong."""
     if UPCAST:
         a, b = a.to(tl.float32), b.to(tl.float32)
-    if IEEE:
+    if IEEE:  # noqa: SIM108 (statements keep the two dots apart for the Triton compiler)
         acc = tl.dot(a, b.T, acc, input_precision="ieee")
     else:
         acc = tl.dot(a, b.T, acc)
