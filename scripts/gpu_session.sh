@@ -9,7 +9,7 @@
 #   stack      swiglu-train bench-memory for every impl, with the profiler's overhead
 #   crossover  swiglu-train bench-crossover on the default grid, and impl="auto"'s table
 #   pretrain   125M Lightning runs, impls alternated twice (tokens/s, after-forward, peak)
-#   microbatch the largest micro-batch at ~1B, normal vs drop_h vs save_factors
+#   microbatch the largest micro-batch at ~1B, normal vs drop_h
 #   megatron   recipes/pretrain_megatron.py at TP=1 for each impl (needs the megatron wheel)
 set -uo pipefail
 OUT=${OUT:-./gpu-out}
@@ -39,7 +39,7 @@ for stage in "$@"; do
     pretrain)
       for round in 1 2; do
         for impl in normal drop_h save_factors; do
-          python3 -m swiglu_train pretrain --config 125m --mlp-impl "$impl" --max-steps 60 \
+          python3 -m swiglu_train pretrain --config 125m --mlp-impl "$impl" --max-steps 40 \
             --output-dir "/tmp/pt-$impl-$round" --summary-json "$OUT/pretrain_${impl}_$round.json" \
             > "/tmp/pt-$impl-$round.log" 2>&1 || tail -5 "/tmp/pt-$impl-$round.log"
         done
@@ -53,12 +53,13 @@ for path in sorted(glob.glob(f"{sys.argv[1]}/pretrain_*.json")):
 PY
       ;;
     microbatch)
-      python3 scripts/max_micro_batch.py --config 1b --mlp-impl normal,drop_h,save_factors \
+      python3 scripts/max_micro_batch.py --config 1b --mlp-impl normal,drop_h \
         --json "$OUT/max_micro_batch_1b.json" ;;
     megatron)
-      for impl in stock normal drop_h; do
+      for impl in stock normal drop_h save_factors; do
         torchrun --nproc-per-node 1 recipes/pretrain_megatron.py --mlp-impl "$impl" \
-          --max-steps 30 2>&1 | tail -4
+          --max-steps 25 --output-dir /tmp/megatron-runs \
+          --summary-json "$OUT/megatron_tp1_$impl.json" 2>&1 | tail -2
       done ;;
     *) echo "unknown stage $stage"; exit 2 ;;
   esac
