@@ -74,14 +74,37 @@ def _set_block_shapes(nargs: dict) -> None:
             nargs[out].block_shape = [bm, bn]
 
 
+SHARED_MEMORY_BYTES = 232448  # per SM on the H100/H200 (sm_90)
+
+
+def _fit_shared_memory(config: triton.Config, element_size: int) -> triton.Config:
+    """Halve BLOCK_K until the pipelined x and W1 tiles fit in shared memory.
+
+    The list is sized for 16-bit operands; fp32 operands need half the K depth per stage.
+    """
+    kw = dict(config.kwargs)
+    per_k = (kw["BLOCK_M"] + 2 * kw["BLOCK_N"]) * element_size * config.num_stages
+    while per_k * kw["BLOCK_K"] > SHARED_MEMORY_BYTES and kw["BLOCK_K"] > 16:
+        kw["BLOCK_K"] //= 2
+    if kw == config.kwargs:
+        return config
+    return triton.Config(
+        kw, num_stages=config.num_stages, num_warps=config.num_warps, pre_hook=config.pre_hook
+    )
+
+
 def _prune(configs: list[triton.Config], named_args: dict, **constexprs) -> list[triton.Config]:
-    """Keep tiles that fit the chunk (a tile must not straddle a gate/up boundary) and M."""
+    """Keep tiles that fit the chunk (a tile must not straddle a gate/up boundary), M and
+    shared memory at this dtype."""
     chunk, m_cap = constexprs["CHUNK"], max(named_args["M_BUCKET"], 16)
     canonical = chunk == named_args["F"]
     fits = [c for c in configs if canonical or chunk % c.kwargs["BLOCK_N"] == 0]
     small = [c for c in fits if c.kwargs["BLOCK_M"] <= m_cap]
     kept = small or [min(fits, key=lambda c: c.kwargs["BLOCK_M"])]
-    return kept if m_cap >= 128 else [c for c in kept if c.kwargs["BLOCK_M"] * 2 >= m_cap] or kept
+    if m_cap < 128:
+        kept = [c for c in kept if c.kwargs["BLOCK_M"] * 2 >= m_cap] or kept
+    element_size = named_args["b_ptr"].element_size()
+    return [_fit_shared_memory(c, element_size) for c in kept]
 
 
 @functools.cache
