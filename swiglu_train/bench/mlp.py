@@ -199,14 +199,14 @@ def _meta(cfg: BenchConfig, device: torch.device, reference_variant: str | None)
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "versions": versions,
-        "commit": cfg.extra.get("commit") or _git_commit(),
+        "commit": cfg.extra.get("commit") or git_commit(),
         "rel_err_reference": reference_variant,
         "peak_definition": "max allocated during fwd+bwd minus allocated before forward; "
         "inputs, weights and grad_output preallocated, parameter grads reset to None",
     }
 
 
-def _git_commit() -> str | None:
+def git_commit() -> str | None:
     try:
         out = subprocess.run(
             ["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True
