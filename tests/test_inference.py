@@ -150,3 +150,18 @@ def test_fused_mlp_op_registration(device, backend):
     x = torch.randn(3, D, device=device)
     torch.library.opcheck(inference.fused_mlp, (x, w1, b1, w2, b2))
     torch.library.opcheck(inference.fused_mlp, (x, w1, None, w2, None))
+
+
+@pytest.mark.parametrize(("device", "backend"), device_backends())
+@pytest.mark.parametrize("impl", ["drop_h", "save_factors"])
+@pytest.mark.parametrize("m", [3, 40], ids=["small-M", "large-M"])
+def test_inference_path_under_torch_compile_fullgraph(device, backend, impl, m):
+    """The dispatch traces: the fused_mlp and gated_fwd ops are opaque nodes with fake kernels."""
+    torch._dynamo.reset()
+    mlp = ParMLP(D, FFN, bias=True, impl=impl, chunk=16, device=device).eval()
+    x = torch.randn(m, D, device=device)
+    backend_name = "inductor" if device == "cuda" else "aot_eager"
+    with use_backend(backend), torch.no_grad():
+        expected = mlp(x)
+        actual = torch.compile(mlp, fullgraph=True, backend=backend_name)(x)
+    torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-6)
