@@ -90,6 +90,7 @@ def test_bad_inputs_get_clear_errors(monkeypatch):
         (ValueError, "do not chain", (x, w1, b1, w2[:, :12], b2)),
         (ValueError, "do not chain", (x, w1[:47], None, w2, b2)),
         (ValueError, "2D x", (x[None], w1, b1, w2, b2)),
+        (ValueError, "fc2_weight is on meta", (x, w1, b1, w2.to("meta"), b2)),
         (ValueError, r"fc1_bias must be a contiguous \[48\]", (x, w1, b1[:24], w2, b2)),
         (ValueError, r"fc2_bias must be a contiguous \[8\]", (x, w1, b1, w2, b2[:4])),
         (ValueError, "fc2_weight must be row-major", (x, w1, b1, w2.t().contiguous().t(), b2)),

@@ -29,7 +29,6 @@ except ImportError:  # no Triton: the gated and torch paths decide alone
 FUSED_MLP_MAX_M: dict[tuple[int, int], int] = {}
 DEFAULT_FUSED_MLP_MAX_M = 16
 INTERPRETER_MAX_M = 64
-PATHS = ("fused_mlp", "gated", "torch")
 
 
 @torch.library.custom_op("swiglu_train::fused_mlp", mutates_args=())
@@ -62,7 +61,7 @@ def fused_mlp_max_m(hidden_size: int, ffn_size: int) -> int:
 def inference_path(
     x: torch.Tensor, fc1_weight: torch.Tensor, fc2_weight: torch.Tensor, chunk: int | None
 ) -> str:
-    """Which of PATHS serves this call; ``chunk`` is the packed fc1's chunk, None if canonical."""
+    """ "fused_mlp", "gated" or "torch"; ``chunk`` is the packed fc1's chunk, None if canonical."""
     (m, d), f = x.shape, fc1_weight.shape[0] // 2
     fusable = (
         chunk is None
