@@ -61,7 +61,7 @@ def fused_mlp_max_m(hidden_size: int, ffn_size: int) -> int:
 def inference_path(
     x: torch.Tensor, fc1_weight: torch.Tensor, fc2_weight: torch.Tensor, chunk: int | None
 ) -> str:
-    """ "fused_mlp", "gated" or "torch"; ``chunk`` is the packed fc1's chunk, None if canonical."""
+    """The path for this call (fused_mlp, gated or torch); ``chunk``: packed fc1's, or None."""
     (m, d), f = x.shape, fc1_weight.shape[0] // 2
     fusable = (
         chunk is None
