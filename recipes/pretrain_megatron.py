@@ -20,9 +20,12 @@ pipeline parallelism rank 0 holds neither the loss nor a bracketed forward/backw
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import statistics
 import time
 from functools import partial
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -72,6 +75,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--load", default=None, help="an iter_NNNNNNN folder to resume from")
     p.add_argument("--wandb-project", default="swiglu-train-megatron")
     p.add_argument("--output-dir", default="runs")
+    p.add_argument("--summary-json", default=None, help="rank 0 writes losses, tokens/s, memory")
     return p.parse_args(argv)
 
 
@@ -212,10 +216,21 @@ def forward_step(device: torch.device | None, on_first: list, data_iterator, mod
     return output, partial(loss_func, batch["loss_mask"].float(), on_first)
 
 
-def checkpoint_state(model: DistributedDataParallel, optimizer) -> dict:
-    state = {"model": model.module.sharded_state_dict()}  # DDP adds no keys of its own
+def checkpoint_state(model: DistributedDataParallel, optimizer, is_loading: bool = False) -> dict:
+    """Model and optimizer sharded state; DDP adds no keys of its own.
+
+    DistributedOptimizer state goes in model space through the model's ShardedTensorFactories
+    ('fully_reshardable'): it reshards across TP/PP/DP, and a packed fc1 (save_factors) is
+    written canonical. megatron-core 0.16's default format no longer saves, and the 'dp_*'
+    formats write the flat buffers as they sit in memory, refused for a packed fc1. A fresh
+    dict per call: Megatron adds its process groups to the metadata in place.
+    """
+    metadata = {"distrib_optim_sharding_type": "fully_reshardable"}
+    state = {"model": model.module.sharded_state_dict(metadata=metadata)}
     if isinstance(optimizer, MegatronOptimizer):
-        state["optimizer"] = optimizer.sharded_state_dict(state["model"])
+        state["optimizer"] = optimizer.sharded_state_dict(
+            state["model"], is_loading, metadata=metadata
+        )
     return state
 
 
@@ -228,7 +243,7 @@ def save(root: str, step: int, model, optimizer) -> None:
 
 
 def load(directory: str, model, optimizer) -> int:
-    state = dist_checkpointing.load(checkpoint_state(model, optimizer), directory)
+    state = dist_checkpointing.load(checkpoint_state(model, optimizer, True), directory)
     model.module.load_state_dict(state["model"])
     if "optimizer" in state:
         optimizer.load_state_dict(state["optimizer"])
@@ -265,7 +280,7 @@ def main(argv: list[str] | None = None) -> list[float]:
         * args.num_microbatches
         * parallel_state.get_data_parallel_world_size()
     )
-    losses = []
+    losses, rates, records = [], [], []
     for step in range(start, args.max_steps):
         tic = time.perf_counter()
         on_first = []
@@ -291,6 +306,9 @@ def main(argv: list[str] | None = None) -> list[float]:
         if stats:  # the last pipeline stage
             loss = torch.stack([s["lm loss"] for s in stats]).mean().item()
             losses.append(loss)
+            rates.append(tokens_per_step / seconds)
+            if record is not None:
+                records.append(record)
             if parallel_state.get_tensor_model_parallel_rank() == 0:
                 print(f"step {step} loss {loss:.6f} {tokens_per_step / seconds:.0f} tokens/s")
             if logger is not None and record is not None:
@@ -303,9 +321,36 @@ def main(argv: list[str] | None = None) -> list[float]:
             save(args.save, done, model, optimizer)
     if logger is not None:
         logger.run.finish()
+    if args.summary_json and rank0 and losses:
+        write_summary(args, losses, rates, records)
     parallel_state.destroy_model_parallel()
     torch.distributed.destroy_process_group()
     return losses
+
+
+def write_summary(args: argparse.Namespace, losses: list, rates: list, records: list) -> None:
+    """Losses, median tokens/s past the first 5 steps (compile, autotune) and the profiler's
+    memory figures, as the Lightning recipe's --summary-json writes them."""
+    steady = rates[5:] or rates
+    last = records[-1] if records else None
+    peaks = [r.peak_MiB for r in records if r.peak_MiB is not None]  # None off CUDA
+    summary = {
+        "mlp_impl": args.mlp_impl,
+        "tp": args.tp,
+        "steps": len(losses),
+        "initial_loss": losses[0],
+        "final_loss": losses[-1],
+        "tokens_per_s": statistics.median(steady),
+        "after_forward_MiB": last.after_forward_MiB if last else None,
+        "peak_MiB": max(peaks) if peaks else None,
+        "saved_MiB": last.saved_bytes / 2**20 if last else None,
+        "mlp_saved_MiB": {k: v / 2**20 for k, v in last.impl_saved_bytes.items()} if last else None,
+    }
+    path = Path(args.summary_json)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(summary, indent=1))
+    tmp.replace(path)  # atomic: a killed run leaves the old summary or none
 
 
 if __name__ == "__main__":

@@ -238,6 +238,67 @@ def bench_memory(
         console.print(f"wrote {json_path} (.md, .png)")
 
 
+@app.command("bench-crossover")
+def bench_crossover(
+    m: Annotated[str, typer.Option("--m", help="token counts M, comma-separated")] = (
+        "2048,4096,8192,16384"
+    ),
+    shapes: Annotated[str, typer.Option(help="(D, F) pairs as DxF, comma-separated")] = (
+        "2048x5632,4096x11008,3584x14336,5120x13824,8192x28672"
+    ),
+    samples: Annotated[int, typer.Option(min=1, help="paired samples per point (use >= 30)")] = 30,
+    warmup: Annotated[int, typer.Option(min=1, help="steps per case before timing")] = 2,
+    dtype: Annotated[str, typer.Option(help="bf16, fp16 or fp32")] = "bf16",
+    device: Annotated[str, typer.Option(help="cuda, or cpu for a smoke run")] = "cuda",
+    seed: int = 0,
+    commit: Annotated[str | None, typer.Option(help="commit to record if git is absent")] = None,
+    json_path: Annotated[Path | None, typer.Option("--json", help="write results here")] = None,
+    table: Annotated[
+        Path | None,
+        typer.Option(help="write the lookup table for impl='auto' here (CUDA only)"),
+    ] = None,
+) -> None:
+    """Where normal, drop_h and save_factors win, by time and memory, over a grid of (M, D, F).
+
+    Ship the --table file as swiglu_train/layers/crossover_<gpu family>.json.
+    """
+    from swiglu_train.bench.crossover import (
+        CrossoverConfig,
+        lookup_table,
+        parse_m,
+        parse_shapes,
+        run_crossover,
+        to_markdown,
+    )
+    from swiglu_train.bench.mlp import DTYPES, git_commit
+
+    try:
+        grid_m, grid_shapes = parse_m(m), parse_shapes(shapes)
+    except ValueError as e:
+        raise typer.BadParameter(str(e)) from e
+    if dtype not in DTYPES:
+        raise typer.BadParameter(f"dtype must be one of {list(DTYPES)}")
+    if table is not None and device != "cuda":
+        raise typer.BadParameter("--table needs allocator readings: run with --device cuda")
+    if table is not None and not (commit or git_commit()):
+        raise typer.BadParameter("--table records the commit measured; pass --commit (no git)")
+    if samples < 30:
+        console.print(f"[yellow]{samples} samples: results are not claimable (need >= 30)")
+    cfg = CrossoverConfig(grid_m, grid_shapes, samples, warmup, dtype, device, seed, commit)
+    with _progress() as progress:
+        result = run_crossover(cfg, progress)
+    result["meta"]["command"] = _invocation()
+    markdown = to_markdown(result)
+    console.print(Markdown(markdown))
+    if json_path is not None:
+        write_json_atomic(json_path, result)
+        json_path.with_suffix(".md").write_text(markdown)
+        console.print(f"wrote {json_path} (.md)")
+    if table is not None:
+        write_json_atomic(table, lookup_table(result))
+        console.print(f"wrote {table}")
+
+
 @app.command()
 def compare_memory(
     runs: Annotated[
@@ -291,7 +352,9 @@ def pretrain(
     config: Annotated[
         str | None, typer.Option(help="a YAML path, or tiny / 125m / 1b from configs/")
     ] = None,
-    mlp_impl: Annotated[str | None, typer.Option(help="normal, drop_h or save_factors")] = None,
+    mlp_impl: Annotated[
+        str | None, typer.Option(help="normal, drop_h, save_factors, or auto (from the table)")
+    ] = None,
     data: Annotated[
         list[str] | None,
         typer.Option(help="text files or globs, .jsonl, or a Megatron .bin/.idx prefix"),

@@ -51,3 +51,35 @@ def run_outputs(mlp: torch.nn.Module, x: torch.Tensor, grad_y: torch.Tensor) -> 
     y = mlp(x)
     y.backward(grad_y)
     return {"y": y.detach(), "x": x.grad, **{n: p.grad for n, p in mlp.named_parameters()}}
+
+
+def crossover_table(points: dict, family: str = "H200") -> dict:
+    """A synthetic crossover table: ``{(M, D, F): {impl: (ratio_to_floor, after_fwd_MiB)}}``."""
+    return {
+        "schema": 1,
+        "gpu_family": family,
+        "device_name": f"NVIDIA {family}",
+        "commit": "abc1234",
+        "dtype": "bf16",
+        "points": [
+            {
+                "M": m,
+                "D": d,
+                "F": f,
+                "impls": {
+                    name: {"ms": 10.0 * ratio, "ratio_to_floor": ratio, "after_forward_MiB": mib}
+                    for name, (ratio, mib) in impls.items()
+                },
+            }
+            for (m, d, f), impls in points.items()
+        ],
+    }
+
+
+def pretend_gpu(monkeypatch, table: dict, device_name: str = "NVIDIA H200") -> None:
+    """Make impl="auto" see this GPU and this table, so its resolution is testable on CPU."""
+    from swiglu_train.layers import auto
+
+    parsed = auto.CrossoverTable.from_dict(table)
+    monkeypatch.setattr(auto, "target_device_name", lambda device: device_name)
+    monkeypatch.setattr(auto, "packaged_table", lambda family: parsed)

@@ -6,7 +6,8 @@ Megatron assumes CUDA in a few places that a CPU test still reaches:
 - the global memory buffer (the sequence-parallel all-gather in ColumnParallelLinear) and the
   sequence-parallel collectives allocate on ``torch.cuda.current_device()``;
 - dist-ckpt's filesystem writer calls ``torch.cuda.synchronize()`` before writing;
-- the pipeline schedules count tokens in a ``torch.zeros(..., device="cuda")``.
+- the pipeline schedules count tokens in a ``torch.zeros(..., device="cuda")``;
+- the optimizers keep their loss scale in a ``torch.tensor(..., device="cuda")``.
 
 :func:`shim_cuda_only_calls` points those at the CPU generator and CPU memory. The shims live
 here, in test code, because outside tests Megatron only runs on CUDA; they are installed in
@@ -28,6 +29,7 @@ pytest.importorskip("megatron.core", reason="needs the megatron extra")
 
 from megatron.core import parallel_state
 from megatron.core import utils as mcore_utils
+from megatron.core.optimizer import optimizer as mcore_optimizer
 from megatron.core.pipeline_parallel import schedules
 from megatron.core.tensor_parallel import random as mcore_random
 from megatron.core.transformer.transformer_config import TransformerConfig
@@ -57,7 +59,8 @@ class _CpuRNGStatesTracker(mcore_random.CudaRNGStatesTracker):
 
 
 class _TorchWithoutCudaFactories:
-    """The torch module as the schedules module sees it, with ``zeros(device="cuda")`` on CPU."""
+    """The torch module as the schedules and optimizer modules see it, with the tensor
+    factories they call with ``device="cuda"`` allocating on the CPU."""
 
     def __getattr__(self, name: str):
         return getattr(torch, name)
@@ -65,6 +68,10 @@ class _TorchWithoutCudaFactories:
     @staticmethod
     def zeros(*args, device=None, **kwargs) -> torch.Tensor:
         return torch.zeros(*args, **kwargs)
+
+    @staticmethod
+    def tensor(*args, device=None, **kwargs) -> torch.Tensor:
+        return torch.tensor(*args, **kwargs)
 
 
 def shim_cuda_only_calls(seed: int = 1234) -> None:
@@ -79,7 +86,7 @@ def shim_cuda_only_calls(seed: int = 1234) -> None:
     # Only ever called in the spawned worker processes, which never touch a GPU.
     torch.cuda.current_device = lambda: torch.device("cpu")
     torch.cuda.synchronize = lambda device=None: None
-    schedules.torch = _TorchWithoutCudaFactories()
+    schedules.torch = mcore_optimizer.torch = _TorchWithoutCudaFactories()
 
 
 def free_port() -> int:

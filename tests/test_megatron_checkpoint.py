@@ -1,10 +1,17 @@
-"""dist-ckpt interchange: a GPTModel saved at TP=2 loads at TP=1 into the stock MLP and into
-every impl, and the resumed model's next loss is the one the saving run computed."""
+"""dist-ckpt interchange: a GPTModel trained one Adam step at TP=2 and saved with Megatron's
+optimizer state loads at TP=1 into the stock MLP and into every impl (save_factors' packed fc1
+in both directions), and the resumed run's next Adam step gives the loss the saving run got.
+
+Megatron's optimizers reuse the model's fc1 ShardedTensorFactory for Adam's moments; one Adam
+step at a small lr barely moves the loss, so the loaded moments are compared directly too.
+"""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
+import pytest
 import torch
 from helpers import rel_err
 from megatron_support import megatron_parallel, spawn, swiglu_config
@@ -12,10 +19,14 @@ from test_megatron_mlp import BATCH, PARITY, SEQ, VOCAB, build_gpt, gpt_loss
 
 from megatron.core import dist_checkpointing  # isort: skip
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec  # isort: skip
+from megatron.core.optimizer import OptimizerConfig  # isort: skip
+from megatron.core.optimizer.optimizer import FP32Optimizer  # isort: skip
 
 from swiglu_train.integrations.megatron import SUPPORTED_IMPLS, get_gpt_layer_spec
+from swiglu_train.layers.layout import CANONICAL, relayout
 
 KINDS = ("stock", *SUPPORTED_IMPLS)
+FC1 = "decoder.layers.0.mlp.linear_fc1.weight"
 
 
 def layer_spec(kind: str):
@@ -28,36 +39,105 @@ def batch(step: int) -> torch.Tensor:
     return torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(step))
 
 
+def _init_adam_state(optimizer: torch.optim.Optimizer, config=None) -> None:
+    """What get_megatron_optimizer passes for Adam: zero moments before a load."""
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if not optimizer.state[p]:
+                optimizer.state[p]["exp_avg"] = torch.zeros_like(p)
+                optimizer.state[p]["exp_avg_sq"] = torch.zeros_like(p)
+
+
+def make_optimizer(model: torch.nn.Module) -> FP32Optimizer:
+    """Megatron's optimizer for fp32 params without DistributedOptimizer (which needs CUDA)."""
+    config = OptimizerConfig(optimizer="adam", lr=1e-3, clip_grad=0.0)
+    # One param group with the keys Megatron's optimizers match groups by when loading.
+    group = dict(wd_mult=1.0, lr_mult=1.0, is_expert_parallel=False, is_decoupled_lr=False)
+    adam = torch.optim.Adam([{"params": list(model.parameters()), **group}], lr=config.lr)
+    return FP32Optimizer(adam, config, init_state_fn=_init_adam_state)
+
+
+def train_step(model, optimizer: FP32Optimizer, step: int) -> None:
+    optimizer.zero_grad()
+    gpt_loss(model, batch(step)).backward()
+    optimizer.step()
+
+
+def checkpoint(model, optimizer: FP32Optimizer, is_loading: bool = False) -> dict:
+    state = {"model": model.sharded_state_dict()}
+    state["optimizer"] = optimizer.sharded_state_dict(state["model"], is_loading)
+    return state
+
+
+def fc1_moments(model, optimizer: FP32Optimizer) -> dict[str, torch.Tensor]:
+    """Adam's moments of every fc1 weight, a packed one's unpacked to canonical."""
+    out = {}
+    for name, mlp in model.named_modules():
+        if name.endswith(".mlp"):
+            state = optimizer.optimizer.state[mlp.linear_fc1.weight]
+            layout = getattr(mlp, "fc1_layout", CANONICAL)
+            for moment in ("exp_avg", "exp_avg_sq"):
+                out[f"{name}.{moment}"] = relayout(state[moment], layout, CANONICAL)
+    return out
+
+
 def _save_worker(rank: int, world_size: int, port: int, root: str) -> None:
-    """Train one SGD step at TP=2, save, and record the loss of the step that would follow."""
+    """One Adam step at TP=2, save, then record the loss after the following step."""
     with megatron_parallel(rank, world_size, port, tp=world_size):
         for kind in KINDS:
             model = build_gpt(swiglu_config(), layer_spec(kind), seed=0)
-            gpt_loss(model, batch(0)).backward()
-            with torch.no_grad():
-                for p in model.parameters():
-                    p -= 0.1 * p.grad
-                next_loss = gpt_loss(model, batch(1))
+            optimizer = make_optimizer(model)
+            train_step(model, optimizer, 0)
             directory = Path(root, kind)
             directory.mkdir(exist_ok=True)
-            dist_checkpointing.save(model.sharded_state_dict(), str(directory))
+            dist_checkpointing.save(checkpoint(model, optimizer), str(directory))
+            train_step(model, optimizer, 1)
+            with torch.no_grad():
+                next_loss = gpt_loss(model, batch(2))
             if rank == 0:
                 torch.save(next_loss, directory / "next_loss.pt")
 
 
 def _load_worker(rank: int, world_size: int, port: int, root: str) -> None:
     with megatron_parallel(rank, world_size, port, tp=world_size):
+        reference = None  # the stock run's moments, loaded into the stock MLP
         for saved in KINDS:
             directory = Path(root, saved)
             expected = torch.load(directory / "next_loss.pt")
             for kind in KINDS:
                 model = build_gpt(swiglu_config(), layer_spec(kind), seed=1)
-                state = dist_checkpointing.load(model.sharded_state_dict(), str(directory))
-                model.load_state_dict(state)
-                loss = gpt_loss(model, batch(1))
-                err = rel_err(loss.detach(), expected)
+                optimizer = make_optimizer(model)
+                state = dist_checkpointing.load(checkpoint(model, optimizer, True), str(directory))
+                model.load_state_dict(state["model"])
+                optimizer.load_state_dict(state["optimizer"])
+                moments = fc1_moments(model, optimizer)
+                reference = reference or moments
+                assert len(moments) == 4, sorted(moments)  # 2 layers x 2 moments
+                for key, value in moments.items():
+                    err = rel_err(value, reference[key])
+                    assert err <= PARITY, f"TP2 {saved} -> TP1 {kind}: {key} off by {err:.2e}"
+                train_step(model, optimizer, 1)
+                with torch.no_grad():
+                    loss = gpt_loss(model, batch(2))
+                err = rel_err(loss, expected)
                 assert err <= PARITY, f"TP2 {saved} -> TP1 {kind}: next loss off by {err:.2e}"
-                loss.backward()  # the resumed model trains
+        _packed_refusals()
+
+
+def _packed_refusals() -> None:
+    """Where a packed fc1 cannot be written canonically, saving says so."""
+    model = build_gpt(swiglu_config(), layer_spec("save_factors"), seed=1)
+    for sharding in ("dp_reshardable", "dp_zero_gather_scatter"):
+        metadata = {"distrib_optim_sharding_type": sharding}
+        with pytest.raises(ValueError, match=f"format '{sharding}' writes optimizer state as"):
+            model.sharded_state_dict(metadata=metadata)
+        build_gpt(swiglu_config(), layer_spec("drop_h"), seed=1).sharded_state_dict(
+            metadata=metadata
+        )  # canonical impls store the same buffers as stock: allowed
+    factory = model.sharded_state_dict()[FC1]
+    flat = replace(factory, data=factory.data.flatten()[:8], flattened_range=slice(0, 8))
+    with pytest.raises(NotImplementedError, match="flattened slice of a packed fc1"):
+        flat.build()
 
 
 def test_dist_ckpt_reshards_tp2_to_tp1_across_impls(tmp_path: Path) -> None:

@@ -1,7 +1,11 @@
-"""ParMLPMegatron against Megatron's stock MLP: fp32 parity at TP=1 and TP=2, state_dict
-compatibility, and the configs it refuses. Multi-rank parts run in gloo worker processes."""
+"""ParMLPMegatron against Megatron's stock MLP: fp32 parity at TP=1 and TP=2 for every impl
+(save_factors with its packed fc1 included) and for the TE backend's activation-only MLP,
+plain state_dict compatibility, and the configs it refuses. Multi-rank parts run in gloo
+worker processes."""
 
 from __future__ import annotations
+
+import math
 
 import pytest
 import torch
@@ -16,14 +20,15 @@ from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinea
 from megatron.core.transformer.mlp import MLP, MLPSubmodules  # isort: skip
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module  # isort: skip
 
-from swiglu_train import MLP_IMPLS
 from swiglu_train.integrations.megatron import (
     SUPPORTED_IMPLS,
     ParMLPMegatron,
+    SwiGLUActivationMLP,
     get_gpt_layer_spec,
     get_mlp_layer_spec,
     mlp_spec,
 )
+from swiglu_train.layers.layout import CANONICAL, Layout, relayout
 
 PARITY = 1e-5  # the issue's fp32 target, norm-relative
 SEQ, BATCH, VOCAB = 16, 2, 64
@@ -42,7 +47,14 @@ def mlp_loss_and_grads(module, x: torch.Tensor) -> dict[str, torch.Tensor]:
 
 
 def grads(module) -> dict[str, torch.Tensor]:
-    return {n: p.grad.clone() for n, p in module.named_parameters()}
+    """Every parameter's grad, a packed fc1's unpacked to canonical to compare with stock."""
+    out = {n: p.grad.clone() for n, p in module.named_parameters()}
+    for name, mlp in module.named_modules():
+        for param in ("linear_fc1.weight", "linear_fc1.bias"):
+            key = f"{name}.{param}" if name else param
+            if key in out:
+                out[key] = relayout(out[key], getattr(mlp, "fc1_layout", CANONICAL), CANONICAL)
+    return out
 
 
 def assert_parity(ours: dict, stock: dict, label: str) -> None:
@@ -66,81 +78,149 @@ def gpt_loss(model: GPTModel, tokens: torch.Tensor) -> torch.Tensor:
     return model(tokens, positions, mask, labels=tokens.roll(-1, 1)).float().mean()
 
 
+# What the MLP-level parity builds: every impl, plus the TE backend's activation-only MLP
+# (run here on Megatron's local linears, which it accepts like TE's).
+MLP_KINDS = (*SUPPORTED_IMPLS, "activation")
+
+
+def build_ours(kind: str, config, via_spec: bool):
+    """Our MLP of ``kind``, from a spec (megatron-core 0.16-0.18) or from the builder call
+    of megatron-core >= 0.19's TransformerLayer."""
+    cls = SwiGLUActivationMLP if kind == "activation" else ParMLPMegatron
+    impl = "normal" if kind == "activation" else kind
+    if via_spec:
+        spec = ModuleSpec(module=cls, params={"impl": impl}, submodules=stock_submodules())
+        return build_module(spec, config=config)
+    return cls.as_mlp_submodule(
+        submodules=stock_submodules(),
+        config=config,
+        pg_collection=ProcessGroupCollection.use_mpu_process_groups(),
+        is_mtp_layer=False,
+        name="decoder.layers.0.mlp",
+        layer_number=1,
+        impl=impl,
+    )
+
+
+def _mlp_parity(world_size: int) -> None:
+    tp_rank = torch.distributed.get_rank()
+    sequence_parallel = [False, True] if world_size > 1 else [False]
+    for kind in MLP_KINDS:
+        for bias in (False, True):
+            for sp in sequence_parallel:
+                label = f"{kind} bias={bias} sp={sp} tp={world_size}"
+                config = swiglu_config(add_bias_linear=bias, sequence_parallel=sp)
+                torch.manual_seed(0)
+                stock = MLP(config, stock_submodules(), ffn_hidden_size=config.ffn_hidden_size)
+                # Ours replaces Megatron's activation path whether it is fused or not.
+                fused = swiglu_config(
+                    add_bias_linear=bias, sequence_parallel=sp, bias_activation_fusion=bias
+                )
+                torch.manual_seed(1)
+                ours = build_ours(kind, fused, via_spec=bias)
+                assert ours.tp_group is parallel_state.get_tensor_model_parallel_group()
+                ours.load_state_dict(stock.state_dict())  # canonical in, packed where needed
+                torch.manual_seed(2)
+                x = torch.randn(SEQ, BATCH, config.hidden_size)
+                if sp:  # each rank holds its slice of the sequence
+                    x = x.chunk(world_size)[tp_rank].contiguous()
+                stock_out = mlp_loss_and_grads(stock, x)
+                assert_parity(mlp_loss_and_grads(ours, x), stock_out, label)
+
+
+def _save_factors_layout(world_size: int) -> None:
+    """The packed shard: same function from the same seed as stock, chunk checked."""
+    config = swiglu_config()
+    local_ffn = config.ffn_hidden_size // world_size
+    torch.manual_seed(0)
+    stock = MLP(config, stock_submodules(), ffn_hidden_size=config.ffn_hidden_size)
+    torch.manual_seed(0)
+    ours = ParMLPMegatron(config, stock_submodules(), impl="save_factors")
+    layout = Layout("packed", math.gcd(local_ffn, 128))
+    assert ours.fc1_layout == layout
+    packed = relayout(stock.linear_fc1.weight.detach(), CANONICAL, layout)
+    assert torch.equal(ours.linear_fc1.weight, packed), "repacked at construction"
+    assert not torch.equal(packed, stock.linear_fc1.weight), "the layouts must differ here"
+    with pytest.raises(ValueError, match=f"chunk=5 must divide this rank's ffn size {local_ffn}"):
+        ParMLPMegatron(config, stock_submodules(), impl="save_factors", chunk=5)
+    with pytest.raises(ValueError, match="chunk applies to packed impls only"):
+        ParMLPMegatron(config, stock_submodules(), impl="drop_h", chunk=8)
+    with pytest.raises(ValueError, match=r"holds fc1 packed.*impl 'drop_h' needs it canonical"):
+        ours.impl = "drop_h"
+    ours.impl = "save_factors"  # same layout: allowed
+
+
+def _mlp_layer_parity() -> None:
+    """HybridModel's MLPLayer: norm + MLP + residual, stock MLP vs ours in the same spec."""
+    config = swiglu_config()
+    stock_spec = get_mlp_layer_spec("normal")
+    stock_spec.submodules.mlp = ModuleSpec(module=MLP, submodules=stock_submodules())
+    torch.manual_seed(0)
+    stock = build_module(stock_spec, config=config)
+    torch.manual_seed(4)
+    x = torch.randn(SEQ, BATCH, config.hidden_size)
+    expected, _ = stock(x)
+    for impl in SUPPORTED_IMPLS:
+        ours = build_module(get_mlp_layer_spec(impl), config=config)
+        assert isinstance(ours.mlp, ParMLPMegatron) and ours.mlp.impl == impl
+        ours.load_state_dict(stock.state_dict())
+        out, _ = ours(x)
+        assert rel_err(out, expected) <= PARITY, f"MLPLayer impl={impl}"
+
+
+def _gpt_parity(world_size: int) -> None:
+    """A whole GPTModel, a stock state_dict loaded into our spec, the MLP recomputed; then
+    the plain state_dict of a packed model: stamped, readable by every impl, refused by the
+    stock MLP and refused with a stamp it cannot read."""
+    config = swiglu_config(recompute_granularity="selective", recompute_modules=["mlp"])
+    stock = build_gpt(config, get_gpt_layer_local_spec(normalization="RMSNorm"), seed=0)
+    torch.manual_seed(3)
+    tokens = torch.randint(0, VOCAB, (BATCH, SEQ))
+    stock_loss = gpt_loss(stock, tokens)
+    stock_loss.backward()
+    for impl in SUPPORTED_IMPLS:
+        ours = build_gpt(config, get_gpt_layer_spec(impl), seed=1)
+        assert isinstance(ours.decoder.layers[0].mlp, ParMLPMegatron)
+        with torch.no_grad():
+            fresh = gpt_loss(ours, tokens)
+        assert rel_err(fresh, stock_loss) > PARITY, "seeds must differ for the load to count"
+        ours.load_state_dict(stock.state_dict())  # strict: every key matches
+        loss = gpt_loss(ours, tokens)
+        loss.backward()
+        assert_parity(
+            {"loss": loss.detach(), **grads(ours)},
+            {"loss": stock_loss.detach(), **grads(stock)},
+            f"GPTModel impl={impl} tp={world_size} recompute=mlp",
+        )
+
+    packed = build_gpt(config, get_gpt_layer_spec("save_factors"), seed=1)
+    packed.load_state_dict(stock.state_dict())
+    state = packed.state_dict()
+    stamp_key = "decoder.layers.0.mlp._extra_state"
+    assert state[stamp_key]["fc1_layout"]["kind"] == "packed"
+    assert stamp_key not in stock.state_dict(), "canonical state is unstamped"
+    for impl in ("save_factors", "drop_h"):
+        ours = build_gpt(config, get_gpt_layer_spec(impl), seed=2)
+        ours.load_state_dict(state)
+        with torch.no_grad():
+            err = rel_err(gpt_loss(ours, tokens), stock_loss)
+        assert err <= PARITY, f"packed state_dict -> {impl}: loss off by {err:.2e}"
+    with pytest.raises(RuntimeError, match=r"Unexpected key\(s\).*mlp\._extra_state"):
+        stock.load_state_dict(state)  # stock Megatron never reads a packed fc1 as canonical
+    state[stamp_key] = {"fc1_layout": {"kind": "interleaved", "chunk": 8, "tp": 1}}
+    with pytest.raises(ValueError, match="unknown fc1 layout kind 'interleaved'"):
+        packed.load_state_dict(state)
+    state[stamp_key] = "v2"
+    with pytest.raises(ValueError, match="unrecognised fc1 layout stamp 'v2'"):
+        packed.load_state_dict(state)
+
+
 def _parity_worker(rank: int, world_size: int, port: int) -> None:
     with megatron_parallel(rank, world_size, port, tp=world_size):
-        tp_rank = torch.distributed.get_rank()
-        sequence_parallel = [False, True] if world_size > 1 else [False]
-        for impl in SUPPORTED_IMPLS:
-            for bias in (False, True):
-                for sp in sequence_parallel:
-                    label = f"impl={impl} bias={bias} sp={sp} tp={world_size}"
-                    config = swiglu_config(add_bias_linear=bias, sequence_parallel=sp)
-                    torch.manual_seed(0)
-                    stock = MLP(config, stock_submodules(), ffn_hidden_size=config.ffn_hidden_size)
-                    # Ours replaces Megatron's activation path whether it is fused or not.
-                    fused = swiglu_config(
-                        add_bias_linear=bias, sequence_parallel=sp, bias_activation_fusion=bias
-                    )
-                    torch.manual_seed(1)
-                    if bias:  # the spec megatron-core 0.16-0.18 builds from
-                        ours = build_module(mlp_spec(impl), config=fused)
-                    else:  # the builder call of megatron-core >= 0.19's TransformerLayer
-                        ours = ParMLPMegatron.as_mlp_submodule(
-                            submodules=stock_submodules(),
-                            config=fused,
-                            pg_collection=ProcessGroupCollection.use_mpu_process_groups(),
-                            is_mtp_layer=False,
-                            name="decoder.layers.0.mlp",
-                            layer_number=1,
-                            impl=impl,
-                        )
-                    assert ours.impl == impl
-                    assert ours.tp_group is parallel_state.get_tensor_model_parallel_group()
-                    ours.load_state_dict(stock.state_dict())
-                    torch.manual_seed(2)
-                    x = torch.randn(SEQ, BATCH, config.hidden_size)
-                    if sp:  # each rank holds its slice of the sequence
-                        x = x.chunk(world_size)[tp_rank].contiguous()
-                    stock_out = mlp_loss_and_grads(stock, x)
-                    assert_parity(mlp_loss_and_grads(ours, x), stock_out, label)
-
-        # HybridModel's MLPLayer: norm + MLP + residual, stock MLP vs ours in the same spec.
-        config = swiglu_config()
-        stock_spec = get_mlp_layer_spec("normal")
-        stock_spec.submodules.mlp = ModuleSpec(module=MLP, submodules=stock_submodules())
-        torch.manual_seed(0)
-        stock = build_module(stock_spec, config=config)
-        torch.manual_seed(4)
-        x = torch.randn(SEQ, BATCH, config.hidden_size)
-        expected, _ = stock(x)
-        for impl in SUPPORTED_IMPLS:
-            ours = build_module(get_mlp_layer_spec(impl), config=config)
-            assert isinstance(ours.mlp, ParMLPMegatron) and ours.mlp.impl == impl
-            ours.load_state_dict(stock.state_dict())
-            out, _ = ours(x)
-            assert rel_err(out, expected) <= PARITY, f"MLPLayer impl={impl}"
-
-        # A whole GPTModel, with a stock state_dict loaded into our spec, and the MLP recomputed.
-        config = swiglu_config(recompute_granularity="selective", recompute_modules=["mlp"])
-        stock = build_gpt(config, get_gpt_layer_local_spec(normalization="RMSNorm"), seed=0)
-        torch.manual_seed(3)
-        tokens = torch.randint(0, VOCAB, (BATCH, SEQ))
-        stock_loss = gpt_loss(stock, tokens)
-        stock_loss.backward()
-        for impl in SUPPORTED_IMPLS:
-            ours = build_gpt(config, get_gpt_layer_spec(impl), seed=1)
-            assert isinstance(ours.decoder.layers[0].mlp, ParMLPMegatron)
-            with torch.no_grad():
-                fresh = gpt_loss(ours, tokens)
-            assert rel_err(fresh, stock_loss) > PARITY, "seeds must differ for the load to count"
-            ours.load_state_dict(stock.state_dict())  # strict: every key matches
-            loss = gpt_loss(ours, tokens)
-            loss.backward()
-            assert_parity(
-                {"loss": loss.detach(), **grads(ours)},
-                {"loss": stock_loss.detach(), **grads(stock)},
-                f"GPTModel impl={impl} tp={world_size} recompute=mlp",
-            )
+        _mlp_parity(world_size)
+        _save_factors_layout(world_size)
+        _mlp_layer_parity()
+        _gpt_parity(world_size)
 
 
 @pytest.mark.parametrize("tp", [1, 2], ids=["tp1", "tp2"])
@@ -150,23 +230,52 @@ def test_parity_with_stock_megatron(tp: int) -> None:
 
 
 def test_unknown_impl_lists_valid_ones() -> None:
-    with pytest.raises(ValueError, match="valid impls: normal, drop_h"):
+    with pytest.raises(ValueError, match="valid impls: normal, drop_h, save_factors"):
         mlp_spec("fused")
     with pytest.raises(ValueError, match="valid impls: normal, drop_h"):
         ParMLPMegatron(swiglu_config(), stock_submodules(), impl="fused")
 
 
-@pytest.mark.parametrize("impl", sorted(set(MLP_IMPLS) - set(SUPPORTED_IMPLS)))
-def test_packed_impls_are_refused_by_name(impl: str) -> None:
-    with pytest.raises(ValueError, match=f"impl '{impl}' is not supported by the Megatron"):
-        mlp_spec(impl)
+def test_auto_is_refused_by_name() -> None:
+    with pytest.raises(ValueError, match="impl 'auto' is not supported by the Megatron"):
+        mlp_spec("auto")
 
 
-def test_te_backend_is_refused() -> None:
-    with pytest.raises(ValueError, match="backend='te' is not supported yet"):
-        get_gpt_layer_spec("drop_h", backend="te")
-    with pytest.raises(ValueError, match="valid backends: local"):
+def test_te_backend_needs_transformer_engine() -> None:
+    """Without TE, backend='te' names the package and the local backend; the impls that need
+    their own GEMMs are refused first, TE or not; unknown backends list the valid ones."""
+    if te_available():
+        pytest.skip("transformer-engine is installed: the refusal does not apply")
+    with pytest.raises(ImportError, match=r"needs transformer-engine.*use backend='local'"):
+        get_gpt_layer_spec("normal", backend="te")
+    for impl in ("drop_h", "save_factors"):
+        with pytest.raises(ValueError, match=f"impl '{impl}' needs its own GEMMs"):
+            get_gpt_layer_spec(impl, backend="te")
+    with pytest.raises(ValueError, match="valid backends: local, te"):
         mlp_spec("drop_h", backend="apex")
+
+
+def test_te_backend_spec() -> None:
+    """Where TE imports: fc1 is TE's LayerNorm+Linear, fc2 TE's row-parallel, ours between."""
+    if not te_available():
+        pytest.skip("transformer-engine is not installed (cannot be on our machines)")
+    from megatron.core.extensions.transformer_engine import (
+        TELayerNormColumnParallelLinear,
+        TERowParallelLinear,
+    )
+
+    mlp = get_gpt_layer_spec("normal", backend="te").submodules.mlp
+    if not isinstance(mlp, ModuleSpec):  # megatron-core >= 0.19: a bound builder
+        mlp = ModuleSpec(module=mlp.func.__self__, submodules=mlp.keywords["submodules"])
+    assert mlp.module is SwiGLUActivationMLP
+    assert mlp.submodules.linear_fc1 is TELayerNormColumnParallelLinear
+    assert mlp.submodules.linear_fc2 is TERowParallelLinear
+
+
+def te_available() -> bool:
+    from megatron.core.extensions import transformer_engine
+
+    return bool(getattr(transformer_engine, "HAVE_TE", False))
 
 
 @pytest.mark.parametrize(
@@ -203,5 +312,5 @@ def test_transformer_engine_linears_are_refused() -> None:
     submodules = MLPSubmodules(
         linear_fc1=te.TELayerNormColumnParallelLinear, linear_fc2=te.TERowParallelLinear
     )
-    with pytest.raises(ValueError, match="Transformer Engine linears are not supported"):
+    with pytest.raises(ValueError, match=r"with Transformer Engine linears use .*backend='te'"):
         ParMLPMegatron(swiglu_config(), submodules)

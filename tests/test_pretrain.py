@@ -6,6 +6,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from helpers import crossover_table, pretend_gpu
 from typer.testing import CliRunner
 
 from swiglu_train.cli import app
@@ -127,6 +128,20 @@ def test_resume_across_layouts_with_optimizer_state_is_refused(tmp_path, corpus)
     cfg.model.mlp_impl, cfg.train.max_steps = "drop_h", 8
     with pytest.raises(ValueError, match=r"fc1 layout is \{'kind': 'packed'.*optimizer state"):
         run_pretrain(cfg, resume="last")
+
+
+def test_auto_resolves_from_one_micro_batch_and_stamps_its_choice(tmp_path, corpus, monkeypatch):
+    # A micro-batch is 4 x 64 = 256 tokens; at that point the (pretend) H200 table picks
+    # save_factors, which is packed: the checkpoint must record what auto resolved to.
+    impls = {"drop_h": (1.10, 9.0), "save_factors": (1.0, 9.0)}
+    pretend_gpu(monkeypatch, crossover_table({(256, 64, 160): impls}))
+    cfg = small_config(tmp_path, [str(corpus / "*.py")], "auto", 5)
+    summary = run_pretrain(cfg)
+    assert cfg.model.mlp_tokens_hint == 256
+    assert summary["mlp_impl"] == "save_factors" and "M=256" in summary["mlp_auto_reason"]
+    checkpoint = torch.load(Path(cfg.output_dir) / "checkpoints" / "last.ckpt", weights_only=False)
+    assert checkpoint["swiglu_train"]["mlp_impl"] == "save_factors"
+    assert checkpoint["swiglu_train"]["fc1_layout"]["kind"] == "packed"
 
 
 def test_data_formats_text_jsonl_and_megatron(tmp_path):

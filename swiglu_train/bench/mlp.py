@@ -23,6 +23,10 @@ from swiglu_train.bench.variants import BUILDERS, LayerWeights
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 TARGET_SHAPE = (11136, 3584, 14336, 3584)  # seed 000's [M, D, F, O]
 PEERS = {"liger": "liger-kernel", "fla": "fla-core", "quack": "quack-kernels"}
+PEAK_DEFINITION = (
+    "max allocated during fwd+bwd minus allocated before forward; "
+    "inputs, weights and grad_output preallocated, parameter grads reset to None"
+)
 
 
 @dataclass
@@ -106,8 +110,11 @@ def _available(names: Sequence[str], weights, x, grad_y) -> tuple[list[Case], di
     return cases, skipped
 
 
-def run_bench(cfg: BenchConfig, progress: Callable[[str, int], Callable[[], None]]) -> dict:
-    """Run the single-layer table and the stack table; ``progress(label, total)`` -> tick."""
+def measure_layer(
+    cfg: BenchConfig, progress: Callable[[str, int], Callable[[], None]]
+) -> tuple[list[dict], dict[str, str], str | None]:
+    """One layer at ``cfg.shape``: the floor's row then each working variant's, the variants
+    skipped (with why), and the variant the errors are relative to."""
     device = torch.device(cfg.device)
     torch.manual_seed(cfg.seed)
     weights, x, grad_y = _inputs(cfg, 1)
@@ -140,8 +147,14 @@ def run_bench(cfg: BenchConfig, progress: Callable[[str, int], Callable[[], None
 
     rows = [_row("floor", times, None, (None, None))]
     rows += [_row(c.name, times, errors[c.name], memory[c.name]) for c in cases]
-    meta = _meta(cfg, device, reference_variant=cases[0].name if cases else None)
-    del cases, floor, weights, x, grad_y
+    return rows, skipped, cases[0].name if cases else None
+
+
+def run_bench(cfg: BenchConfig, progress: Callable[[str, int], Callable[[], None]]) -> dict:
+    """Run the single-layer table and the stack table; ``progress(label, total)`` -> tick."""
+    rows, skipped, reference = measure_layer(cfg, progress)
+    device = torch.device(cfg.device)
+    meta = _meta(cfg, device, reference_variant=reference)
     stack = _stack_table(cfg, device, progress, rows) if cfg.stack_layers else []
     return {
         "meta": meta,
@@ -188,21 +201,27 @@ def _stack_table(cfg: BenchConfig, device: torch.device, progress, measured) -> 
     return rows
 
 
-def _meta(cfg: BenchConfig, device: torch.device, reference_variant: str | None) -> dict:
+def environment(device: torch.device, commit: str | None) -> dict:
+    """Where and when a result was measured: date, device name, package versions, commit."""
     versions = {"torch": torch.__version__}
     for pkg in ("triton", *PEERS.values()):
         with contextlib.suppress(importlib.metadata.PackageNotFoundError):
             versions[pkg] = importlib.metadata.version(pkg)
     return {
-        **{k: v for k, v in asdict(cfg).items() if k != "extra"},
-        "variants": list(cfg.variants),
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "versions": versions,
-        "commit": cfg.extra.get("commit") or git_commit(),
+        "commit": commit or git_commit(),
+    }
+
+
+def _meta(cfg: BenchConfig, device: torch.device, reference_variant: str | None) -> dict:
+    return {
+        **{k: v for k, v in asdict(cfg).items() if k != "extra"},
+        "variants": list(cfg.variants),
+        **environment(device, cfg.extra.get("commit")),
         "rel_err_reference": reference_variant,
-        "peak_definition": "max allocated during fwd+bwd minus allocated before forward; "
-        "inputs, weights and grad_output preallocated, parameter grads reset to None",
+        "peak_definition": PEAK_DEFINITION,
     }
 
 

@@ -69,9 +69,11 @@ def prune_configs(configs: list[triton.Config], named_args: dict, **_) -> list[t
 @triton.jit
 def _dot_t(a, b, acc, IEEE: tl.constexpr):
     """acc + a @ bᵀ; fp32 operands take the exact (IEEE) path, as eager fp32 matmul does."""
-    if IEEE:
-        return tl.dot(a, tl.trans(b), acc, input_precision="ieee")
-    return tl.dot(a, tl.trans(b), acc)
+    if IEEE:  # an explicit else: code after a constexpr-if return is still compiled on GPU
+        acc = tl.dot(a, tl.trans(b), acc, input_precision="ieee")
+    else:
+        acc = tl.dot(a, tl.trans(b), acc)
+    return acc
 
 
 @triton.autotune(

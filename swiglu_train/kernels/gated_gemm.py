@@ -11,10 +11,11 @@ a [BLOCK_M, BLOCK_N] tile of h and accumulates the matching gate and up tiles si
 so the preactivation is never read back. gate and up are rounded to the storage dtype before
 the epilogue, as a cuBLAS GEMM's output would be, so h equals every other impl's h bit for bit.
 
-On the GPU the operands stream through TMA tensor descriptors, tiles are visited in grouped
-order for L2 reuse, and the grid may be persistent (one program per SM walking tiles); the
-autotuner picks. The interpreter takes the pointer path with fp32 operands (its bf16 dot is
-wrong), which is also the path for operands TMA cannot describe (unaligned strides).
+On the GPU operands and outputs move through TMA tensor descriptors (TMA stores made the
+factors epilogue 1.35x cheaper), tiles are visited in grouped order for L2 reuse, and small-M
+shapes may take a persistent grid; the autotuner picks. The interpreter takes the pointer
+path with fp32 operands (its bf16 dot is wrong), which is also the path for operands TMA
+cannot describe (unaligned strides).
 """
 
 from __future__ import annotations
@@ -36,16 +37,20 @@ def _configs() -> list[triton.Config]:
     if INTERPRET:
         return [triton.Config({"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 16, "GROUP_M": 2,
                                "PERSISTENT": False})]  # fmt: skip
-    tiles = [  # (BLOCK_M, BLOCK_N, BLOCK_K, stages, warps): the [BM, 2·BN] accumulator
-        (128, 128, 64, 3, 8),
-        (128, 128, 64, 4, 8),
-        (128, 64, 64, 4, 4),
-        (128, 64, 64, 4, 8),
-        (64, 128, 64, 4, 4),
-        (64, 64, 128, 4, 4),
-        (16, 64, 128, 4, 4),
-        (16, 128, 128, 3, 4),
-        (32, 64, 128, 4, 4),
+    # Measured on the H200 (scripts/tune_gated_gemm.py): at training shapes the 8-warp
+    # [128, 2·128] tile with 3-4 stages wins, and a persistent grid loses 15-25 % (no epilogue
+    # overlap without warp specialization, which Triton 3.6 does not apply here); for decode
+    # and short prompts small-M tiles with deep K, where a persistent grid evens out the waves.
+    tiles = [  # (BLOCK_M, BLOCK_N, BLOCK_K, stages, warps, persistent)
+        (128, 128, 64, 3, 8, False),
+        (128, 128, 64, 4, 8, False),
+        (256, 64, 64, 3, 8, False),
+        (64, 128, 64, 4, 4, False),
+        (64, 64, 128, 4, 4, False),
+        (32, 64, 128, 4, 4, False),
+        (16, 64, 128, 4, 4, False),
+        (16, 64, 128, 4, 4, True),
+        (16, 128, 128, 3, 4, False),
     ]
     return [
         triton.Config(
@@ -54,21 +59,24 @@ def _configs() -> list[triton.Config]:
             num_warps=w,
             pre_hook=_set_block_shapes,
         )
-        for bm, bn, bk, s, w in tiles
-        for p in (False, True)
+        for bm, bn, bk, s, w, p in tiles
     ]
 
 
 def _set_block_shapes(nargs: dict) -> None:
     """TMA descriptors carry their box shape, which depends on the config being tried."""
     if nargs["USE_TMA"]:
-        nargs["x"].block_shape = [nargs["BLOCK_M"], nargs["BLOCK_K"]]
-        nargs["w"].block_shape = [nargs["BLOCK_N"], nargs["BLOCK_K"]]
+        bm, bn = nargs["BLOCK_M"], nargs["BLOCK_N"]
+        nargs["x"].block_shape = [bm, nargs["BLOCK_K"]]
+        wide = nargs["CHUNK"] == bn  # the kernel's single-dot path loads gate and up together
+        nargs["w"].block_shape = [2 * bn if wide else bn, nargs["BLOCK_K"]]
+        for out in ("h_out", "aux_out", "aux_up_out"):
+            nargs[out].block_shape = [bm, bn]
 
 
-def _prune(configs: list[triton.Config], named_args: dict, **_) -> list[triton.Config]:
+def _prune(configs: list[triton.Config], named_args: dict, **constexprs) -> list[triton.Config]:
     """Keep tiles that fit the chunk (a tile must not straddle a gate/up boundary) and M."""
-    chunk, m_cap = named_args["CHUNK"], max(named_args["M_BUCKET"], 16)
+    chunk, m_cap = constexprs["CHUNK"], max(named_args["M_BUCKET"], 16)
     canonical = chunk == named_args["F"]
     fits = [c for c in configs if canonical or chunk % c.kwargs["BLOCK_N"] == 0]
     small = [c for c in fits if c.kwargs["BLOCK_M"] <= m_cap]
@@ -81,6 +89,29 @@ def _num_sms(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
+@triton.jit
+def _load_x(x, rows, k0, ks, M, K, stride_x, USE_TMA: tl.constexpr, m0):
+    """The [BLOCK_M, BLOCK_K] tile of x at (m0, k0): by TMA, or masked pointer loads."""
+    if USE_TMA:  # an explicit else: code after a constexpr-if return is still compiled
+        tile = x.load([m0, k0])
+    else:
+        mask = (rows[:, None] < M) & ((k0 + ks) < K)[None, :]
+        tile = tl.load(x + rows[:, None] * stride_x + (k0 + ks)[None, :], mask=mask, other=0.0)
+    return tile
+
+
+@triton.jit
+def _mma(a, b, acc, UPCAST: tl.constexpr, IEEE: tl.constexpr):
+    """acc += a @ bᵀ; fp32 operands in the interpreter, whose bf16 dot is wrong."""
+    if UPCAST:
+        a, b = a.to(tl.float32), b.to(tl.float32)
+    if IEEE:  # noqa: SIM108 (statements keep the two dots apart for the Triton compiler)
+        acc = tl.dot(a, b.T, acc, input_precision="ieee")
+    else:
+        acc = tl.dot(a, b.T, acc)
+    return acc
+
+
 @triton.autotune(
     configs=_configs(),
     key=["M_BUCKET", "K", "F", "CHUNK", "AUX", "HAS_BIAS", "USE_TMA"],
@@ -91,8 +122,9 @@ def _gated_gemm_kernel(
     x,
     w,
     b_ptr,
-    h_ptr,
-    aux_ptr,
+    h_out,
+    aux_out,
+    aux_up_out,
     M,
     K,
     F,
@@ -116,7 +148,7 @@ def _gated_gemm_kernel(
     num_pid_m = tl.cdiv(M, BLOCK_M)
     num_pid_n = tl.cdiv(F, BLOCK_N)
     num_tiles = num_pid_m * num_pid_n
-    dtype = h_ptr.dtype.element_ty
+    dtype = b_ptr.dtype.element_ty  # b_ptr is the bias, or fc1 itself when there is none
     for tile in tl.range(tl.program_id(0), num_tiles, tl.num_programs(0), flatten=PERSISTENT):
         # grouped order: GROUP_M row tiles sweep the columns together, sharing W1 in L2
         group = tile // (GROUP_M * num_pid_n)
@@ -128,36 +160,39 @@ def _gated_gemm_kernel(
         n0 = pid_n * BLOCK_N
         gate_row = (n0 // CHUNK) * 2 * CHUNK + n0 % CHUNK  # W1 row (and aux column) of gate
         up_row = gate_row + CHUNK
-        acc_gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         rows = (m0 + tl.arange(0, BLOCK_M)).to(tl.int64)
         ks = tl.arange(0, BLOCK_K)
         wn = tl.arange(0, BLOCK_N).to(tl.int64)
-        for k0 in range(0, K, BLOCK_K):
-            if USE_TMA:
-                a = x.load([m0, k0])
-                b_gate = w.load([gate_row, k0])
-                b_up = w.load([up_row, k0])
-            else:
-                kmask = (k0 + ks) < K
-                a = tl.load(
-                    x + rows[:, None] * stride_x + (k0 + ks)[None, :],
-                    mask=(rows[:, None] < M) & kmask[None, :],
-                    other=0.0,
-                )
-                w_tile = w + (gate_row + wn)[:, None] * stride_w + (k0 + ks)[None, :]
-                w_mask = ((gate_row + wn)[:, None] < 2 * F) & kmask[None, :]
-                b_gate = tl.load(w_tile, mask=w_mask, other=0.0)
-                up_mask = ((up_row + wn)[:, None] < 2 * F) & kmask[None, :]
-                b_up = tl.load(w_tile + CHUNK * stride_w, mask=up_mask, other=0.0)
-            if UPCAST:  # the interpreter's bf16 dot is wrong; fp32 operands are exact there
-                a, b_gate, b_up = a.to(tl.float32), b_gate.to(tl.float32), b_up.to(tl.float32)
-            if IEEE:
-                acc_gate = tl.dot(a, b_gate.T, acc_gate, input_precision="ieee")
-                acc_up = tl.dot(a, b_up.T, acc_up, input_precision="ieee")
-            else:
-                acc_gate = tl.dot(a, b_gate.T, acc_gate)
-                acc_up = tl.dot(a, b_up.T, acc_up)
+        if CHUNK == BLOCK_N:  # the seed's wide tile: gate and up rows adjacent, one [BM, 2BN] dot
+            acc = tl.zeros((BLOCK_M, 2 * BLOCK_N), dtype=tl.float32)
+            w2 = tl.arange(0, 2 * BLOCK_N).to(tl.int64)
+            for k0 in range(0, K, BLOCK_K):
+                a = _load_x(x, rows, k0, ks, M, K, stride_x, USE_TMA, m0)
+                if USE_TMA:
+                    b = w.load([gate_row, k0])
+                else:
+                    w_tile = w + (gate_row + w2)[:, None] * stride_w + (k0 + ks)[None, :]
+                    b = tl.load(w_tile, mask=((k0 + ks) < K)[None, :], other=0.0)
+                acc = _mma(a, b, acc, UPCAST, IEEE)
+            pairs = tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N)), (0, 2, 1))
+            acc_gate, acc_up = tl.split(pairs)
+        else:  # two [BM, BN] dots sharing the x tile (canonical layout, or tiles below chunk)
+            acc_gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for k0 in range(0, K, BLOCK_K):
+                a = _load_x(x, rows, k0, ks, M, K, stride_x, USE_TMA, m0)
+                if USE_TMA:
+                    b_gate = w.load([gate_row, k0])
+                    b_up = w.load([up_row, k0])
+                else:
+                    kmask = ((k0 + ks) < K)[None, :]
+                    w_tile = w + (gate_row + wn)[:, None] * stride_w + (k0 + ks)[None, :]
+                    gate_mask = ((gate_row + wn)[:, None] < 2 * F) & kmask
+                    b_gate = tl.load(w_tile, mask=gate_mask, other=0.0)
+                    up_mask = ((up_row + wn)[:, None] < 2 * F) & kmask
+                    b_up = tl.load(w_tile + CHUNK * stride_w, mask=up_mask, other=0.0)
+                acc_gate = _mma(a, b_gate, acc_gate, UPCAST, IEEE)
+                acc_up = _mma(a, b_up, acc_up, UPCAST, IEEE)
         cols = n0 + tl.arange(0, BLOCK_N)
         if HAS_BIAS:
             bias_mask = cols < F
@@ -165,18 +200,25 @@ def _gated_gemm_kernel(
             acc_up += tl.load(b_ptr + up_row + wn, mask=bias_mask).to(tl.float32)[None, :]
         gate = acc_gate.to(dtype).to(tl.float32)
         up = acc_up.to(dtype).to(tl.float32)
-        mask = (rows[:, None] < M) & (cols[None, :] < F)
-        h = _silu_times_up(gate, up, dtype)
-        tl.store(h_ptr + rows[:, None] * stride_h + cols[None, :], h.to(dtype), mask=mask)
-        if AUX != 0:
-            aux_gate = aux_ptr + rows[:, None] * stride_aux + (gate_row + wn)[None, :]
-            if AUX == 1:  # the factors: d h / d gate and d h / d up
-                sig = 1.0 / (1.0 + tl.exp(-gate))
-                tl.store(aux_gate, (up * sig * (1.0 + gate * (1.0 - sig))).to(dtype), mask=mask)
-                tl.store(aux_gate + CHUNK, (gate * sig).to(dtype), mask=mask)
-            else:  # the preactivation, as the GEMM would have written it
-                tl.store(aux_gate, gate.to(dtype), mask=mask)
-                tl.store(aux_gate + CHUNK, up.to(dtype), mask=mask)
+        h = _silu_times_up(gate, up, dtype).to(dtype)
+        if AUX == 1:  # the factors: d h / d gate and d h / d up
+            sig = 1.0 / (1.0 + tl.exp(-gate))
+            aux_gate, aux_up = up * sig * (1.0 + gate * (1.0 - sig)), gate * sig
+        else:  # the preactivation, as the GEMM would have written it
+            aux_gate, aux_up = gate, up
+        if USE_TMA:  # the descriptors clip rows >= M and columns >= F
+            h_out.store([m0, n0], h)
+            if AUX != 0:  # canonical aux: two [M, F] halves, so a tile cannot cross into up
+                gate_col = n0 if CHUNK == F else gate_row
+                aux_out.store([m0, gate_col], aux_gate.to(dtype))
+                aux_up_out.store([m0, gate_col if CHUNK == F else up_row], aux_up.to(dtype))
+        else:
+            mask = (rows[:, None] < M) & (cols[None, :] < F)
+            tl.store(h_out + rows[:, None] * stride_h + cols[None, :], h, mask=mask)
+            if AUX != 0:
+                aux_ptrs = aux_out + rows[:, None] * stride_aux + (gate_row + wn)[None, :]
+                tl.store(aux_ptrs, aux_gate.to(dtype), mask=mask)
+                tl.store(aux_ptrs + CHUNK, aux_up.to(dtype), mask=mask)
 
 
 @triton.jit
@@ -254,9 +296,16 @@ def gated_gemm(
     aux_out = x.new_empty(m, 2 * f) if aux != "none" else None
     if m == 0:
         return h, aux_out
-    use_tma = _tma_ok(x) and _tma_ok(weight)
-    x_arg = TensorDescriptor.from_tensor(x, [16, 16]) if use_tma else x  # box set per config
-    w_arg = TensorDescriptor.from_tensor(weight, [16, 16]) if use_tma else weight
+    outs = (h, h, h) if aux_out is None else (h, aux_out, aux_out)
+    if chunk == f and aux_out is not None:  # canonical: gate and up halves, clipped at F
+        outs = (h, aux_out[:, :f], aux_out[:, f:])
+    use_tma = all(_tma_ok(t) for t in (x, weight, *outs))
+    if use_tma:  # boxes are set per config by _set_block_shapes
+        x_arg, w_arg, *out_args = (
+            TensorDescriptor.from_tensor(t, [16, 16]) for t in (x, weight, *outs)
+        )
+    else:
+        x_arg, w_arg, out_args = x, weight, list(outs)
     programs = _num_sms(x.device.index or 0) if x.is_cuda else 1
 
     def grid(meta: dict) -> tuple[int]:
@@ -267,8 +316,7 @@ def gated_gemm(
         x_arg,
         w_arg,
         bias if bias is not None else weight,
-        h,
-        aux_out if aux_out is not None else h,
+        *out_args,
         m,
         k,
         f,

@@ -1,6 +1,6 @@
 """The ParMLP module and the impl registry."""
 
 from swiglu_train.layers.par_mlp import ParMLP
-from swiglu_train.layers.registry import MLP_IMPLS, get_impl
+from swiglu_train.layers.registry import IMPL_CHOICES, MLP_IMPLS, check_impl_name, get_impl
 
-__all__ = ["MLP_IMPLS", "ParMLP", "get_impl"]
+__all__ = ["IMPL_CHOICES", "MLP_IMPLS", "ParMLP", "check_impl_name", "get_impl"]

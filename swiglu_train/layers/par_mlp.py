@@ -15,8 +15,9 @@ import torch
 from torch import nn
 
 from swiglu_train.kernels.runtime import SUPPORTED_DTYPES
+from swiglu_train.layers.auto import resolve_auto
 from swiglu_train.layers.layout import CANONICAL, Layout, order
-from swiglu_train.layers.registry import PACKED_IMPLS, get_impl
+from swiglu_train.layers.registry import AUTO, PACKED_IMPLS, check_impl_name, get_impl
 from swiglu_train.ops.inference import grad_needed, swiglu_mlp_inference
 
 STAMP_KEY = "_extra_state"  # a packed ParMLP's state_dict entry: {"fc1_layout": {...}}
@@ -30,6 +31,11 @@ class ParMLP(nn.Module):
     chunk for packed impls (default: the largest power of two up to 128 dividing F).
     With no grad to compute (eval, generation, inference mode) every impl takes the same
     inference path (``ops.inference``), which saves nothing for backward.
+
+    ``impl="auto"`` picks a concrete impl here, once, from the crossover table of this GPU
+    family at ``tokens_hint`` (tokens per micro-batch); see ``swiglu_train.layers.auto`` for
+    the rule, the drop_h fallback and why it cannot change per forward. ``impl`` then names
+    the impl chosen and ``auto_reason`` says why (None when the impl was named explicitly).
     """
 
     def __init__(
@@ -43,17 +49,23 @@ class ParMLP(nn.Module):
         chunk: int | None = None,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
+        tokens_hint: int | None = None,
     ) -> None:
         super().__init__()
         if min(hidden_size, ffn_hidden_size, output_size or hidden_size) < 1:
             raise ValueError("ParMLP sizes must be positive")
+        check_impl_name(impl)
+        auto = None
+        if impl == AUTO:  # now, before any optimizer can hold fc1 in the layout this decides
+            auto = resolve_auto(tokens_hint, hidden_size, ffn_hidden_size, device)
         factory = {"device": device, "dtype": dtype}
         self.fc1 = nn.Linear(hidden_size, 2 * ffn_hidden_size, bias=bias, **factory)
         self.fc2 = nn.Linear(ffn_hidden_size, output_size or hidden_size, bias=bias, **factory)
         self.inplace = inplace
         self.chunk = chunk or math.gcd(ffn_hidden_size, 128)
         self.fc1_layout = CANONICAL
-        self.set_impl(impl)
+        self.set_impl(auto.impl if auto else impl)
+        self.auto_reason = auto.reason if auto else None
         self._register_state_dict_hook(_stamp_layout)
         self.register_load_state_dict_pre_hook(_convert_on_load)
 
@@ -63,6 +75,7 @@ class ParMLP(nn.Module):
 
     @impl.setter
     def impl(self, name: str) -> None:
+        get_impl(name)  # an unknown name (or 'auto') fails before any layout talk
         if self._layout_for(name) != self.fc1_layout:
             raise ValueError(
                 f"switching ParMLP from {self._impl!r} to {name!r} repacks fc1 "
@@ -86,6 +99,7 @@ class ParMLP(nn.Module):
                     if p is not None:
                         p.copy_(p.index_select(0, index.to(p.device)))
         self._mlp_function, self._impl, self.fc1_layout = function, name, target
+        self.auto_reason: str | None = None  # a named impl is no longer auto's choice
         return index
 
     def _layout_for(self, name: str) -> Layout:
@@ -140,7 +154,8 @@ class ParMLP(nn.Module):
             )
 
     def extra_repr(self) -> str:
-        return f"impl={self.impl!r}, inplace={self.inplace}, fc1_layout={self.fc1_layout}"
+        chosen = " (auto)" if self.auto_reason is not None else ""
+        return f"impl={self.impl!r}{chosen}, inplace={self.inplace}, fc1_layout={self.fc1_layout}"
 
 
 def _stamp_layout(module: ParMLP, state_dict: dict, prefix: str, local_metadata) -> None:

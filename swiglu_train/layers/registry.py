@@ -17,12 +17,25 @@ _IMPLS: dict[str, MLPFunction] = {
 }
 MLP_IMPLS: tuple[str, ...] = tuple(_IMPLS)
 PACKED_IMPLS: frozenset[str] = frozenset({"save_factors"})  # these read fc1 in packed layout
+AUTO = "auto"  # not a function: ParMLP resolves it to one of MLP_IMPLS when built (layers/auto)
+IMPL_CHOICES: tuple[str, ...] = (*MLP_IMPLS, AUTO)  # what a user may ask a ParMLP for
+
+
+def check_impl_name(name: str) -> None:
+    """A ValueError listing every name a user may choose (``auto`` included) for an unknown one."""
+    if name not in IMPL_CHOICES:
+        raise ValueError(f"unknown MLP impl {name!r}; valid impls: {', '.join(IMPL_CHOICES)}")
 
 
 def get_impl(name: str) -> MLPFunction:
-    """The MLP function for an impl name, or a ValueError that lists the valid names."""
+    """The MLP function for a concrete impl name, or a ValueError that lists the valid names."""
     try:
         return _IMPLS[name]
     except KeyError:
         valid = ", ".join(MLP_IMPLS)
+        if name == AUTO:
+            raise ValueError(
+                f"impl {AUTO!r} is resolved once, when a ParMLP is built "
+                f"(ParMLP(..., impl='auto', tokens_hint=...)); here give one of: {valid}"
+            ) from None
         raise ValueError(f"unknown MLP impl {name!r}; valid impls: {valid}") from None

@@ -1,7 +1,7 @@
 """Autograd Functions and torch.library ops for each impl, plus the plain-torch reference."""
 
 from swiglu_train.ops.activation import BACKENDS, use_backend
-from swiglu_train.ops.mlp import SECOND_BACKWARD_ERROR, drop_h_mlp, normal_mlp
+from swiglu_train.ops.mlp import SECOND_BACKWARD_ERROR, drop_h_mlp, normal_mlp, swiglu_activation
 from swiglu_train.ops.save_factors import SECOND_BACKWARD_ERROR_FACTORS, save_factors_mlp
 
 __all__ = [
@@ -11,5 +11,6 @@ __all__ = [
     "drop_h_mlp",
     "normal_mlp",
     "save_factors_mlp",
+    "swiglu_activation",
     "use_backend",
 ]

@@ -54,6 +54,12 @@ class _SwiGLU(torch.autograd.Function):
         return swiglu_bwd(preact, grad_h.contiguous())
 
 
+def swiglu_activation(preact: torch.Tensor) -> torch.Tensor:
+    """h from a [M, 2F] canonical preact, saving preact alone, for callers whose own fc2
+    saves h (Megatron's Transformer Engine linears): the `normal` impl's activation."""
+    return _SwiGLU.apply(preact)
+
+
 def normal_mlp(
     x: torch.Tensor,
     fc1_weight: torch.Tensor,
@@ -63,7 +69,7 @@ def normal_mlp(
     inplace: bool = True,
 ) -> torch.Tensor:
     """The seed's baseline: cuBLAS GEMMs around a Triton activation; `inplace` is unused."""
-    h = _SwiGLU.apply(F.linear(x, fc1_weight, fc1_bias))
+    h = swiglu_activation(F.linear(x, fc1_weight, fc1_bias))
     return F.linear(h, fc2_weight, fc2_bias)
 
 

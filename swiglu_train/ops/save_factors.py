@@ -105,7 +105,13 @@ def save_factors_mlp(
 ) -> torch.Tensor:
     """fc1 weight and bias in the packed layout with this chunk; fc2 saves h as in `normal`.
 
-    ParMLP sends calls with no grad to compute to ``ops.inference`` instead.
+    With no grad to compute (eval, generation) the fused kernel writes h alone.
     """
-    h = _SaveFactors.apply(x, fc1_weight, fc1_bias, chunk, inplace)
+    needs_grad = torch.is_grad_enabled() and any(
+        t is not None and t.requires_grad for t in (x, fc1_weight, fc1_bias)
+    )
+    if not needs_grad and _fused(x, chunk):
+        h, _ = gated_fwd(x, fc1_weight, fc1_bias, chunk, "none")
+    else:
+        h = _SaveFactors.apply(x, fc1_weight, fc1_bias, chunk, inplace)
     return F.linear(h, fc2_weight, fc2_bias)

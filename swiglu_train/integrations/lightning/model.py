@@ -21,7 +21,8 @@ class ModelConfig:
     max_seq_length: int = 128
     rope_theta: float = 10000.0
     norm_eps: float = 1e-5
-    mlp_impl: str = "drop_h"
+    mlp_impl: str = "drop_h"  # or "auto": chosen per layer from the crossover table
+    mlp_tokens_hint: int | None = None  # tokens per micro-batch, for mlp_impl="auto"
 
     def __post_init__(self) -> None:
         if self.hidden_size % self.num_heads:
@@ -67,7 +68,9 @@ class Block(nn.Module):
         self.attn_norm = nn.RMSNorm(cfg.hidden_size, eps=cfg.norm_eps)
         self.attn = Attention(cfg)
         self.mlp_norm = nn.RMSNorm(cfg.hidden_size, eps=cfg.norm_eps)
-        self.mlp = ParMLP(cfg.hidden_size, cfg.ffn_hidden_size, impl=cfg.mlp_impl)
+        self.mlp = ParMLP(
+            cfg.hidden_size, cfg.ffn_hidden_size, impl=cfg.mlp_impl, tokens_hint=cfg.mlp_tokens_hint
+        )
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.attn_norm(x), cos, sin)

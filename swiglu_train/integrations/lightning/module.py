@@ -78,7 +78,7 @@ class PretrainModule(pl.LightningModule):
         groups = self.trainer.optimizers[0].param_groups if self._trainer else []
         checkpoint[LAYOUT_KEY] = {
             "fc1_layout": self.fc1_layout(),
-            "mlp_impl": self.model_cfg.mlp_impl,
+            "mlp_impl": self.model.layers[0].mlp.impl,  # "auto" as resolved
             "optimizer_param_names": [[names[p] for p in g["params"]] for g in groups],
         }
 
@@ -91,5 +91,6 @@ class PretrainModule(pl.LightningModule):
             raise ValueError(
                 f"checkpoint fc1 layout is {saved} but the model's is {self.fc1_layout()}; "
                 "its optimizer state would be misread. Resume with an impl of the same layout "
-                "(normal/drop_h: canonical; save_factors: packed)"
+                "(normal/drop_h: canonical; save_factors: packed); this model runs "
+                f"{self.model.layers[0].mlp.impl!r}"
             )

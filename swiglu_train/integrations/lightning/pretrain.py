@@ -15,7 +15,8 @@ from swiglu_train.integrations.lightning.config import PretrainConfig
 from swiglu_train.integrations.lightning.data import PackedTextData
 from swiglu_train.integrations.lightning.memory_callback import MemoryProfilerCallback
 from swiglu_train.integrations.lightning.module import PretrainModule
-from swiglu_train.layers import get_impl
+from swiglu_train.layers import check_impl_name
+from swiglu_train.layers.registry import AUTO
 from swiglu_train.memory.wandb_run import wandb_mode
 
 
@@ -53,7 +54,9 @@ def resolve_precision(precision: str) -> str:
 
 def run_pretrain(cfg: PretrainConfig, resume: str | None = None) -> dict[str, Any]:
     """Train, and return the summary (losses, throughput and the profiler's memory figures)."""
-    get_impl(cfg.model.mlp_impl)  # an unknown impl fails here, listing the valid ones
+    check_impl_name(cfg.model.mlp_impl)  # an unknown impl fails here, listing the valid ones
+    if cfg.model.mlp_impl == AUTO and cfg.model.mlp_tokens_hint is None:  # one micro-batch
+        cfg.model.mlp_tokens_hint = cfg.data.micro_batch_size * cfg.data.seq_length
     out = Path(cfg.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     pl.seed_everything(cfg.train.seed, workers=True)
@@ -98,8 +101,10 @@ def run_pretrain(cfg: PretrainConfig, resume: str | None = None) -> dict[str, An
     losses = [history.losses[k] for k in sorted(history.losses)]
     val = trainer.callback_metrics.get("val/loss")
     mem = memory.max_metrics
+    mlp = module.model.layers[0].mlp
     return {
-        "mlp_impl": cfg.model.mlp_impl,
+        "mlp_impl": mlp.impl,  # what ran: "auto" is resolved when the model is built
+        "mlp_auto_reason": mlp.auto_reason,
         "steps": trainer.global_step,
         "initial_loss": losses[0] if losses else None,
         "final_loss": losses[-1] if losses else None,

@@ -1,6 +1,7 @@
 """Megatron-core integration (``pip install swiglu-train[megatron]``): a drop-in MLP and layer
 specs, e.g. ``GPTModel(config, get_gpt_layer_spec(mlp_impl="drop_h"), ...)``."""
 
+from swiglu_train.integrations.megatron.activation_mlp import SwiGLUActivationMLP
 from swiglu_train.integrations.megatron.mlp import (
     SUPPORTED_IMPLS,
     ParMLPMegatron,
@@ -16,6 +17,7 @@ from swiglu_train.integrations.megatron.specs import (
 __all__ = [
     "SUPPORTED_IMPLS",
     "ParMLPMegatron",
+    "SwiGLUActivationMLP",
     "check_config",
     "check_impl",
     "get_gpt_layer_spec",

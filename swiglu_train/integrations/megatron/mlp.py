@@ -2,18 +2,20 @@
 
 Everything Megatron owns stays Megatron's: the ``linear_fc1`` / ``linear_fc2`` modules and
 their parameters (TP attributes, init, DDP/DistributedOptimizer buffers), the TP process
-group, and ``sharded_state_dict``. Only the local math between the two TP collectives changes:
+group, and ``sharded_state_dict`` (wrapped for a packed fc1). Only the local math between the
+two TP collectives changes:
 
     x_tp = copy-to-TP-region(x)            or all-gather along the sequence (sequence parallel)
     y_tp = impl(x_tp, W1_r, b1_r, W2_r)    our autograd Function, on this rank's shards
     y    = all-reduce(y_tp)                or reduce-scatter along the sequence
 
 Megatron stores a gated fc1 with ``stride=2``: rank r holds ``[W_gate_r; W_up_r]``, which is
-exactly our canonical layout for the local shard, so the stock weights feed our impls
-unchanged and checkpoints stay interchangeable with the stock MLP at any TP size (the stock
-``sharded_state_dict`` already writes the global [W_gate; W_up]). The packed
-impl (``save_factors``) is not supported here yet: it will have to repack the local shard on
-load and unpack it in ``sharded_state_dict`` through a wrapped ``ShardedTensorFactory``.
+exactly our canonical layout for the local shard, so the canonical impls (``normal``,
+``drop_h``) run on the stock weights unchanged. The packed impl (``save_factors``) repacks the
+local shard once, at construction, into ``Layout("packed", chunk)``; :mod:`.packed` keeps its
+checkpoints canonical (dist-ckpt writes the global [W_gate; W_up] exactly as the stock MLP
+does) and converts plain state dicts on load, so checkpoints stay interchangeable with the
+stock MLP and across impls and TP sizes.
 
 Known gap: with sequence parallelism our Function saves the all-gathered input [s, b, h],
 where the stock ColumnParallelLinear saves its [s/tp, b, h] shard and gathers it again in
@@ -23,6 +25,7 @@ backward.
 from __future__ import annotations
 
 import inspect
+import math
 from typing import Any
 
 import torch
@@ -40,13 +43,16 @@ from megatron.core.transformer.mlp import MLP, MLPSubmodules
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from swiglu_train.integrations.megatron.packed import (
+    convert_on_load,
+    pack_sharded_state_dict,
+    stamp_packed,
+)
 from swiglu_train.kernels.runtime import SUPPORTED_DTYPES
-from swiglu_train.layers.registry import get_impl
+from swiglu_train.layers.layout import CANONICAL, Layout, relayout
+from swiglu_train.layers.registry import AUTO, MLP_IMPLS, PACKED_IMPLS, get_impl
 
-# Impls that read fc1 in the canonical layout, i.e. Megatron's own local [gate_r; up_r] shard.
-# Packed impls (save_factors) need the shard repacked on load and a ShardedTensorFactory that
-# unpacks it on save; until that exists they are refused by name.
-SUPPORTED_IMPLS: tuple[str, ...] = ("normal", "drop_h")
+SUPPORTED_IMPLS: tuple[str, ...] = MLP_IMPLS
 
 # MLP.__init__ keywords differ across megatron-core versions; pass only those it takes.
 _BASE_INIT_PARAMS = frozenset(inspect.signature(MLP.__init__).parameters)
@@ -81,21 +87,29 @@ def check_config(config: TransformerConfig, is_expert: bool = False) -> None:
 
 
 def check_impl(name: str) -> None:
-    """Unknown names list every impl (get_impl); known ones must read the canonical layout."""
-    get_impl(name)
-    if name not in SUPPORTED_IMPLS:
+    """Fail early, before any weight exists, on a name that is no impl (listing the valid).
+
+    ``auto`` is refused: it picks a layout from a tokens hint per layer, while a Megatron model
+    must have one layout known before its checkpoint factories and optimizer are built.
+    """
+    if name == AUTO:
         raise ValueError(
-            f"impl {name!r} is not supported by the Megatron integration yet (it reads a packed "
-            f"fc1); supported: {', '.join(SUPPORTED_IMPLS)}"
+            "impl 'auto' is not supported by the Megatron integration; name one of "
+            f"{', '.join(SUPPORTED_IMPLS)}"
         )
+    get_impl(name)
 
 
 class ParMLPMegatron(MLP):
     """Drop-in for ``megatron.core.transformer.mlp.MLP`` (local backend) running ``impl``.
 
     ``bias_activation_fusion`` is ignored: our impl replaces that path whatever its value.
-    ``inplace=False`` lets a ``drop_h`` graph be backpropagated twice.
+    ``inplace=False`` lets a ``drop_h`` or ``save_factors`` graph be backpropagated twice.
+    ``chunk`` is the packed layout's chunk under ``save_factors``; it must divide this rank's
+    ffn size F/tp (default: ``gcd(F/tp, 128)``).
     """
+
+    DEFAULT_IMPL = "drop_h"
 
     def __init__(
         self,
@@ -108,12 +122,14 @@ class ParMLPMegatron(MLP):
         pg_collection: Any | None = None,
         name: str | None = None,
         is_mtp_layer: bool = False,
-        impl: str = "drop_h",
+        impl: str | None = None,
         inplace: bool = True,
+        chunk: int | None = None,
     ) -> None:
+        impl = self.DEFAULT_IMPL if impl is None else impl
         check_config(config, is_expert)
-        _check_linears(submodules)
-        check_impl(impl)  # before any weight is allocated
+        self._check_linears(submodules)
+        self.validate_impl(impl)  # before any weight is allocated
         if tp_group is None:
             tp_group = _default_tp_group(pg_collection)
         optional = {"pg_collection": pg_collection, "name": name, "is_mtp_layer": is_mtp_layer}
@@ -126,8 +142,32 @@ class ParMLPMegatron(MLP):
             tp_group=tp_group,
             **{k: v for k, v in optional.items() if k in _BASE_INIT_PARAMS},
         )
-        self.impl = impl
         self.inplace = inplace
+        self.fc1_layout = self._pack_fc1(impl, chunk)
+        self.impl = impl
+        self._register_state_dict_hook(stamp_packed)
+        self.register_load_state_dict_pre_hook(convert_on_load)
+
+    def _pack_fc1(self, impl: str, chunk: int | None) -> Layout:
+        """Repack this rank's freshly initialised fc1 shard when ``impl`` reads it packed, so
+        the module computes the same function from the same seed as the stock MLP."""
+        local_ffn = self.linear_fc1.weight.shape[0] // 2
+        if impl not in PACKED_IMPLS:
+            if chunk is not None:
+                raise ValueError(f"chunk applies to packed impls only, not {impl!r}")
+            return CANONICAL
+        chunk = math.gcd(local_ffn, 128) if chunk is None else chunk
+        if chunk < 1 or local_ffn % chunk:
+            raise ValueError(
+                f"chunk={chunk} must divide this rank's ffn size {local_ffn} "
+                "(ffn_hidden_size / tensor_model_parallel_size)"
+            )
+        layout = Layout("packed", chunk)
+        with torch.no_grad():
+            for p in (self.linear_fc1.weight, self.linear_fc1.bias):
+                if p is not None:
+                    p.copy_(relayout(p, CANONICAL, layout))
+        return layout
 
     @classmethod
     def as_mlp_submodule(
@@ -141,8 +181,9 @@ class ParMLPMegatron(MLP):
         ffn_hidden_size: int | None = None,
         name: str | None = None,
         layer_number: int | None = None,
-        impl: str = "drop_h",
+        impl: str | None = None,
         inplace: bool = True,
+        chunk: int | None = None,
     ) -> ParMLPMegatron:
         """The MLP builder that megatron-core >= 0.19 TransformerLayers call for their mlp slot
         (0.16-0.18 build a ModuleSpec instead); see :func:`~.specs.mlp_spec`."""
@@ -158,7 +199,18 @@ class ParMLPMegatron(MLP):
             is_mtp_layer=is_mtp_layer,
             impl=impl,
             inplace=inplace,
+            chunk=chunk,
         )
+
+    def sharded_state_dict(
+        self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None
+    ) -> dict:
+        """The stock MLP's (the global canonical fc1, for any impl and TP size); a packed fc1
+        is unpacked on save and repacked on load through wrapped factories (:mod:`.packed`)."""
+        state = super().sharded_state_dict(prefix, sharded_offsets, metadata)
+        if self.fc1_layout.packed:
+            pack_sharded_state_dict(state, prefix, self.fc1_layout, metadata)
+        return state
 
     def forward(
         self, hidden_states: torch.Tensor, per_token_scale: torch.Tensor | None = None, **kwargs
@@ -173,8 +225,15 @@ class ParMLPMegatron(MLP):
         self._check_input(hidden_states)
         fc1, fc2 = self.linear_fc1, self.linear_fc2
         x = self._to_tp_region(hidden_states)
+        packed = {"chunk": self.fc1_layout.chunk} if self.fc1_layout.packed else {}
         y = self._mlp_function(
-            x.reshape(-1, x.shape[-1]), fc1.weight, fc1.bias, fc2.weight, None, inplace=self.inplace
+            x.reshape(-1, x.shape[-1]),
+            fc1.weight,
+            fc1.bias,
+            fc2.weight,
+            None,
+            inplace=self.inplace,
+            **packed,
         )
         y = self._from_tp_region(y.view(*x.shape[:-1], y.shape[-1]))
         return y, fc2.bias
@@ -214,25 +273,41 @@ class ParMLPMegatron(MLP):
 
     @impl.setter
     def impl(self, name: str) -> None:
-        check_impl(name)
+        """Switch between impls of the same fc1 layout; the layout is fixed at construction
+        (optimizer state and DDP buffers hold it), so a layout change means a new model
+        loading a checkpoint, which is layout-neutral."""
+        self.validate_impl(name)
+        if (name in PACKED_IMPLS) != self.fc1_layout.packed:
+            raise ValueError(
+                f"{type(self).__name__} holds fc1 {self.fc1_layout}; impl {name!r} needs it "
+                f"{'packed' if name in PACKED_IMPLS else 'canonical'}. Build the model with "
+                "this impl and load a checkpoint (dist-ckpt or state_dict) instead"
+            )
         self._mlp_function = get_impl(name)
         self._impl = name
 
+    @classmethod
+    def validate_impl(cls, name: str) -> None:
+        """The impls this class runs (overridden where fewer fit)."""
+        check_impl(name)
+
+    def _check_linears(self, submodules: MLPSubmodules) -> None:
+        """Our forward replaces the linears' own GEMMs, which only the local ones allow."""
+        for label, kind in (
+            ("linear_fc1", ColumnParallelLinear),
+            ("linear_fc2", RowParallelLinear),
+        ):
+            spec = getattr(submodules, label)
+            module = spec.module if isinstance(spec, ModuleSpec) else spec
+            if not (isinstance(module, type) and issubclass(module, kind)):
+                raise ValueError(
+                    f"ParMLPMegatron needs {label} to be a local {kind.__name__}, got "
+                    f"{getattr(module, '__name__', module)}; with Transformer Engine linears use "
+                    "get_gpt_layer_spec(..., backend='te') (impl 'normal' only)"
+                )
+
     def extra_repr(self) -> str:
-        return f"impl={self.impl!r}, inplace={self.inplace}"
-
-
-def _check_linears(submodules: MLPSubmodules) -> None:
-    """Our forward replaces the linears' own GEMMs, which only the local ones allow."""
-    for label, kind in (("linear_fc1", ColumnParallelLinear), ("linear_fc2", RowParallelLinear)):
-        spec = getattr(submodules, label)
-        module = spec.module if isinstance(spec, ModuleSpec) else spec
-        if not (isinstance(module, type) and issubclass(module, kind)):
-            raise ValueError(
-                f"ParMLPMegatron needs {label} to be a local {kind.__name__}, got "
-                f"{getattr(module, '__name__', module)}; Transformer Engine linears are not "
-                "supported yet (use backend='local')"
-            )
+        return f"impl={self.impl!r}, inplace={self.inplace}, fc1_layout={self.fc1_layout}"
 
 
 def _default_tp_group(pg_collection: Any | None) -> torch.distributed.ProcessGroup | None:

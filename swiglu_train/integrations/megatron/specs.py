@@ -1,7 +1,9 @@
 """ModuleSpecs that put ParMLPMegatron into Megatron models: the one line a user changes.
 
-Only the MLP submodule differs from Megatron's own local spec, so attention, norms and every
-other layer follow whatever the installed megatron-core version builds.
+Only the MLP submodule differs from Megatron's own spec for the backend (``local``, or ``te``
+for Transformer Engine), so attention, norms and every other layer follow whatever the
+installed megatron-core version builds. ``te`` needs transformer-engine, which megatron.core
+imports lazily; it is checked here, when the spec is built.
 """
 
 from __future__ import annotations
@@ -9,55 +11,85 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 from functools import partial
+from typing import TYPE_CHECKING
 
 from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
 from megatron.core.models.backends import LocalSpecProvider
-from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.models.gpt.gpt_layer_specs import (
+    get_gpt_layer_local_spec,
+    get_gpt_layer_with_transformer_engine_spec,
+)
 from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 from megatron.core.transformer.mlp import MLP, MLPSubmodules
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_layer import TransformerLayerSubmodules
 
+from swiglu_train.integrations.megatron.activation_mlp import SwiGLUActivationMLP
 from swiglu_train.integrations.megatron.mlp import ParMLPMegatron, check_impl
 
-BACKENDS = ("local",)
+if TYPE_CHECKING:
+    from megatron.core.extensions.transformer_engine_spec_provider import TESpecProvider
+
+BACKENDS = ("local", "te")
 # megatron-core >= 0.19 fills a TransformerLayer's mlp slot by calling a builder.
 BUILDER_API: bool = hasattr(MLP, "as_mlp_submodule")
 
 
-def _check_backend(backend: str) -> None:
-    if backend == "te":
-        raise ValueError(
-            "backend='te' is not supported yet: ParMLPMegatron runs on Megatron's local "
-            "ColumnParallelLinear/RowParallelLinear; use backend='local'"
+def _te_spec_provider() -> TESpecProvider:
+    """Megatron's TE spec provider, or an ImportError saying what to install or use instead.
+
+    megatron-core 0.16 imports its TE extension without TE (``HAVE_TE`` False, classes mocked).
+    """
+    try:
+        from megatron.core.extensions import transformer_engine
+
+        have_te = bool(getattr(transformer_engine, "HAVE_TE", False))
+    except ImportError:
+        have_te = False
+    if not have_te:
+        raise ImportError(
+            "backend='te' needs transformer-engine (pip install transformer-engine[pytorch]), "
+            "which megatron.core could not import; use backend='local' for Megatron's own linears"
         )
-    if backend not in BACKENDS:
+    from megatron.core.extensions.transformer_engine_spec_provider import TESpecProvider
+
+    return TESpecProvider()
+
+
+def _mlp_module(mlp_impl: str, backend: str) -> tuple[type[ParMLPMegatron], MLPSubmodules]:
+    """The MLP class and its linears for a backend; impl first, as it needs no install."""
+    check_impl(mlp_impl)
+    if backend == "local":
+        return ParMLPMegatron, MLPSubmodules(
+            linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear
+        )
+    if backend != "te":
         raise ValueError(f"unknown backend {backend!r}; valid backends: {', '.join(BACKENDS)}")
+    SwiGLUActivationMLP.validate_impl(mlp_impl)
+    te = _te_spec_provider()
+    return SwiGLUActivationMLP, MLPSubmodules(
+        linear_fc1=te.column_parallel_layer_norm_linear(), linear_fc2=te.row_parallel_linear()
+    )
 
 
 def mlp_spec(
-    mlp_impl: str = "drop_h", inplace: bool = True, backend: str = "local"
+    mlp_impl: str = "drop_h",
+    inplace: bool = True,
+    backend: str = "local",
+    chunk: int | None = None,
 ) -> ModuleSpec | Callable[..., ParMLPMegatron]:
     """The MLP submodule alone, for any TransformerLayer-like spec (``submodules.mlp``).
 
+    ``chunk``: the packed layout's chunk under ``save_factors`` (see ParMLPMegatron).
     megatron-core < 0.19 builds that slot from a ModuleSpec; 0.19 calls a builder
     (``MLP.as_mlp_submodule`` bound to its submodules) and would drop a ModuleSpec's params.
+    With ``backend="te"`` fc1 is TE's LayerNorm+Linear: the layer spec must not norm again.
     """
-    check_impl(mlp_impl)
-    _check_backend(backend)
-    submodules = MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear)
+    module, submodules = _mlp_module(mlp_impl, backend)
+    params = {"impl": mlp_impl, "inplace": inplace, "chunk": chunk}
     if BUILDER_API:
-        return partial(
-            ParMLPMegatron.as_mlp_submodule,
-            submodules=submodules,
-            impl=mlp_impl,
-            inplace=inplace,
-        )
-    return ModuleSpec(
-        module=ParMLPMegatron,
-        params={"impl": mlp_impl, "inplace": inplace},
-        submodules=submodules,
-    )
+        return partial(module.as_mlp_submodule, submodules=submodules, **params)
+    return ModuleSpec(module=module, params=params, submodules=submodules)
 
 
 def get_gpt_layer_spec(
@@ -66,27 +98,37 @@ def get_gpt_layer_spec(
     normalization: str = "RMSNorm",
     qk_layernorm: bool = False,
     inplace: bool = True,
+    chunk: int | None = None,
 ) -> ModuleSpec:
-    """Megatron's local GPT TransformerLayer spec with our MLP, for ``GPTModel(..., spec)``."""
-    mlp = mlp_spec(mlp_impl, inplace, backend)
-    layer = get_gpt_layer_local_spec(normalization=normalization, qk_layernorm=qk_layernorm)
+    """Megatron's GPT TransformerLayer spec for ``backend`` with our MLP, for
+    ``GPTModel(..., spec)``.
+
+    ``backend="te"`` (impl ``normal`` only) takes Megatron's TE spec, whose norms follow
+    ``config.normalization``: ``normalization`` applies to the local spec only.
+    """
+    mlp = mlp_spec(mlp_impl, inplace, backend, chunk)
+    if backend == "te":
+        layer = get_gpt_layer_with_transformer_engine_spec(qk_layernorm=qk_layernorm)
+    else:
+        layer = get_gpt_layer_local_spec(normalization=normalization, qk_layernorm=qk_layernorm)
     return dataclasses.replace(layer, submodules=dataclasses.replace(layer.submodules, mlp=mlp))
 
 
 def get_mlp_layer_spec(
-    mlp_impl: str = "drop_h", backend: str = "local", inplace: bool = True
+    mlp_impl: str = "drop_h", backend: str = "local", inplace: bool = True, chunk: int | None = None
 ) -> ModuleSpec:
-    """A HybridModel/Mamba-stack ``mlp_layer`` (``MLPLayer``) with a pre-MLP RMSNorm and our MLP.
+    """A HybridModel/Mamba-stack ``mlp_layer`` (``MLPLayer``) with a pre-MLP RMSNorm and our MLP
+    (with ``backend="te"`` the norm is fc1's own, as in Megatron's TE hybrid spec).
 
     Raises ImportError on megatron-core versions without ``megatron.core.ssm.mlp_layer``.
     """
     from megatron.core.ssm.mlp_layer import MLPLayer
 
-    mlp = mlp_spec(mlp_impl, inplace, backend)
-    norm = LocalSpecProvider().layer_norm(rms_norm=True)
+    mlp = mlp_spec(mlp_impl, inplace, backend, chunk)
+    norm = {}
+    if backend != "te":  # TE's fc1 norms its own input
+        norm["pre_mlp_layernorm"] = LocalSpecProvider().layer_norm(rms_norm=True)
     return ModuleSpec(
         module=MLPLayer,
-        submodules=TransformerLayerSubmodules(
-            pre_mlp_layernorm=norm, mlp=mlp, mlp_bda=get_bias_dropout_add
-        ),
+        submodules=TransformerLayerSubmodules(mlp=mlp, mlp_bda=get_bias_dropout_add, **norm),
     )

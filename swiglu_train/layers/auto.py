@@ -1,0 +1,271 @@
+"""``impl="auto"``: pick a concrete impl from the crossover table measured on this GPU family.
+
+Why once, at construction, and not per forward: ``save_factors`` reads fc1 packed while
+``normal`` and ``drop_h`` read it canonical, so the choice fixes the parameter layout, and an
+optimizer's per-element state (Adam moments) is laid out like the parameters it was created
+with. Switching per forward, as the token count varies, would repack fc1 under a live
+optimizer. So ParMLP resolves ``auto`` once, from a tokens-per-micro-batch hint, before any
+optimizer holds its parameters.
+
+The rule, at the table point nearest in log-space to (tokens_hint, D, F): take the fastest
+impl (by the paired median ratio to the six-GEMM floor), and among impls within
+``TIE_TOLERANCE`` of it the one with the least after-forward memory.
+
+The fallback is ``drop_h``: it is never slower than ``normal`` by more than noise and saves
+M·F·2 bytes per layer (h is recomputed instead of saved), while ``save_factors`` is a layout
+change whose pay-off has to be measured. It applies with no tokens_hint, off CUDA, with no
+table for this GPU family, and when the nearest point is more than one grid step away in any
+dimension (a measurement that far off says little about this shape).
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.resources
+import itertools
+import json
+import math
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from importlib.resources.abc import Traversable
+
+import torch
+
+from swiglu_train.layers.registry import MLP_IMPLS
+
+FALLBACK = "drop_h"
+TIE_TOLERANCE = 0.01  # impls within 1 % of the fastest count as equally fast
+SCHEMA = 1
+DIMS = ("M", "D", "F")
+SINGLE_VALUE_STEP = 1.0  # log2 grid step of a dimension the table measured at one value only
+_TABLE_KEYS = {"schema", "gpu_family", "device_name", "commit", "dtype", "points"}
+_OPTIONAL_TABLE_KEYS = {"source", "command"}
+_STAT_KEYS = ("ms", "ratio_to_floor", "after_forward_MiB")
+
+
+class TableError(ValueError):
+    """A crossover table that does not follow the schema; the message names where and what."""
+
+
+@dataclass(frozen=True)
+class ImplStats:
+    """One impl at one point: median step ms, paired median ratio to the floor, after-fwd MiB."""
+
+    ms: float
+    ratio_to_floor: float
+    after_forward_MiB: float
+
+
+@dataclass(frozen=True)
+class TablePoint:
+    M: int
+    D: int
+    F: int
+    impls: Mapping[str, ImplStats]
+
+    @property
+    def dims(self) -> tuple[int, int, int]:
+        return self.M, self.D, self.F
+
+
+@dataclass(frozen=True)
+class CrossoverTable:
+    """The measured points of one GPU family, as shipped in ``crossover_<family>.json``."""
+
+    gpu_family: str
+    device_name: str
+    commit: str
+    dtype: str
+    points: tuple[TablePoint, ...]
+
+    @classmethod
+    def from_dict(cls, raw: object, source: str = "<table>") -> CrossoverTable:
+        """Validate and read a table; anything off schema raises TableError naming the spot."""
+
+        def fail(where: str, problem: str) -> TableError:
+            return TableError(f"crossover table {source}: {where}: {problem}")
+
+        if not isinstance(raw, dict):
+            raise fail("top level", f"expected an object, got {type(raw).__name__}")
+        missing, unknown = _TABLE_KEYS - set(raw), set(raw) - _TABLE_KEYS - _OPTIONAL_TABLE_KEYS
+        if missing or unknown:
+            raise fail(
+                "top level", f"missing keys {sorted(missing)}, unknown keys {sorted(unknown)}"
+            )
+        if raw["schema"] != SCHEMA:
+            raise fail("schema", f"expected {SCHEMA}, got {raw['schema']!r}")
+        for key in ("gpu_family", "device_name", "commit", "dtype"):
+            if not isinstance(raw[key], str) or not raw[key]:
+                raise fail(key, f"expected a non-empty string, got {raw[key]!r}")
+        if not isinstance(raw["points"], list) or not raw["points"]:
+            raise fail("points", "expected a non-empty list")
+        points = [_point(p, f"points[{i}]", fail) for i, p in enumerate(raw["points"])]
+        dims = [p.dims for p in points]
+        if len(set(dims)) != len(dims):
+            raise fail("points", "the same (M, D, F) appears twice")
+        return cls(
+            raw["gpu_family"], raw["device_name"], raw["commit"], raw["dtype"], tuple(points)
+        )
+
+    def grid_steps(self) -> tuple[float, float, float]:
+        """Per dimension, the widest log2 gap between adjacent measured values."""
+        steps = []
+        for axis in range(len(DIMS)):
+            values = sorted({math.log2(p.dims[axis]) for p in self.points})
+            gaps = [b - a for a, b in itertools.pairwise(values)]
+            steps.append(max(gaps, default=SINGLE_VALUE_STEP))
+        return steps[0], steps[1], steps[2]
+
+
+def _point(raw: object, where: str, fail) -> TablePoint:
+    if not isinstance(raw, dict) or set(raw) != {*DIMS, "impls"}:
+        raise fail(where, "expected an object with exactly the keys M, D, F, impls")
+    for dim in DIMS:
+        value = raw[dim]
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise fail(f"{where}.{dim}", f"expected a positive integer, got {value!r}")
+    impls = raw["impls"]
+    if not isinstance(impls, dict) or not impls:
+        raise fail(f"{where}.impls", "expected a non-empty object of impl -> stats")
+    stats = {}
+    for name in MLP_IMPLS:  # registry order, so ties resolve the same way everywhere
+        if name in impls:
+            stats[name] = _stats(impls[name], f"{where}.impls.{name}", fail)
+    unknown = sorted(set(impls) - set(stats))
+    if unknown:
+        raise fail(f"{where}.impls", f"unknown impls {unknown}; valid: {', '.join(MLP_IMPLS)}")
+    return TablePoint(raw["M"], raw["D"], raw["F"], stats)
+
+
+def _stats(raw: object, where: str, fail) -> ImplStats:
+    if not isinstance(raw, dict) or set(raw) != set(_STAT_KEYS):
+        raise fail(where, f"expected an object with exactly the keys {', '.join(_STAT_KEYS)}")
+    for key in _STAT_KEYS:
+        value, zero_ok = raw[key], key == "after_forward_MiB"
+        number = isinstance(value, int | float) and not isinstance(value, bool)
+        if not number or not math.isfinite(value) or value < 0 or (value == 0 and not zero_ok):
+            bound = ">= 0" if zero_ok else "> 0"
+            raise fail(f"{where}.{key}", f"expected a finite number {bound}, got {value!r}")
+    return ImplStats(*(float(raw[k]) for k in _STAT_KEYS))
+
+
+def choose(impls: Mapping[str, ImplStats]) -> tuple[str, str]:
+    """The rule at one point: (impl, why). Fastest by ratio to floor (paired, so it cancels
+    clock drift that unpaired ms medians keep); within TIE_TOLERANCE, least memory wins."""
+    fastest = min(impls, key=lambda n: impls[n].ratio_to_floor)
+    best = impls[fastest].ratio_to_floor
+    close = [n for n in impls if impls[n].ratio_to_floor <= best * (1 + TIE_TOLERANCE)]
+    pick = min(close, key=lambda n: impls[n].after_forward_MiB)
+    s = impls[pick]
+    if pick == fastest:
+        return pick, f"fastest ({s.ratio_to_floor:.3f}x floor)"
+    return pick, (
+        f"{s.ratio_to_floor:.3f}x floor, within {TIE_TOLERANCE:.0%} of {fastest} "
+        f"({best:.3f}x) with less after-forward memory "
+        f"({s.after_forward_MiB:.0f} vs {impls[fastest].after_forward_MiB:.0f} MiB)"
+    )
+
+
+@dataclass(frozen=True)
+class Resolution:
+    impl: str
+    reason: str
+
+
+def resolve(
+    tokens_hint: int | None,
+    hidden_size: int,
+    ffn_hidden_size: int,
+    device_name: str | None,
+    table: CrossoverTable | None,
+) -> Resolution:
+    """The concrete impl for ``auto`` (see the module docstring for the rule and fallback).
+
+    ``device_name`` is None off CUDA; ``table`` is the table found for that device, or None
+    (a table of another GPU family counts as none).
+    """
+    if tokens_hint is not None and (isinstance(tokens_hint, bool) or tokens_hint < 1):
+        raise ValueError(f"tokens_hint must be a positive token count, got {tokens_hint!r}")
+
+    def fallback(why: str) -> Resolution:
+        return Resolution(FALLBACK, f"fallback to {FALLBACK}: {why}")
+
+    if device_name is None:
+        return fallback("not on a CUDA device, and the crossover tables are measured on GPUs")
+    family = gpu_family(device_name)
+    if table is None or gpu_family(table.gpu_family) != family:
+        return fallback(f"no crossover table for GPU family {family!r} ({device_name})")
+    if tokens_hint is None:
+        return fallback("no tokens_hint (tokens per micro-batch) to look the table up with")
+    query = (tokens_hint, hidden_size, ffn_hidden_size)
+    point = min(table.points, key=lambda p: _log_distance(p.dims, query))
+    where = f"M={point.M}, D={point.D}, F={point.F}"
+    for dim, q, p, step in zip(DIMS, query, point.dims, table.grid_steps(), strict=True):
+        if abs(math.log2(q / p)) > step + 1e-9:
+            return fallback(
+                f"{dim}={q} is more than one grid step (x{2**step:.2f}) from the nearest "
+                f"measured point ({where}) on {table.device_name}"
+            )
+    impl, why = choose(point.impls)
+    return Resolution(
+        impl,
+        f"{impl}: {why} at the nearest measured point ({where}) on "
+        f"{table.device_name}, commit {table.commit}",
+    )
+
+
+def _log_distance(a: tuple[int, ...], b: tuple[int, ...]) -> float:
+    return math.dist([math.log2(v) for v in a], [math.log2(v) for v in b])
+
+
+def gpu_family(device_name: str) -> str:
+    """ "NVIDIA H200" -> "H200", "NVIDIA A100-SXM4-80GB" -> "A100": the first model token."""
+    tokens = re.split(r"[\s\-_]+", device_name.upper())
+    return next((t for t in tokens if t != "NVIDIA" and any(c.isdigit() for c in t)), tokens[0])
+
+
+def table_filename(family: str) -> str:
+    return f"crossover_{re.sub(r'[^a-z0-9]', '', family.lower())}.json"
+
+
+def read_table(path: Traversable) -> CrossoverTable:
+    """A crossover table file, validated; bad JSON or schema raises TableError naming it."""
+    try:
+        raw = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise TableError(f"crossover table {path}: not valid JSON ({e})") from None
+    return CrossoverTable.from_dict(raw, str(path))
+
+
+@functools.cache
+def packaged_table(family: str) -> CrossoverTable | None:
+    """The table shipped for a GPU family in this package, or None when there is none."""
+    resource = importlib.resources.files("swiglu_train.layers").joinpath(table_filename(family))
+    return read_table(resource) if resource.is_file() else None
+
+
+def target_device_name(device: torch.device | str | None) -> str | None:
+    """The CUDA device a new ParMLP will run on, or None when it runs elsewhere.
+
+    An explicit ``device`` decides; with none (or ``meta``) the module is taken to be built
+    before being moved, as Lightning and most training loops do, so the current CUDA device
+    counts when there is one.
+    """
+    if device is not None and torch.device(device).type not in ("cuda", "meta"):
+        return None
+    if device is not None and torch.device(device).type == "cuda":
+        return torch.cuda.get_device_name(torch.device(device))
+    return torch.cuda.get_device_name() if torch.cuda.is_available() else None
+
+
+def resolve_auto(
+    tokens_hint: int | None,
+    hidden_size: int,
+    ffn_hidden_size: int,
+    device: torch.device | str | None,
+) -> Resolution:
+    """``resolve`` with this machine's device and this package's table for its family."""
+    name = target_device_name(device)
+    table = packaged_table(gpu_family(name)) if name is not None else None
+    return resolve(tokens_hint, hidden_size, ffn_hidden_size, name, table)
