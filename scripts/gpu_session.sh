@@ -63,7 +63,8 @@ PY
           --summary-json "$OUT/megatron_tp1_$impl.json" 2>&1 | tail -2
       done ;;
     inference)
-      python3 scripts/bench_inference.py --samples 30 --json "$OUT/inference_h200.json" \
+      python3 scripts/bench_inference.py --samples 30 --commit "$commit" \
+        --json "$OUT/inference_h200.json" \
         --md "$OUT/inference_h200.md" 2>&1 | tail -60 ;;
     *) echo "unknown stage $stage"; exit 2 ;;
   esac

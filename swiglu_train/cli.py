@@ -135,6 +135,7 @@ def bench_inference(
     dtype: Annotated[str, typer.Option(help="bf16, fp16 or fp32")] = "bf16",
     device: Annotated[str, typer.Option(help="cuda, or cpu for a smoke run")] = "cuda",
     seed: int = 0,
+    commit: Annotated[str | None, typer.Option(help="commit to record if git is absent")] = None,
     json_path: Annotated[Path | None, typer.Option("--json", help="write results here")] = None,
     md_path: Annotated[Path | None, typer.Option("--md", help="write the tables here")] = None,
 ) -> None:
@@ -169,6 +170,7 @@ def bench_inference(
     cfg = InferenceBenchConfig(model_names, ms, samples, names, dtype, device, seed)
     with _progress() as progress:
         result = run_inference_bench(cfg, progress)
+    result["commit"] = result["commit"] or commit
     result["command"] = _invocation()
     markdown = to_markdown(result)
     console.print(Markdown(markdown))
