@@ -170,7 +170,7 @@ def bench_inference(
     cfg = InferenceBenchConfig(model_names, ms, samples, names, dtype, device, seed)
     with _progress() as progress:
         result = run_inference_bench(cfg, progress)
-    result["commit"] = result["commit"] or commit
+    result["commit"] = commit or result["commit"]
     result["command"] = _invocation()
     markdown = to_markdown(result)
     console.print(Markdown(markdown))
