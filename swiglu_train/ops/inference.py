@@ -77,10 +77,12 @@ def inference_path(
 
 
 def _kernels_serve(x: torch.Tensor) -> bool:
+    """Triton runs here, and (on CPU, interpreted) the call is test-sized."""
     return triton_enabled(x) and (x.device.type != "cpu" or x.shape[0] <= INTERPRETER_MAX_M)
 
 
 def _gated_serves(x: torch.Tensor, chunk: int | None, ffn_size: int) -> bool:
+    """The gated GEMM takes this layout (canonical, or a power-of-two chunk >= 16) here."""
     return _kernels_serve(x) and gated_enabled(x, chunk or ffn_size, ffn_size)
 
 
