@@ -11,6 +11,7 @@
 #   pretrain   125M Lightning runs, impls alternated twice (tokens/s, after-forward, peak)
 #   microbatch the largest micro-batch at ~1B, normal vs drop_h
 #   megatron   recipes/pretrain_megatron.py at TP=1 for each impl (needs the megatron wheel)
+#   inference  swiglu-train bench-inference: gated projection and whole MLP, Qwen-2.5 x M grid
 set -uo pipefail
 OUT=${OUT:-./gpu-out}
 mkdir -p "$OUT"
@@ -61,6 +62,10 @@ PY
           --max-steps 25 --output-dir /tmp/megatron-runs \
           --summary-json "$OUT/megatron_tp1_$impl.json" 2>&1 | tail -2
       done ;;
+    inference)
+      python3 scripts/bench_inference.py --samples 30 --commit "$commit" \
+        --json "$OUT/inference_h200.json" \
+        --md "$OUT/inference_h200.md" 2>&1 | tail -60 ;;
     *) echo "unknown stage $stage"; exit 2 ;;
   esac
 done

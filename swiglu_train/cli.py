@@ -119,6 +119,70 @@ def bench(
         console.print(f"wrote {json_path}")
 
 
+@app.command("bench-inference")
+def bench_inference(
+    models: Annotated[
+        str, typer.Option(help="Qwen-2.5 MLP sizes (0.5b,7b,32b,72b) or DxF, comma-separated")
+    ] = "0.5b,7b,32b,72b",
+    m: Annotated[str, typer.Option("--m", help="token counts M, comma-separated")] = (
+        "1,16,128,512,2048,4096"
+    ),
+    samples: Annotated[int, typer.Option(min=1, help="paired samples (use >= 30)")] = 30,
+    variants: Annotated[
+        str | None,
+        typer.Option(help="only these variants, comma-separated (eager references always run)"),
+    ] = None,
+    dtype: Annotated[str, typer.Option(help="bf16, fp16 or fp32")] = "bf16",
+    device: Annotated[str, typer.Option(help="cuda, or cpu for a smoke run")] = "cuda",
+    seed: int = 0,
+    commit: Annotated[str | None, typer.Option(help="commit to record if git is absent")] = None,
+    json_path: Annotated[Path | None, typer.Option("--json", help="write results here")] = None,
+    md_path: Annotated[Path | None, typer.Option("--md", help="write the tables here")] = None,
+) -> None:
+    """Time the gated projection and the whole MLP, forward only, in CUDA graphs."""
+    from swiglu_train.bench.inference import (
+        InferenceBenchConfig,
+        parse_model,
+        run_inference_bench,
+        to_markdown,
+    )
+    from swiglu_train.bench.inference_variants import TABLES
+    from swiglu_train.bench.mlp import DTYPES
+
+    model_names = [v for v in models.split(",") if v]
+    try:
+        for name in model_names:
+            parse_model(name)
+        ms = [int(v) for v in m.split(",") if v]
+    except ValueError as e:
+        raise typer.BadParameter(str(e)) from e
+    if not ms or min(ms) < 1:
+        raise typer.BadParameter("--m takes positive integers")
+    names = None if variants is None else [v for v in variants.split(",") if v]
+    known = {n for table in TABLES.values() for n in table}
+    if names is not None and set(names) - known:
+        unknown = sorted(set(names) - known)
+        raise typer.BadParameter(f"unknown variants {unknown}; choose from {sorted(known)}")
+    if dtype not in DTYPES:
+        raise typer.BadParameter(f"dtype must be one of {list(DTYPES)}")
+    if samples < 30:
+        console.print(f"[yellow]{samples} samples: results are not claimable (need >= 30)")
+    cfg = InferenceBenchConfig(model_names, ms, samples, names, dtype, device, seed)
+    with _progress() as progress:
+        result = run_inference_bench(cfg, progress)
+    result["commit"] = commit or result["commit"]
+    result["command"] = _invocation()
+    markdown = to_markdown(result)
+    console.print(Markdown(markdown))
+    if json_path is not None:
+        write_json_atomic(json_path, result)
+        console.print(f"wrote {json_path}")
+    if md_path is not None:
+        md_path.parent.mkdir(parents=True, exist_ok=True)
+        md_path.write_text(markdown)
+        console.print(f"wrote {md_path}")
+
+
 @app.command("bench-memory")
 def bench_memory(
     layers: Annotated[str, typer.Option(help="stack depths, comma-separated")] = "1,2,4,8",

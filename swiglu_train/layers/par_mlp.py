@@ -18,6 +18,7 @@ from swiglu_train.kernels.runtime import SUPPORTED_DTYPES
 from swiglu_train.layers.auto import resolve_auto
 from swiglu_train.layers.layout import CANONICAL, Layout, order
 from swiglu_train.layers.registry import AUTO, PACKED_IMPLS, check_impl_name, get_impl
+from swiglu_train.ops.inference import grad_needed, swiglu_mlp_inference
 
 STAMP_KEY = "_extra_state"  # a packed ParMLP's state_dict entry: {"fc1_layout": {...}}
 
@@ -28,6 +29,8 @@ class ParMLP(nn.Module):
     ``inplace=False`` lets a ``drop_h`` or ``save_factors`` graph be backpropagated more than
     once, at the cost of activation-sized buffers in backward. ``chunk`` is the packed layout's
     chunk for packed impls (default: the largest power of two up to 128 dividing F).
+    With no grad to compute (eval, generation, inference mode) every impl takes the same
+    inference path (``ops.inference``), which saves nothing for backward.
 
     ``impl="auto"`` picks a concrete impl here, once, from the crossover table of this GPU
     family at ``tokens_hint`` (tokens per micro-batch); see ``swiglu_train.layers.auto`` for
@@ -127,8 +130,12 @@ class ParMLP(nn.Module):
         return self._apply_impl(*tensors)
 
     def _apply_impl(self, x: torch.Tensor, *params: torch.Tensor | None) -> torch.Tensor:
-        packed = {"chunk": self.fc1_layout.chunk} if self.fc1_layout.packed else {}
-        y = self._mlp_function(x.reshape(-1, x.shape[-1]), *params, inplace=self.inplace, **packed)
+        x2d = x.reshape(-1, x.shape[-1])
+        if grad_needed(x, *params):
+            packed = {"chunk": self.fc1_layout.chunk} if self.fc1_layout.packed else {}
+            y = self._mlp_function(x2d, *params, inplace=self.inplace, **packed)
+        else:  # eval, generation: every impl computes the same y, and nothing need be saved
+            y = swiglu_mlp_inference(x2d, *params, chunk=self.fc1_layout.chunk)
         return y.view(*x.shape[:-1], y.shape[-1])
 
     def _check_input(self, x: torch.Tensor) -> None:
