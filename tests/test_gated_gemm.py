@@ -75,3 +75,36 @@ def test_empty_and_noncontiguous_inputs(device, backend):
     x = torch.randn(24, 11, device=device).t()  # [11, 24], column-major
     h, _ = kernels.gated_gemm(x, w, None, chunk=32)
     torch.testing.assert_close(h, _torch_gated(x, w, None, 32)[0], rtol=1e-5, atol=1e-5)
+
+
+def _config(bm: int, bn: int, bk: int, stages: int = 4):
+    import triton
+
+    return triton.Config(
+        {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 8, "PERSISTENT": False},
+        num_stages=stages,
+        num_warps=8,
+    )
+
+
+def _tiles(configs) -> set[tuple[int, int, int]]:
+    return {(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.kwargs["BLOCK_K"]) for c in configs}
+
+
+def test_prune_fits_configs_to_the_chunk_the_dtype_and_m():
+    """Found on the H200: fp32 tiles sized for bf16 overflow shared memory, and a chunk
+    narrower than every tile left no config at all."""
+    configs = [_config(128, 128, 64), _config(64, 64, 128), _config(16, 64, 128)]
+    bf16 = {"b_ptr": torch.empty(1, dtype=torch.bfloat16)}
+    big = kernels._prune(configs, {"F": 4096, "M_BUCKET": 16384, **bf16}, CHUNK=128)
+    assert _tiles(big) == _tiles(configs)  # training shapes in bf16: nothing changes
+    narrow = kernels._prune(configs, {"F": 64, "M_BUCKET": 16384, **bf16}, CHUNK=16)
+    assert {n for _, n, _ in _tiles(narrow)} == {16}
+    canonical = kernels._prune(configs, {"F": 48, "M_BUCKET": 16384, **bf16}, CHUNK=48)
+    assert _tiles(canonical) == _tiles(configs)  # canonical tiles may cross F (clipped)
+    fp32 = {"b_ptr": torch.empty(1)}
+    for c in kernels._prune(configs, {"F": 4096, "M_BUCKET": 16384, **fp32}, CHUNK=128):
+        per_stage = (c.kwargs["BLOCK_M"] + 2 * c.kwargs["BLOCK_N"]) * c.kwargs["BLOCK_K"] * 4
+        assert per_stage * c.num_stages <= kernels.SHARED_MEMORY_BYTES
+    decode = kernels._prune(configs, {"F": 4096, "M_BUCKET": 1, **bf16}, CHUNK=128)
+    assert _tiles(decode) == {(16, 64, 128)}

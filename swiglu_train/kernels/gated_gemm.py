@@ -77,12 +77,16 @@ def _set_block_shapes(nargs: dict) -> None:
 SHARED_MEMORY_BYTES = 232448  # per SM on the H100/H200 (sm_90)
 
 
-def _fit_shared_memory(config: triton.Config, element_size: int) -> triton.Config:
-    """Halve BLOCK_K until the pipelined x and W1 tiles fit in shared memory.
+def _fit(config: triton.Config, chunk: int, canonical: bool, element_size: int) -> triton.Config:
+    """The config, narrowed where it does not fit this layout or dtype.
 
-    The list is sized for 16-bit operands; fp32 operands need half the K depth per stage.
+    A packed tile must not straddle a gate/up boundary, so BLOCK_N shrinks to the chunk when
+    the chunk is narrower; and BLOCK_K halves until the pipelined x and W1 tiles fit in shared
+    memory (the list is sized for 16-bit operands; fp32 needs half the K depth per stage).
     """
     kw = dict(config.kwargs)
+    if not canonical and chunk < kw["BLOCK_N"]:
+        kw["BLOCK_N"] = chunk
     per_k = (kw["BLOCK_M"] + 2 * kw["BLOCK_N"]) * element_size * config.num_stages
     while per_k * kw["BLOCK_K"] > SHARED_MEMORY_BYTES and kw["BLOCK_K"] > 16:
         kw["BLOCK_K"] //= 2
@@ -94,17 +98,22 @@ def _fit_shared_memory(config: triton.Config, element_size: int) -> triton.Confi
 
 
 def _prune(configs: list[triton.Config], named_args: dict, **constexprs) -> list[triton.Config]:
-    """Keep tiles that fit the chunk (a tile must not straddle a gate/up boundary), M and
-    shared memory at this dtype."""
-    chunk, m_cap = constexprs["CHUNK"], max(named_args["M_BUCKET"], 16)
+    """Fit every config to the layout and dtype, then keep the tiles sized for this M."""
+    chunk = constexprs["CHUNK"]
     canonical = chunk == named_args["F"]
-    fits = [c for c in configs if canonical or chunk % c.kwargs["BLOCK_N"] == 0]
-    small = [c for c in fits if c.kwargs["BLOCK_M"] <= m_cap]
-    kept = small or [min(fits, key=lambda c: c.kwargs["BLOCK_M"])]
-    if m_cap < 128:
-        kept = [c for c in kept if c.kwargs["BLOCK_M"] * 2 >= m_cap] or kept
     element_size = named_args["b_ptr"].element_size()
-    return [_fit_shared_memory(c, element_size) for c in kept]
+    fitted = {}
+    for c in configs:
+        c = _fit(c, chunk, canonical, element_size)
+        fitted.setdefault((tuple(sorted(c.kwargs.items())), c.num_stages, c.num_warps), c)
+    configs = list(fitted.values())
+    m_cap = max(named_args["M_BUCKET"], 16)
+    kept = [c for c in configs if c.kwargs["BLOCK_M"] <= m_cap] or [
+        min(configs, key=lambda c: c.kwargs["BLOCK_M"])
+    ]
+    if m_cap < 128:  # tiles much shorter than M only multiply the W1 traffic
+        kept = [c for c in kept if c.kwargs["BLOCK_M"] * 2 >= m_cap] or kept
+    return kept
 
 
 @functools.cache

@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from swiglu_train.layers import ParMLP
+from swiglu_train.layers.layout import CANONICAL, order
 
 
 @dataclass
@@ -105,8 +106,18 @@ class LlamaDecoder(nn.Module):
 
 
 def _init_weights(module: nn.Module) -> None:
-    """GPT-2/Llama-style small normal init, so the initial loss sits near log(vocab)."""
+    """GPT-2/Llama-style small normal init, so the initial loss sits near log(vocab).
+
+    A packed ParMLP's fc1 is drawn as if canonical and then packed (``apply`` visits children
+    first), so a seed gives every impl the same function, packed or not.
+    """
     if isinstance(module, nn.Linear | nn.Embedding):
         nn.init.normal_(module.weight, std=0.02)
         if getattr(module, "bias", None) is not None:
             nn.init.zeros_(module.bias)
+    if isinstance(module, ParMLP) and module.fc1_layout.packed:
+        index = order(module.fc1.out_features, CANONICAL, module.fc1_layout)
+        with torch.no_grad():
+            for p in (module.fc1.weight, module.fc1.bias):
+                if p is not None:
+                    p.copy_(p[index.to(p.device)])

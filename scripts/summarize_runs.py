@@ -1,0 +1,91 @@
+"""Collect the recipes' --summary-json files into one committed results file and a table.
+
+    python3 scripts/summarize_runs.py --title "125M Lightning, H200" --command "..." \
+        --commit SHA --json benchmarks/results/X.json --md benchmarks/results/X.md RUN.json...
+
+Runs of the same impl are rounds of one paired design (impls alternated within a round), so
+each impl's tokens/s is also reported as the median of its per-round ratio to ``normal``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import statistics
+from pathlib import Path
+
+ROUND = re.compile(r"_(\d+)\.json$")
+
+
+def load(paths: list[str]) -> list[dict]:
+    runs = []
+    for path in paths:
+        run = json.loads(Path(path).read_text())
+        match = ROUND.search(path)
+        run["round"] = int(match.group(1)) if match else 1
+        runs.append(run)
+    return runs
+
+
+def table(runs: list[dict]) -> list[dict]:
+    """One row per impl: medians over rounds, and the paired ratio of tokens/s to normal."""
+    normal = {r["round"]: r["tokens_per_s"] for r in runs if r["mlp_impl"] == "normal"}
+    rows = []
+    for impl in dict.fromkeys(r["mlp_impl"] for r in runs):
+        mine = [r for r in runs if r["mlp_impl"] == impl]
+        ratios = [r["tokens_per_s"] / normal[r["round"]] for r in mine if r["round"] in normal]
+        rows.append({
+            "mlp_impl": impl,
+            "rounds": len(mine),
+            "tokens_per_s": statistics.median(r["tokens_per_s"] for r in mine),
+            "tokens_per_s_vs_normal": statistics.median(ratios) if ratios else None,
+            "after_forward_MiB": statistics.median(r["after_forward_MiB"] for r in mine),
+            "peak_MiB": statistics.median(r["peak_MiB"] for r in mine),
+            "initial_loss": mine[0]["initial_loss"],
+            "final_loss": statistics.median(r["final_loss"] for r in mine),
+        })  # fmt: skip
+    return rows
+
+
+def markdown(title: str, rows: list[dict]) -> str:
+    lines = [
+        f"### {title}",
+        "",
+        "| impl | rounds | tokens/s | ÷ normal (paired) | after-fwd MiB | peak MiB | loss |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        ratio = f"{r['tokens_per_s_vs_normal']:.3f}" if r["tokens_per_s_vs_normal"] else "—"
+        lines.append(
+            f"| {r['mlp_impl']} | {r['rounds']} | {r['tokens_per_s']:.0f} | {ratio} "
+            f"| {r['after_forward_MiB']:.1f} | {r['peak_MiB']:.1f} "
+            f"| {r['initial_loss']:.3f} → {r['final_loss']:.3f} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("runs", nargs="+")
+    parser.add_argument("--title", required=True)
+    parser.add_argument("--command", required=True, help="the command that produced the runs")
+    parser.add_argument("--commit", required=True)
+    parser.add_argument("--gpu", default="NVIDIA H200")
+    parser.add_argument("--json", required=True)
+    parser.add_argument("--md", required=True)
+    args = parser.parse_args()
+    runs = load(args.runs)
+    rows = table(runs)
+    meta = {"title": args.title, "command": args.command, "commit": args.commit, "gpu": args.gpu}
+    for path, text in (
+        (args.json, json.dumps({"meta": meta, "rows": rows, "runs": runs}, indent=1)),
+        (args.md, markdown(args.title, rows)),
+    ):
+        tmp = Path(path + ".tmp")
+        tmp.write_text(text)
+        tmp.replace(path)
+
+
+if __name__ == "__main__":
+    main()
