@@ -108,3 +108,26 @@ def test_prune_fits_configs_to_the_chunk_the_dtype_and_m():
         assert per_stage * c.num_stages <= kernels.SHARED_MEMORY_BYTES
     decode = kernels._prune(configs, {"F": 4096, "M_BUCKET": 1, **bf16}, CHUNK=128)
     assert _tiles(decode) == {(16, 64, 128)}
+
+
+@pytest.mark.parametrize(("device", "backend"), TRITON)
+@pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])
+def test_drop_h_fused_forward_is_the_same_drop_h(device, backend, bias):
+    """The gated GEMM's preact variant feeds drop_h's unchanged backward: same y and grads."""
+    from swiglu_train.ops import drop_h_mlp
+
+    m, d, f = 13, 24, 40
+    x = torch.randn(m, d, device=device, requires_grad=True)
+    params = [torch.randn(2 * f, d, device=device) / d**0.5, torch.randn(2 * f, device=device)]
+    params += [torch.randn(d, f, device=device) / f**0.5, torch.randn(d, device=device)]
+    if not bias:
+        params[1] = params[3] = None
+    params = [p.requires_grad_() if p is not None else None for p in params]
+    grad_y = torch.randn(m, d, device=device)
+    results = []
+    for fused in (False, True):
+        y = drop_h_mlp(x, *params, fused_forward=fused)
+        leaves = [t for t in (x, *params) if t is not None]
+        results.append((y, *torch.autograd.grad(y, leaves, grad_y)))
+    for plain, fused in zip(*results, strict=True):
+        torch.testing.assert_close(fused, plain, rtol=1e-5, atol=1e-5)

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 from swiglu_train.layers import ParMLP
 from swiglu_train.layers.layout import CANONICAL, relayout
-from swiglu_train.ops import reference
+from swiglu_train.ops import drop_h_mlp, reference
 
 Layer = Callable[[torch.Tensor], torch.Tensor]
 
@@ -54,6 +54,11 @@ def ours(impl: str) -> Callable[[LayerWeights], Layer]:
         return mlp
 
     return build
+
+
+def drop_h_fused(w: LayerWeights) -> Layer:
+    """drop_h with h and the saved preact from one gated GEMM (the forward-fusion candidate)."""
+    return lambda x: drop_h_mlp(x, w.fc1, None, w.fc2, None, fused_forward=True)
 
 
 def liger(w: LayerWeights) -> Layer:
@@ -99,6 +104,7 @@ BUILDERS: dict[str, Callable[[LayerWeights], Layer]] = {
     "compile": compiled,
     "normal": ours("normal"),
     "drop_h": ours("drop_h"),
+    "drop_h_fused": drop_h_fused,
     "save_factors": ours("save_factors"),
     "liger": liger,
     "fla": fla,

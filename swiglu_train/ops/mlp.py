@@ -18,6 +18,7 @@ from swiglu_train.ops.activation import (
     swiglu_bwd_recompute_,
     swiglu_fwd,
 )
+from swiglu_train.ops.gated import gated_enabled, gated_fwd
 
 SECOND_BACKWARD_ERROR = (
     "ParMLP(impl='drop_h') ran its backward in place: the saved preactivation now holds its "
@@ -83,9 +84,14 @@ class _DropH(torch.autograd.Function):
         fc2_weight: torch.Tensor,
         fc2_bias: torch.Tensor | None,
         inplace: bool,
+        fused_forward: bool,
     ) -> torch.Tensor:
-        preact = F.linear(x, fc1_weight, fc1_bias)
-        h = swiglu_fwd(preact)
+        ffn = fc1_weight.shape[0] // 2
+        if fused_forward and gated_enabled(x, ffn, ffn):  # canonical = packed with chunk F
+            h, preact = gated_fwd(x, fc1_weight, fc1_bias, ffn, "preact")
+        else:
+            preact = F.linear(x, fc1_weight, fc1_bias)
+            h = swiglu_fwd(preact)
         y = F.linear(h, fc2_weight, fc2_bias)
         ctx.save_for_backward(x, fc1_weight, fc2_weight, preact)
         ctx.inplace = inplace
@@ -97,7 +103,7 @@ class _DropH(torch.autograd.Function):
     def backward(ctx, grad_y: torch.Tensor):
         inplace = claim_inplace_backward(ctx, SECOND_BACKWARD_ERROR)
         x, fc1_weight, fc2_weight, preact = ctx.saved_tensors
-        need_x, need_w1, need_b1, need_w2, need_b2, _ = ctx.needs_input_grad
+        need_x, need_w1, need_b1, need_w2, need_b2 = ctx.needs_input_grad[:5]
         grad_y = grad_y.contiguous()
         grad_h = grad_y @ fc2_weight
         if inplace:
@@ -112,7 +118,7 @@ class _DropH(torch.autograd.Function):
         grad_w1 = grad_preact.t() @ x if need_w1 else None
         grad_b1 = grad_preact.sum(0) if need_b1 and ctx.has_bias[0] else None
         grad_b2 = grad_y.sum(0) if need_b2 and ctx.has_bias[1] else None
-        return grad_x, grad_w1, grad_b1, grad_w2, grad_b2, None
+        return grad_x, grad_w1, grad_b1, grad_w2, grad_b2, None, None
 
 
 def drop_h_mlp(
@@ -122,6 +128,12 @@ def drop_h_mlp(
     fc2_weight: torch.Tensor,
     fc2_bias: torch.Tensor | None,
     inplace: bool = True,
+    fused_forward: bool = False,
 ) -> torch.Tensor:
-    """Seed 000's drop-h, with an in-place fused backward unless `inplace` is False."""
-    return _DropH.apply(x, fc1_weight, fc1_bias, fc2_weight, fc2_bias, inplace)
+    """Seed 000's drop-h, with an in-place fused backward unless `inplace` is False.
+
+    ``fused_forward`` computes h and the saved preact in one gated GEMM (the preact is never
+    read back). Off by default: on the H200 our Triton GEMM is ~7 % slower than cuBLAS, which
+    outweighs the activation pass it saves (benchmarks/results/tune_gated_h200.json).
+    """
+    return _DropH.apply(x, fc1_weight, fc1_bias, fc2_weight, fc2_bias, inplace, fused_forward)
