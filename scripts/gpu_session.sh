@@ -12,11 +12,25 @@
 #   microbatch the largest micro-batch at ~1B, normal vs drop_h
 #   megatron   recipes/pretrain_megatron.py at TP=1 for each impl (needs the megatron wheel)
 #   inference  swiglu-train bench-inference: gated projection and whole MLP, Qwen-2.5 x M grid
+# Every stage writes under $RES; on exit it is packed into $OUT/results.tgz, since the device
+# tool returns at most 8 files. STAGE_SECONDS=N bounds each stage, so one overrun cannot cost
+# the others (a session found this out when a stage ate the call's whole limit).
 set -uo pipefail
 OUT=${OUT:-./gpu-out}
-mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD WANDB_MODE=offline WANDB_SILENT=true
+RES=${RES:-/tmp/gpu-results}
+mkdir -p "$OUT" "$RES"
+export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD WANDB_MODE=offline WANDB_SILENT=true OUT RES
 commit=$(cat COMMIT 2>/dev/null || git rev-parse --short HEAD 2>/dev/null || echo unknown)
+pack() { tar czf "$OUT/results.tgz" -C "$RES" .; }
+if [ -n "${STAGE_SECONDS:-}" ]; then  # each stage in its own bounded run of this script
+  export IN_SESSION=1
+  trap pack EXIT
+  for stage in "$@"; do
+    STAGE_SECONDS= timeout "$STAGE_SECONDS" bash "$0" "$stage" || echo "== $stage: exit $?"
+  done
+  exit 0
+fi
+[ -z "${IN_SESSION:-}" ] && export IN_SESSION=1 && trap pack EXIT
 for stage in "$@"; do
   echo "== $stage"
   case $stage in
@@ -24,48 +38,50 @@ for stage in "$@"; do
       [ -d .whlx ] && bash scripts/device_setup.sh
       [ -d .whlw ] && python3 -m pip install -q --no-index --no-deps --no-compile .whlw/*.whl ;;
     tests)
-      python3 -m pytest -q -m gpu -p no:cacheprovider 2>&1 | tee "$OUT/pytest.log" | tail -15 ;;
+      python3 -m pytest -q -m gpu -p no:cacheprovider 2>&1 | tee "$RES/pytest.log" | tail -15 ;;
     tune)
-      python3 scripts/tune_gated_gemm.py --samples 30 --json "$OUT/tune_gated_h200.json" \
+      python3 scripts/tune_gated_gemm.py --samples 30 --json "$RES/tune_gated_h200.json" \
         2>&1 | grep -v "^ " ;;
     bench)
-      python3 scripts/bench_mlp.py --samples 40 --commit "$commit" --json "$OUT/mlp_h200.json" \
+      python3 scripts/bench_mlp.py --samples 40 --commit "$commit" --json "$RES/mlp_h200.json" \
         2>&1 | tail -30 ;;
     stack)
       python3 -m swiglu_train bench-memory --layers 1,2,4 --mlp-impl normal,drop_h,save_factors \
-        --overhead-samples 30 --json "$OUT/stack_h200.json" 2>&1 | tail -20 ;;
+        --overhead-samples 30 --json "$RES/stack_h200.json" 2>&1 | tail -20 ;;
     crossover)
-      python3 scripts/bench_crossover.py --commit "$commit" --json "$OUT/crossover_h200.json" \
-        --table "$OUT/table/crossover_h200.json" 2>&1 | tail -40 ;;
+      python3 scripts/bench_crossover.py --commit "$commit" --json "$RES/crossover_h200.json" \
+        --table "$RES/table/crossover_h200.json" 2>&1 | tail -40 ;;
     pretrain)
       for round in 1 2; do
         for impl in normal drop_h save_factors; do
           python3 -m swiglu_train pretrain --config 125m --mlp-impl "$impl" --max-steps 40 \
-            --output-dir "/tmp/pt-$impl-$round" --summary-json "$OUT/pretrain_${impl}_$round.json" \
+            --output-dir "/tmp/pt-$impl-$round" --summary-json "$RES/pretrain_${impl}_$round.json" \
             > "/tmp/pt-$impl-$round.log" 2>&1 || tail -5 "/tmp/pt-$impl-$round.log"
         done
       done
-      python3 - "$OUT" <<'PY'
-import json, sys, glob
-for path in sorted(glob.glob(f"{sys.argv[1]}/pretrain_*.json")):
-    s = json.load(open(path))
-    print(path.rsplit("/", 1)[-1], f"{s['tokens_per_s']:.0f} tok/s",
-          f"after-fwd {s['after_forward_MiB']:.1f} MiB", f"peak {s['peak_MiB']:.1f} MiB")
-PY
-      ;;
+      python3 scripts/summarize_runs.py "$RES"/pretrain_*_[12].json --commit "$commit" \
+        --title "125M Lightning pretrain, bf16, 40 steps (impls alternated, 2 rounds)" \
+        --command "bash scripts/gpu_session.sh pretrain" \
+        --json "$RES/pretrain_125m_h200.json" --md "$RES/pretrain_125m_h200.md" \
+        && cat "$RES/pretrain_125m_h200.md" ;;
     microbatch)
       python3 scripts/max_micro_batch.py --config 1b --mlp-impl normal,drop_h \
-        --json "$OUT/max_micro_batch_1b.json" ;;
+        --json "$RES/max_micro_batch_1b.json" ;;
     megatron)
       for impl in stock normal drop_h save_factors; do
         torchrun --nproc-per-node 1 recipes/pretrain_megatron.py --mlp-impl "$impl" \
           --max-steps 25 --output-dir /tmp/megatron-runs \
-          --summary-json "$OUT/megatron_tp1_$impl.json" 2>&1 | tail -2
-      done ;;
+          --summary-json "$RES/megatron_tp1_$impl.json" 2>&1 | tail -2
+      done
+      python3 scripts/summarize_runs.py "$RES"/megatron_tp1_*.json --commit "$commit" \
+        --title "Megatron recipe, TP=1, bf16 Float16Module + DistributedOptimizer, 25 steps" \
+        --command "bash scripts/gpu_session.sh megatron" \
+        --json "$RES/megatron_h200_tp1.json" --md "$RES/megatron_h200_tp1.md" \
+        && cat "$RES/megatron_h200_tp1.md" ;;
     inference)
       python3 scripts/bench_inference.py --samples 30 --commit "$commit" \
-        --json "$OUT/inference_h200.json" \
-        --md "$OUT/inference_h200.md" 2>&1 | tail -60 ;;
+        --json "$RES/inference_h200.json" \
+        --md "$RES/inference_h200.md" 2>&1 | tail -60 ;;
     *) echo "unknown stage $stage"; exit 2 ;;
   esac
 done

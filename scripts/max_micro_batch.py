@@ -4,8 +4,10 @@ This is the user-visible win of drop_h: at the ~1B config, how many more sequenc
 
     python scripts/max_micro_batch.py --config 1b --mlp-impl normal,drop_h --json out.json
 
-Each trial runs two real optimizer steps (bf16 autocast, AdamW, the recipe's model) in this
-process and frees everything after; the search doubles, then bisects.
+Each trial runs two real optimizer steps (bf16 autocast, AdamW, the recipe's model) on one
+model per impl; the search doubles, then bisects. After an out-of-memory step the cache is
+emptied; fragmentation left behind could only make a later, smaller trial fail, so the
+figure is never overstated.
 """
 
 from __future__ import annotations
@@ -39,32 +41,43 @@ def largest_fitting(fits: Callable[[int], bool], limit: int) -> tuple[int, list[
     return low, tried
 
 
-def trial(config: str, impl: str, micro_batch: int) -> bool:
-    """Two training steps at this micro-batch; False on CUDA out-of-memory."""
+def trainer(config: str, impl: str) -> Callable[[int], bool]:
+    """A trial function over one model and optimizer, built once per impl.
+
+    Weights, grads and AdamW state do not depend on the micro-batch, so rebuilding them per
+    trial only costs time (a 1B model takes seconds); each trial runs two steps at its size,
+    and an out-of-memory step is caught, its activations freed, and reported as a misfit.
+    """
     cfg = load_config(config)
     cfg.model.mlp_impl = impl
-    model = optimizer = None
-    try:
-        model = LlamaDecoder(cfg.model).cuda()
-        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    model = LlamaDecoder(cfg.model).cuda()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+
+    def fits(micro_batch: int) -> bool:
         tokens = torch.randint(0, 256, (micro_batch, cfg.data.seq_length + 1), device="cuda")
-        for _ in range(2):
-            with torch.autocast("cuda", dtype=torch.bfloat16):
-                logits = model(tokens[:, :-1])
-            loss = torch.nn.functional.cross_entropy(
-                logits.flatten(0, 1).float(), tokens[:, 1:].flatten()
-            )
-            loss.backward()
-            optimizer.step()
+        try:
+            for _ in range(2):
+                with torch.autocast("cuda", dtype=torch.bfloat16):
+                    logits = model(tokens[:, :-1])
+                loss = torch.nn.functional.cross_entropy(
+                    logits.flatten(0, 1).float(), tokens[:, 1:].flatten()
+                )
+                del logits
+                loss.backward()
+                del loss
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+            torch.cuda.synchronize()
+            return True
+        except torch.cuda.OutOfMemoryError:
             optimizer.zero_grad(set_to_none=True)
-        torch.cuda.synchronize()
-        return True
-    except torch.cuda.OutOfMemoryError:
-        return False
-    finally:
-        del model, optimizer
-        gc.collect()
-        torch.cuda.empty_cache()
+            return False
+        finally:
+            del tokens
+            gc.collect()
+            torch.cuda.empty_cache()
+
+    return fits
 
 
 def main(
@@ -75,7 +88,9 @@ def main(
 ) -> None:
     results = []
     for impl in mlp_impl.split(","):
-        best, tried = largest_fitting(lambda n, impl=impl: trial(config, impl, n), limit)
+        best, tried = largest_fitting(trainer(config, impl), limit)
+        gc.collect()
+        torch.cuda.empty_cache()
         results.append({"impl": impl, "max_micro_batch": best, "tried": tried})
         print(f"{impl}: largest micro-batch {best} (tried {tried})")
     payload = {

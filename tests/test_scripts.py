@@ -1,6 +1,7 @@
 """Logic of the GPU scripts that can be checked without a GPU."""
 
 import importlib.util
+import json
 from pathlib import Path
 
 import pytest
@@ -32,3 +33,31 @@ def test_micro_batch_search_finds_the_largest_fit(capacity, limit):
 def test_micro_batch_search_when_nothing_fits():
     best, tried = load_script("max_micro_batch").largest_fitting(lambda n: False, 64)
     assert best == 0 and tried == [1]
+
+
+def test_summarize_runs_pairs_rounds_and_writes_both_files(tmp_path, monkeypatch):
+    summarize = load_script("summarize_runs")
+    runs = {
+        "normal_1": (100.0, 800.0),
+        "drop_h_1": (99.0, 700.0),
+        "normal_2": (200.0, 800.0),
+        "drop_h_2": (202.0, 700.0),
+    }
+    paths = []
+    for name, (rate, after) in runs.items():
+        path = tmp_path / f"pretrain_{name}.json"
+        impl = name.rsplit("_", 1)[0]
+        summary = {"mlp_impl": impl, "tokens_per_s": rate, "after_forward_MiB": after}
+        summary |= {"peak_MiB": 900.0, "initial_loss": 5.7, "final_loss": 3.0}
+        path.write_text(json.dumps(summary))
+        paths.append(str(path))
+    out_json, out_md = tmp_path / "t.json", tmp_path / "t.md"
+    argv = ["x", *paths, "--title", "T", "--command", "c", "--commit", "abc"]
+    monkeypatch.setattr("sys.argv", [*argv, "--json", str(out_json), "--md", str(out_md)])
+    summarize.main()
+    rows = {r["mlp_impl"]: r for r in json.loads(out_json.read_text())["rows"]}
+    # paired per round: 0.99 and 1.01, median 1.00; unpaired medians would give 150.5/150
+    assert rows["drop_h"]["tokens_per_s_vs_normal"] == pytest.approx(1.0)
+    assert rows["drop_h"]["rounds"] == 2 and rows["drop_h"]["after_forward_MiB"] == 700.0
+    assert "| drop_h | 2 | 150 | 1.000 | 700.0 | 900.0 | 5.700 → 3.000 |" in out_md.read_text()
+    assert not list(tmp_path.glob("*.tmp"))
