@@ -11,6 +11,7 @@
 #   pretrain   125M Lightning runs, impls alternated twice (tokens/s, after-forward, peak)
 #   microbatch the largest micro-batch at ~1B, normal vs drop_h
 #   megatron   recipes/pretrain_megatron.py at TP=1 for each impl (needs the megatron wheel)
+#   megatron_resume  its DistributedOptimizer dist-ckpt: save at step 3, resume, compare losses
 #   inference  swiglu-train bench-inference: gated projection and whole MLP, Qwen-2.5 x M grid
 # Every stage writes under $RES; on exit it is packed into $OUT/results.tgz, since the device
 # tool returns at most 8 files. STAGE_SECONDS=N bounds each stage, so one overrun cannot cost
@@ -78,6 +79,21 @@ for stage in "$@"; do
         --command "bash scripts/gpu_session.sh megatron" \
         --json "$RES/megatron_h200_tp1.json" --md "$RES/megatron_h200_tp1.md" \
         && cat "$RES/megatron_h200_tp1.md" ;;
+    megatron_resume)  # DistributedOptimizer dist-ckpt on CUDA: save at 3, resume, same losses
+      for impl in normal save_factors; do
+        run="torchrun --nproc-per-node 1 recipes/pretrain_megatron.py --mlp-impl $impl"
+        run="$run --max-steps 6 --output-dir /tmp/megatron-runs"
+        $run --save "/tmp/mck-$impl" --save-interval 3 > "$RES/resume_full_$impl.log" 2>&1
+        $run --load "/tmp/mck-$impl/iter_0000003" > "$RES/resume_from3_$impl.log" 2>&1
+        python3 - "$RES/resume_full_$impl.log" "$RES/resume_from3_$impl.log" "$impl" <<'PY'
+import re, sys
+def losses(path):
+    return {int(s): float(l) for s, l in re.findall(r"^step (\d+) loss ([\d.]+)", open(path).read(), re.M)}
+full, resumed = losses(sys.argv[1]), losses(sys.argv[2])
+diffs = {s: abs(resumed[s] - full[s]) / full[s] for s in resumed}
+print(sys.argv[3], "resumed steps", sorted(resumed), "max rel diff", max(diffs.values(), default=None))
+PY
+      done ;;
     inference)
       python3 scripts/bench_inference.py --samples 30 --commit "$commit" \
         --json "$RES/inference_h200.json" \
