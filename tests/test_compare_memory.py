@@ -55,6 +55,7 @@ def step_metrics(impl: str, step: int, cuda: bool) -> dict[str, float]:
 
 def tiny_run(root: Path, impl: str, cuda: bool) -> Path:
     run = wandb.init(
+        mode="offline",  # explicit: wandb's settings singleton may predate WANDB_MODE here
         dir=root,
         project="swiglu-train-test",
         group="tiny",

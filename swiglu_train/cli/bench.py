@@ -1,66 +1,21 @@
-"""The ``swiglu-train`` command line."""
+"""Benchmark commands: bench, bench-inference, bench-memory, bench-crossover."""
 
 from __future__ import annotations
 
-import contextlib
-import json
-import os
-import shlex
-import sys
-import tempfile
-from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Annotated
 
 import typer
-from rich.console import Console
 from rich.markdown import Markdown
-from rich.progress import Progress
 
-app = typer.Typer(help="SwiGLU MLP layers that give pretraining its activation memory back.")
-console = Console()
-
-
-@app.callback()
-def main() -> None:
-    """swiglu-train: ParMLP impls, benchmarks and recipes."""
-
-
-def _parse_shape(value: str) -> tuple[int, int, int, int]:
-    parts = [int(v) for v in value.split(",")]
-    if len(parts) != 4 or min(parts) < 1:
-        raise typer.BadParameter("expected four positive integers M,D,F,O")
-    return tuple(parts)  # type: ignore[return-value]
-
-
-def write_json_atomic(path: Path, payload: dict) -> None:
-    """Write through a temporary file and rename, so a crash never leaves half a result."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.NamedTemporaryFile("w", dir=path.parent, delete=False, suffix=".tmp") as f:
-        json.dump(payload, f, indent=2)
-        f.write("\n")
-    os.chmod(f.name, 0o644)  # temporary files are created private; results are for sharing
-    os.replace(f.name, path)
-
-
-def _invocation() -> str:
-    """The command line as typed, for result files (``python -m`` shows up as its module)."""
-    program = Path(sys.argv[0]).name
-    if program == "__main__.py":
-        program = "python -m swiglu_train"
-    return " ".join([program, shlex.join(sys.argv[1:])])
-
-
-@contextlib.contextmanager
-def _progress() -> Iterator[Callable[[str, int], Callable[[], None]]]:
-    """A rich progress bar factory: ``progress(label, total)`` returns the task's tick."""
-    with Progress(console=console, transient=True) as bar:
-
-        def progress(label: str, total: int) -> Callable[[], None]:
-            task = bar.add_task(label, total=total)
-            return lambda: bar.advance(task)
-
-        yield progress
+from swiglu_train.cli.app import (
+    app,
+    console,
+    invocation,
+    parse_shape,
+    progress_bars,
+    write_json_atomic,
+)
 
 
 @app.command()
@@ -97,7 +52,7 @@ def bench(
     if samples < 30:
         console.print(f"[yellow]{samples} samples: results are not claimable (need >= 30)")
     cfg = BenchConfig(
-        shape=_parse_shape(shape),
+        shape=parse_shape(shape),
         dtype=dtype,
         variants=names,
         samples=samples,
@@ -107,9 +62,9 @@ def bench(
         seed=seed,
         extra={"commit": commit},
     )
-    with _progress() as progress:
+    with progress_bars() as progress:
         result = run_bench(cfg, progress)
-    result["meta"]["command"] = _invocation()
+    result["meta"]["command"] = invocation()
     markdown = to_markdown(result)
     console.print(Markdown(markdown))
     for name, reason in result["skipped"].items():
@@ -169,10 +124,10 @@ def bench_inference(
     if samples < 30:
         console.print(f"[yellow]{samples} samples: results are not claimable (need >= 30)")
     cfg = InferenceBenchConfig(model_names, ms, samples, names, dtype, device, seed)
-    with _progress() as progress:
+    with progress_bars() as progress:
         result = run_inference_bench(cfg, progress)
     result["commit"] = commit or result["commit"]
-    result["command"] = _invocation()
+    result["command"] = invocation()
     markdown = to_markdown(result)
     console.print(Markdown(markdown))
     if json_path is not None:
@@ -207,9 +162,9 @@ def bench_memory(
     if dtype not in DTYPES:
         raise typer.BadParameter(f"dtype must be one of {list(DTYPES)}")
     depths = [int(v) for v in layers.split(",") if v]
-    dims, torch_dtype = _parse_shape(shape), DTYPES[dtype]
+    dims, torch_dtype = parse_shape(shape), DTYPES[dtype]
     rows = []
-    with _progress() as progress:
+    with progress_bars() as progress:
         tick = progress("stack memory", len(impls) * len(depths))
         for impl in impls:
             for depth in depths:
@@ -230,7 +185,7 @@ def bench_memory(
         )
     if json_path is not None:
         meta = {
-            "command": _invocation(),
+            "command": invocation(),
             "shape": dims,
             "dtype": dtype,
             "device": device,
@@ -288,9 +243,9 @@ def bench_crossover(
     if samples < 30:
         console.print(f"[yellow]{samples} samples: results are not claimable (need >= 30)")
     cfg = CrossoverConfig(grid_m, grid_shapes, samples, warmup, dtype, device, seed, commit)
-    with _progress() as progress:
+    with progress_bars() as progress:
         result = run_crossover(cfg, progress)
-    result["meta"]["command"] = _invocation()
+    result["meta"]["command"] = invocation()
     markdown = to_markdown(result)
     console.print(Markdown(markdown))
     if json_path is not None:
@@ -300,190 +255,3 @@ def bench_crossover(
     if table is not None:
         write_json_atomic(table, lookup_table(result))
         console.print(f"wrote {table}")
-
-
-@app.command()
-def compare_memory(
-    runs: Annotated[
-        list[str],
-        typer.Argument(
-            metavar="RUN", help="W&B run dir, .wandb file or memory.csv; LABEL=PATH names it"
-        ),
-    ],
-    out: Annotated[Path, typer.Option(help="PNG to write; an HTML report goes next to it")],
-    wandb_workspace: Annotated[
-        str | None,
-        typer.Option(metavar="ENTITY/PROJECT", help="also save a W&B workspace of these panels"),
-    ] = None,
-) -> None:
-    """Compare the activation memory of runs per step and along depth: PNG + HTML report."""
-    from swiglu_train.memory.plots import write_report
-    from swiglu_train.memory.runs import load_runs
-
-    if wandb_workspace is not None:
-        from swiglu_train.memory.workspace import parse_entity_project
-
-        try:
-            parse_entity_project(wandb_workspace)
-        except ValueError as e:
-            raise typer.BadParameter(str(e), param_hint="--wandb-workspace") from e
-    try:
-        loaded = load_runs(runs)
-    except (FileNotFoundError, ValueError) as e:
-        raise typer.BadParameter(str(e), param_hint="RUN") from e
-    try:
-        for path in write_report(loaded, out):
-            console.print(f"wrote {path}")
-    except ValueError as e:
-        raise typer.BadParameter(str(e), param_hint="--out") from e
-    if wandb_workspace is None:
-        return
-    import wandb
-
-    from swiglu_train.memory.workspace import build_workspace
-
-    try:
-        build_workspace(wandb_workspace, loaded).save()
-    except (wandb.errors.Error, OSError) as e:
-        console.print(f"[red]could not save the W&B workspace to {wandb_workspace}: {e}")
-        console.print("The PNG and HTML are written; log in (`wandb login`) with network to save.")
-        raise typer.Exit(1) from e
-
-
-@app.command()
-def pretrain(
-    config: Annotated[
-        str | None, typer.Option(help="a YAML path, or tiny / 125m / 1b from configs/")
-    ] = None,
-    mlp_impl: Annotated[
-        str | None, typer.Option(help="normal, drop_h, save_factors, or auto (from the table)")
-    ] = None,
-    data: Annotated[
-        list[str] | None,
-        typer.Option(help="text files or globs, .jsonl, or a Megatron .bin/.idx prefix"),
-    ] = None,
-    max_steps: Annotated[int | None, typer.Option()] = None,
-    micro_batch_size: Annotated[int | None, typer.Option()] = None,
-    devices: Annotated[str | None, typer.Option(help="e.g. 1, 2 or auto")] = None,
-    strategy: Annotated[str | None, typer.Option(help="auto, ddp or fsdp")] = None,
-    precision: Annotated[str | None, typer.Option(help="auto, bf16-mixed, 32-true")] = None,
-    wandb_project: Annotated[str | None, typer.Option()] = None,
-    wandb_group: Annotated[str | None, typer.Option()] = None,
-    wandb_name: Annotated[str | None, typer.Option()] = None,
-    output_dir: Annotated[str | None, typer.Option(help="checkpoints, W&B run, CSVs")] = None,
-    resume: Annotated[str | None, typer.Option(help="a .ckpt path, or 'last'")] = None,
-    summary_json: Annotated[Path | None, typer.Option(help="write the run summary here")] = None,
-) -> None:
-    """Pretrain a Llama-style model with ParMLP on local text (the stdlib by default)."""
-    from rich.table import Table
-
-    from swiglu_train.integrations.lightning.config import load_config
-    from swiglu_train.integrations.lightning.pretrain import run_pretrain
-
-    cfg = load_config(config)
-    overrides = [
-        (cfg.model, "mlp_impl", mlp_impl),
-        (cfg.data, "data", data),
-        (cfg.data, "micro_batch_size", micro_batch_size),
-        (cfg.train, "max_steps", max_steps),
-        (cfg.train, "devices", int(devices) if devices and devices.isdigit() else devices),
-        (cfg.train, "strategy", strategy),
-        (cfg.train, "precision", precision),
-        (cfg.wandb, "project", wandb_project),
-        (cfg.wandb, "group", wandb_group),
-        (cfg.wandb, "name", wandb_name),
-        (cfg, "output_dir", output_dir),
-    ]
-    for section, key, value in overrides:
-        if value is not None:
-            setattr(section, key, value)
-    summary = run_pretrain(cfg, resume=resume)
-    table = Table(title=f"pretrain summary ({summary['mlp_impl']})")
-    table.add_column("metric")
-    table.add_column("value", justify="right")
-    for key in (
-        "steps",
-        "initial_loss",
-        "final_loss",
-        "val_loss",
-        "tokens_per_s",
-        "saved_MiB",
-        "after_forward_MiB",
-        "peak_MiB",
-    ):
-        value = summary[key]
-        table.add_row(key, "—" if value is None else f"{value:,.4g}")
-    console.print(table)
-    if summary_json is not None:
-        write_json_atomic(summary_json, summary)
-        console.print(f"wrote {summary_json}")
-
-
-@app.command()
-def convert(
-    src: Annotated[Path, typer.Argument(help="input .ckpt or .pt")],
-    dst: Annotated[Path, typer.Argument(help="output path (written atomically)")],
-    to: Annotated[str, typer.Option(help="packed, canonical, or hf (gate/up/down_proj)")],
-    chunk: Annotated[int | None, typer.Option(help="chunk of the packed layout")] = None,
-    assume_layout: Annotated[
-        str | None,
-        typer.Option(help="layout of unstamped fc1 weights: canonical, packed:C, or hf"),
-    ] = None,
-    trust: Annotated[bool, typer.Option(help="unpickle arbitrary objects (trusted files)")] = False,
-) -> None:
-    """Convert ParMLP fc1 weights, and their optimizer state, between layouts."""
-    import torch
-    from rich.table import Table
-
-    from swiglu_train.layers.layout import CANONICAL, Layout
-    from swiglu_train.packing import convert_checkpoint, from_hf, to_hf
-
-    if to not in ("packed", "canonical", "hf"):
-        raise typer.BadParameter("--to must be packed, canonical or hf")
-    try:
-        ckpt = torch.load(src, map_location="cpu", weights_only=not trust)
-    except FileNotFoundError:
-        raise typer.BadParameter(f"{src} does not exist") from None
-    except Exception as e:  # weights_only refuses arbitrary pickled objects
-        raise typer.BadParameter(f"cannot load {src} safely ({e}); pass --trust if you do") from e
-    state = ckpt.get("state_dict", ckpt)
-    stamped = any(k.endswith("_extra_state") for k in state)
-    if not stamped and assume_layout is None:
-        raise typer.BadParameter(
-            f"{src} carries no fc1 layout stamp; say what it is with --assume-layout "
-            "(canonical, packed:C or hf)"
-        )
-    report = []
-    if assume_layout == "hf":
-        ckpt = from_hf(ckpt, report)
-        assume = CANONICAL
-    elif assume_layout and assume_layout.startswith("packed:"):
-        assume = Layout("packed", int(assume_layout.split(":", 1)[1]))
-    elif assume_layout in (None, "canonical"):
-        assume = CANONICAL
-    else:
-        raise typer.BadParameter(
-            f"--assume-layout {assume_layout!r}: use canonical, packed:C or hf"
-        )
-    if to == "hf" and "state_dict" in ckpt:
-        raise typer.BadParameter("--to hf takes a bare state_dict (no optimizer state)")
-    try:
-        if to == "hf":
-            if assume != CANONICAL:
-                ckpt = convert_checkpoint(ckpt, to="canonical", assume_layout=assume)
-            out = to_hf(ckpt, report)
-        else:
-            out = convert_checkpoint(ckpt, to=to, chunk=chunk, assume_layout=assume, report=report)
-    except ValueError as e:  # a layout the input cannot take, named by the converter
-        raise typer.BadParameter(str(e)) from e
-    dst.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.NamedTemporaryFile(dir=dst.parent, delete=False, suffix=".tmp") as f:
-        torch.save(out, f)
-    os.chmod(f.name, 0o644)
-    os.replace(f.name, dst)
-    table = Table(title=f"{src} -> {dst}")
-    for column in ("ParMLP", "from", "to", "optimizer states moved"):
-        table.add_column(column)
-    for r in report:
-        table.add_row(r.prefix.rstrip(".") or "(root)", r.source, r.target, str(r.optimizer_states))
-    console.print(table)
