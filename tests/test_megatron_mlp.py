@@ -126,6 +126,12 @@ def _mlp_parity(world_size: int) -> None:
                     x = x.chunk(world_size)[tp_rank].contiguous()
                 stock_out = mlp_loss_and_grads(stock, x)
                 assert_parity(mlp_loss_and_grads(ours, x), stock_out, label)
+                with torch.no_grad():  # eval: our inference path, TP collectives included
+                    for mine, theirs in zip(ours(x), stock(x), strict=True):
+                        if theirs is None:
+                            assert mine is None, label
+                        else:
+                            torch.testing.assert_close(mine, theirs, rtol=1e-5, atol=1e-5)
 
 
 def _save_factors_layout(world_size: int) -> None:

@@ -51,6 +51,7 @@ from swiglu_train.integrations.megatron.packed import (
 from swiglu_train.kernels.runtime import SUPPORTED_DTYPES
 from swiglu_train.layers.layout import CANONICAL, Layout, relayout
 from swiglu_train.layers.registry import AUTO, MLP_IMPLS, PACKED_IMPLS, get_impl
+from swiglu_train.ops.inference import grad_needed, swiglu_mlp_inference
 
 SUPPORTED_IMPLS: tuple[str, ...] = MLP_IMPLS
 
@@ -225,16 +226,12 @@ class ParMLPMegatron(MLP):
         self._check_input(hidden_states)
         fc1, fc2 = self.linear_fc1, self.linear_fc2
         x = self._to_tp_region(hidden_states)
-        packed = {"chunk": self.fc1_layout.chunk} if self.fc1_layout.packed else {}
-        y = self._mlp_function(
-            x.reshape(-1, x.shape[-1]),
-            fc1.weight,
-            fc1.bias,
-            fc2.weight,
-            None,
-            inplace=self.inplace,
-            **packed,
-        )
+        x2d, params = x.reshape(-1, x.shape[-1]), (fc1.weight, fc1.bias, fc2.weight, None)
+        if grad_needed(x2d, *params):
+            packed = {"chunk": self.fc1_layout.chunk} if self.fc1_layout.packed else {}
+            y = self._mlp_function(x2d, *params, inplace=self.inplace, **packed)
+        else:  # eval, generation: the inference kernels, nothing saved (as ParMLP does)
+            y = swiglu_mlp_inference(x2d, *params, chunk=self.fc1_layout.chunk)
         y = self._from_tp_region(y.view(*x.shape[:-1], y.shape[-1]))
         return y, fc2.bias
 
