@@ -27,7 +27,7 @@ def _canonical(device, bias=False):
 def taken(monkeypatch) -> list[str]:
     """The kernels the inference path called, in order (the real ones still run)."""
     calls: list[str] = []
-    for name in ("fused_mlp", "gated_fwd"):
+    for name in ("fused_mlp", "gated_fwd", "swiglu_fwd"):
         real = getattr(inference, name)
 
         def spy(*args, _real=real, _name=name):
@@ -63,6 +63,29 @@ def test_each_path_is_taken_where_it_should_be_and_agrees(device, backend, bias,
         assert taken == ([kernel] if kernel else [])
         expected = reference.mlp(x.double(), w1.double(), _double(b1), w2.double(), _double(b2))
         assert rel_err(y, expected) < TOLERANCE[torch.float32], (m, chunk)
+
+
+@pytest.mark.parametrize(("device", "backend"), TRITON)
+def test_canonical_fc1_beyond_gated_max_m_takes_cublas_and_the_activation_kernel(
+    device, backend, taken, monkeypatch
+):
+    """Training-sized no-grad calls (checkpointing's first forward) keep the cuBLAS fc1 that
+    beats our gated GEMM there; a packed fc1 has no such path and stays gated."""
+    monkeypatch.setattr(inference, "GATED_MAX_M", 20)
+    w1, b1, w2, b2 = _canonical(device, bias=True)
+    packed = Layout("packed", 16)
+    w1_packed, b1_packed = (relayout(t, CANONICAL, packed) for t in (w1, b1))
+    x = torch.randn(21, D, device=device)
+    expected = reference.mlp(x.double(), w1.double(), b1.double(), w2.double(), b2.double())
+    for fc1, fc1_bias, chunk, path, kernel in (
+        (w1, b1, None, "cublas", "swiglu_fwd"),
+        (w1_packed, b1_packed, 16, "gated", "gated_fwd"),
+    ):
+        assert inference.inference_path(x, fc1, w2, chunk) == path
+        taken.clear()
+        y = inference.swiglu_mlp_inference(x, fc1, fc1_bias, w2, b2, chunk)
+        assert taken == [kernel]
+        assert rel_err(y, expected) < TOLERANCE[torch.float32]
 
 
 def _double(t):

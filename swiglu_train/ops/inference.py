@@ -4,7 +4,10 @@
   "fused_mlp"  seed 004's fully fused MLP, h never in HBM; canonical fc1 and small M only, where
                the MLP is bound by reading its weights and one pass over them wins;
   "gated"      the gated GEMM (fc1 with the SwiGLU epilogue, seed 003), then cuBLAS for fc2;
-               any M and either fc1 layout;
+               either fc1 layout, up to GATED_MAX_M rows when canonical;
+  "cublas"     canonical fc1 beyond GATED_MAX_M rows: cuBLAS fc1, our activation kernel,
+               cuBLAS fc2, which is what wins at training sizes (the no-grad forward of
+               reentrant activation checkpointing lands here);
   "torch"      plain torch, where Triton cannot run (or under ``use_backend("torch")``), and
                on CPU beyond INTERPRETER_MAX_M rows: the interpreter runs kernels at Python
                speed (the gated GEMM takes 3.4 s for 256x64 -> 160), fit for tests, not models.
@@ -15,7 +18,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from swiglu_train.ops.activation import triton_enabled
+from swiglu_train.ops.activation import swiglu_fwd, triton_enabled
 from swiglu_train.ops.gated import gated_enabled, gated_fwd
 
 try:
@@ -28,6 +31,10 @@ except ImportError:  # no Triton: the gated and torch paths decide alone
 # `swiglu-train bench-inference` (which prints the entries it suggests) replace this.
 FUSED_MLP_MAX_M: dict[tuple[int, int], int] = {}
 DEFAULT_FUSED_MLP_MAX_M = 16
+# Above this M, cuBLAS fc1 + the activation kernel beats our Triton gated GEMM: measured on the
+# H200 at Qwen-7B (tie at 4096, cuBLAS +6 % ahead at 11136; benchmarks/results/
+# tune_gated_h200.json). A packed fc1 has no cuBLAS-side activation, so it stays gated.
+GATED_MAX_M = 4096
 INTERPRETER_MAX_M = 64
 
 
@@ -73,6 +80,8 @@ def inference_path(
     )
     if fusable:
         return "fused_mlp"
+    if chunk is None and m > GATED_MAX_M and _kernels_serve(x):
+        return "cublas"
     return "gated" if _gated_serves(x, chunk, f) else "torch"
 
 
@@ -111,6 +120,11 @@ def swiglu_mlp_inference(
     ``chunk`` is the packed fc1 layout's chunk, or None for the canonical [W_gate; W_up].
     """
     x2d = x2d if x2d.stride(-1) == 1 else x2d.contiguous()
-    if inference_path(x2d, fc1_weight, fc2_weight, chunk) == "fused_mlp":
+    path = inference_path(x2d, fc1_weight, fc2_weight, chunk)
+    if path == "fused_mlp":
         return fused_mlp(x2d, fc1_weight, fc1_bias, fc2_weight, fc2_bias)
-    return F.linear(swiglu_gated_inference(x2d, fc1_weight, fc1_bias, chunk), fc2_weight, fc2_bias)
+    if path == "cublas":
+        h = swiglu_fwd(F.linear(x2d, fc1_weight, fc1_bias))
+    else:
+        h = swiglu_gated_inference(x2d, fc1_weight, fc1_bias, chunk)
+    return F.linear(h, fc2_weight, fc2_bias)
