@@ -20,7 +20,6 @@ pipeline parallelism rank 0 holds neither the loss nor a bracketed forward/backw
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import time
@@ -45,6 +44,7 @@ from megatron.core.tokenizers.text.libraries.null_tokenizer import NullTokenizer
 from megatron.core.transformer.module import Float16Module
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from swiglu_train.files import write_json_atomic
 from swiglu_train.integrations.megatron import SUPPORTED_IMPLS, get_gpt_layer_spec
 from swiglu_train.memory import MemoryProfiler
 from swiglu_train.memory.wandb_run import WandbMemoryLogger, init_run
@@ -346,11 +346,7 @@ def write_summary(args: argparse.Namespace, losses: list, rates: list, records: 
         "saved_MiB": last.saved_bytes / 2**20 if last else None,
         "mlp_saved_MiB": {k: v / 2**20 for k, v in last.impl_saved_bytes.items()} if last else None,
     }
-    path = Path(args.summary_json)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(summary, indent=1))
-    tmp.replace(path)  # atomic: a killed run leaves the old summary or none
+    write_json_atomic(Path(args.summary_json), summary)
 
 
 if __name__ == "__main__":

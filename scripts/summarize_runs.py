@@ -15,6 +15,8 @@ import re
 import statistics
 from pathlib import Path
 
+from swiglu_train.files import atomic_write, write_json_atomic
+
 ROUND = re.compile(r"_(\d+)\.json$")
 
 
@@ -78,13 +80,9 @@ def main() -> None:
     runs = load(args.runs)
     rows = table(runs)
     meta = {"title": args.title, "command": args.command, "commit": args.commit, "gpu": args.gpu}
-    for path, text in (
-        (args.json, json.dumps({"meta": meta, "rows": rows, "runs": runs}, indent=1)),
-        (args.md, markdown(args.title, rows)),
-    ):
-        tmp = Path(path + ".tmp")
-        tmp.write_text(text)
-        tmp.replace(path)
+    write_json_atomic(Path(args.json), {"meta": meta, "rows": rows, "runs": runs})
+    with atomic_write(Path(args.md)) as f:
+        f.write(markdown(args.title, rows))
 
 
 if __name__ == "__main__":

@@ -15,7 +15,8 @@ from swiglu_train.bench.crossover import (
     point_rows,
     to_markdown,
 )
-from swiglu_train.cli import app, write_json_atomic
+from swiglu_train.cli import app
+from swiglu_train.files import write_json_atomic
 from swiglu_train.layers.auto import CrossoverTable, resolve
 
 runner = CliRunner()

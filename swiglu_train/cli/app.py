@@ -3,11 +3,8 @@
 from __future__ import annotations
 
 import contextlib
-import json
-import os
 import shlex
 import sys
-import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -29,16 +26,6 @@ def parse_shape(value: str) -> tuple[int, int, int, int]:
     if len(parts) != 4 or min(parts) < 1:
         raise typer.BadParameter("expected four positive integers M,D,F,O")
     return tuple(parts)  # type: ignore[return-value]
-
-
-def write_json_atomic(path: Path, payload: dict) -> None:
-    """Write through a temporary file and rename, so a crash never leaves half a result."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.NamedTemporaryFile("w", dir=path.parent, delete=False, suffix=".tmp") as f:
-        json.dump(payload, f, indent=2)
-        f.write("\n")
-    os.chmod(f.name, 0o644)  # temporary files are created private; results are for sharing
-    os.replace(f.name, path)
 
 
 def invocation() -> str:

@@ -14,8 +14,8 @@ from swiglu_train.cli.app import (
     invocation,
     parse_shape,
     progress_bars,
-    write_json_atomic,
 )
+from swiglu_train.files import write_json_atomic
 
 
 @app.command()

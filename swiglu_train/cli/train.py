@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import os
-import tempfile
 from pathlib import Path
 from typing import Annotated
 
@@ -12,8 +10,8 @@ import typer
 from swiglu_train.cli.app import (
     app,
     console,
-    write_json_atomic,
 )
+from swiglu_train.files import atomic_write, write_json_atomic
 
 
 @app.command()
@@ -190,11 +188,8 @@ def convert(
             out = convert_checkpoint(ckpt, to=to, chunk=chunk, assume_layout=assume, report=report)
     except ValueError as e:  # a layout the input cannot take, named by the converter
         raise typer.BadParameter(str(e)) from e
-    dst.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.NamedTemporaryFile(dir=dst.parent, delete=False, suffix=".tmp") as f:
+    with atomic_write(dst, "wb") as f:
         torch.save(out, f)
-    os.chmod(f.name, 0o644)
-    os.replace(f.name, dst)
     table = Table(title=f"{src} -> {dst}")
     for column in ("ParMLP", "from", "to", "optimizer states moved"):
         table.add_column(column)

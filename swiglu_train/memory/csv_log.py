@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import csv
-import os
-import tempfile
 from pathlib import Path
+
+from swiglu_train.files import atomic_write
 
 
 class MemoryCsv:
@@ -35,10 +35,7 @@ class MemoryCsv:
             return [{k: v for k, v in r.items() if v != ""} for r in csv.DictReader(f)]
 
     def _rewrite(self, rows: list[dict]) -> None:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=self.path.parent, suffix=".csv.tmp")
-        with os.fdopen(fd, "w", newline="") as f:
+        with atomic_write(self.path, newline="") as f:
             writer = csv.DictWriter(f, self.columns)
             writer.writeheader()
             writer.writerows(rows)
-        os.replace(tmp, self.path)

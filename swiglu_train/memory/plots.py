@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import html
 import io
-import os
-import tempfile
 from pathlib import Path
 
 import matplotlib
@@ -17,6 +15,7 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
+from swiglu_train.files import atomic_write
 from swiglu_train.memory.runs import (
     MAIN_KEYS,
     MemoryRun,
@@ -156,15 +155,7 @@ def write_report(runs: list[MemoryRun], out_png: Path) -> tuple[Path, Path]:
         title=html.escape(title), svg=svg[svg.index("<svg") :], table=summary_table_html(runs)
     )
     out_html = out_png.with_suffix(".html")
-    _write_atomic(out_png, figure_bytes(fig, "png"))
-    _write_atomic(out_html, page.encode())
+    for path, data in ((out_png, figure_bytes(fig, "png")), (out_html, page.encode())):
+        with atomic_write(path, "wb") as f:
+            f.write(data)
     return out_png, out_html
-
-
-def _write_atomic(path: Path, data: bytes) -> None:
-    """Temporary file plus rename, so a crash never leaves half a report."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.NamedTemporaryFile("wb", dir=path.parent, delete=False, suffix=".tmp") as f:
-        f.write(data)
-    os.chmod(f.name, 0o644)  # temporary files are created private; a report is for sharing
-    os.replace(f.name, path)

@@ -15,7 +15,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from swiglu_train.ops.gated import gated_enabled, gated_fwd
+from swiglu_train.ops.activation import triton_enabled
+from swiglu_train.ops.gated import gated_fwd
 from swiglu_train.ops.mlp import claim_inplace_backward
 
 try:
@@ -61,8 +62,9 @@ def _(factors, grad_h, chunk):
 
 
 def _fused(x: torch.Tensor, chunk: int) -> bool:
-    """The packed kernels need a power-of-two chunk >= 16 (a tl.dot tile edge)."""
-    return gated_enabled(x, chunk, ffn_size=-1)
+    """Triton runs here and the chunk suits both kernels: a power of two >= 16, since the
+    factors kernel's tile spans exactly one chunk."""
+    return gated_gemm is not None and triton_enabled(x) and gated_gemm.fused_supported(x, chunk)
 
 
 class _SaveFactors(torch.autograd.Function):
@@ -105,13 +107,7 @@ def save_factors_mlp(
 ) -> torch.Tensor:
     """fc1 weight and bias in the packed layout with this chunk; fc2 saves h as in `normal`.
 
-    With no grad to compute (eval, generation) the fused kernel writes h alone.
+    With no grad to compute, ParMLP and the Megatron adapter take ``ops.inference`` instead.
     """
-    needs_grad = torch.is_grad_enabled() and any(
-        t is not None and t.requires_grad for t in (x, fc1_weight, fc1_bias)
-    )
-    if not needs_grad and _fused(x, chunk):
-        h, _ = gated_fwd(x, fc1_weight, fc1_bias, chunk, "none")
-    else:
-        h = _SaveFactors.apply(x, fc1_weight, fc1_bias, chunk, inplace)
+    h = _SaveFactors.apply(x, fc1_weight, fc1_bias, chunk, inplace)
     return F.linear(h, fc2_weight, fc2_bias)
