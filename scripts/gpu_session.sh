@@ -14,20 +14,28 @@
 #   megatron_resume  its DistributedOptimizer dist-ckpt: save at step 3, resume, compare losses
 #   inference  swiglu-train bench-inference: gated projection and whole MLP, Qwen-2.5 x M grid
 # Every stage writes under $RES; on exit it is packed into $OUT/results.tgz, since the device
-# tool returns at most 8 files. STAGE_SECONDS=N bounds each stage, so one overrun cannot cost
-# the others (a session found this out when a stage ate the call's whole limit).
+# tool returns at most 8 files, and re-packed after every stage, so a call killed at its limit
+# still returns what finished. STAGE_SECONDS=N bounds each stage, so one overrun cannot cost
+# the others (a session found this out when a stage ate the call's whole limit); a stage
+# written STAGE:N gets its own bound of N seconds.
 set -uo pipefail
 OUT=${OUT:-./gpu-out}
 RES=${RES:-/tmp/gpu-results}
 mkdir -p "$OUT" "$RES"
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD WANDB_MODE=offline WANDB_SILENT=true OUT RES
+# A step of the recipe's CPU-sized default model is launch-bound on an H200 (30 ms): time a
+# model whose GEMMs dominate instead.
+MEGATRON_GPU="--num-layers 8 --hidden-size 2048 --ffn-hidden-size 5632 --seq-length 2048 --micro-batch-size 8"
 commit=$(cat COMMIT 2>/dev/null || git rev-parse --short HEAD 2>/dev/null || echo unknown)
 pack() { tar czf "$OUT/results.tgz" -C "$RES" .; }
 if [ -n "${STAGE_SECONDS:-}" ]; then  # each stage in its own bounded run of this script
   export IN_SESSION=1
   trap pack EXIT
-  for stage in "$@"; do
-    STAGE_SECONDS= timeout "$STAGE_SECONDS" bash "$0" "$stage" || echo "== $stage: exit $?"
+  for spec in "$@"; do
+    stage=${spec%%:*} seconds=$STAGE_SECONDS
+    [ "$stage" != "$spec" ] && seconds=${spec#*:}
+    STAGE_SECONDS= timeout "$seconds" bash "$0" "$stage" || echo "== $stage: exit $?"
+    pack
   done
   exit 0
 fi
@@ -70,12 +78,12 @@ for stage in "$@"; do
         --json "$RES/max_micro_batch_1b.json" ;;
     megatron)
       for impl in stock normal drop_h save_factors; do
-        torchrun --nproc-per-node 1 recipes/pretrain_megatron.py --mlp-impl "$impl" \
-          --max-steps 25 --output-dir /tmp/megatron-runs \
+        torchrun --nproc-per-node 1 recipes/pretrain_megatron.py --mlp-impl "$impl" $MEGATRON_GPU \
+          --max-steps 30 --output-dir /tmp/megatron-runs \
           --summary-json "$RES/megatron_tp1_$impl.json" 2>&1 | tail -2
       done
       python3 scripts/summarize_runs.py "$RES"/megatron_tp1_*.json --commit "$commit" \
-        --title "Megatron recipe, TP=1, bf16 Float16Module + DistributedOptimizer, 25 steps" \
+        --title "Megatron recipe, TP=1, bf16 Float16Module + DistributedOptimizer, 30 steps, $MEGATRON_GPU" \
         --command "bash scripts/gpu_session.sh megatron" \
         --json "$RES/megatron_h200_tp1.json" --md "$RES/megatron_h200_tp1.md" \
         && cat "$RES/megatron_h200_tp1.md" ;;
