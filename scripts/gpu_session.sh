@@ -12,7 +12,8 @@
 #   microbatch the largest micro-batch at ~1B, normal vs drop_h
 #   megatron   recipes/pretrain_megatron.py at TP=1 for each impl (needs the megatron wheel)
 #   megatron_resume  its DistributedOptimizer dist-ckpt: save at step 3, resume, compare losses
-#   inference  swiglu-train bench-inference: gated projection and whole MLP, Qwen-2.5 x M grid
+#   inference  swiglu-train bench-inference: gated projection and whole MLP, Qwen-2.5 x M grid,
+#              and the no-grad path's dispatch table
 # Every stage writes under $RES; on exit it is packed into $OUT/results.tgz, since the device
 # tool returns at most 8 files, and re-packed after every stage, so a call killed at its limit
 # still returns what finished. STAGE_SECONDS=N bounds each stage, so one overrun cannot cost
@@ -104,8 +105,8 @@ PY
       done ;;
     inference)
       python3 scripts/bench_inference.py --samples 30 --commit "$commit" \
-        --json "$RES/inference_h200.json" \
-        --md "$RES/inference_h200.md" 2>&1 | tail -60 ;;
+        --json "$RES/inference_h200.json" --md "$RES/inference_h200.md" \
+        --dispatch-table "$RES/table/inference_dispatch_h200.json" 2>&1 | tail -60 ;;
     *) echo "unknown stage $stage"; exit 2 ;;
   esac
 done

@@ -83,3 +83,21 @@ def pretend_gpu(monkeypatch, table: dict, device_name: str = "NVIDIA H200") -> N
     parsed = auto.CrossoverTable.from_dict(table)
     monkeypatch.setattr(auto, "target_device_name", lambda device: device_name)
     monkeypatch.setattr(auto, "packaged_table", lambda family: parsed)
+
+
+def dispatch_table(shapes: dict | None = None) -> dict:
+    """A synthetic dispatch table: ``{"DxF": {kind: {M: path}}}``; none: no entries at all."""
+    entry = {"ms": 1.0, "runner_up": None, "runner_up_ratio": None}
+    return {
+        "schema": 1,
+        "gpu": "test",
+        "commit": None,
+        "dtype": "fp32",
+        "shapes": {
+            shape: {
+                kind: {str(m): {"path": path, **entry} for m, path in by_m.items()}
+                for kind, by_m in kinds.items()
+            }
+            for shape, kinds in (shapes or {}).items()
+        },
+    }

@@ -6,11 +6,20 @@ import numpy as np
 import pytest
 import torch
 from conftest import HAS_CUDA
+from helpers import dispatch_table
 from typer.testing import CliRunner
 
 from swiglu_train.bench import inference as bench
 from swiglu_train.bench import inference_variants as iv
 from swiglu_train.cli import app
+from swiglu_train.ops import dispatch
+
+
+@pytest.fixture(autouse=True)
+def _no_measured_table():
+    """The dispatched variant ("ours") takes the default rules, whatever the shipped table holds."""
+    with dispatch.use_table(dispatch_table()):
+        yield
 
 
 def test_build_row_takes_the_faster_eager_and_pairs_ratios():
@@ -32,25 +41,47 @@ def test_build_row_takes_the_faster_eager_and_pairs_ratios():
         bench.build_row("mlp", "7b", 1, 8, 8, {"ours": times["ours"]}, {}, {})
 
 
-def test_suggested_crossover_is_the_first_run_of_wins():
-    def row(k, m, fused, gated):
-        return {"table": "mlp", "K": k, "N": 2 * k, "M": m}, fused, gated
+def test_fit_dispatch_takes_the_fastest_timed_candidate_per_shape_and_m():
+    def row(table, k, m, **ms):
+        return {"table": table, "K": k, "N": 2 * k, "M": m} | {f"{n}_ms": v for n, v in ms.items()}
 
-    shapes = [
-        row(8, 16, 1.0, 2.0),
-        row(8, 1, 1.0, 2.0),
-        row(8, 128, 3.0, 2.0),
-        row(16, 1, 1.0, 2.0),
-        row(16, 16, 2.0, 2.0),
-        row(16, 128, 1.0, 2.0),  # a win after a loss does not extend the run
-        row(32, 1, 3.0, 2.0),
+    rows = [
+        row("mlp", 8, 16, fused_mlp=1.0, gated_linear=2.0, cublas_act_linear=3.0, ours=0.5),
+        row("mlp", 8, 1, fused_mlp=1.0, gated_linear=1.25, eager=0.1),  # not candidates
+        row("mlp", 8, 4096, gated_linear=2.0, cublas_act_linear=1.0),  # fused_mlp skipped
+        row("mlp", 16, 1, gated_linear=1.0),  # one candidate timed: no runner-up
+        row("mlp", 16, 2, eager=1.0),  # none timed: no entry
+        row("gated", 8, 1, gated_triton=3.0, cublas_act=2.0, gated_linear=0.1),
     ]
-    rows = [r | {"fused_mlp_ms": fused, "gated_linear_ms": gated} for r, fused, gated in shapes]
-    rows += [
-        {"table": "mlp", "K": 64, "N": 128, "M": 1, "gated_linear_ms": 1.0},
-        {"table": "gated", "K": 8, "N": 16, "M": 512, "fused_mlp_ms": 0.1, "gated_linear_ms": 1},
-    ]
-    assert bench.suggest_fused_max_m(rows) == {"8x16": 16, "16x32": 1, "32x64": 0}
+    entry = bench.fit_dispatch(rows)
+    assert entry == {
+        "8x16": {
+            "gated": {"1": _entry("cublas", 2.0, "gated", 1.5)},
+            "mlp": {
+                "1": _entry("fused_mlp", 1.0, "gated", 1.25),
+                "16": _entry("fused_mlp", 1.0, "gated", 2.0),
+                "4096": _entry("cublas", 1.0, "gated", 2.0),
+            },
+        },
+        "16x32": {"mlp": {"1": _entry("gated", 1.0, None, None)}},
+    }
+    assert list(entry["8x16"]["mlp"]) == ["1", "16", "4096"]  # by M, whatever the row order
+    result = {"gpu": "cpu", "commit": "abc", "meta": {"dtype": "fp32"}, "dispatch": entry}
+    with dispatch.use_table(bench.dispatch_table(result, "test")):  # the runtime reads it back
+        paths = [dispatch.choose("mlp", 8, 16, m) for m in (1, 16, 4096)]
+        assert paths == ["fused_mlp", "fused_mlp", "cublas"]
+        assert dispatch.choose("gated", 8, 16, 1) == "cublas"
+
+
+def _entry(path, ms, runner_up, ratio):
+    return {"path": path, "ms": ms, "runner_up": runner_up, "runner_up_ratio": ratio}
+
+
+def test_candidates_are_the_dispatch_paths_and_timed_variants():
+    """The table the bench fits must name exactly the paths the runtime dispatches among."""
+    for table, candidates in iv.CANDIDATES.items():
+        assert tuple(candidates) == dispatch.PATHS[table]
+        assert set(candidates.values()) <= set(iv.TABLES[table]) - {"ours"}
 
 
 def test_reps_models_and_markdown():
@@ -62,11 +93,12 @@ def test_reps_models_and_markdown():
     times = {"eager": np.array([2.0]), "ours": np.array([1.0])}
     row = bench.build_row("mlp", "7b", 1, 3584, 18944, times, {}, {"quack": "not importable"})
     row["ours_path"] = "fused_mlp"
-    result = {"rows": [row], "suggested_fused_mlp_max_m": {"3584x18944": 16}}
-    md = bench.to_markdown(result)
+    fitted = {"3584x18944": {"mlp": {"1": _entry("fused_mlp", 0.1, "gated", 1.4)}}}
+    fitted["3584x18944"]["mlp"]["16"] = _entry("gated", 0.2, None, None)
+    md = bench.to_markdown({"rows": [row], "dispatch": fitted})
     assert "| 7b | 1 | **2** | 1 | 2 | — | fused_mlp |" in md
     assert "- mlp/quack skipped at 1 shape(s): not importable" in md
-    assert "FUSED_MLP_MAX_M = {(3584, 18944): 16}" in md
+    assert "- 3584x18944 mlp: 1 fused_mlp (gated: 1.40x), 16 gated" in md
     assert "fc1 + SwiGLU" not in md  # no gated rows, no gated table
 
 
@@ -93,9 +125,12 @@ def test_wrong_or_failing_variants_are_not_timed():
 
 def test_cli_smoke_on_cpu(tmp_path):
     out, md = tmp_path / "inference.json", tmp_path / "inference.md"
+    table = tmp_path / "table" / "inference_dispatch_cpu.json"
     args = ["bench-inference", "--device", "cpu", "--dtype", "fp32", "--models", "32x48"]
-    args += ["--m", "1,20", "--samples", "2", "--variants", "ours,fused_mlp,gated_linear"]
-    result = CliRunner().invoke(app, [*args, "--json", str(out), "--md", str(md)])
+    args += ["--m", "1,20", "--samples", "2", "--variants"]
+    args += ["ours,fused_mlp,gated_linear,cublas_act_linear,gated_triton,cublas_act"]
+    args += ["--json", str(out), "--md", str(md), "--dispatch-table", str(table)]
+    result = CliRunner().invoke(app, args)
     assert result.exit_code == 0, result.output
     payload = json.loads(out.read_text())
     assert payload["gpu"] == "cpu" and payload["command"] and payload["meta"]["samples"] == 2
@@ -104,10 +139,19 @@ def test_cli_smoke_on_cpu(tmp_path):
     assert [(r["table"], r["M"]) for r in rows] == expected
     for r in rows:
         assert r["eager_ms"] > 0 and r["ours_ms"] > 0 and r["ours_rel_err"] < 1e-5
-    assert [r["ours_path"] for r in rows[2:]] == ["fused_mlp", "gated"]
-    assert rows[3]["fused_mlp_rel_err"] < 1e-5 and rows[3]["gated_linear_rel_err"] < 1e-5
-    assert "| 32x48 | 20 |" in md.read_text()
-    assert not list(tmp_path.glob("*.tmp"))  # written through a renamed temporary file
+    assert [r["ours_path"] for r in rows] == ["gated", "gated", "fused_mlp", "gated"]
+    for r in rows:  # every candidate ran, and agrees
+        assert all(r[f"{n}_rel_err"] < 1e-5 for n in iv.CANDIDATES[r["table"]].values())
+    assert "| 32x48 | 20 |" in md.read_text() and "- 32x48 mlp: 1 " in md.read_text()
+    fitted = json.loads(table.read_text())
+    assert fitted["shapes"] == payload["dispatch"] and fitted["gpu"] == "cpu"
+    assert fitted["source"] == "swiglu-train bench-inference, inference.json"
+    assert {k: list(v) for k, v in fitted["shapes"]["32x48"].items()} == {
+        "gated": ["1", "20"],
+        "mlp": ["1", "20"],
+    }
+    assert dispatch.read_table(table).shapes.keys() == {(32, 48)}
+    assert not list(tmp_path.rglob("*.tmp"))  # written through renamed temporary files
 
 
 def test_cli_rejects_unknown_names():

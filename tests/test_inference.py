@@ -1,18 +1,33 @@
-"""The no-grad path: dispatch among fused MLP, gated GEMM + cuBLAS and torch, and ParMLP's use."""
+"""The no-grad path: dispatch among fused MLP, gated GEMM + cuBLAS and torch, the measured
+dispatch table it looks up, and ParMLP's use."""
+
+import importlib.resources
+import json
+import tomllib
+from pathlib import Path
 
 import pytest
 import torch
 from conftest import device_backends
-from helpers import TOLERANCE, rel_err
+from helpers import TOLERANCE, dispatch_table, rel_err
 
 from swiglu_train import ParMLP
 from swiglu_train.layers import MLP_IMPLS
 from swiglu_train.layers import par_mlp as par_mlp_module
 from swiglu_train.layers.layout import CANONICAL, Layout, relayout
-from swiglu_train.ops import inference, reference, use_backend
+from swiglu_train.ops import dispatch, inference, reference, use_backend
+from swiglu_train.ops.dispatch import DispatchTable, DispatchTableError
 
+ROOT = Path(__file__).resolve().parents[1]
 TRITON = [p for p in device_backends() if p.values[1] == "triton"]
 D, FFN = 32, 48
+
+
+@pytest.fixture(autouse=True)
+def _no_measured_table():
+    """The default rules, whatever the shipped table holds; tests that need entries nest theirs."""
+    with dispatch.use_table(dispatch_table()):
+        yield
 
 
 def _canonical(device, bias=False):
@@ -44,7 +59,7 @@ def test_each_path_is_taken_where_it_should_be_and_agrees(device, backend, bias,
     w1, b1, w2, b2 = _canonical(device, bias)
     packed = Layout("packed", 16)
     w1_packed, b1_packed = (None if t is None else relayout(t, CANONICAL, packed) for t in (w1, b1))
-    small_m = inference.DEFAULT_FUSED_MLP_MAX_M
+    small_m = dispatch.DEFAULT_FUSED_MLP_MAX_M
     cases = [  # (M, fc1 weight, fc1 bias, chunk, path, kernel called)
         (1, w1, b1, None, "fused_mlp", "fused_mlp"),
         (small_m, w1, b1, None, "fused_mlp", "fused_mlp"),
@@ -71,7 +86,7 @@ def test_canonical_fc1_beyond_gated_max_m_takes_cublas_and_the_activation_kernel
 ):
     """Training-sized no-grad calls (checkpointing's first forward) keep the cuBLAS fc1 that
     beats our gated GEMM there; a packed fc1 has no such path and stays gated."""
-    monkeypatch.setattr(inference, "GATED_MAX_M", 20)
+    monkeypatch.setattr(dispatch, "DEFAULT_GATED_MAX_M", 20)
     w1, b1, w2, b2 = _canonical(device, bias=True)
     packed = Layout("packed", 16)
     w1_packed, b1_packed = (relayout(t, CANONICAL, packed) for t in (w1, b1))
@@ -111,18 +126,129 @@ def test_torch_path_where_triton_is_off(chunk, taken):
 
 
 @pytest.mark.parametrize(("device", "backend"), TRITON)
-def test_measured_table_sets_the_crossover(device, backend, monkeypatch):
-    w1, _, w2, _ = _canonical(device)
-    monkeypatch.setitem(inference.FUSED_MLP_MAX_M, (D, FFN), 4)
-    assert inference.fused_mlp_max_m(D, FFN) == 4
-    assert inference.fused_mlp_max_m(D, FFN + 16) == inference.DEFAULT_FUSED_MLP_MAX_M
-    paths = [
-        inference.inference_path(torch.empty(m, D, device=device), w1, w2, None) for m in (4, 5)
-    ]
-    assert paths == ["fused_mlp", "gated"]
-    x = torch.randn(7, D, device=device).t().contiguous().t()  # column-major: made row-major
-    expected = reference.mlp(x.double(), w1.double(), None, w2.double(), None)
-    assert rel_err(inference.swiglu_mlp_inference(x, w1, None, w2, None, None), expected) < 1e-5
+def test_a_table_entry_changes_the_path_and_the_output_still_agrees(device, backend, taken):
+    """Entries the opposite of the defaults: cuBLAS at M=1, the fused MLP at M=20 (the default
+    rule would take fused_mlp, then gated); h alone follows the table's "gated" entries."""
+    w1, b1, w2, b2 = _canonical(device, bias=True)
+    shape = {"mlp": {1: "cublas", 8: "fused_mlp"}, "gated": {1: "cublas", 8: "gated"}}
+    cases = {1: ("cublas", "swiglu_fwd", "cublas"), 20: ("fused_mlp", "fused_mlp", "gated")}
+    with dispatch.use_table(dispatch_table({f"{D}x{FFN}": shape})):
+        for m, (path, kernel, h_path) in cases.items():
+            x = torch.randn(m, D, device=device).t().contiguous().t()  # column-major
+            assert dispatch.default_path("mlp", m) != path
+            assert inference.inference_path(x, w1, w2, None) == path
+            taken.clear()
+            y = inference.swiglu_mlp_inference(x, w1, b1, w2, b2, None)
+            assert taken == [kernel]
+            expected = reference.mlp(x.double(), w1.double(), b1.double(), w2.double(), b2.double())
+            assert rel_err(y, expected) < TOLERANCE[torch.float32]
+            assert inference.projection_path(x, w1, None) == h_path
+            taken.clear()
+            h = inference.swiglu_gated_projection(x, w1, b1, None)
+            assert taken == ["swiglu_fwd" if h_path == "cublas" else "gated_fwd"]
+            expected_h = reference.swiglu(torch.nn.functional.linear(x, w1, b1).double())
+            assert rel_err(h, expected_h) < TOLERANCE[torch.float32]
+        # where fused_mlp cannot serve (fc1 not row-major), the gated GEMM does
+        x = torch.empty(20, D, device=device)
+        assert inference.inference_path(x, w1.t().contiguous().t(), w2, None) == "gated"
+
+
+def test_defaults_where_the_table_has_no_entry():
+    """The rules from before the table: fused_mlp to 16 rows, gated to 4096, cuBLAS beyond."""
+    mlp = [dispatch.choose("mlp", 896, 4864, m) for m in (1, 16, 17, 4096, 4097)]
+    assert mlp == ["fused_mlp", "fused_mlp", "gated", "gated", "cublas"]
+    gated = [dispatch.choose("gated", 896, 4864, m) for m in (1, 4096, 4097)]
+    assert gated == ["gated", "gated", "cublas"]
+    only_gated = dispatch_table({"896x4864": {"gated": {1: "cublas"}}})
+    with dispatch.use_table(only_gated):  # no "mlp" entry anywhere: the mlp default applies
+        assert dispatch.choose("mlp", 896, 4864, 1) == "fused_mlp"
+        assert dispatch.choose("gated", 896, 4864, 4096) == "cublas"
+
+
+def test_lookup_takes_the_nearest_m_in_log_space_ties_to_the_smaller():
+    table = dispatch_table({"896x4864": {"mlp": {16: "fused_mlp", 64: "gated", 4096: "cublas"}}})
+    with dispatch.use_table(table):
+        # 32 and 512 are the geometric means (16·64, 64·4096): ties go to the smaller M
+        expected = {1: "fused_mlp", 32: "fused_mlp", 33: "gated", 512: "gated", 513: "cublas"}
+        expected[10**6] = "cublas"  # above every measured M: the largest
+        assert {m: dispatch.choose("mlp", 896, 4864, m) for m in expected} == expected
+
+
+def test_lookup_takes_the_nearest_shape_in_log_d_and_log_f():
+    a, b = {"mlp": {1: "fused_mlp"}}, {"mlp": {1: "gated"}}
+    table = dispatch_table({"1024x4096": a, "4096x16384": b, "512x65536": {"gated": {1: "gated"}}})
+    with dispatch.use_table(table):
+        queries = {
+            (1024, 4096): "fused_mlp",  # measured
+            (3584, 18944): "gated",  # Qwen-7B: nearest is 4096x16384
+            (2048, 16384): "gated",  # log2 distances (1, 2) vs (1, 0)
+            (2048, 8192): "fused_mlp",  # (1, 1) from both: ties go to the smaller D·F
+            (512, 65536): "gated",  # 512x65536 has no mlp entry: the nearest that has one
+            (16, 16): "fused_mlp",  # far below everything: still the nearest
+        }
+        assert {q: dispatch.choose("mlp", *q, 1) for q in queries} == queries
+    # D and F are distances apart, not a product: same D·F, different shapes
+    table = dispatch_table({"1024x16384": a, "4096x4096": b})
+    with dispatch.use_table(table):
+        assert dispatch.choose("mlp", 4096, 4096, 1) == "gated"
+        assert dispatch.choose("mlp", 1024, 16384, 1) == "fused_mlp"
+
+
+def test_packaged_table_loads_and_ships_as_package_data():
+    resource = importlib.resources.files("swiglu_train.ops") / dispatch.PACKAGED_TABLE
+    raw = json.loads(resource.read_text())
+    assert {"schema", "gpu", "commit", "dtype", "shapes"} <= set(raw)
+    assert "H200" in raw["gpu"] and raw["dtype"] == "bf16"
+    assert raw["shapes"] or "awaits the h200 run" in raw["note"].lower()  # empty says why
+    assert isinstance(dispatch.packaged_table(), DispatchTable)
+    globs = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    patterns = globs["package-data"]["swiglu_train.ops"]
+    assert any(Path(resource).match(g) for g in patterns)
+
+
+@pytest.mark.parametrize(
+    ("edit", "message"),
+    [
+        (lambda t: t.pop("commit"), r"missing keys \['commit'\]"),
+        (lambda t: t.update(schema=2), "schema: expected 1, got 2"),
+        (lambda t: t["shapes"].update({"7b": {}}), r"shapes\.7b: expected DxF"),
+        (lambda t: t["shapes"]["8x16"].update(decode={}), r"shapes\.8x16: expected DxF"),
+        (lambda t: t["shapes"]["8x16"]["gated"]["1"].update(path="fused_mlp"), "gated.1"),
+        (lambda t: t["shapes"]["8x16"]["mlp"].update({"0": {"path": "gated"}}), r"mlp\.0"),
+        (lambda t: t["shapes"]["8x16"].update(mlp={}), "expected a non-empty object"),
+    ],
+)
+def test_malformed_table_names_the_problem(edit, message):
+    """A table off schema raises, naming where, rather than misrouting calls (the "gated" kind,
+    h alone, has no fused_mlp path)."""
+    table = dispatch_table({"8x16": {"gated": {1: "gated"}, "mlp": {1: "fused_mlp"}}})
+    DispatchTable.from_dict(table)  # well-formed before the edit
+    edit(table)
+    with pytest.raises(DispatchTableError, match=message):
+        DispatchTable.from_dict(table, "test.json")
+
+
+def test_use_table_reads_a_file_and_a_cold_table_loads_outside_compiled_graphs(
+    tmp_path, monkeypatch
+):
+    """torch.compile(fullgraph=True) cannot trace file reads: the shape lookup is a trace-time
+    constant, so the first lookup may come from inside a graph."""
+    path = tmp_path / "inference_dispatch_test.json"
+    path.write_text(json.dumps(dispatch_table({f"{D}x{FFN}": {"mlp": {1: "cublas"}}})))
+    with dispatch.use_table(path):
+        assert dispatch.choose("mlp", D, FFN, 1) == "cublas"
+    monkeypatch.setattr(dispatch, "_override", None)
+
+    def fn(x):
+        return x * 2 if dispatch.choose("mlp", D, FFN, x.shape[0]) == "fused_mlp" else x * 3
+
+    eager = {m: fn(torch.ones(m, 1)) for m in (1, 17)}
+    dispatch.packaged_table.cache_clear()
+    torch._dynamo.reset()
+    compiled = torch.compile(fn, fullgraph=True, backend="eager")
+    for m, expected in eager.items():
+        torch.testing.assert_close(compiled(torch.ones(m, 1)), expected)
+    assert dispatch.packaged_table.cache_info().currsize == 1  # read while tracing
 
 
 def test_grad_needed():

@@ -9,6 +9,9 @@ median. On CPU (smoke runs, tests) a plain loop stands in for the graph.
 
 Correctness. Each variant's output is compared with its table's eager reference; one whose
 norm-relative error exceeds REL_ERR_LIMIT is reported as rejected and never timed.
+
+Dispatch. :func:`fit_dispatch` turns the rows into the table that ``ops.dispatch`` reads: the
+fastest dispatch candidate at each measured shape and M (``--dispatch-table`` writes it).
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ import torch
 from swiglu_train.bench import inference_variants as iv
 from swiglu_train.bench.mlp import DTYPES, git_commit
 from swiglu_train.bench.timing import Case, Clock, paired_samples
-from swiglu_train.ops import inference
+from swiglu_train.ops import dispatch, inference
 
 QWEN_MLP = {"0.5b": (896, 4864), "7b": (3584, 18944), "32b": (5120, 27648), "72b": (8192, 29568)}
 M_GRID = (1, 16, 128, 512, 2048, 4096)
@@ -152,6 +155,8 @@ def measure(
     row.update(reps=reps, weight_copies=len(copies))
     if table == "mlp":
         row["ours_path"] = inference.inference_path(x, w.fc1, w.fc2, None)
+    else:
+        row["ours_path"] = inference.projection_path(x, w.fc1, None)
     return row
 
 
@@ -185,21 +190,45 @@ def build_row(
     return row
 
 
-def suggest_fused_max_m(rows: Sequence[dict]) -> dict[str, int]:
-    """Per "DxF": the largest measured M up to which the fused MLP beat the gated GEMM + cuBLAS
-    at every measured M (0 if it lost at the smallest); entries for FUSED_MLP_MAX_M."""
-    by_shape: dict[str, list[dict]] = {}
-    for r in rows:
-        if r["table"] == "mlp" and "fused_mlp_ms" in r and "gated_linear_ms" in r:
-            by_shape.setdefault(f"{r['K']}x{r['N']}", []).append(r)
-    suggested = {}
-    for shape, shape_rows in by_shape.items():
-        suggested[shape] = 0
-        for r in sorted(shape_rows, key=lambda r: r["M"]):
-            if r["fused_mlp_ms"] >= r["gated_linear_ms"]:
-                break
-            suggested[shape] = r["M"]
-    return suggested
+def fit_dispatch(rows: Sequence[dict]) -> dict[str, dict[str, dict[str, dict]]]:
+    """Per "DxF", per table, per measured M: the fastest dispatch candidate by median ms, its ms,
+    and the runner-up with ``runner_up_ratio`` = its ms over the winner's (the margin; None
+    with one candidate). Candidates that were not timed (not importable, rejected, failed) are
+    not eligible; an M where none was timed gets no entry. Ties go to the first candidate."""
+    shapes: dict[str, dict[str, dict[str, dict]]] = {}
+    for r in sorted(rows, key=lambda r: (r["K"], r["N"], r["table"], r["M"])):
+        candidates = iv.CANDIDATES[r["table"]].items()
+        timed = {path: r[f"{name}_ms"] for path, name in candidates if f"{name}_ms" in r}
+        if not timed:
+            continue
+        best, *others = sorted(timed, key=timed.get)
+        entry = {"path": best, "ms": _sig(timed[best]), "runner_up": None, "runner_up_ratio": None}
+        if others:
+            entry.update(runner_up=others[0], runner_up_ratio=_sig(timed[others[0]] / timed[best]))
+        by_table = shapes.setdefault(f"{r['K']}x{r['N']}", {})
+        by_table.setdefault(r["table"], {})[str(r["M"])] = entry
+    return shapes
+
+
+def dispatch_table(result: dict, source: str) -> dict:
+    """The file ``ops.dispatch`` reads, validated before return; ship it as
+    swiglu_train/ops/inference_dispatch_<gpu>.json."""
+    table = {
+        "schema": dispatch.SCHEMA,
+        "gpu": result["gpu"],
+        "commit": result["commit"],
+        "dtype": result["meta"]["dtype"],
+        "source": source,
+        "command": result.get("command"),
+        "shapes": result["dispatch"],
+    }
+    dispatch.DispatchTable.from_dict(table, "built from the inference run")
+    return table
+
+
+def _sig(value: float) -> float:
+    """Four significant digits: enough to rank, short enough to read."""
+    return float(f"{value:.4g}")
 
 
 def run_inference_bench(
@@ -229,7 +258,7 @@ def run_inference_bench(
         "commit": git_commit(),
         "meta": _meta(cfg, time.perf_counter() - started),
         "rows": rows,
-        "suggested_fused_mlp_max_m": suggest_fused_max_m(rows),
+        "dispatch": fit_dispatch(rows),
     }
 
 
@@ -266,14 +295,14 @@ def _meta(cfg: InferenceBenchConfig, elapsed_s: float) -> dict:
 
 
 def to_markdown(result: dict) -> str:
-    """Both tables (ms per call, the faster eager variant bold), skip reasons, suggestions."""
+    """Both tables (ms per call, the faster eager variant bold), skip reasons, the dispatch."""
     lines = []
     for table, title in (("gated", "fc1 + SwiGLU -> h"), ("mlp", "whole MLP")):
         rows = [r for r in result["rows"] if r["table"] == table]
         if not rows:
             continue
         names = [n for n in iv.TABLES[table] if any(f"{n}_ms" in r for r in rows)]
-        extra = ["eager ÷ ours", "ours ÷ gemm_only"] + (["ours path"] if table == "mlp" else [])
+        extra = ["eager ÷ ours", "ours ÷ gemm_only", "ours path"]
         lines += [f"### {title} (ms per call)", ""]
         lines += ["| " + " | ".join(["model", "M", *names, *extra]) + " |"]
         lines += ["|" + "---|" * (2 + len(names) + len(extra))]
@@ -283,7 +312,7 @@ def to_markdown(result: dict) -> str:
                 cell = _num(r.get(f"{n}_ms"))
                 cells.append(f"**{cell}**" if n == r["eager_variant"] else cell)
             cells += [_num(r.get("ours_speedup_vs_eager")), _num(r.get("ours_over_gemm_only"))]
-            cells += [r["ours_path"]] if table == "mlp" else []
+            cells.append(r.get("ours_path", "—"))
             lines.append("| " + " | ".join(cells) + " |")
         lines.append("")
     reasons: dict[tuple[str, str, str], int] = {}
@@ -292,11 +321,19 @@ def to_markdown(result: dict) -> str:
             key = (r["table"], name, reason)
             reasons[key] = reasons.get(key, 0) + 1
     lines += [f"- {t}/{n} skipped at {c} shape(s): {why}" for (t, n, why), c in reasons.items()]
-    suggested = result.get("suggested_fused_mlp_max_m")
-    if suggested:
-        entries = ", ".join(f"({k.replace('x', ', ')}): {v}" for k, v in suggested.items())
-        lines += ["", f"Suggested `FUSED_MLP_MAX_M = {{{entries}}}`"]
+    if result.get("dispatch"):
+        lines += ["", "Dispatch: the fastest candidate at each M (runner-up: ms over the winner's)"]
+    for shape, by_table in result.get("dispatch", {}).items():
+        for table, by_m in by_table.items():
+            picks = [f"{m} {e['path']}{_margin(e)}" for m, e in by_m.items()]
+            lines.append(f"- {shape} {table}: " + ", ".join(picks))
     return "\n".join(lines) + "\n"
+
+
+def _margin(entry: dict) -> str:
+    if entry["runner_up"] is None:
+        return ""
+    return f" ({entry['runner_up']}: {entry['runner_up_ratio']:.2f}x)"
 
 
 def _num(value: float | None) -> str:

@@ -5,6 +5,9 @@ MLP, x -> y [M, D]. Each table's first variant is its eager reference, which eve
 output is checked against; ``gemm_only`` is each table's floor (its GEMMs with no activation),
 whose output is not comparable and is not checked. Peers are imported when built: one that does
 not import is reported as skipped with the reason.
+
+``ours`` is the dispatched path; the candidates it dispatches among are timed on their own
+(CANDIDATES), and the fastest of them at each shape is what the dispatch table records.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from swiglu_train.ops import inference, reference
+from swiglu_train.ops.activation import swiglu_fwd
 
 COMPILE_MODE = "default"  # cuBLAS GEMMs + fused Triton pointwise; max-autotune costs minutes
 
@@ -84,6 +88,11 @@ def _quack_mlp() -> Variant:
                                  concat_layout=True)  # fmt: skip
 
 
+def _cublas_act(x: torch.Tensor, w: Weights) -> torch.Tensor:
+    """cuBLAS fc1, then our activation kernel on its [gate | up] output."""
+    return swiglu_fwd(F.linear(x, w.fc1))
+
+
 def _compiled(fn: Variant) -> Callable[[], Variant]:
     """A fresh torch.compile per model (dynamic=False: one graph per M, as served shapes are)."""
     return lambda: torch.compile(fn, mode=COMPILE_MODE, dynamic=False)
@@ -95,7 +104,9 @@ GATED: dict[str, Callable[[], Variant]] = {
     "compile": _compiled(_eager_fused),
     "liger": _liger,
     "quack": _quack_gated,
-    "ours": lambda: lambda x, w: inference.swiglu_gated_inference(x, w.fc1, None, None),
+    "ours": lambda: lambda x, w: inference.swiglu_gated_projection(x, w.fc1, None, None),
+    "gated_triton": lambda: lambda x, w: inference.swiglu_gated_inference(x, w.fc1, None, None),
+    "cublas_act": lambda: _cublas_act,
     "gemm_only": lambda: lambda x, w: F.linear(x, w.fc1),
 }
 MLP: dict[str, Callable[[], Variant]] = {
@@ -107,10 +118,16 @@ MLP: dict[str, Callable[[], Variant]] = {
     "gated_linear": lambda: (
         lambda x, w: F.linear(inference.swiglu_gated_inference(x, w.fc1, None, None), w.fc2)
     ),
+    "cublas_act_linear": lambda: lambda x, w: F.linear(_cublas_act(x, w), w.fc2),
     # the two GEMMs alone: fc2 reads the [M, F] left half of fc1's output in place
     "gemm_only": lambda: lambda x, w: F.linear(F.linear(x, w.fc1)[:, : w.ffn], w.fc2),
 }
 TABLES: dict[str, dict[str, Callable[[], Variant]]] = {"gated": GATED, "mlp": MLP}
+# Per table, each dispatch path (ops.dispatch.PATHS) and the variant that times it alone.
+CANDIDATES = {
+    "gated": {"gated": "gated_triton", "cublas": "cublas_act"},
+    "mlp": {"fused_mlp": "fused_mlp", "gated": "gated_linear", "cublas": "cublas_act_linear"},
+}
 EAGER = {"gated": ("eager_fused", "eager_separate"), "mlp": ("eager",)}
 FLOORS = frozenset({"gemm_only"})
 FUSED_MLP_MAX_BENCH_M = 512  # beyond this the fused kernel re-reads weights per 64-row block

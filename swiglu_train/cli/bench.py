@@ -94,10 +94,18 @@ def bench_inference(
     commit: Annotated[str | None, typer.Option(help="commit to record if git is absent")] = None,
     json_path: Annotated[Path | None, typer.Option("--json", help="write results here")] = None,
     md_path: Annotated[Path | None, typer.Option("--md", help="write the tables here")] = None,
+    dispatch_path: Annotated[
+        Path | None,
+        typer.Option("--dispatch-table", help="write the no-grad path's dispatch table here"),
+    ] = None,
 ) -> None:
-    """Time the gated projection and the whole MLP, forward only, in CUDA graphs."""
+    """Time the gated projection and the whole MLP, forward only, in CUDA graphs.
+
+    Ship the --dispatch-table file as swiglu_train/ops/inference_dispatch_<gpu>.json.
+    """
     from swiglu_train.bench.inference import (
         InferenceBenchConfig,
+        dispatch_table,
         parse_model,
         run_inference_bench,
         to_markdown,
@@ -137,6 +145,10 @@ def bench_inference(
         md_path.parent.mkdir(parents=True, exist_ok=True)
         md_path.write_text(markdown)
         console.print(f"wrote {md_path}")
+    if dispatch_path is not None:
+        source = "swiglu-train bench-inference" + (f", {json_path.name}" if json_path else "")
+        write_json_atomic(dispatch_path, dispatch_table(result, source))
+        console.print(f"wrote {dispatch_path}")
 
 
 @app.command("bench-memory")

@@ -1,16 +1,19 @@
 """The no-grad forward that every ParMLP impl takes (seeds 003 and 004): nothing is saved.
 
-:func:`swiglu_mlp_inference` picks one of three paths by shape (:func:`inference_path`):
-  "fused_mlp"  seed 004's fully fused MLP, h never in HBM; canonical fc1 and small M only, where
+:func:`swiglu_mlp_inference` picks one of these paths by shape (:func:`inference_path`), from the
+"mlp" entries of the measured dispatch table (``ops.dispatch``, which also holds the rules that
+apply where the table has no entry):
+  "fused_mlp"  seed 004's fully fused MLP, h never in HBM; canonical fc1 and small M, where
                the MLP is bound by reading its weights and one pass over them wins;
   "gated"      the gated GEMM (fc1 with the SwiGLU epilogue, seed 003), then cuBLAS for fc2;
-               either fc1 layout, up to GATED_MAX_M rows when canonical;
-  "cublas"     canonical fc1 beyond GATED_MAX_M rows: cuBLAS fc1, our activation kernel,
-               cuBLAS fc2, which is what wins at training sizes (the no-grad forward of
-               reentrant activation checkpointing lands here);
+               the only kernel path of a packed fc1, whose pairs no other kernel reads;
+  "cublas"     canonical fc1 at large M: cuBLAS fc1, our activation kernel, cuBLAS fc2, which
+               is what wins at training sizes (the no-grad forward of reentrant activation
+               checkpointing lands here);
   "torch"      plain torch, where Triton cannot run (or under ``use_backend("torch")``), and
                on CPU beyond INTERPRETER_MAX_M rows: the interpreter runs kernels at Python
                speed (the gated GEMM takes 3.4 s for 256x64 -> 160), fit for tests, not models.
+:func:`swiglu_gated_projection` computes h alone the same way, from the table's "gated" entries.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from swiglu_train.ops import dispatch
 from swiglu_train.ops.activation import swiglu_fwd, triton_enabled
 from swiglu_train.ops.gated import gated_enabled, gated_fwd
 
@@ -26,15 +30,6 @@ try:
 except ImportError:  # no Triton: the gated and torch paths decide alone
     fused_kernels = None
 
-# Largest M at which the fully fused MLP beats the gated GEMM + cuBLAS fc2, per (D, F).
-# Not measured yet: every shape takes DEFAULT_FUSED_MLP_MAX_M until the H200 numbers of
-# `swiglu-train bench-inference` (which prints the entries it suggests) replace this.
-FUSED_MLP_MAX_M: dict[tuple[int, int], int] = {}
-DEFAULT_FUSED_MLP_MAX_M = 16
-# Above this M, cuBLAS fc1 + the activation kernel beats our Triton gated GEMM: measured on the
-# H200 at Qwen-7B (tie at 4096, cuBLAS +6 % ahead at 11136; benchmarks/results/
-# tune_gated_h200.json). A packed fc1 has no cuBLAS-side activation, so it stays gated.
-GATED_MAX_M = 4096
 INTERPRETER_MAX_M = 64
 
 
@@ -60,27 +55,26 @@ def grad_needed(*tensors: torch.Tensor | None) -> bool:
     return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
 
-def fused_mlp_max_m(hidden_size: int, ffn_size: int) -> int:
-    """The measured crossover for this shape, or the default where none was measured."""
-    return FUSED_MLP_MAX_M.get((hidden_size, ffn_size), DEFAULT_FUSED_MLP_MAX_M)
-
-
 def inference_path(
     x: torch.Tensor, fc1_weight: torch.Tensor, fc2_weight: torch.Tensor, chunk: int | None
 ) -> str:
-    """The path for this call (fused_mlp, gated or torch); ``chunk``: packed fc1's, or None."""
+    """The MLP's path for this call (fused_mlp, gated, cublas or torch); ``chunk``: packed fc1's,
+    or None. Where the table's fused_mlp cannot serve (weights not row-major), gated does."""
     (m, d), f = x.shape, fc1_weight.shape[0] // 2
-    fusable = (
-        chunk is None
-        and fused_kernels is not None
-        and _kernels_serve(x)
-        and m <= fused_mlp_max_m(d, f)
-        and fc1_weight.stride(1) == 1
-        and fc2_weight.stride(1) == 1
-    )
-    if fusable:
-        return "fused_mlp"
-    if chunk is None and m > GATED_MAX_M and _kernels_serve(x):
+    if chunk is None and _kernels_serve(x):
+        path = dispatch.choose("mlp", d, f, m)
+        fusable = (
+            fused_kernels is not None and fc1_weight.stride(1) == 1 and fc2_weight.stride(1) == 1
+        )
+        if path == "cublas" or (path == "fused_mlp" and fusable):
+            return path
+    return "gated" if _gated_serves(x, chunk, f) else "torch"
+
+
+def projection_path(x: torch.Tensor, fc1_weight: torch.Tensor, chunk: int | None) -> str:
+    """The path for h alone (gated, cublas or torch), from the table's "gated" entries."""
+    (m, d), f = x.shape, fc1_weight.shape[0] // 2
+    if chunk is None and _kernels_serve(x) and dispatch.choose("gated", d, f, m) == "cublas":
         return "cublas"
     return "gated" if _gated_serves(x, chunk, f) else "torch"
 
@@ -93,6 +87,16 @@ def _kernels_serve(x: torch.Tensor) -> bool:
 def _gated_serves(x: torch.Tensor, chunk: int | None, ffn_size: int) -> bool:
     """The gated GEMM takes this layout (canonical, or a power-of-two chunk >= 16) here."""
     return _kernels_serve(x) and gated_enabled(x, chunk or ffn_size, ffn_size)
+
+
+def swiglu_gated_projection(
+    x: torch.Tensor, fc1_weight: torch.Tensor, fc1_bias: torch.Tensor | None, chunk: int | None
+) -> torch.Tensor:
+    """h [M, F] with no grad on the fastest path for this shape (:func:`projection_path`)."""
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    if projection_path(x, fc1_weight, chunk) == "cublas":
+        return swiglu_fwd(F.linear(x, fc1_weight, fc1_bias))
+    return swiglu_gated_inference(x, fc1_weight, fc1_bias, chunk)
 
 
 def swiglu_gated_inference(
