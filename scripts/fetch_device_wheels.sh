@@ -4,10 +4,11 @@
 #   .whl   peers: liger-kernel, fla-core, quack-kernels and its cutlass-dsl/tvm-ffi deps  (11 MB)
 #   .whlx  nvidia-cutlass-dsl-libs-cu13 (88 MB) unpacked and re-compressed with xz        (48 MB)
 #   .whlw  wandb and the dependencies the box lacks, and megatron-core for Python 3.12     (27 MB)
+#   .whlt  pytest-xdist and execnet, so the GPU tests compile their kernels in parallel   (0.1 MB)
 # .whl + .whlx fit one call (scripts/device_setup.sh installs them); .whlw goes in another.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-for d in .whl .whlx .whlw; do grep -qx "/$d/" .git/info/exclude || echo "/$d/" >> .git/info/exclude; done
+for d in .whl .whlx .whlw .whlt; do grep -qx "/$d/" .git/info/exclude || echo "/$d/" >> .git/info/exclude; done
 get() {  # get DIR PACKAGE==VERSION...
   local dir=$1; shift
   mkdir -p "$dir"
@@ -33,4 +34,5 @@ get .whlw wandb==0.31.0 cwevals==0.0.1b1 opentelemetry-api==1.45.2 opentelemetry
   googleapis-common-protos pydantic==2.14.4 pydantic-core==2.50.5 annotated-types \
   typing-inspection platformdirs importlib-metadata lazy-importer distro sniffio typing-extensions \
   megatron-core==0.16.1
-du -sh .whl .whlx .whlw
+get .whlt pytest-xdist==3.8.0 execnet==2.1.2
+du -sh .whl .whlx .whlw .whlt

@@ -2,7 +2,8 @@
 # The GPU work of the open issues, in stages, for the device tool (each stage < 10 minutes):
 #   bash scripts/gpu_session.sh STAGE [STAGE...]      results land in $OUT (default ./gpu-out)
 # Stages:
-#   setup      install carried wheels (.whl + .whlx: peers; .whlw: wandb) when present
+#   setup      install carried wheels (.whl + .whlx: peers; .whlw: wandb, megatron-core;
+#              .whlt: pytest-xdist) when present
 #   tests      the `gpu` tests (CUDA params and GPU-only tests; CI runs the rest)
 #   tune       scripts/tune_gated_gemm.py: the gated GEMM's configs and its ratio to cuBLAS
 #   bench      scripts/bench_mlp.py at the seed shape, every variant (save_factors included)
@@ -12,8 +13,8 @@
 #   microbatch the largest micro-batch at ~1B, normal vs drop_h
 #   megatron   recipes/pretrain_megatron.py at TP=1 for each impl (needs the megatron wheel)
 #   megatron_resume  its DistributedOptimizer dist-ckpt: save at step 3, resume, compare losses
-#   inference  swiglu-train bench-inference: gated projection and whole MLP, Qwen-2.5 x M grid,
-#              and the no-grad path's dispatch table
+#   inference  swiglu-train bench-inference: gated projection and whole MLP, Qwen-2.5 x M grid
+#              ($INFERENCE_MODELS), one JSON per model to merge into the dispatch table
 # Every stage writes under $RES; on exit it is packed into $OUT/results.tgz, since the device
 # tool returns at most 8 files, and re-packed after every stage, so a call killed at its limit
 # still returns what finished. STAGE_SECONDS=N bounds each stage, so one overrun cannot cost
@@ -46,9 +47,11 @@ for stage in "$@"; do
   case $stage in
     setup)
       [ -d .whlx ] && bash scripts/device_setup.sh
-      [ -d .whlw ] && python3 -m pip install -q --no-index --no-deps --no-compile .whlw/*.whl ;;
-    tests)
-      python3 -m pytest -q -m gpu -p no:cacheprovider 2>&1 | tee "$RES/pytest.log" | tail -15 ;;
+      [ -d .whlw ] && python3 -m pip install -q --no-index --no-deps --no-compile .whlw/*.whl
+      [ -d .whlt ] && python3 -m pip install -q --no-index --no-deps --no-compile .whlt/*.whl ;;
+    tests)  # in parallel where pytest-xdist is carried (.whlt): Triton compiles are CPU-bound
+      workers=$(python3 -c "import xdist" 2>/dev/null && echo "-n 12" || true)
+      python3 -m pytest -q -m gpu -p no:cacheprovider $workers --durations=12 2>&1 | tee "$RES/pytest.log" | tail -15 ;;
     tune)
       python3 scripts/tune_gated_gemm.py --samples 30 --json "$RES/tune_gated_h200.json" \
         2>&1 | grep -v "^ " ;;
@@ -75,7 +78,7 @@ for stage in "$@"; do
         --json "$RES/pretrain_125m_h200.json" --md "$RES/pretrain_125m_h200.md" \
         && cat "$RES/pretrain_125m_h200.md" ;;
     microbatch)
-      python3 scripts/max_micro_batch.py --config 1b --mlp-impl normal,drop_h \
+      python3 scripts/max_micro_batch.py --config 1b --mlp-impl normal,drop_h --commit "$commit" \
         --json "$RES/max_micro_batch_1b.json" ;;
     megatron)
       for impl in stock normal drop_h save_factors; do
@@ -103,10 +106,13 @@ diffs = {s: abs(resumed[s] - full[s]) / full[s] for s in resumed}
 print(sys.argv[3], "resumed steps", sorted(resumed), "max rel diff", max(diffs.values(), default=None))
 PY
       done ;;
-    inference)
-      python3 scripts/bench_inference.py --samples 30 --commit "$commit" \
-        --json "$RES/inference_h200.json" --md "$RES/inference_h200.md" \
-        --dispatch-table "$RES/table/inference_dispatch_h200.json" 2>&1 | tail -60 ;;
+    inference)  # one run per model, so a stage cut short keeps the models it finished; merge
+      # with `swiglu-train bench-inference --merge ... --json --md --dispatch-table`
+      mkdir -p "$RES/inference"
+      for model in ${INFERENCE_MODELS:-0.5b 7b 32b 72b}; do
+        python3 scripts/bench_inference.py --models "$model" --samples 30 --commit "$commit" \
+          --json "$RES/inference/$model.json" --md "$RES/inference/$model.md" 2>&1 | tail -40
+      done ;;
     *) echo "unknown stage $stage"; exit 2 ;;
   esac
 done

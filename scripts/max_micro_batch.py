@@ -13,7 +13,8 @@ figure is never overstated.
 from __future__ import annotations
 
 import gc
-import json
+import shlex
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated
@@ -21,6 +22,8 @@ from typing import Annotated
 import torch
 import typer
 
+from swiglu_train.bench.mlp import git_commit
+from swiglu_train.files import write_json_atomic
 from swiglu_train.integrations.lightning.config import load_config
 from swiglu_train.integrations.lightning.model import LlamaDecoder
 
@@ -84,6 +87,7 @@ def main(
     config: Annotated[str, typer.Option()] = "1b",
     mlp_impl: Annotated[str, typer.Option()] = "normal,drop_h",
     limit: Annotated[int, typer.Option(help="largest micro-batch to try")] = 256,
+    commit: Annotated[str | None, typer.Option(help="commit to record if git is absent")] = None,
     json_path: Annotated[Path | None, typer.Option("--json")] = None,
 ) -> None:
     results = []
@@ -93,14 +97,19 @@ def main(
         torch.cuda.empty_cache()
         results.append({"impl": impl, "max_micro_batch": best, "tried": tried})
         print(f"{impl}: largest micro-batch {best} (tried {tried})")
+    by_impl = {r["impl"]: r["max_micro_batch"] for r in results}
     payload = {
+        "command": shlex.join(["python", *sys.argv]),
+        "commit": git_commit() or commit,
         "config": config,
         "device_name": torch.cuda.get_device_name(),
         "seq_length": load_config(config).data.seq_length,
         "results": results,
     }
+    if by_impl.get("normal"):
+        payload["ratio_to_normal"] = {k: v / by_impl["normal"] for k, v in by_impl.items()}
     if json_path is not None:
-        json_path.write_text(json.dumps(payload, indent=2) + "\n")
+        write_json_atomic(json_path, payload)
 
 
 if __name__ == "__main__":

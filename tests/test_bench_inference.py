@@ -73,6 +73,29 @@ def test_fit_dispatch_takes_the_fastest_timed_candidate_per_shape_and_m():
         assert dispatch.choose("gated", 8, 16, 1) == "cublas"
 
 
+def test_merge_joins_runs_split_by_model_and_refits_the_dispatch():
+    def part(model, k, ms, gpu="H200", commit="abc"):
+        rows = [
+            {"table": "mlp", "model": model, "K": k, "N": 2 * k, "M": 1}
+            | {"fused_mlp_ms": ms, "gated_linear_ms": 1.0}
+        ]
+        meta = {"dtype": "bf16", "models": [model]}
+        return {"gpu": gpu, "commit": commit, "meta": meta, "rows": rows, "command": model}
+
+    merged = bench.merge_results([part("a", 8, 0.5), part("b", 16, 2.0)])
+    assert [r["model"] for r in merged["rows"]] == ["a", "b"]
+    assert merged["dispatch"]["8x16"]["mlp"]["1"]["path"] == "fused_mlp"
+    assert merged["dispatch"]["16x32"]["mlp"]["1"]["path"] == "gated"
+    assert [p["models"] for p in merged["meta"]["parts"]] == [["a"], ["b"]]
+    assert merged["command"] == "a && b"
+    with pytest.raises(ValueError, match="different gpus"):
+        bench.merge_results([part("a", 8, 0.5), part("b", 16, 2.0, gpu="A100")])
+    with pytest.raises(ValueError, match="different commits"):
+        bench.merge_results([part("a", 8, 0.5), part("b", 16, 2.0, commit="def")])
+    with pytest.raises(ValueError, match="more than one run"):
+        bench.merge_results([part("a", 8, 0.5), part("a", 8, 0.7)])
+
+
 def _entry(path, ms, runner_up, ratio):
     return {"path": path, "ms": ms, "runner_up": runner_up, "runner_up_ratio": ratio}
 
@@ -152,6 +175,15 @@ def test_cli_smoke_on_cpu(tmp_path):
     }
     assert dispatch.read_table(table).shapes.keys() == {(32, 48)}
     assert not list(tmp_path.rglob("*.tmp"))  # written through renamed temporary files
+    merged_table = tmp_path / "merged.json"  # a run split by model merges back, with no timing
+    result = CliRunner().invoke(
+        app, ["bench-inference", "--merge", str(out), "--dispatch-table", str(merged_table)]
+    )
+    assert result.exit_code == 0, result.output
+    assert json.loads(merged_table.read_text())["shapes"] == fitted["shapes"]
+    twice = ["bench-inference", "--merge", str(out), "--merge", str(out)]
+    result = CliRunner().invoke(app, twice, env={"COLUMNS": "300"})  # the message on one line
+    assert result.exit_code != 0 and "more than one run" in result.output
 
 
 def test_cli_rejects_unknown_names():

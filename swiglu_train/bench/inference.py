@@ -262,6 +262,35 @@ def run_inference_bench(
     }
 
 
+def merge_results(parts: Sequence[dict]) -> dict:
+    """One result from runs split over models (each within a device call's time limit): rows
+    concatenated and the dispatch refit over all of them. Parts must come from one GPU, dtype
+    and commit, and no (table, model, M) may be measured twice: a merge never picks a sample."""
+    if not parts:
+        raise ValueError("nothing to merge")
+    for key, get in (("gpu", lambda p: p["gpu"]), ("dtype", lambda p: p["meta"]["dtype"]),
+                     ("commit", lambda p: p["commit"])):  # fmt: skip
+        values = {get(p) for p in parts}
+        if len(values) > 1:
+            raise ValueError(f"cannot merge runs of different {key}s: {sorted(map(str, values))}")
+    rows, seen = [], set()
+    for part in parts:
+        for r in part["rows"]:
+            key = (r["table"], r["model"], r["M"])
+            if key in seen:
+                raise ValueError(f"{key} is measured by more than one run")
+            seen.add(key)
+            rows.append(r)
+    return {
+        "gpu": parts[0]["gpu"],
+        "commit": parts[0]["commit"],
+        "meta": {**parts[0]["meta"], "parts": [p["meta"] for p in parts]},
+        "command": " && ".join(str(p.get("command")) for p in parts),
+        "rows": rows,
+        "dispatch": fit_dispatch(rows),
+    }
+
+
 def build_variants(
     table: str, names: Sequence[str] | None
 ) -> tuple[dict[str, iv.Variant], dict[str, str]]:

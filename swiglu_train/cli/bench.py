@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Annotated
 
@@ -15,7 +16,7 @@ from swiglu_train.cli.app import (
     parse_shape,
     progress_bars,
 )
-from swiglu_train.files import write_json_atomic
+from swiglu_train.files import atomic_write, write_json_atomic
 
 
 @app.command()
@@ -98,6 +99,10 @@ def bench_inference(
         Path | None,
         typer.Option("--dispatch-table", help="write the no-grad path's dispatch table here"),
     ] = None,
+    merge: Annotated[
+        list[Path] | None,
+        typer.Option(help="merge these --json results (runs split by model) instead of running"),
+    ] = None,
 ) -> None:
     """Time the gated projection and the whole MLP, forward only, in CUDA graphs.
 
@@ -106,6 +111,7 @@ def bench_inference(
     from swiglu_train.bench.inference import (
         InferenceBenchConfig,
         dispatch_table,
+        merge_results,
         parse_model,
         run_inference_bench,
         to_markdown,
@@ -131,19 +137,25 @@ def bench_inference(
         raise typer.BadParameter(f"dtype must be one of {list(DTYPES)}")
     if samples < 30:
         console.print(f"[yellow]{samples} samples: results are not claimable (need >= 30)")
-    cfg = InferenceBenchConfig(model_names, ms, samples, names, dtype, device, seed)
-    with progress_bars() as progress:
-        result = run_inference_bench(cfg, progress)
-    result["commit"] = commit or result["commit"]
-    result["command"] = invocation()
+    if merge:
+        try:
+            result = merge_results([json.loads(path.read_text()) for path in merge])
+        except (OSError, ValueError, KeyError) as e:
+            raise typer.BadParameter(f"--merge: {e}") from e
+    else:
+        cfg = InferenceBenchConfig(model_names, ms, samples, names, dtype, device, seed)
+        with progress_bars() as progress:
+            result = run_inference_bench(cfg, progress)
+        result["commit"] = commit or result["commit"]
+        result["command"] = invocation()
     markdown = to_markdown(result)
     console.print(Markdown(markdown))
     if json_path is not None:
         write_json_atomic(json_path, result)
         console.print(f"wrote {json_path}")
     if md_path is not None:
-        md_path.parent.mkdir(parents=True, exist_ok=True)
-        md_path.write_text(markdown)
+        with atomic_write(md_path) as f:
+            f.write(markdown)
         console.print(f"wrote {md_path}")
     if dispatch_path is not None:
         source = "swiglu-train bench-inference" + (f", {json_path.name}" if json_path else "")
