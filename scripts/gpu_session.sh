@@ -46,9 +46,10 @@ for stage in "$@"; do
   echo "== $stage"
   case $stage in
     setup)
-      [ -d .whlx ] && bash scripts/device_setup.sh
-      [ -d .whlw ] && python3 -m pip install -q --no-index --no-deps --no-compile .whlw/*.whl
-      [ -d .whlt ] && python3 -m pip install -q --no-index --no-deps --no-compile .whlt/*.whl ;;
+      if [ -d .whlx ]; then bash scripts/device_setup.sh; fi
+      for d in .whlw .whlt; do  # whichever this call carried
+        if [ -d $d ]; then python3 -m pip install -q --no-index --no-deps --no-compile $d/*.whl; fi
+      done ;;
     tests)  # in parallel where pytest-xdist is carried (.whlt): Triton compiles are CPU-bound
       workers=$(python3 -c "import xdist" 2>/dev/null && echo "-n 12" || true)
       python3 -m pytest -q -m gpu -p no:cacheprovider $workers --durations=12 2>&1 | tee "$RES/pytest.log" | tail -15 ;;

@@ -108,18 +108,20 @@ def test_gpu_family(name, family):
     assert auto.gpu_family(name) == family
 
 
-def test_packaged_table_is_the_seed_point_and_ships_as_package_data():
-    seed = auto.packaged_table("H200")
-    measured = json.loads((ROOT / "benchmarks/results/mlp_h200.json").read_text())
-    assert seed is not None and seed.gpu_family == "H200"
-    assert seed.commit == measured["meta"]["commit"]
-    assert [p.dims for p in seed.points] == [(11136, 3584, 14336)]
-    assert set(seed.points[0].impls) == {"normal", "drop_h", "save_factors"}
-    normal = next(r for r in measured["results"] if r["variant"] == "normal")
-    assert seed.points[0].impls["normal"].ratio_to_floor == round(normal["full_over_floor"], 4)
-    # The point sits on the 1 % edge (drop_h 1.0620x the floor, normal 1.0515x), so this
-    # checks the wiring: auto at the measured shape takes that point's own choice
-    assert resolve(11136, 3584, 14336, H200, seed).impl == auto.choose(seed.points[0].impls)[0]
+def test_packaged_table_is_the_measured_grid_and_ships_as_package_data():
+    packaged = auto.packaged_table("H200")
+    measured = json.loads((ROOT / "benchmarks/results/crossover_h200.json").read_text())
+    assert packaged is not None and packaged.gpu_family == "H200"
+    assert packaged.commit == measured["meta"]["commit"]
+    rows = {(r["M"], r["D"], r["F"], r["impl"]): r for r in measured["rows"]}
+    assert {p.dims for p in packaged.points} == {k[:3] for k in rows}
+    for point in packaged.points:  # the table is the run's numbers, and auto reads them
+        assert set(point.impls) == {"normal", "drop_h", "save_factors"}
+        for impl, stats in point.impls.items():
+            row = rows[(*point.dims, impl)]
+            assert stats.ratio_to_floor == pytest.approx(row["ratio_to_floor"], abs=1e-4)
+            assert row["auto_choice"] == (impl == auto.choose(point.impls)[0])
+        assert resolve(*point.dims, H200, packaged).impl == auto.choose(point.impls)[0]
     assert auto.packaged_table("B200") is None
     globs = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
     assert any(

@@ -10,6 +10,7 @@ from helpers import dispatch_table
 from typer.testing import CliRunner
 
 from swiglu_train.bench import inference as bench
+from swiglu_train.bench import inference_dispatch as fit
 from swiglu_train.bench import inference_variants as iv
 from swiglu_train.cli import app
 from swiglu_train.ops import dispatch
@@ -53,7 +54,7 @@ def test_fit_dispatch_takes_the_fastest_timed_candidate_per_shape_and_m():
         row("mlp", 16, 2, eager=1.0),  # none timed: no entry
         row("gated", 8, 1, gated_triton=3.0, cublas_act=2.0, gated_linear=0.1),
     ]
-    entry = bench.fit_dispatch(rows)
+    entry = fit.fit_dispatch(rows)
     assert entry == {
         "8x16": {
             "gated": {"1": _entry("cublas", 2.0, "gated", 1.5)},
@@ -67,7 +68,7 @@ def test_fit_dispatch_takes_the_fastest_timed_candidate_per_shape_and_m():
     }
     assert list(entry["8x16"]["mlp"]) == ["1", "16", "4096"]  # by M, whatever the row order
     result = {"gpu": "cpu", "commit": "abc", "meta": {"dtype": "fp32"}, "dispatch": entry}
-    with dispatch.use_table(bench.dispatch_table(result, "test")):  # the runtime reads it back
+    with dispatch.use_table(fit.dispatch_table(result, "test")):  # the runtime reads it back
         paths = [dispatch.choose("mlp", 8, 16, m) for m in (1, 16, 4096)]
         assert paths == ["fused_mlp", "fused_mlp", "cublas"]
         assert dispatch.choose("gated", 8, 16, 1) == "cublas"
@@ -77,23 +78,46 @@ def test_merge_joins_runs_split_by_model_and_refits_the_dispatch():
     def part(model, k, ms, gpu="H200", commit="abc"):
         rows = [
             {"table": "mlp", "model": model, "K": k, "N": 2 * k, "M": 1}
-            | {"fused_mlp_ms": ms, "gated_linear_ms": 1.0}
+            | {"fused_mlp_ms": ms, "gated_linear_ms": 1.0, "eager_ms": 2.0}
+            | {"fused_mlp_speedup_vs_eager": 2.0 / ms, "gated_linear_speedup_vs_eager": 2.0}
         ]
         meta = {"dtype": "bf16", "models": [model]}
         return {"gpu": gpu, "commit": commit, "meta": meta, "rows": rows, "command": model}
 
-    merged = bench.merge_results([part("a", 8, 0.5), part("b", 16, 2.0)])
+    merged = fit.merge_results([part("a", 8, 0.5), part("b", 16, 2.0)])
     assert [r["model"] for r in merged["rows"]] == ["a", "b"]
     assert merged["dispatch"]["8x16"]["mlp"]["1"]["path"] == "fused_mlp"
     assert merged["dispatch"]["16x32"]["mlp"]["1"]["path"] == "gated"
     assert [p["models"] for p in merged["meta"]["parts"]] == [["a"], ["b"]]
     assert merged["command"] == "a && b"
+    assert (
+        merged["dispatch_judged_in_sample"]["mlp"]["geomean_speedup_vs_eager"] == 2.828
+    )  # sqrt(4 * 2)
     with pytest.raises(ValueError, match="different gpus"):
-        bench.merge_results([part("a", 8, 0.5), part("b", 16, 2.0, gpu="A100")])
+        fit.merge_results([part("a", 8, 0.5), part("b", 16, 2.0, gpu="A100")])
     with pytest.raises(ValueError, match="different commits"):
-        bench.merge_results([part("a", 8, 0.5), part("b", 16, 2.0, commit="def")])
+        fit.merge_results([part("a", 8, 0.5), part("b", 16, 2.0, commit="def")])
     with pytest.raises(ValueError, match="more than one run"):
-        bench.merge_results([part("a", 8, 0.5), part("a", 8, 0.7)])
+        fit.merge_results([part("a", 8, 0.5), part("a", 8, 0.7)])
+
+
+def test_judge_dispatch_scores_the_fitted_choice_in_sample():
+    def row(model, m, cand, speedup, **ms):
+        base = {"table": "gated", "model": model, "K": 8, "N": 16, "M": m}
+        return base | {f"{n}_ms": v for n, v in ms.items()} | {f"{cand}_speedup_vs_eager": speedup}
+
+    rows = [  # M=1: gated_triton wins at 2x eager; M=16: cublas_act wins, slower than compile
+        row("a", 1, "gated_triton", 2.0, gated_triton=1.0, cublas_act=1.5, eager=2.0,
+            compile=1.8, gemm_only=0.8),
+        row("a", 16, "cublas_act", 0.5, gated_triton=3.0, cublas_act=2.0, eager=2.1,
+            compile=1.9, gemm_only=1.0),
+    ]  # fmt: skip
+    judged = fit.judge_dispatch(rows, fit.fit_dispatch(rows))["gated"]
+    assert judged["rows"] == 2 and judged["geomean_speedup_vs_eager"] == 1.0  # sqrt(2 * 0.5)
+    assert judged["max_over_gemm_only"] == 2.0 and judged["max_over_gemm_only_at"] == "a M=16"
+    assert judged["slower_than_eager_and_compile"] == ["a M=16: 1.053x"]
+    assert [r["dispatched_path"] for r in rows] == ["gated", "cublas"]
+    assert rows[0]["dispatched_over_best_baseline"] == pytest.approx(1.0 / 1.8)
 
 
 def _entry(path, ms, runner_up, ratio):

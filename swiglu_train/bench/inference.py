@@ -29,9 +29,10 @@ import numpy as np
 import torch
 
 from swiglu_train.bench import inference_variants as iv
+from swiglu_train.bench.inference_dispatch import fit_dispatch, judge_dispatch
 from swiglu_train.bench.mlp import DTYPES, git_commit
 from swiglu_train.bench.timing import Case, Clock, paired_samples
-from swiglu_train.ops import dispatch, inference
+from swiglu_train.ops import inference
 
 QWEN_MLP = {"0.5b": (896, 4864), "7b": (3584, 18944), "32b": (5120, 27648), "72b": (8192, 29568)}
 M_GRID = (1, 16, 128, 512, 2048, 4096)
@@ -190,47 +191,6 @@ def build_row(
     return row
 
 
-def fit_dispatch(rows: Sequence[dict]) -> dict[str, dict[str, dict[str, dict]]]:
-    """Per "DxF", per table, per measured M: the fastest dispatch candidate by median ms, its ms,
-    and the runner-up with ``runner_up_ratio`` = its ms over the winner's (the margin; None
-    with one candidate). Candidates that were not timed (not importable, rejected, failed) are
-    not eligible; an M where none was timed gets no entry. Ties go to the first candidate."""
-    shapes: dict[str, dict[str, dict[str, dict]]] = {}
-    for r in sorted(rows, key=lambda r: (r["K"], r["N"], r["table"], r["M"])):
-        candidates = iv.CANDIDATES[r["table"]].items()
-        timed = {path: r[f"{name}_ms"] for path, name in candidates if f"{name}_ms" in r}
-        if not timed:
-            continue
-        best, *others = sorted(timed, key=timed.get)
-        entry = {"path": best, "ms": _sig(timed[best]), "runner_up": None, "runner_up_ratio": None}
-        if others:
-            entry.update(runner_up=others[0], runner_up_ratio=_sig(timed[others[0]] / timed[best]))
-        by_table = shapes.setdefault(f"{r['K']}x{r['N']}", {})
-        by_table.setdefault(r["table"], {})[str(r["M"])] = entry
-    return shapes
-
-
-def dispatch_table(result: dict, source: str) -> dict:
-    """The file ``ops.dispatch`` reads, validated before return; ship it as
-    swiglu_train/ops/inference_dispatch_<gpu>.json."""
-    table = {
-        "schema": dispatch.SCHEMA,
-        "gpu": result["gpu"],
-        "commit": result["commit"],
-        "dtype": result["meta"]["dtype"],
-        "source": source,
-        "command": result.get("command"),
-        "shapes": result["dispatch"],
-    }
-    dispatch.DispatchTable.from_dict(table, "built from the inference run")
-    return table
-
-
-def _sig(value: float) -> float:
-    """Four significant digits: enough to rank, short enough to read."""
-    return float(f"{value:.4g}")
-
-
 def run_inference_bench(
     cfg: InferenceBenchConfig, progress: Callable[[str, int], Callable[[], None]]
 ) -> dict:
@@ -258,36 +218,8 @@ def run_inference_bench(
         "commit": git_commit(),
         "meta": _meta(cfg, time.perf_counter() - started),
         "rows": rows,
-        "dispatch": fit_dispatch(rows),
-    }
-
-
-def merge_results(parts: Sequence[dict]) -> dict:
-    """One result from runs split over models (each within a device call's time limit): rows
-    concatenated and the dispatch refit over all of them. Parts must come from one GPU, dtype
-    and commit, and no (table, model, M) may be measured twice: a merge never picks a sample."""
-    if not parts:
-        raise ValueError("nothing to merge")
-    for key, get in (("gpu", lambda p: p["gpu"]), ("dtype", lambda p: p["meta"]["dtype"]),
-                     ("commit", lambda p: p["commit"])):  # fmt: skip
-        values = {get(p) for p in parts}
-        if len(values) > 1:
-            raise ValueError(f"cannot merge runs of different {key}s: {sorted(map(str, values))}")
-    rows, seen = [], set()
-    for part in parts:
-        for r in part["rows"]:
-            key = (r["table"], r["model"], r["M"])
-            if key in seen:
-                raise ValueError(f"{key} is measured by more than one run")
-            seen.add(key)
-            rows.append(r)
-    return {
-        "gpu": parts[0]["gpu"],
-        "commit": parts[0]["commit"],
-        "meta": {**parts[0]["meta"], "parts": [p["meta"] for p in parts]},
-        "command": " && ".join(str(p.get("command")) for p in parts),
-        "rows": rows,
-        "dispatch": fit_dispatch(rows),
+        "dispatch": (fitted := fit_dispatch(rows)),
+        "dispatch_judged_in_sample": judge_dispatch(rows, fitted),
     }
 
 
@@ -356,6 +288,19 @@ def to_markdown(result: dict) -> str:
         for table, by_m in by_table.items():
             picks = [f"{m} {e['path']}{_margin(e)}" for m, e in by_m.items()]
             lines.append(f"- {shape} {table}: " + ", ".join(picks))
+    judged = result.get("dispatch_judged_in_sample", {})
+    if judged:
+        lines += ["", "The table's choices, judged on the rows it was fit on (in-sample):"]
+    for table, j in judged.items():
+        slower = ", ".join(j["slower_than_eager_and_compile"]) or "none"
+        gemm = ""
+        if "max_over_gemm_only" in j:
+            gemm = f" at most {j['max_over_gemm_only']:.3f}x the GEMMs alone"
+            gemm += f" ({j['max_over_gemm_only_at']});"
+        lines.append(
+            f"- {table}: geomean {j['geomean_speedup_vs_eager']:.3f}x over eager;{gemm} "
+            f"slower than the faster of eager and compile at: {slower}"
+        )
     return "\n".join(lines) + "\n"
 
 

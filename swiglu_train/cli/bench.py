@@ -110,12 +110,11 @@ def bench_inference(
     """
     from swiglu_train.bench.inference import (
         InferenceBenchConfig,
-        dispatch_table,
-        merge_results,
         parse_model,
         run_inference_bench,
         to_markdown,
     )
+    from swiglu_train.bench.inference_dispatch import dispatch_table, merge_results
     from swiglu_train.bench.inference_variants import TABLES
     from swiglu_train.bench.mlp import DTYPES
 

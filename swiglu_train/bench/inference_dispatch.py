@@ -1,0 +1,119 @@
+"""The no-grad dispatch table from inference-bench rows: fit, merged over split runs, judged.
+
+``fit_dispatch`` picks, per shape and M, the fastest candidate path (``iv.CANDIDATES``);
+``dispatch_table`` is the file ``ops.dispatch`` reads; ``merge_results`` joins runs split by
+model (each within a device call's limit) and refits; ``judge_dispatch`` says what the table's
+choices buy over eager, ``torch.compile`` and the GEMMs alone. That judgement is in-sample
+(the table was fit on the same rows), so it is the best the table can do on those shapes;
+a fresh run of ``ours`` with the table shipped is the out-of-sample check.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+from swiglu_train.bench import inference_variants as iv
+from swiglu_train.ops import dispatch
+
+
+def fit_dispatch(rows: Sequence[dict]) -> dict[str, dict[str, dict[str, dict]]]:
+    """Per "DxF", per table, per measured M: the fastest dispatch candidate by median ms, its ms,
+    and the runner-up with ``runner_up_ratio`` = its ms over the winner's (the margin; None
+    with one candidate). Candidates that were not timed (not importable, rejected, failed) are
+    not eligible; an M where none was timed gets no entry. Ties go to the first candidate."""
+    shapes: dict[str, dict[str, dict[str, dict]]] = {}
+    for r in sorted(rows, key=lambda r: (r["K"], r["N"], r["table"], r["M"])):
+        candidates = iv.CANDIDATES[r["table"]].items()
+        timed = {path: r[f"{name}_ms"] for path, name in candidates if f"{name}_ms" in r}
+        if not timed:
+            continue
+        best, *others = sorted(timed, key=timed.get)
+        entry = {"path": best, "ms": _sig(timed[best]), "runner_up": None, "runner_up_ratio": None}
+        if others:
+            entry.update(runner_up=others[0], runner_up_ratio=_sig(timed[others[0]] / timed[best]))
+        by_table = shapes.setdefault(f"{r['K']}x{r['N']}", {})
+        by_table.setdefault(r["table"], {})[str(r["M"])] = entry
+    return shapes
+
+
+def dispatch_table(result: dict, source: str) -> dict:
+    """The file ``ops.dispatch`` reads, validated before return; ship it as
+    swiglu_train/ops/inference_dispatch_<gpu>.json."""
+    table = {
+        "schema": dispatch.SCHEMA,
+        "gpu": result["gpu"],
+        "commit": result["commit"],
+        "dtype": result["meta"]["dtype"],
+        "source": source,
+        "command": result.get("command"),
+        "shapes": result["dispatch"],
+    }
+    dispatch.DispatchTable.from_dict(table, "built from the inference run")
+    return table
+
+
+def _sig(value: float) -> float:
+    """Four significant digits: enough to rank, short enough to read."""
+    return float(f"{value:.4g}")
+
+
+def merge_results(parts: Sequence[dict]) -> dict:
+    """One result from runs split over models (each within a device call's time limit): rows
+    concatenated and the dispatch refit over all of them. Parts must come from one GPU, dtype
+    and commit, and no (table, model, M) may be measured twice: a merge never picks a sample."""
+    if not parts:
+        raise ValueError("nothing to merge")
+    for key, get in (("gpu", lambda p: p["gpu"]), ("dtype", lambda p: p["meta"]["dtype"]),
+                     ("commit", lambda p: p["commit"])):  # fmt: skip
+        values = {get(p) for p in parts}
+        if len(values) > 1:
+            raise ValueError(f"cannot merge runs of different {key}s: {sorted(map(str, values))}")
+    rows, seen = [], set()
+    for part in parts:
+        for r in part["rows"]:
+            key = (r["table"], r["model"], r["M"])
+            if key in seen:
+                raise ValueError(f"{key} is measured by more than one run")
+            seen.add(key)
+            rows.append(r)
+    return {
+        "gpu": parts[0]["gpu"],
+        "commit": parts[0]["commit"],
+        "meta": {**parts[0]["meta"], "parts": [p["meta"] for p in parts]},
+        "command": " && ".join(str(p.get("command")) for p in parts),
+        "rows": rows,
+        "dispatch": (fitted := fit_dispatch(rows)),
+        "dispatch_judged_in_sample": judge_dispatch(rows, fitted),
+    }
+
+
+def judge_dispatch(rows: Sequence[dict], fitted: dict) -> dict[str, dict]:
+    """Per table: the fitted choice's geometric-mean speedup over eager (paired medians), its
+    worst ratio to the GEMMs alone, and the shapes where it is slower than the faster of eager
+    and torch.compile (by medians). Rows gain ``dispatched_*`` fields."""
+    judged: dict[str, dict] = {}
+    for r in rows:
+        entry = fitted.get(f"{r['K']}x{r['N']}", {}).get(r["table"], {}).get(str(r["M"]))
+        if entry is None:
+            continue
+        variant = iv.CANDIDATES[r["table"]][entry["path"]]
+        ms, where = r[f"{variant}_ms"], f"{r['model']} M={r['M']}"
+        baseline = min(r[k] for k in ("eager_ms", "compile_ms") if k in r)
+        r.update(dispatched_path=entry["path"], dispatched_ms=ms,
+                 dispatched_speedup_vs_eager=r[f"{variant}_speedup_vs_eager"],
+                 dispatched_over_best_baseline=ms / baseline)  # fmt: skip
+        j = judged.setdefault(r["table"], {"rows": 0, "log_speedup": 0.0, "slower": []})
+        j["rows"] += 1
+        j["log_speedup"] += math.log(r["dispatched_speedup_vs_eager"])
+        if ms > baseline:
+            j["slower"].append(f"{where}: {ms / baseline:.3f}x")
+        if "gemm_only_ms" in r:
+            r["dispatched_over_gemm_only"] = ms / r["gemm_only_ms"]
+            if r["dispatched_over_gemm_only"] > j.get("max_over_gemm_only", 0.0):
+                j["max_over_gemm_only"] = _sig(r["dispatched_over_gemm_only"])
+                j["max_over_gemm_only_at"] = where
+    for j in judged.values():
+        j["geomean_speedup_vs_eager"] = _sig(math.exp(j.pop("log_speedup") / j["rows"]))
+        j["slower_than_eager_and_compile"] = j.pop("slower")
+    return judged
