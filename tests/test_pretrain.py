@@ -1,6 +1,10 @@
 """The Lightning pretraining recipe on CPU: smoke runs, exact resume, data formats, bad input."""
 
+import csv
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -227,3 +231,30 @@ def test_cli_default_corpus_summary_json(tmp_path):
         "peak_MiB",
     } <= summary.keys()
     assert list((tmp_path / "run" / "wandb").glob("offline-run-*"))
+
+
+def test_cli_ddp_on_two_cpu_ranks_reports_once(tmp_path, corpus):
+    """`--devices 2 --strategy ddp`: Lightning launches a second process (gloo on CPU); the W&B
+    offline run, the memory CSV, the checkpoints and the summary come from rank 0 alone."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # plain torch math
+    env.update(WANDB_MODE="offline", WANDB_SILENT="true")
+    out, summary_path = tmp_path / "run", tmp_path / "summary.json"
+    args = ["pretrain", "--devices", "2", "--strategy", "ddp", "--max-steps", "4"]
+    args += ["--micro-batch-size", "2", "--data", str(corpus / "*.py"), "--output-dir", str(out)]
+    args += ["--summary-json", str(summary_path)]
+    done = subprocess.run(
+        [sys.executable, "-m", "swiglu_train", *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert done.stdout.count("pretrain summary") == 1  # rank 1 prints no table
+    summary = json.loads(summary_path.read_text())
+    assert summary["steps"] == 4 and summary["saved_MiB"] > 0  # CUDA-only figures are None
+    assert len(list((out / "wandb").glob("offline-run-*"))) == 1
+    with open(summary["memory_csv"]) as f:
+        steps = [int(r["step"]) for r in csv.DictReader(f)]
+    assert steps == [0, 1, 2, 3]  # one row per step, none from rank 1
+    assert (out / "checkpoints" / "last.ckpt").is_file()

@@ -110,6 +110,8 @@ def pretrain(
         if value is not None:
             setattr(section, key, value)
     summary = run_pretrain(cfg, resume=resume)
+    if summary is None:  # a DDP rank other than 0: rank 0 reports the run
+        return
     table = Table(title=f"pretrain summary ({summary['mlp_impl']})")
     table.add_column("metric")
     table.add_column("value", justify="right")

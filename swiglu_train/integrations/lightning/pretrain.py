@@ -52,8 +52,10 @@ def resolve_precision(precision: str) -> str:
     return "bf16-mixed" if torch.cuda.is_available() else "32-true"
 
 
-def run_pretrain(cfg: PretrainConfig, resume: str | None = None) -> dict[str, Any]:
-    """Train, and return the summary (losses, throughput and the profiler's memory figures)."""
+def run_pretrain(cfg: PretrainConfig, resume: str | None = None) -> dict[str, Any] | None:
+    """Train, and return the summary (losses, throughput and the profiler's memory figures);
+    None on DDP ranks other than 0, whose losses and memory are their shard's, not the run's
+    (the profiler and W&B run live on rank 0)."""
     check_impl_name(cfg.model.mlp_impl)  # an unknown impl fails here, listing the valid ones
     if cfg.model.mlp_impl == AUTO and cfg.model.mlp_tokens_hint is None:  # one micro-batch
         cfg.model.mlp_tokens_hint = cfg.data.micro_batch_size * cfg.data.seq_length
@@ -98,6 +100,8 @@ def run_pretrain(cfg: PretrainConfig, resume: str | None = None) -> dict[str, An
         trainer.fit(module, datamodule=data, ckpt_path=_checkpoint(resume, out))
     finally:  # a crashed run must not stay the process's active W&B run
         wandb_logger.experiment.finish()
+    if not trainer.is_global_zero:
+        return None
     losses = [history.losses[k] for k in sorted(history.losses)]
     val = trainer.callback_metrics.get("val/loss")
     mem = memory.max_metrics
