@@ -49,10 +49,18 @@ from swiglu_train.integrations.megatron import SUPPORTED_IMPLS, get_gpt_layer_sp
 from swiglu_train.memory import MemoryProfiler
 from swiglu_train.memory.wandb_run import WandbMemoryLogger, init_run
 
+STOCK = ("stock", "stock_eager")  # Megatron's MLP: the baseline our spec replaces
+
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--mlp-impl", default="drop_h", choices=[*SUPPORTED_IMPLS, "stock"])
+    p.add_argument(
+        "--mlp-impl",
+        default="drop_h",
+        choices=[*SUPPORTED_IMPLS, *STOCK],
+        help="ours, or Megatron's own MLP: 'stock' with its fused (torch.compile'd) bias-SwiGLU, "
+        "'stock_eager' with bias_activation_fusion off",
+    )
     p.add_argument("--tp", type=int, default=1)
     p.add_argument("--pp", type=int, default=1)
     p.add_argument("--dp", type=int, default=None, help="checked against WORLD_SIZE/(tp*pp)")
@@ -106,7 +114,7 @@ def transformer_config(args: argparse.Namespace) -> TransformerConfig:
         sequence_parallel=args.sequence_parallel,
         gated_linear_unit=True,
         activation_func=F.silu,
-        bias_activation_fusion=args.mlp_impl == "stock",
+        bias_activation_fusion=args.mlp_impl == "stock",  # Megatron-LM's default, for stock
         add_bias_linear=False,
         normalization="RMSNorm",
         hidden_dropout=0.0,
@@ -119,7 +127,7 @@ def transformer_config(args: argparse.Namespace) -> TransformerConfig:
 
 
 def build_model(args: argparse.Namespace, config: TransformerConfig) -> DistributedDataParallel:
-    if args.mlp_impl == "stock":
+    if args.mlp_impl in STOCK:
         spec = get_gpt_layer_local_spec(normalization="RMSNorm")
     else:
         spec = get_gpt_layer_spec(args.mlp_impl)

@@ -81,14 +81,18 @@ for stage in "$@"; do
     microbatch)
       python3 scripts/max_micro_batch.py --config 1b --mlp-impl normal,drop_h --commit "$commit" \
         --json "$RES/max_micro_batch_1b.json" ;;
-    megatron)
-      for impl in stock normal drop_h save_factors; do
-        torchrun --nproc-per-node 1 recipes/pretrain_megatron.py --mlp-impl "$impl" $MEGATRON_GPU \
-          --max-steps 30 --output-dir /tmp/megatron-runs \
-          --summary-json "$RES/megatron_tp1_$impl.json" 2>&1 | tail -2
+    megatron)  # two rounds, the order reversed in the second, so no impl always runs first
+      order="stock stock_eager normal drop_h save_factors"
+      for round in 1 2; do
+        for impl in $order; do
+          torchrun --nproc-per-node 1 recipes/pretrain_megatron.py --mlp-impl "$impl" \
+            $MEGATRON_GPU --max-steps 30 --output-dir /tmp/megatron-runs \
+            --summary-json "$RES/megatron_tp1_${impl}_$round.json" 2>&1 | tail -1
+        done
+        order=$(echo $order | tr ' ' '\n' | tac | tr '\n' ' ')
       done
-      python3 scripts/summarize_runs.py "$RES"/megatron_tp1_*.json --commit "$commit" \
-        --title "Megatron recipe, TP=1, bf16 Float16Module + DistributedOptimizer, 30 steps, $MEGATRON_GPU" \
+      python3 scripts/summarize_runs.py "$RES"/megatron_tp1_*_[12].json --commit "$commit" \
+        --title "Megatron recipe, TP=1, bf16 Float16Module + DistributedOptimizer, 30 steps, $MEGATRON_GPU (2 rounds, order reversed)" \
         --command "bash scripts/gpu_session.sh megatron" \
         --json "$RES/megatron_h200_tp1.json" --md "$RES/megatron_h200_tp1.md" \
         && cat "$RES/megatron_h200_tp1.md" ;;

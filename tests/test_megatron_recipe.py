@@ -7,6 +7,7 @@ import csv
 import json
 import os
 import re
+import runpy
 import subprocess
 import sys
 from pathlib import Path
@@ -78,3 +79,15 @@ def test_recipe_trains_logs_memory_and_resumes(tmp_path: Path) -> None:
     )
     assert list(resumed) == [3]
     assert resumed[3] == pytest.approx(losses[3], rel=1e-6)
+
+
+@pytest.mark.parametrize(("impl", "fused"), [("stock", True), ("stock_eager", False)])
+def test_stock_baselines_differ_only_in_the_activation_fusion(impl: str, fused: bool) -> None:
+    """Both stock runs build Megatron's own MLP; 'stock_eager' turns its compiled bias-SwiGLU
+    off, the knob that isolates the activation when stock is slower than ours on the GPU."""
+    recipe = runpy.run_path(str(LAUNCHER.parents[1] / "recipes" / "pretrain_megatron.py"))
+    args = recipe["parse_args"](["--device", "cpu", "--mlp-impl", impl])
+    config = recipe["transformer_config"](args)
+    assert config.bias_activation_fusion is fused and config.gated_linear_unit
+    ours = recipe["transformer_config"](recipe["parse_args"](["--device", "cpu"]))
+    assert not ours.bias_activation_fusion
