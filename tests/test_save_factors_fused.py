@@ -73,3 +73,56 @@ def test_launcher_checks():
         kernels.gated_gemm(x, torch.randn(64, 32), torch.randn(32), chunk=32)
     with pytest.raises(ValueError, match="does not match factors"):
         kernels.factors_to_grad_(torch.randn(4, 64), torch.randn(4, 16), 16)
+
+
+@pytest.mark.parametrize(("device", "backend"), TRITON)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize(("m", "f", "chunk"), [(19, 64, 16), (7, 40, 40), (5, 48, 24)])
+def test_factors_kernel_overwrites_preact_with_the_torch_factors(
+    device, backend, dtype, m, f, chunk
+):
+    """cuBLAS fc1's packed (or canonical: chunk = F) preact becomes the factors, in place, and
+    h comes out as the torch math rounds it; chunks need not be powers of two."""
+    from swiglu_train.kernels.swiglu import swiglu_factors_
+
+    preact = torch.randn(m, 2 * f, device=device, dtype=dtype)
+    ref_h, ref_factors = swiglu_packed(preact, chunk)
+    h, storage = torch.empty(m, f, device=device, dtype=dtype), preact.data_ptr()
+    swiglu_factors_(preact, h, chunk)
+    assert preact.data_ptr() == storage
+    tol = {"rtol": 1e-5, "atol": 1e-5} if dtype == torch.float32 else {"rtol": 2e-2, "atol": 2e-2}
+    torch.testing.assert_close(h, ref_h, **tol)
+    torch.testing.assert_close(preact, ref_factors, **tol)
+    with pytest.raises(ValueError, match="chunk must divide F"):
+        swiglu_factors_(preact, h, 7)
+
+
+@pytest.mark.parametrize(("device", "backend"), TRITON)
+@pytest.mark.parametrize("chunk", [16, 24], ids=["pow2", "chunk24"])
+def test_cublas_forward_is_the_same_save_factors(device, backend, chunk):
+    """fused_forward=False (cuBLAS fc1 + the in-place factors kernel) saves the same factors
+    for the same backward: same y and grads as plain torch and, where the chunk allows it
+    (a power of two), as the gated GEMM forward."""
+    from swiglu_train.ops import save_factors_mlp
+
+    m, d, f = 13, 24, 48
+    x = torch.randn(m, d, device=device, requires_grad=True)
+    params = [torch.randn(2 * f, d, device=device) / d**0.5, torch.randn(2 * f, device=device)]
+    params += [torch.randn(d, f, device=device) / f**0.5, torch.randn(d, device=device)]
+    params = [p.requires_grad_() for p in params]
+    grad_y = torch.randn(m, d, device=device)
+
+    def run(fused_forward: bool) -> list[torch.Tensor]:
+        y = save_factors_mlp(x, *params, chunk=chunk, fused_forward=fused_forward)
+        return [y, *torch.autograd.grad(y, [x, *params], grad_y)]
+
+    with use_backend("torch"):
+        expected = run(True)
+    candidates = [run(False)] + ([run(True)] if chunk == 16 else [])
+    for actual in candidates:
+        for value, reference in zip(actual, expected, strict=True):
+            torch.testing.assert_close(value, reference, rtol=1e-5, atol=1e-5)
+    y = save_factors_mlp(x, *params, chunk=chunk, fused_forward=False)
+    y.backward(grad_y, retain_graph=True)
+    with pytest.raises(RuntimeError, match="second backward"):
+        y.backward(grad_y)

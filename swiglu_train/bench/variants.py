@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 from swiglu_train.layers import ParMLP
 from swiglu_train.layers.layout import CANONICAL, relayout
-from swiglu_train.ops import drop_h_mlp, reference
+from swiglu_train.ops import drop_h_mlp, reference, save_factors_mlp
 
 Layer = Callable[[torch.Tensor], torch.Tensor]
 
@@ -59,6 +59,14 @@ def ours(impl: str) -> Callable[[LayerWeights], Layer]:
 def drop_h_fused(w: LayerWeights) -> Layer:
     """drop_h with h and the saved preact from one gated GEMM (the forward-fusion candidate)."""
     return lambda x: drop_h_mlp(x, w.fc1, None, w.fc2, None, fused_forward=True)
+
+
+def save_factors_cublas(w: LayerWeights) -> Layer:
+    """save_factors with cuBLAS fc1 and the in-place factors kernel (the forward candidate),
+    on the same packed parameters as the ``save_factors`` variant."""
+    mlp = ours("save_factors")(w)
+    fc1, fc2, chunk = mlp.fc1.weight, mlp.fc2.weight, mlp.fc1_layout.chunk
+    return lambda x: save_factors_mlp(x, fc1, None, fc2, None, chunk=chunk, fused_forward=False)
 
 
 def liger(w: LayerWeights) -> Layer:
@@ -106,6 +114,7 @@ BUILDERS: dict[str, Callable[[LayerWeights], Layer]] = {
     "drop_h": ours("drop_h"),
     "drop_h_fused": drop_h_fused,
     "save_factors": ours("save_factors"),
+    "save_factors_cublas": save_factors_cublas,
     "liger": liger,
     "fla": fla,
     "quack": quack,

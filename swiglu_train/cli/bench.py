@@ -29,9 +29,9 @@ def bench(
         str,
         typer.Option(
             help="comma-separated: eager,compile,normal,drop_h,drop_h_fused,save_factors,"
-            "liger,fla,quack"
+            "save_factors_cublas,liger,fla,quack"
         ),
-    ] = "eager,compile,normal,drop_h,drop_h_fused,save_factors,liger,fla,quack",
+    ] = "eager,compile,normal,drop_h,drop_h_fused,save_factors,save_factors_cublas,liger,fla,quack",
     samples: Annotated[int, typer.Option(min=1, help="paired samples (use >= 30)")] = 40,
     warmup: Annotated[int, typer.Option(min=1)] = 3,
     stack_layers: Annotated[int, typer.Option(help="layers in the stack table; 0 skips")] = 4,

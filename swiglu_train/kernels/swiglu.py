@@ -1,6 +1,7 @@
 """Tiled Triton kernels for the SwiGLU activation on a canonical [gate | up] preactivation.
 
 preact is [M, 2F] with gate = preact[:, :F] and up = preact[:, F:]; h = silu(gate) * up.
+The factors kernel (save_factors after a cuBLAS fc1) also reads the packed layout.
 All arithmetic is fp32 after the loads. silu is rounded to the storage dtype before the
 product, exactly as eager ``F.silu(gate) * up`` rounds, so h matches Megatron's formula and
 the h recomputed in backward is bit-identical to the forward's.
@@ -143,6 +144,36 @@ def _swiglu_bwd_kernel(
     tl.store(out_ptrs + F, grad_up.to(out_dtype), mask=mask)
 
 
+@triton.autotune(configs=_configs(), key=["F", "CHUNK", "M_BUCKET"], prune_configs_by=_PRUNE)
+@triton.jit
+def _swiglu_factors_kernel(
+    preact_ptr,
+    h_ptr,
+    M,
+    F,
+    stride_preact,
+    stride_h,
+    M_BUCKET,
+    CHUNK: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    """h = silu(gate) * up, and the preact overwritten by the factors save_factors' backward
+    needs: the gate slot by up*silu'(gate), the up slot by silu(gate). Column j of h reads the
+    packed layout: gate at (j // CHUNK) * 2 * CHUNK + j % CHUNK, up CHUNK after it (canonical
+    is CHUNK = F). Each element is stored through the pointer it was loaded from."""
+    rows, cols, mask = _tile(tl.program_id(0), M, F, BLOCK_M, BLOCK_N)
+    gate_ptrs = preact_ptr + rows * stride_preact + (cols // CHUNK) * (2 * CHUNK) + cols % CHUNK
+    gate = tl.load(gate_ptrs, mask=mask).to(tl.float32)
+    up = tl.load(gate_ptrs + CHUNK, mask=mask).to(tl.float32)
+    dtype = h_ptr.dtype.element_ty
+    sig = 1.0 / (1.0 + tl.exp(-gate))
+    h = _silu_times_up(gate, up, dtype)
+    tl.store(h_ptr + rows * stride_h + cols, h.to(dtype), mask=mask)
+    tl.store(gate_ptrs, (up * sig * (1.0 + gate * (1.0 - sig))).to(dtype), mask=mask)
+    tl.store(gate_ptrs + CHUNK, (gate * sig).to(dtype), mask=mask)
+
+
 def _check_preact(preact: torch.Tensor) -> tuple[int, int]:
     if preact.dim() != 2 or preact.shape[1] % 2:
         raise ValueError(f"preact must be [M, 2F] with an even last dim, got {tuple(preact.shape)}")
@@ -220,4 +251,29 @@ def swiglu_backward(
         m_bucket(M),
         WRITE_H=write_h,
         INPLACE=inplace,
+    )
+
+
+_tuned_factors_keys: set[tuple] = set()
+
+
+def swiglu_factors_(preact: torch.Tensor, h: torch.Tensor, chunk: int) -> None:
+    """Write h into the given [M, F] buffer and overwrite the packed (chunk C) [M, 2F] preact
+    with the backward factors, [up·silu'(gate) | silu(gate)] per chunk.
+
+    The first call for a tuning key tunes on scratch copies: autotuning reruns the kernel,
+    which would otherwise read factors as a preactivation.
+    """
+    M, F = _check_preact(preact)
+    _check_like("h", h, preact, (M, F))
+    if chunk < 1 or F % chunk:
+        raise ValueError(f"chunk must divide F = {F}, got {chunk}")
+    if M == 0:
+        return
+    key = (F, chunk, m_bucket(M), preact.dtype, preact.device)
+    if not INTERPRET and key not in _tuned_factors_keys:
+        _tuned_factors_keys.add(key)  # before the call, which then runs (and tunes) plainly
+        swiglu_factors_(preact.clone(), torch.empty_like(h), chunk)
+    _swiglu_factors_kernel[_grid(M, F)](
+        preact, h, M, F, preact.stride(0), h.stride(0), m_bucket(M), CHUNK=chunk
     )

@@ -8,6 +8,9 @@ grad_x = grad_preact @ W1_packed and grad_W1 = grad_preactᵀ @ x come out packe
 Where Triton runs and the chunk is a power of two >= 16, forward is one wide GEMM with the
 SwiGLU epilogue (the preactivation never reaches memory) and backward's factor product is a
 Triton kernel; elsewhere the same math runs in plain torch with the same saved tensors.
+``fused_forward=False`` runs forward as cuBLAS fc1 then one kernel that writes h and overwrites
+the preactivation with the factors in place: the same saved tensors and peak, at cuBLAS's GEMM
+speed plus one extra [M, 2F] write, the candidate where our Triton GEMM trails cuBLAS.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from swiglu_train.ops.activation import kernels as activation_kernels
 from swiglu_train.ops.activation import triton_enabled
 from swiglu_train.ops.gated import gated_fwd
 from swiglu_train.ops.mlp import claim_inplace_backward
@@ -61,6 +65,19 @@ def _(factors, grad_h, chunk):
     return None
 
 
+@torch.library.custom_op("swiglu_train::swiglu_factors_", mutates_args=("preact",))
+def swiglu_factors_(preact: torch.Tensor, chunk: int) -> torch.Tensor:
+    """h [M, F] from a packed preact, which is overwritten with the backward factors."""
+    h = preact.new_empty(preact.shape[0], preact.shape[1] // 2)
+    activation_kernels.swiglu_factors_(preact, h, chunk)
+    return h
+
+
+@swiglu_factors_.register_fake
+def _(preact, chunk):
+    return preact.new_empty(preact.shape[0], preact.shape[1] // 2)
+
+
 def _fused(x: torch.Tensor, chunk: int) -> bool:
     """Triton runs here and the chunk suits both kernels: a power of two >= 16, since the
     factors kernel's tile spans exactly one chunk."""
@@ -69,9 +86,14 @@ def _fused(x: torch.Tensor, chunk: int) -> bool:
 
 class _SaveFactors(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, fc1_weight, fc1_bias, chunk: int, inplace: bool) -> torch.Tensor:
-        if _fused(x, chunk):
+    def forward(
+        ctx, x, fc1_weight, fc1_bias, chunk: int, inplace: bool, fused_forward: bool
+    ) -> torch.Tensor:
+        if fused_forward and _fused(x, chunk):
             h, factors = gated_fwd(x, fc1_weight, fc1_bias, chunk, "factors")
+        elif triton_enabled(x):
+            factors = F.linear(x, fc1_weight, fc1_bias)
+            h = swiglu_factors_(factors, chunk)
         else:
             h, factors = swiglu_packed(F.linear(x, fc1_weight, fc1_bias), chunk)
         ctx.save_for_backward(x, fc1_weight, factors)
@@ -93,7 +115,7 @@ class _SaveFactors(torch.autograd.Function):
         grad_x = grad_preact @ fc1_weight if need_x else None
         grad_w1 = grad_preact.t() @ x if need_w1 else None
         grad_b1 = grad_preact.sum(0) if need_b1 and ctx.has_bias else None
-        return grad_x, grad_w1, grad_b1, None, None
+        return grad_x, grad_w1, grad_b1, None, None, None
 
 
 def save_factors_mlp(
@@ -104,10 +126,12 @@ def save_factors_mlp(
     fc2_bias: torch.Tensor | None,
     inplace: bool = True,
     chunk: int = 128,
+    fused_forward: bool = True,
 ) -> torch.Tensor:
     """fc1 weight and bias in the packed layout with this chunk; fc2 saves h as in `normal`.
 
-    With no grad to compute, ParMLP and the Megatron adapter take ``ops.inference`` instead.
+    ``fused_forward=False``: cuBLAS fc1 and the in-place factors kernel instead of our gated
+    GEMM. With no grad to compute, ParMLP and the Megatron adapter take ``ops.inference``.
     """
-    h = _SaveFactors.apply(x, fc1_weight, fc1_bias, chunk, inplace)
+    h = _SaveFactors.apply(x, fc1_weight, fc1_bias, chunk, inplace, fused_forward)
     return F.linear(h, fc2_weight, fc2_bias)
