@@ -120,6 +120,28 @@ def test_judge_dispatch_scores_the_fitted_choice_in_sample():
     assert rows[0]["dispatched_over_best_baseline"] == pytest.approx(1.0 / 1.8)
 
 
+def test_plot_draws_every_timed_line_against_the_gemms_alone():
+    from swiglu_train.bench.inference_plot import plot_inference
+
+    def row(table, model, m, **ms):
+        return {"table": table, "model": model, "M": m, "gemm_only_ms": 2.0} | {
+            f"{n}_ms": v for n, v in ms.items()
+        }
+
+    rows = [row("gated", "7b", m, eager=3.0, gated_triton=2.2, dispatched=2.2) for m in (1, 16)]
+    rows += [row("mlp", "7b", 1, eager=2.4, fused_mlp=2.1), row("gated", "72b", 1, eager=2.0)]
+    fig = plot_inference({"rows": rows})
+    gated_7b, gated_72b, mlp_7b, _ = fig.axes[:4]
+    lines = {line.get_label(): list(line.get_ydata()) for line in gated_7b.get_lines()}
+    assert lines["eager (faster variant)"] == [1.5, 1.5]
+    assert lines["candidate: gated"] == [1.1, 1.1] and "candidate: cublas" not in lines
+    assert [line.get_label() for line in mlp_7b.get_lines()][:2] == [
+        "eager (faster variant)",
+        "candidate: fused_mlp",
+    ]
+    assert gated_72b.get_title() == "fc1 + SwiGLU, 72b"
+
+
 def _entry(path, ms, runner_up, ratio):
     return {"path": path, "ms": ms, "runner_up": runner_up, "runner_up_ratio": ratio}
 
@@ -200,11 +222,12 @@ def test_cli_smoke_on_cpu(tmp_path):
     assert dispatch.read_table(table).shapes.keys() == {(32, 48)}
     assert not list(tmp_path.rglob("*.tmp"))  # written through renamed temporary files
     merged_table = tmp_path / "merged.json"  # a run split by model merges back, with no timing
-    result = CliRunner().invoke(
-        app, ["bench-inference", "--merge", str(out), "--dispatch-table", str(merged_table)]
-    )
+    plot = tmp_path / "inference.png"
+    merge = ["bench-inference", "--merge", str(out), "--dispatch-table", str(merged_table)]
+    result = CliRunner().invoke(app, [*merge, "--plot", str(plot)])
     assert result.exit_code == 0, result.output
     assert json.loads(merged_table.read_text())["shapes"] == fitted["shapes"]
+    assert plot.read_bytes().startswith(b"\x89PNG")
     twice = ["bench-inference", "--merge", str(out), "--merge", str(out)]
     result = CliRunner().invoke(app, twice, env={"COLUMNS": "300"})  # the message on one line
     assert result.exit_code != 0 and "more than one run" in result.output

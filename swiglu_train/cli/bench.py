@@ -99,6 +99,9 @@ def bench_inference(
         Path | None,
         typer.Option("--dispatch-table", help="write the no-grad path's dispatch table here"),
     ] = None,
+    plot_path: Annotated[
+        Path | None, typer.Option("--plot", help="write the figure here (PNG; the plot extra)")
+    ] = None,
     merge: Annotated[
         list[Path] | None,
         typer.Option(help="merge these --json results (runs split by model) instead of running"),
@@ -156,6 +159,12 @@ def bench_inference(
         with atomic_write(md_path) as f:
             f.write(markdown)
         console.print(f"wrote {md_path}")
+    if plot_path is not None:
+        from swiglu_train.bench.inference_plot import plot_inference
+
+        with atomic_write(plot_path, "wb") as f:
+            plot_inference(result).savefig(f, format="png", dpi=110)
+        console.print(f"wrote {plot_path}")
     if dispatch_path is not None:
         source = "swiglu-train bench-inference" + (f", {json_path.name}" if json_path else "")
         write_json_atomic(dispatch_path, dispatch_table(result, source))
