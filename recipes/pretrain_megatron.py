@@ -50,6 +50,7 @@ from swiglu_train.memory import MemoryProfiler
 from swiglu_train.memory.wandb_run import WandbMemoryLogger, init_run
 
 STOCK = ("stock", "stock_eager")  # Megatron's MLP: the baseline our spec replaces
+SHAPE_ARGS = ("num_layers", "hidden_size", "ffn_hidden_size", "seq_length", "micro_batch_size")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -330,15 +331,18 @@ def main(argv: list[str] | None = None) -> list[float]:
     if logger is not None:
         logger.run.finish()
     if args.summary_json and rank0 and losses:
-        write_summary(args, losses, rates, records)
+        write_summary(args, losses, rates, records, first_step=start)
     parallel_state.destroy_model_parallel()
     torch.distributed.destroy_process_group()
     return losses
 
 
-def write_summary(args: argparse.Namespace, losses: list, rates: list, records: list) -> None:
+def write_summary(
+    args: argparse.Namespace, losses: list, rates: list, records: list, first_step: int
+) -> None:
     """Losses, median tokens/s past the first 5 steps (compile, autotune) and the profiler's
-    memory figures, as the Lightning recipe's --summary-json writes them."""
+    memory figures, as the Lightning recipe's --summary-json writes them; plus the shape, so
+    a comparison across TP sizes (scripts/compare_tp.py) can compute the analytic figures."""
     steady = rates[5:] or rates
     last = records[-1] if records else None
     peaks = [r.peak_MiB for r in records if r.peak_MiB is not None]  # None off CUDA
@@ -353,6 +357,8 @@ def write_summary(args: argparse.Namespace, losses: list, rates: list, records: 
         "peak_MiB": max(peaks) if peaks else None,
         "saved_MiB": last.saved_bytes / 2**20 if last else None,
         "mlp_saved_MiB": {k: v / 2**20 for k, v in last.impl_saved_bytes.items()} if last else None,
+        "losses": {str(first_step + i): loss for i, loss in enumerate(losses)},
+        "shape": {key: getattr(args, key) for key in SHAPE_ARGS},
     }
     write_json_atomic(Path(args.summary_json), summary)
 

@@ -13,6 +13,9 @@
 #   microbatch the largest micro-batch at ~1B, normal vs drop_h
 #   megatron   recipes/pretrain_megatron.py at TP=1 for each impl (needs the megatron wheel)
 #   megatron_resume  its DistributedOptimizer dist-ckpt: save at step 3, resume, compare losses
+#   megatron_tp2  (nvidia-h200-x2) TP=2 vs TP=1 losses and per-GPU memory (scripts/compare_tp.py),
+#              and a save_factors TP=2 dist-ckpt resumed by normal at TP=1
+#   lightning_ddp (nvidia-h200-x2) the 125M pretrain under DDP on 2 GPUs
 #   inference  swiglu-train bench-inference: gated projection and whole MLP, Qwen-2.5 x M grid
 #              ($INFERENCE_MODELS), one JSON per model to merge into the dispatch table
 # Every stage writes under $RES; on exit it is packed into $OUT/results.tgz, since the device
@@ -30,6 +33,16 @@ export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD WANDB_MODE=offline WANDB_SILENT=true O
 MEGATRON_GPU="--num-layers 8 --hidden-size 2048 --ffn-hidden-size 5632 --seq-length 2048 --micro-batch-size 8"
 commit=$(cat COMMIT 2>/dev/null || git rev-parse --short HEAD 2>/dev/null || echo unknown)
 pack() { tar czf "$OUT/results.tgz" -C "$RES" .; }
+compare_losses() {  # FULL.log RESUMED.log LABEL: the resumed steps' losses against the full run's
+  python3 - "$@" <<'PY'
+import re, sys
+def losses(path):
+    return {int(s): float(l) for s, l in re.findall(r"^step (\d+) loss ([\d.]+)", open(path).read(), re.M)}
+full, resumed = losses(sys.argv[1]), losses(sys.argv[2])
+diffs = {s: abs(resumed[s] - full[s]) / full[s] for s in resumed if s in full}
+print(sys.argv[3], "resumed steps", sorted(resumed), "max rel diff", max(diffs.values(), default=None))
+PY
+}
 if [ -n "${STAGE_SECONDS:-}" ]; then  # each stage in its own bounded run of this script
   export IN_SESSION=1
   trap pack EXIT
@@ -102,15 +115,35 @@ for stage in "$@"; do
         run="$run --max-steps 6 --output-dir /tmp/megatron-runs"
         $run --save "/tmp/mck-$impl" --save-interval 3 > "$RES/resume_full_$impl.log" 2>&1
         $run --load "/tmp/mck-$impl/iter_0000003" > "$RES/resume_from3_$impl.log" 2>&1
-        python3 - "$RES/resume_full_$impl.log" "$RES/resume_from3_$impl.log" "$impl" <<'PY'
-import re, sys
-def losses(path):
-    return {int(s): float(l) for s, l in re.findall(r"^step (\d+) loss ([\d.]+)", open(path).read(), re.M)}
-full, resumed = losses(sys.argv[1]), losses(sys.argv[2])
-diffs = {s: abs(resumed[s] - full[s]) / full[s] for s in resumed}
-print(sys.argv[3], "resumed steps", sorted(resumed), "max rel diff", max(diffs.values(), default=None))
-PY
+        compare_losses "$RES/resume_full_$impl.log" "$RES/resume_from3_$impl.log" "$impl"
       done ;;
+    megatron_tp2)  # nvidia-h200-x2: TP=2 against TP=1 on the same data; dist-ckpt TP2 -> TP1
+      mkdir -p "$RES/tp"
+      for impl in normal drop_h save_factors; do
+        for tp in 1 2; do
+          torchrun --nproc-per-node "$tp" recipes/pretrain_megatron.py --mlp-impl "$impl" \
+            --tp "$tp" $MEGATRON_GPU --max-steps 50 --output-dir /tmp/megatron-tp \
+            --summary-json "$RES/tp/megatron_tp${tp}_$impl.json" 2>&1 | tail -1
+        done
+      done
+      python3 scripts/compare_tp.py "$RES"/tp/*.json --commit "$commit" \
+        --title "Megatron TP=2 against TP=1, bf16, 50 steps, $MEGATRON_GPU" \
+        --command "bash scripts/gpu_session.sh megatron_tp2" \
+        --json "$RES/megatron_tp2_vs_tp1_h200.json" --md "$RES/megatron_tp2_vs_tp1_h200.md"
+      # a packed checkpoint written at TP=2 resumes a canonical model at TP=1
+      run="recipes/pretrain_megatron.py --max-steps 6 --output-dir /tmp/megatron-runs"
+      torchrun --nproc-per-node 2 $run --tp 2 --mlp-impl save_factors --save /tmp/mck-tp2 \
+        --save-interval 3 > "$RES/reshard_tp2_full.log" 2>&1
+      torchrun --nproc-per-node 1 $run --tp 1 --mlp-impl normal \
+        --load /tmp/mck-tp2/iter_0000003 > "$RES/reshard_tp1_from3.log" 2>&1
+      compare_losses "$RES/reshard_tp2_full.log" "$RES/reshard_tp1_from3.log" \
+        "save_factors TP2 -> normal TP1" ;;
+    lightning_ddp)  # nvidia-h200-x2: DDP with the memory callback; one W&B run, one summary
+      python3 -m swiglu_train pretrain --config 125m --mlp-impl drop_h --devices 2 \
+        --strategy ddp --max-steps 40 --output-dir /tmp/pt-ddp \
+        --summary-json "$RES/pretrain_ddp_drop_h.json" > "$RES/pretrain_ddp.log" 2>&1 \
+        || tail -5 "$RES/pretrain_ddp.log"
+      echo "W&B offline runs: $(ls -d /tmp/pt-ddp/wandb/offline-run-* | wc -l)" ;;
     inference)  # one run per model, so a stage cut short keeps the models it finished; merge
       # with `swiglu-train bench-inference --merge ... --json --md --dispatch-table`
       mkdir -p "$RES/inference"

@@ -17,20 +17,29 @@ from megatron_support import free_port
 
 LAUNCHER = Path(__file__).with_name("megatron_recipe_cpu.py")
 TINY = [
-    *("--device", "cpu", "--tp", "2", "--num-layers", "2", "--hidden-size", "64"),
+    *("--device", "cpu", "--num-layers", "2", "--hidden-size", "64"),
     *("--ffn-hidden-size", "96", "--num-attention-heads", "4", "--seq-length", "32"),
     *("--vocab-size", "128", "--micro-batch-size", "2"),
 ]
 
 
-def run_recipe(tmp_path: Path, *args: str) -> dict[int, float]:
-    """Run the recipe on 2 gloo ranks; returns the printed loss of each step."""
+def run_recipe(tmp_path: Path, *args: str, tp: int = 2) -> dict[int, float]:
+    """Run the recipe on ``tp`` gloo ranks at that TP size; returns each step's printed loss."""
     torchrun = Path(sys.executable).with_name("torchrun")
-    command = [str(torchrun), "--nproc-per-node", "2", "--master-port", str(free_port())]
+    command = [str(torchrun), "--nproc-per-node", str(tp), "--master-port", str(free_port())]
     # The kernels are tested elsewhere; the torch backend keeps this run quick.
     env = os.environ | {"WANDB_MODE": "offline", "TRITON_INTERPRET": "0"}
     result = subprocess.run(
-        [*command, str(LAUNCHER), *TINY, "--output-dir", str(tmp_path / "runs"), *args],
+        [
+            *command,
+            str(LAUNCHER),
+            *TINY,
+            "--tp",
+            str(tp),
+            "--output-dir",
+            str(tmp_path / "runs"),
+            *args,
+        ],
         cwd=tmp_path,
         env=env,
         capture_output=True,
@@ -91,3 +100,29 @@ def test_stock_baselines_differ_only_in_the_activation_fusion(impl: str, fused: 
     assert config.bias_activation_fusion is fused and config.gated_linear_unit
     ours = recipe["transformer_config"](recipe["parse_args"](["--device", "cpu"]))
     assert not ours.bias_activation_fusion
+
+
+def test_tp2_against_tp1_losses_agree_and_drop_h_saves_h_per_rank(tmp_path: Path) -> None:
+    """scripts/compare_tp.py on real CPU runs (fp32): TP=2 reproduces TP=1's losses, and per
+    rank drop_h saves exactly n_layers·M·(F/2)·4 bytes of saved tensors at TP=2."""
+    runs = {}
+    for impl, tp in (("normal", 1), ("normal", 2), ("drop_h", 2)):
+        path = tmp_path / f"tp{tp}_{impl}.json"
+        run_recipe(
+            tmp_path, "--mlp-impl", impl, "--max-steps", "3", "--summary-json", str(path), tp=tp
+        )
+        runs[impl, tp] = path
+    out = tmp_path / "compare.json"
+    script = Path(__file__).resolve().parents[1] / "scripts" / "compare_tp.py"
+    command = [sys.executable, str(script), *map(str, runs.values()), "--bytes-per-element", "4"]
+    done = subprocess.run([*command, "--json", str(out)], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(out.read_text())
+    agreement = result["loss_agreement"]["normal"]
+    assert agreement["tp_sizes"] == [1, 2] and agreement["steps"] == 3
+    assert agreement["max_rel_loss_diff"] < 1e-5
+    saving = result["drop_h_saving"]["2"]
+    # 2 layers x M = 2 x 32 tokens x F/2 = 48 x 4 bytes (fp32 on CPU)
+    assert saving["analytic_MiB"] * 2**20 == 2 * 64 * 48 * 4
+    assert saving["saved_for_backward_MiB"] == pytest.approx(saving["analytic_MiB"], rel=1e-9)
+    assert saving["measured_MiB"] is None  # the allocator figure is CUDA's

@@ -1,0 +1,134 @@
+"""Megatron TP=2 against TP=1 on the same data: loss agreement and per-GPU memory.
+
+    python3 scripts/compare_tp.py RUN.json... --commit SHA --json out.json --md out.md
+
+RUN.json are recipes/pretrain_megatron.py --summary-json files, several impls at several TP
+sizes. Per impl: the largest loss difference between TP sizes over their common steps (bf16
+TP runs differ by reduction order, so this is the noise to report, not a pass/fail), and the
+per-GPU after-forward MiB at each TP. Per TP size: drop_h's after-forward saving over normal
+against the analytic n_layers·M·(F/tp)·bytes, since each rank holds an h of [M, F/tp].
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from swiglu_train.files import atomic_write, write_json_atomic
+
+
+def load(paths: list[str]) -> dict[tuple[str, int], dict]:
+    """Summaries by (impl, tp); the same pair twice is an error, not a silent pick."""
+    runs: dict[tuple[str, int], dict] = {}
+    for path in paths:
+        run = json.loads(Path(path).read_text())
+        key = (run["mlp_impl"], run["tp"])
+        if key in runs:
+            raise ValueError(f"{path}: a second run of {key[0]} at TP={key[1]}")
+        runs[key] = run
+    return runs
+
+
+def loss_agreement(runs: dict[tuple[str, int], dict]) -> dict[str, dict]:
+    """Per impl run at two or more TP sizes: max |Δloss| (and relative) over common steps."""
+    out = {}
+    for impl in sorted({impl for impl, _ in runs}):
+        sizes = sorted(tp for i, tp in runs if i == impl)
+        if len(sizes) < 2:
+            continue
+        curves = [runs[impl, tp]["losses"] for tp in sizes]
+        steps = sorted(set.intersection(*(set(c) for c in curves)), key=int)
+        if not steps:
+            raise ValueError(f"{impl}: the TP runs share no step")
+        diffs = [max(c[s] for c in curves) - min(c[s] for c in curves) for s in steps]
+        rel = [d / abs(curves[0][s]) for d, s in zip(diffs, steps, strict=True)]
+        out[impl] = {
+            "tp_sizes": sizes,
+            "steps": len(steps),
+            "max_abs_loss_diff": max(diffs),
+            "max_rel_loss_diff": max(rel),
+            "after_forward_MiB": {str(tp): runs[impl, tp]["after_forward_MiB"] for tp in sizes},
+        }
+    return out
+
+
+def drop_h_saving(runs: dict[tuple[str, int], dict], bytes_per_element: int) -> dict[str, dict]:
+    """Per TP size with both normal and drop_h: measured vs analytic after-forward saving."""
+    out = {}
+    for tp in sorted({tp for _, tp in runs}):
+        if ("normal", tp) not in runs or ("drop_h", tp) not in runs:
+            continue
+        normal, drop_h = runs["normal", tp], runs["drop_h", tp]
+        if normal["shape"] != drop_h["shape"]:
+            raise ValueError(f"TP={tp}: normal and drop_h ran different shapes")
+        shape = normal["shape"]
+        tokens = shape["seq_length"] * shape["micro_batch_size"]
+        h_bytes = tokens * shape["ffn_hidden_size"] // tp * bytes_per_element
+        analytic = shape["num_layers"] * h_bytes / 2**20
+        measured = None  # the allocator's figure: CUDA only
+        if normal["after_forward_MiB"] is not None and drop_h["after_forward_MiB"] is not None:
+            measured = normal["after_forward_MiB"] - drop_h["after_forward_MiB"]
+        out[str(tp)] = {
+            "measured_MiB": measured,
+            "saved_for_backward_MiB": normal["saved_MiB"] - drop_h["saved_MiB"],  # exact bytes
+            "analytic_MiB": analytic,
+            "rel_diff": None if measured is None else measured / analytic - 1,
+        }
+    return out
+
+
+def to_markdown(result: dict) -> str:
+    lines = [f"### {result['title']}", "", "| impl | TP sizes | steps | max Δloss | max rel | "
+             "after-fwd MiB per GPU |", "|---|---|---|---|---|---|"]  # fmt: skip
+    for impl, r in result["loss_agreement"].items():
+        mem = ", ".join(f"TP{tp}: {_num(v)}" for tp, v in r["after_forward_MiB"].items())
+        lines.append(
+            f"| {impl} | {r['tp_sizes']} | {r['steps']} | {r['max_abs_loss_diff']:.4g} | "
+            f"{r['max_rel_loss_diff']:.3g} | {mem} |"
+        )
+    lines += ["", "| TP | drop_h saves after fwd (MiB) | in saved tensors | analytic | rel diff |",
+              "|---|---|---|---|---|"]  # fmt: skip
+    for tp, r in result["drop_h_saving"].items():
+        rel = "—" if r["rel_diff"] is None else f"{r['rel_diff']:+.2%}"
+        lines.append(
+            f"| {tp} | {_num(r['measured_MiB'])} | {r['saved_for_backward_MiB']:.1f} | "
+            f"{r['analytic_MiB']:.1f} | {rel} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def _num(value: float | None) -> str:
+    return "—" if value is None else f"{value:.1f}"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("runs", nargs="+", help="--summary-json files of the Megatron recipe")
+    parser.add_argument("--bytes-per-element", type=int, default=2, help="2 for bf16 runs")
+    parser.add_argument("--title", default="Megatron TP=2 against TP=1")
+    parser.add_argument("--command", default=None, help="the command that produced the runs")
+    parser.add_argument("--commit", default=None)
+    parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument("--md", type=Path, default=None)
+    args = parser.parse_args()
+    runs = load(args.runs)
+    result = {
+        "title": args.title,
+        "command": args.command,
+        "commit": args.commit,
+        "loss_agreement": loss_agreement(runs),
+        "drop_h_saving": drop_h_saving(runs, args.bytes_per_element),
+        "runs": [runs[key] for key in sorted(runs)],
+    }
+    markdown = to_markdown(result)
+    print(markdown)
+    if args.json is not None:
+        write_json_atomic(args.json, result)
+    if args.md is not None:
+        with atomic_write(args.md) as f:
+            f.write(markdown)
+
+
+if __name__ == "__main__":
+    main()
