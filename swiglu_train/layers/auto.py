@@ -23,7 +23,6 @@ from __future__ import annotations
 import functools
 import importlib.resources
 import itertools
-import json
 import math
 import re
 from collections.abc import Mapping
@@ -33,6 +32,7 @@ from importlib.resources.abc import Traversable
 import torch
 
 from swiglu_train.layers.registry import MLP_IMPLS
+from swiglu_train.tables import check_header, read_json
 
 FALLBACK = "drop_h"
 TIE_TOLERANCE = 0.01  # impls within 1 % of the fastest count as equally fast
@@ -86,15 +86,7 @@ class CrossoverTable:
         def fail(where: str, problem: str) -> TableError:
             return TableError(f"crossover table {source}: {where}: {problem}")
 
-        if not isinstance(raw, dict):
-            raise fail("top level", f"expected an object, got {type(raw).__name__}")
-        missing, unknown = _TABLE_KEYS - set(raw), set(raw) - _TABLE_KEYS - _OPTIONAL_TABLE_KEYS
-        if missing or unknown:
-            raise fail(
-                "top level", f"missing keys {sorted(missing)}, unknown keys {sorted(unknown)}"
-            )
-        if raw["schema"] != SCHEMA:
-            raise fail("schema", f"expected {SCHEMA}, got {raw['schema']!r}")
+        raw = check_header(raw, _TABLE_KEYS, _OPTIONAL_TABLE_KEYS, SCHEMA, fail)
         for key in ("gpu_family", "device_name", "commit", "dtype"):
             if not isinstance(raw[key], str) or not raw[key]:
                 raise fail(key, f"expected a non-empty string, got {raw[key]!r}")
@@ -231,10 +223,7 @@ def table_filename(family: str) -> str:
 
 def read_table(path: Traversable) -> CrossoverTable:
     """A crossover table file, validated; bad JSON or schema raises TableError naming it."""
-    try:
-        raw = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise TableError(f"crossover table {path}: not valid JSON ({e})") from None
+    raw = read_json(path, TableError, "crossover table")
     return CrossoverTable.from_dict(raw, str(path))
 
 

@@ -27,7 +27,6 @@ import contextlib
 import functools
 import importlib.resources
 import itertools
-import json
 import math
 import re
 from collections.abc import Iterator, Mapping
@@ -36,6 +35,8 @@ from importlib.resources.abc import Traversable
 from pathlib import Path
 
 import torch
+
+from swiglu_train.tables import check_header, read_json
 
 SCHEMA = 1
 PACKAGED_TABLE = "inference_dispatch_h200.json"
@@ -65,13 +66,7 @@ class DispatchTable:
         def fail(where: str, problem: str) -> DispatchTableError:
             return DispatchTableError(f"dispatch table {source}: {where}: {problem}")
 
-        if not isinstance(raw, dict):
-            raise fail("top level", f"expected an object, got {type(raw).__name__}")
-        missing, unknown = _TABLE_KEYS - set(raw), set(raw) - _TABLE_KEYS - _OPTIONAL_TABLE_KEYS
-        if missing or unknown:
-            raise fail("top level", f"missing keys {sorted(missing)}, unknown {sorted(unknown)}")
-        if raw["schema"] != SCHEMA:
-            raise fail("schema", f"expected {SCHEMA}, got {raw['schema']!r}")
+        raw = check_header(raw, _TABLE_KEYS, _OPTIONAL_TABLE_KEYS, SCHEMA, fail)
         if not isinstance(raw["shapes"], dict):
             raise fail("shapes", "expected an object of DxF -> entries")
         shapes = {}
@@ -100,10 +95,7 @@ def _choices(kind: str, by_m: object, where: str, fail) -> Choices:
 
 def read_table(path: Path | Traversable) -> DispatchTable:
     """A table file, validated; bad JSON or schema raises DispatchTableError naming it."""
-    try:
-        raw = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise DispatchTableError(f"dispatch table {path}: not valid JSON ({e})") from None
+    raw = read_json(path, DispatchTableError, "dispatch table")
     return DispatchTable.from_dict(raw, str(path))
 
 
