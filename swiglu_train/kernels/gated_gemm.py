@@ -176,12 +176,19 @@ def _gated_gemm_kernel(
     BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
     PERSISTENT: tl.constexpr,
+    WARP_SPECIALIZE: tl.constexpr = False,
 ):
     num_pid_m = tl.cdiv(M, BLOCK_M)
     num_pid_n = tl.cdiv(F, BLOCK_N)
     num_tiles = num_pid_m * num_pid_n
     dtype = b_ptr.dtype.element_ty  # b_ptr is the bias, or fc1 itself when there is none
-    for tile in tl.range(tl.program_id(0), num_tiles, tl.num_programs(0), flatten=PERSISTENT):
+    for tile in tl.range(
+        tl.program_id(0),
+        num_tiles,
+        tl.num_programs(0),
+        flatten=PERSISTENT and not WARP_SPECIALIZE,
+        warp_specialize=WARP_SPECIALIZE,
+    ):
         # grouped order: GROUP_M row tiles sweep the columns together, sharing W1 in L2
         group = tile // (GROUP_M * num_pid_n)
         first_m = group * GROUP_M
@@ -195,7 +202,7 @@ def _gated_gemm_kernel(
         rows = (m0 + tl.arange(0, BLOCK_M)).to(tl.int64)
         ks = tl.arange(0, BLOCK_K)
         wn = tl.arange(0, BLOCK_N).to(tl.int64)
-        if CHUNK == BLOCK_N:  # the seed's wide tile: gate and up rows adjacent, one [BM, 2BN] dot
+        if CHUNK == BLOCK_N and not WARP_SPECIALIZE:  # the seed's wide tile: one [BM, 2BN] dot
             acc = tl.zeros((BLOCK_M, 2 * BLOCK_N), dtype=tl.float32)
             w2 = tl.arange(0, 2 * BLOCK_N).to(tl.int64)
             for k0 in range(0, K, BLOCK_K):
