@@ -5,7 +5,6 @@
 #   setup      install carried wheels (.whl + .whlx: peers; .whlw: wandb, megatron-core;
 #              .whlt: pytest-xdist) when present
 #   tests      the `gpu` tests (CUDA params and GPU-only tests; CI runs the rest)
-#   probe      scripts/probe_gated_ws.py: warp-specialized gated GEMM configs, one subprocess each
 #   tune       scripts/tune_gated_gemm.py: the gated GEMM's configs and its ratio to cuBLAS
 #   bench      scripts/bench_mlp.py at the seed shape, every variant (save_factors included)
 #   stack      swiglu-train bench-memory for every impl, with the profiler's overhead
@@ -67,8 +66,6 @@ for stage in "$@"; do
     tests)  # in parallel where pytest-xdist is carried (.whlt): Triton compiles are CPU-bound
       workers=$(python3 -c "import xdist" 2>/dev/null && echo "-n 12" || true)
       python3 -m pytest -q -m gpu -p no:cacheprovider $workers --durations=12 2>&1 | tee "$RES/pytest.log" | tail -15 ;;
-    probe)
-      python3 scripts/probe_gated_ws.py --json "$RES/probe_ws.json" 2>&1 | tail -60 ;;
     tune)
       python3 scripts/tune_gated_gemm.py --samples 30 --json "$RES/tune_gated_h200.json" \
         2>&1 | grep -v "^ " ;;

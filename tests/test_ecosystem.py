@@ -5,7 +5,7 @@ import torch
 from conftest import device_backends
 from helpers import TOLERANCE, reference_outputs, rel_err, run_outputs
 
-from swiglu_train import MLP_IMPLS, ParMLP
+from swiglu_train import PORTABLE_IMPLS, ParMLP
 from swiglu_train.ops import use_backend
 
 
@@ -22,7 +22,7 @@ class Block(torch.nn.Module):
 
 
 @pytest.mark.parametrize(("device", "backend"), device_backends())
-@pytest.mark.parametrize("impl", MLP_IMPLS)
+@pytest.mark.parametrize("impl", PORTABLE_IMPLS)
 def test_torch_compile_fullgraph(device, backend, impl):
     torch._dynamo.reset()
     block = Block(impl, device)
@@ -39,7 +39,7 @@ def test_torch_compile_fullgraph(device, backend, impl):
 
 
 @pytest.mark.parametrize(("device", "backend"), device_backends())
-@pytest.mark.parametrize("impl", MLP_IMPLS)
+@pytest.mark.parametrize("impl", PORTABLE_IMPLS)
 @pytest.mark.parametrize("reentrant", [False, True])
 def test_activation_checkpointing(device, backend, impl, reentrant):
     mlp = ParMLP(16, 40, impl=impl, device=device)
@@ -74,7 +74,7 @@ def test_autocast_runs_in_the_autocast_dtype(device, backend):
     assert rel_err(mlp.fc1.weight.grad, expected["fc1.weight"]) < TOLERANCE[torch.bfloat16]
 
 
-@pytest.mark.parametrize("impl", MLP_IMPLS)
+@pytest.mark.parametrize("impl", PORTABLE_IMPLS)
 def test_no_grad_saves_nothing_and_matches(impl):
     mlp = ParMLP(16, 40, impl=impl)
     x = torch.randn(9, 16)

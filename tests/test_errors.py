@@ -1,11 +1,14 @@
 """Bad input gets an error that names the problem."""
 
+import sys
+
 import pytest
 import torch
 from conftest import device_backends
 
 from swiglu_train import MLP_IMPLS, ParMLP
 from swiglu_train.ops import SECOND_BACKWARD_ERROR, use_backend
+from swiglu_train.ops.quack_mlp import check_quack_inputs, require_quack
 
 HAS_CUDA = torch.cuda.is_available()
 
@@ -17,7 +20,7 @@ def test_unknown_impl_lists_valid_ones():
     with pytest.raises(ValueError, match="valid impls"):
         mlp.impl = "nope"
     assert mlp.impl == "drop_h"  # a failed switch leaves the layer as it was
-    assert set(MLP_IMPLS) == {"normal", "drop_h", "save_factors"}
+    assert set(MLP_IMPLS) == {"normal", "drop_h", "save_factors", "drop_h_quack"}
 
 
 @pytest.mark.parametrize(("device", "backend"), device_backends())
@@ -79,3 +82,19 @@ def test_mismatched_devices_meta():
 def test_non_positive_sizes():
     with pytest.raises(ValueError, match="positive"):
         ParMLP(8, 0)
+
+
+def test_missing_quack_is_named_when_the_layer_is_built(monkeypatch):
+    monkeypatch.setitem(sys.modules, "quack", None)  # as if quack-kernels were not installed
+    require_quack.cache_clear()
+    try:
+        with pytest.raises(ImportError, match=r"quack-kernels.*swiglu-train\[quack\]"):
+            ParMLP(16, 32, impl="drop_h_quack")
+    finally:
+        require_quack.cache_clear()
+
+
+def test_quack_input_checks_name_the_problem():
+    w1, w2 = torch.empty(64, 16), torch.empty(16, 32)
+    with pytest.raises(ValueError, match="runs on CUDA only; the input is on cpu"):
+        check_quack_inputs(torch.empty(4, 16), w1, w2)

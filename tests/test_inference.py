@@ -12,7 +12,7 @@ from conftest import device_backends
 from helpers import TOLERANCE, dispatch_table, rel_err
 
 from swiglu_train import ParMLP
-from swiglu_train.layers import MLP_IMPLS
+from swiglu_train.layers import PORTABLE_IMPLS
 from swiglu_train.layers import par_mlp as par_mlp_module
 from swiglu_train.layers.layout import CANONICAL, Layout, relayout
 from swiglu_train.ops import dispatch, inference, reference, use_backend
@@ -263,7 +263,7 @@ def test_grad_needed():
 
 
 @pytest.mark.parametrize(("device", "backend"), device_backends())
-@pytest.mark.parametrize("impl", MLP_IMPLS)
+@pytest.mark.parametrize("impl", PORTABLE_IMPLS)
 @pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])
 def test_par_mlp_takes_the_inference_path_without_grad(device, backend, impl, bias, monkeypatch):
     calls = []

@@ -22,10 +22,11 @@ from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec  #
 from megatron.core.optimizer import OptimizerConfig  # isort: skip
 from megatron.core.optimizer.optimizer import FP32Optimizer  # isort: skip
 
-from swiglu_train.integrations.megatron import SUPPORTED_IMPLS, get_gpt_layer_spec
+from swiglu_train.integrations.megatron import get_gpt_layer_spec
+from swiglu_train.layers import PORTABLE_IMPLS  # CPU-runnable: drop_h_quack needs CUDA
 from swiglu_train.layers.layout import CANONICAL, relayout
 
-KINDS = ("stock", *SUPPORTED_IMPLS)
+KINDS = ("stock", *PORTABLE_IMPLS)
 FC1 = "decoder.layers.0.mlp.linear_fc1.weight"
 
 

@@ -21,13 +21,13 @@ from megatron.core.transformer.mlp import MLP, MLPSubmodules  # isort: skip
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module  # isort: skip
 
 from swiglu_train.integrations.megatron import (
-    SUPPORTED_IMPLS,
     ParMLPMegatron,
     SwiGLUActivationMLP,
     get_gpt_layer_spec,
     get_mlp_layer_spec,
     mlp_spec,
 )
+from swiglu_train.layers import PORTABLE_IMPLS  # CPU-runnable: drop_h_quack needs CUDA
 from swiglu_train.layers.layout import CANONICAL, Layout, relayout
 
 PARITY = 1e-5  # the fp32 target, norm-relative
@@ -80,7 +80,7 @@ def gpt_loss(model: GPTModel, tokens: torch.Tensor) -> torch.Tensor:
 
 # What the MLP-level parity builds: every impl, plus the TE backend's activation-only MLP
 # (run here on Megatron's local linears, which it accepts like TE's).
-MLP_KINDS = (*SUPPORTED_IMPLS, "activation")
+MLP_KINDS = (*PORTABLE_IMPLS, "activation")
 
 
 def build_ours(kind: str, config, via_spec: bool):
@@ -166,7 +166,7 @@ def _mlp_layer_parity() -> None:
     torch.manual_seed(4)
     x = torch.randn(SEQ, BATCH, config.hidden_size)
     expected, _ = stock(x)
-    for impl in SUPPORTED_IMPLS:
+    for impl in PORTABLE_IMPLS:
         ours = build_module(get_mlp_layer_spec(impl), config=config)
         assert isinstance(ours.mlp, ParMLPMegatron) and ours.mlp.impl == impl
         ours.load_state_dict(stock.state_dict())
@@ -184,7 +184,7 @@ def _gpt_parity(world_size: int) -> None:
     tokens = torch.randint(0, VOCAB, (BATCH, SEQ))
     stock_loss = gpt_loss(stock, tokens)
     stock_loss.backward()
-    for impl in SUPPORTED_IMPLS:
+    for impl in PORTABLE_IMPLS:
         ours = build_gpt(config, get_gpt_layer_spec(impl), seed=1)
         assert isinstance(ours.decoder.layers[0].mlp, ParMLPMegatron)
         with torch.no_grad():

@@ -5,7 +5,7 @@ import torch
 from conftest import device_backends
 from helpers import TOLERANCE, reference_outputs, rel_err, run_outputs
 
-from swiglu_train import MLP_IMPLS, ParMLP
+from swiglu_train import PORTABLE_IMPLS, ParMLP
 from swiglu_train.ops import use_backend
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -14,7 +14,7 @@ SHAPES = [((37,), 24, 40, 16), ((3, 43), 32, 70, 20), ((5,), 8, 1, 8), ((1,), 16
 
 
 @pytest.mark.parametrize(("device", "backend"), device_backends())
-@pytest.mark.parametrize("impl", MLP_IMPLS)
+@pytest.mark.parametrize("impl", PORTABLE_IMPLS)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, (*s[0], *s[1:]))))
@@ -34,7 +34,7 @@ def test_matches_float64_reference(device, backend, impl, dtype, bias, shape):
 
 
 @pytest.mark.parametrize(("device", "backend"), device_backends())
-@pytest.mark.parametrize("impl", MLP_IMPLS)
+@pytest.mark.parametrize("impl", PORTABLE_IMPLS)
 def test_non_contiguous_input(device, backend, impl):
     mlp = ParMLP(24, 40, impl=impl, bias=True, device=device)
     base = torch.randn(24, 2 * 29, device=device)

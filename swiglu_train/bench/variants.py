@@ -61,12 +61,12 @@ def drop_h_fused(w: LayerWeights) -> Layer:
     return lambda x: drop_h_mlp(x, w.fc1, None, w.fc2, None, fused_forward=True)
 
 
-def save_factors_cublas(w: LayerWeights) -> Layer:
-    """save_factors with cuBLAS fc1 and the in-place factors kernel (the forward candidate),
+def save_factors_fused(w: LayerWeights) -> Layer:
+    """save_factors with fc1 and the factors from one gated GEMM (the forward-fusion candidate),
     on the same packed parameters as the ``save_factors`` variant."""
     mlp = ours("save_factors")(w)
     fc1, fc2, chunk = mlp.fc1.weight, mlp.fc2.weight, mlp.fc1_layout.chunk
-    return lambda x: save_factors_mlp(x, fc1, None, fc2, None, chunk=chunk, fused_forward=False)
+    return lambda x: save_factors_mlp(x, fc1, None, fc2, None, chunk=chunk, fused_forward=True)
 
 
 def liger(w: LayerWeights) -> Layer:
@@ -114,7 +114,8 @@ BUILDERS: dict[str, Callable[[LayerWeights], Layer]] = {
     "drop_h": ours("drop_h"),
     "drop_h_fused": drop_h_fused,
     "save_factors": ours("save_factors"),
-    "save_factors_cublas": save_factors_cublas,
+    "save_factors_fused": save_factors_fused,
+    "drop_h_quack": ours("drop_h_quack"),
     "liger": liger,
     "fla": fla,
     "quack": quack,

@@ -28,10 +28,13 @@ def bench(
     variants: Annotated[
         str,
         typer.Option(
-            help="comma-separated: eager,compile,normal,drop_h,drop_h_fused,save_factors,"
-            "save_factors_cublas,liger,fla,quack"
+            help="comma-separated: eager,compile,normal,drop_h,drop_h_fused,drop_h_quack,"
+            "save_factors,save_factors_fused,liger,fla,quack"
         ),
-    ] = "eager,compile,normal,drop_h,drop_h_fused,save_factors,save_factors_cublas,liger,fla,quack",
+    ] = (
+        "eager,compile,normal,drop_h,drop_h_fused,drop_h_quack,save_factors,save_factors_fused,"
+        "liger,fla,quack"
+    ),
     samples: Annotated[int, typer.Option(min=1, help="paired samples (use >= 30)")] = 40,
     warmup: Annotated[int, typer.Option(min=1)] = 3,
     stack_layers: Annotated[int, typer.Option(help="layers in the stack table; 0 skips")] = 4,

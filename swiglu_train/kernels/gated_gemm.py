@@ -39,7 +39,8 @@ def _configs() -> list[triton.Config]:
                                "PERSISTENT": False})]  # fmt: skip
     # Measured on the H200 (scripts/tune_gated_gemm.py): at training shapes the 8-warp
     # [128, 2·128] tile with 3-4 stages wins, and a persistent grid loses 15-25 % (no epilogue
-    # overlap without warp specialization, which Triton 3.6 does not apply here); for decode
+    # overlap without warp specialization; Triton 3.6's Hopper autoWS takes only 4-warp,
+    # two-dot tiles here, runs 2x slower and miscompiles: probe_ws_h200.json); for decode
     # and short prompts small-M tiles with deep K, where a persistent grid evens out the waves.
     tiles = [  # (BLOCK_M, BLOCK_N, BLOCK_K, stages, warps, persistent)
         (128, 128, 64, 3, 8, False),
@@ -176,19 +177,12 @@ def _gated_gemm_kernel(
     BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
     PERSISTENT: tl.constexpr,
-    WARP_SPECIALIZE: tl.constexpr = False,
 ):
     num_pid_m = tl.cdiv(M, BLOCK_M)
     num_pid_n = tl.cdiv(F, BLOCK_N)
     num_tiles = num_pid_m * num_pid_n
     dtype = b_ptr.dtype.element_ty  # b_ptr is the bias, or fc1 itself when there is none
-    for tile in tl.range(
-        tl.program_id(0),
-        num_tiles,
-        tl.num_programs(0),
-        flatten=PERSISTENT and not WARP_SPECIALIZE,
-        warp_specialize=WARP_SPECIALIZE,
-    ):
+    for tile in tl.range(tl.program_id(0), num_tiles, tl.num_programs(0), flatten=PERSISTENT):
         # grouped order: GROUP_M row tiles sweep the columns together, sharing W1 in L2
         group = tile // (GROUP_M * num_pid_n)
         first_m = group * GROUP_M
@@ -202,7 +196,7 @@ def _gated_gemm_kernel(
         rows = (m0 + tl.arange(0, BLOCK_M)).to(tl.int64)
         ks = tl.arange(0, BLOCK_K)
         wn = tl.arange(0, BLOCK_N).to(tl.int64)
-        if CHUNK == BLOCK_N and not WARP_SPECIALIZE:  # the seed's wide tile: one [BM, 2BN] dot
+        if CHUNK == BLOCK_N:  # the seed's wide tile: gate and up rows adjacent, one [BM, 2BN] dot
             acc = tl.zeros((BLOCK_M, 2 * BLOCK_N), dtype=tl.float32)
             w2 = tl.arange(0, 2 * BLOCK_N).to(tl.int64)
             for k0 in range(0, K, BLOCK_K):

@@ -1,6 +1,12 @@
 """The ParMLP module and the impl registry."""
 
 from swiglu_train.layers.par_mlp import ParMLP
-from swiglu_train.layers.registry import IMPL_CHOICES, MLP_IMPLS, check_impl_name, get_impl
+from swiglu_train.layers.registry import (
+    IMPL_CHOICES,
+    MLP_IMPLS,
+    PORTABLE_IMPLS,
+    check_impl_name,
+    get_impl,
+)
 
-__all__ = ["IMPL_CHOICES", "MLP_IMPLS", "ParMLP", "check_impl_name", "get_impl"]
+__all__ = ["IMPL_CHOICES", "MLP_IMPLS", "PORTABLE_IMPLS", "ParMLP", "check_impl_name", "get_impl"]

@@ -5,12 +5,13 @@ order: per chunk j, [up_j * silu'(gate_j) | silu(gate_j)]. Backward then multipl
 grad_h in place to get grad_preact, and the two fc1 GEMMs consume it with no unpacking:
 grad_x = grad_preact @ W1_packed and grad_W1 = grad_preactᵀ @ x come out packed.
 
-Where Triton runs and the chunk is a power of two >= 16, forward is one wide GEMM with the
-SwiGLU epilogue (the preactivation never reaches memory) and backward's factor product is a
-Triton kernel; elsewhere the same math runs in plain torch with the same saved tensors.
-``fused_forward=False`` runs forward as cuBLAS fc1 then one kernel that writes h and overwrites
-the preactivation with the factors in place: the same saved tensors and peak, at cuBLAS's GEMM
-speed plus one extra [M, 2F] write, the candidate where our Triton GEMM trails cuBLAS.
+Where Triton runs, forward is cuBLAS fc1 then one kernel that writes h and overwrites the
+preactivation with the factors in place, and backward's factor product is a Triton kernel;
+elsewhere the same math runs in plain torch with the same saved tensors.
+``fused_forward=True`` (power-of-two chunks >= 16) instead runs forward as one wide gated GEMM
+with the SwiGLU epilogue, so the preactivation never reaches memory: the same saved tensors
+and peak, but on the H200 our Triton GEMM loses more to cuBLAS than the epilogue saves
+(save_factors 1.065x the floor with cuBLAS fc1, 1.094x fused: benchmarks/results/mlp_h200.json).
 """
 
 from __future__ import annotations
@@ -126,12 +127,12 @@ def save_factors_mlp(
     fc2_bias: torch.Tensor | None,
     inplace: bool = True,
     chunk: int = 128,
-    fused_forward: bool = True,
+    fused_forward: bool = False,
 ) -> torch.Tensor:
     """fc1 weight and bias in the packed layout with this chunk; fc2 saves h as in `normal`.
 
-    ``fused_forward=False``: cuBLAS fc1 and the in-place factors kernel instead of our gated
-    GEMM. With no grad to compute, ParMLP and the Megatron adapter take ``ops.inference``.
+    ``fused_forward=True``: our gated GEMM instead of cuBLAS fc1 and the in-place factors
+    kernel. With no grad to compute, ParMLP and the Megatron adapter take ``ops.inference``.
     """
     h = _SaveFactors.apply(x, fc1_weight, fc1_bias, chunk, inplace, fused_forward)
     return F.linear(h, fc2_weight, fc2_bias)

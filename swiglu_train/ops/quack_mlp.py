@@ -1,0 +1,116 @@
+"""The ``drop_h_quack`` impl: drop_h on quack's CuTe-DSL GEMMs, SwiGLU in both epilogues.
+
+Forward is one GEMM that writes h and the preactivation (quack's ``gemm_gated``), then cuBLAS
+fc2. Backward is one GEMM that computes grad_h = grad_y @ W2 and, in its epilogue, both
+grad_preact (from the saved preactivation) and h again for fc2's weight grad
+(``gemm_dgated``): grad_h never reaches memory. With ``inplace`` grad_preact is written over
+the saved preactivation; each output tile reads its own preact tile before writing it, so
+the aliasing is safe, and backward allocates no [M, 2F] buffer. This is the route to the
+six-GEMM floor that our Triton GEMMs cannot take on the H200 (Triton 3.6 trails cuBLAS by
+4-17 % there, and its Hopper warp specialization miscompiles the gated GEMM:
+benchmarks/results/probe_ws_h200.json).
+
+Saved tensors are drop_h's (x and the [M, 2F] preactivation). quack keeps the preactivation
+gate/up interleaved per column, but its ``concat_layout`` reads fc1 and writes fc1's grads in
+our canonical [W_gate; W_up], so parameters, checkpoints and optimizer state are drop_h's.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn.functional as F
+
+from swiglu_train.ops.mlp import SECOND_BACKWARD_ERROR, claim_inplace_backward
+
+QUACK_DTYPES = (torch.bfloat16, torch.float16)
+ALIGN = 8  # quack's TMA operands need 16-byte rows: 8 elements of a 16-bit dtype
+
+
+@functools.cache
+def require_quack():
+    """quack's GEMM interface, imported on first use (it loads the CUTLASS DSL)."""
+    try:
+        from quack import gemm_interface
+    except ImportError as e:
+        raise ImportError(
+            "impl 'drop_h_quack' needs the quack-kernels package (pip install "
+            "'swiglu-train[quack]') and a CUDA GPU of compute capability 9.0 or newer"
+        ) from e
+    return gemm_interface
+
+
+def check_quack_inputs(x: torch.Tensor, fc1_weight: torch.Tensor, fc2_weight: torch.Tensor):
+    """A clear error for anything quack's kernels cannot take, before any kernel is built."""
+    if not x.is_cuda:
+        raise ValueError(f"impl 'drop_h_quack' runs on CUDA only; the input is on {x.device}")
+    major, minor = torch.cuda.get_device_capability(x.device)
+    if major < 9:
+        raise ValueError(
+            f"impl 'drop_h_quack' needs compute capability 9.0+ (Hopper); {x.device} is "
+            f"{major}.{minor}: use impl 'drop_h'"
+        )
+    if x.dtype not in QUACK_DTYPES:
+        raise TypeError(f"impl 'drop_h_quack' needs bf16 or fp16 tensors, got {x.dtype}")
+    sizes = {"hidden": fc1_weight.shape[1], "ffn": fc2_weight.shape[1], "out": fc2_weight.shape[0]}
+    odd = {name: n for name, n in sizes.items() if n % ALIGN}
+    if odd:
+        raise ValueError(
+            f"impl 'drop_h_quack' needs sizes that are multiples of {ALIGN} (16-byte rows "
+            f"for TMA); got {odd}: use impl 'drop_h'"
+        )
+
+
+def _canonical_bias_grad(grad_preact: torch.Tensor) -> torch.Tensor:
+    """Sum of the interleaved [g0, u0, g1, u1, ...] grad over rows, as [grad_gate; grad_up]."""
+    return grad_preact.sum(0).view(-1, 2).t().reshape(-1)
+
+
+class _DropHQuack(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, fc1_weight, fc1_bias, fc2_weight, fc2_bias, inplace: bool):
+        check_quack_inputs(x, fc1_weight, fc2_weight)
+        q = require_quack()
+        x = x.contiguous()
+        preact, h = q.gemm_gated(
+            x, fc1_weight.t(), bias=fc1_bias, activation="swiglu", tuned=False,
+            concat_layout=("B", "bias"),
+        )  # fmt: skip
+        y = F.linear(h, fc2_weight, fc2_bias)
+        ctx.save_for_backward(x, fc1_weight, fc2_weight, preact)
+        ctx.inplace, ctx.has_bias = inplace, (fc1_bias is not None, fc2_bias is not None)
+        ctx.backward_ran = False
+        return y
+
+    @staticmethod
+    def backward(ctx, grad_y: torch.Tensor):
+        inplace = claim_inplace_backward(ctx, SECOND_BACKWARD_ERROR)
+        x, fc1_weight, fc2_weight, preact = ctx.saved_tensors
+        need_x, need_w1, need_b1, need_w2, need_b2 = ctx.needs_input_grad[:5]
+        q = require_quack()
+        grad_y = grad_y.contiguous()
+        grad_preact, h = q.gemm_dgated(
+            grad_y, fc2_weight, preact, activation="swiglu", tuned=False,
+            dx_out=preact if inplace else None,
+        )  # fmt: skip
+        grad_w2 = grad_y.t() @ h if need_w2 else None
+        del h  # frees [M, F] before the two largest GEMM outputs are allocated
+        gemm = functools.partial(q.gemm, dynamic_scheduler=True, tuned=False)
+        grad_x = gemm(grad_preact, fc1_weight, concat_layout=("B",)) if need_x else None
+        grad_w1 = gemm(grad_preact.t(), x, concat_layout=("out",)) if need_w1 else None
+        grad_b1 = _canonical_bias_grad(grad_preact) if need_b1 and ctx.has_bias[0] else None
+        grad_b2 = grad_y.sum(0) if need_b2 and ctx.has_bias[1] else None
+        return grad_x, grad_w1, grad_b1, grad_w2, grad_b2, None
+
+
+def drop_h_quack_mlp(
+    x: torch.Tensor,
+    fc1_weight: torch.Tensor,
+    fc1_bias: torch.Tensor | None,
+    fc2_weight: torch.Tensor,
+    fc2_bias: torch.Tensor | None,
+    inplace: bool = True,
+) -> torch.Tensor:
+    """drop_h with SwiGLU fused into quack's fc1 and grad_h GEMM epilogues (CUDA sm_90+)."""
+    return _DropHQuack.apply(x, fc1_weight, fc1_bias, fc2_weight, fc2_bias, inplace)

@@ -1,0 +1,97 @@
+"""``drop_h_quack`` on CUDA: numerics, in-place backward, errors, memory (CPU: test_errors)."""
+
+import pytest
+import torch
+from helpers import TOLERANCE, reference_outputs, rel_err, run_outputs
+
+from swiglu_train import ParMLP
+from swiglu_train.ops import SECOND_BACKWARD_ERROR
+from swiglu_train.ops.quack_mlp import require_quack
+
+
+def _quack_runs() -> bool:
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9:
+        return False
+    try:
+        require_quack()
+    except ImportError:
+        return False
+    return True
+
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not _quack_runs(), reason="needs quack-kernels and an sm_90+ GPU"),
+]
+
+
+@pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("m", [1, 777, 4096])
+def test_matches_float64_reference(m, dtype, bias):
+    mlp = ParMLP(512, 1408, 384, bias=bias, impl="drop_h_quack", device="cuda", dtype=dtype)
+    x = torch.randn(m, 512, device="cuda", dtype=dtype)
+    grad_y = torch.randn(m, 384, device="cuda", dtype=dtype)
+    expected = reference_outputs(mlp, x, grad_y)
+    actual = run_outputs(mlp, x, grad_y)
+    assert actual.keys() == expected.keys()
+    for name in expected:
+        assert actual[name].shape == expected[name].shape, name
+        assert rel_err(actual[name], expected[name]) < TOLERANCE[dtype], name
+
+
+def test_inplace_and_copy_backward_agree_bitwise():
+    mlp = ParMLP(1024, 2816, bias=True, impl="drop_h_quack", device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(2, 1000, 1024, device="cuda", dtype=torch.bfloat16)
+    grad_y = torch.randn_like(x)
+    inplace = run_outputs(mlp, x, grad_y)
+    mlp.inplace = False
+    copied = run_outputs(mlp, x, grad_y)
+    for name in inplace:
+        assert torch.equal(inplace[name], copied[name]), name
+
+
+def test_second_backward_raises():
+    mlp = ParMLP(256, 512, impl="drop_h_quack", device="cuda", dtype=torch.bfloat16)
+    y = mlp(torch.randn(64, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True))
+    y.sum().backward(retain_graph=True)
+    with pytest.raises(RuntimeError) as info:
+        y.sum().backward()
+    assert str(info.value) == SECOND_BACKWARD_ERROR
+
+
+def test_bad_inputs_on_cuda():
+    mlp = ParMLP(256, 500, impl="drop_h_quack", device="cuda", dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match=r"multiples of 8.*'ffn': 500"):
+        mlp(torch.randn(8, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True))
+    mlp = ParMLP(256, 512, impl="drop_h_quack", device="cuda")
+    with pytest.raises(TypeError, match=r"bf16 or fp16 tensors, got torch\.float32"):
+        mlp(torch.randn(8, 256, device="cuda", requires_grad=True))
+
+
+def _memory(impl: str, m: int, d: int, f: int) -> tuple[int, int]:
+    """(bytes held after forward, peak bytes of fwd+bwd above the pre-forward baseline)."""
+    mlp = ParMLP(d, f, impl=impl, device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(m, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    grad_y = torch.randn(m, d, device="cuda", dtype=torch.bfloat16)
+    for _ in range(2):  # warm-up: compiles, workspaces, the grads' first allocation
+        mlp(x).backward(grad_y)
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    y = mlp(x)
+    torch.cuda.synchronize()
+    held = torch.cuda.memory_allocated() - base
+    y.backward(grad_y)
+    del y
+    torch.cuda.synchronize()
+    return held, torch.cuda.max_memory_allocated() - base
+
+
+def test_memory_is_drop_h_s_or_less():
+    """The same saved tensors as drop_h, and backward writes grad_preact over the preact."""
+    m, d, f = 4096, 1024, 2816
+    quack_held, quack_peak = _memory("drop_h_quack", m, d, f)
+    drop_h_held, drop_h_peak = _memory("drop_h", m, d, f)
+    assert quack_held == drop_h_held
+    assert quack_peak <= drop_h_peak
