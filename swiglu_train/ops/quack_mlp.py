@@ -69,7 +69,7 @@ def _canonical_bias_grad(grad_preact: torch.Tensor) -> torch.Tensor:
 
 class _DropHQuack(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, fc1_weight, fc1_bias, fc2_weight, fc2_bias, inplace: bool):
+    def forward(ctx, x, fc1_weight, fc1_bias, fc2_weight, fc2_bias, inplace: bool, quack_fc2: bool):
         check_quack_inputs(x, fc1_weight, fc2_weight)
         q = require_quack()
         x = x.contiguous()
@@ -77,7 +77,10 @@ class _DropHQuack(torch.autograd.Function):
             x, fc1_weight.t(), bias=fc1_bias, activation="swiglu", tuned=False,
             concat_layout=("B", "bias"),
         )  # fmt: skip
-        y = F.linear(h, fc2_weight, fc2_bias)
+        if quack_fc2:
+            y = q.gemm(h, fc2_weight.t(), bias=fc2_bias, tuned=False)
+        else:
+            y = F.linear(h, fc2_weight, fc2_bias)
         ctx.save_for_backward(x, fc1_weight, fc2_weight, preact)
         ctx.inplace, ctx.has_bias = inplace, (fc1_bias is not None, fc2_bias is not None)
         ctx.backward_ran = False
@@ -101,7 +104,7 @@ class _DropHQuack(torch.autograd.Function):
         grad_w1 = gemm(grad_preact.t(), x, concat_layout=("out",)) if need_w1 else None
         grad_b1 = _canonical_bias_grad(grad_preact) if need_b1 and ctx.has_bias[0] else None
         grad_b2 = grad_y.sum(0) if need_b2 and ctx.has_bias[1] else None
-        return grad_x, grad_w1, grad_b1, grad_w2, grad_b2, None
+        return grad_x, grad_w1, grad_b1, grad_w2, grad_b2, None, None
 
 
 def drop_h_quack_mlp(
@@ -111,6 +114,7 @@ def drop_h_quack_mlp(
     fc2_weight: torch.Tensor,
     fc2_bias: torch.Tensor | None,
     inplace: bool = True,
+    quack_fc2: bool = True,
 ) -> torch.Tensor:
     """drop_h with SwiGLU fused into quack's fc1 and grad_h GEMM epilogues (CUDA sm_90+)."""
-    return _DropHQuack.apply(x, fc1_weight, fc1_bias, fc2_weight, fc2_bias, inplace)
+    return _DropHQuack.apply(x, fc1_weight, fc1_bias, fc2_weight, fc2_bias, inplace, quack_fc2)
