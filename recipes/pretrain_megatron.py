@@ -78,6 +78,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--num-microbatches", type=int, default=1)
     p.add_argument("--lr", type=float, default=3e-4)
     p.add_argument("--seed", type=int, default=1234)
+    p.add_argument(
+        "--cpu-init",
+        action="store_true",
+        help="initialize full weights on the CPU from --seed, then shard them (Megatron's "
+        "use_cpu_initialization), so runs at different TP sizes start from the same model",
+    )
     p.add_argument("--data-path", nargs="*", default=None, help="indexed dataset prefixes")
     p.add_argument("--save", default=None, help="root of the iter_NNNNNNN dist-ckpt folders")
     p.add_argument("--save-interval", type=int, default=0, help="0: only at the end")
@@ -123,7 +129,7 @@ def transformer_config(args: argparse.Namespace) -> TransformerConfig:
         bf16=bf16,
         params_dtype=torch.bfloat16 if bf16 else torch.float32,
         pipeline_dtype=torch.bfloat16 if bf16 else torch.float32,
-        use_cpu_initialization=args.device == "cpu",
+        use_cpu_initialization=args.device == "cpu" or args.cpu_init,
     )
 
 
@@ -251,7 +257,25 @@ def save(root: str, step: int, model, optimizer) -> None:
     dist_checkpointing.save(state, directory)
 
 
+def init_optimizer_state(optimizer: MegatronOptimizer) -> None:
+    """Zero moments and step 0 in a fresh optimizer, so that it can describe what to load.
+
+    DistributedOptimizer.state_dict reads one common 'step' off the param states; without
+    Apex or TE (our machines) a torch Adam has none before its first step, and megatron-core
+    0.16 asserts (seen resuming on the H200). Step 0 with zero moments is what a fresh Adam
+    starts from, and the load overwrites all of it.
+    """
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        if opt.init_state_fn is None:
+            continue
+        opt.init_state_fn(opt.optimizer, opt.config)
+        for state in opt.optimizer.state.values():
+            state.setdefault("step", torch.zeros((), dtype=torch.float32))
+
+
 def load(directory: str, model, optimizer) -> int:
+    if isinstance(optimizer, MegatronOptimizer):
+        init_optimizer_state(optimizer)
     state = dist_checkpointing.load(checkpoint_state(model, optimizer, True), directory)
     model.module.load_state_dict(state["model"])
     if "optimizer" in state:
@@ -349,6 +373,7 @@ def write_summary(
     summary = {
         "mlp_impl": args.mlp_impl,
         "tp": args.tp,
+        "cpu_init": args.device == "cpu" or args.cpu_init,  # one model at every TP size
         "steps": len(losses),
         "initial_loss": losses[0],
         "final_loss": losses[-1],

@@ -3,10 +3,12 @@
     python3 scripts/compare_tp.py RUN.json... --commit SHA --json out.json --md out.md
 
 RUN.json are recipes/pretrain_megatron.py --summary-json files, several impls at several TP
-sizes. Per impl: the largest loss difference between TP sizes over their common steps (bf16
-TP runs differ by reduction order, so this is the noise to report, not a pass/fail), and the
-per-GPU after-forward MiB at each TP. Per TP size: drop_h's after-forward saving over normal
-against the analytic n_layers·M·(F/tp)·bytes, since each rank holds an h of [M, F/tp].
+sizes. Per impl: the loss difference between TP sizes at step 0 (zero when the runs start from
+one model: the recipe's --cpu-init on GPU) and the largest over their common steps (bf16 TP runs
+differ by reduction order, so this is the noise to report, not a pass/fail), and the per-GPU
+after-forward MiB at each TP. Per TP size: drop_h's after-forward saving over normal against
+the analytic n_layers·M·(F/tp)·bytes, since each rank holds an h of [M, F/tp]. ``--plot`` draws
+the loss curves, one panel per impl.
 """
 
 from __future__ import annotations
@@ -45,7 +47,9 @@ def loss_agreement(runs: dict[tuple[str, int], dict]) -> dict[str, dict]:
         rel = [d / abs(curves[0][s]) for d, s in zip(diffs, steps, strict=True)]
         out[impl] = {
             "tp_sizes": sizes,
+            "same_init": all(runs[impl, tp].get("cpu_init", False) for tp in sizes),
             "steps": len(steps),
+            "step0_abs_loss_diff": diffs[0],
             "max_abs_loss_diff": max(diffs),
             "max_rel_loss_diff": max(rel),
             "after_forward_MiB": {str(tp): runs[impl, tp]["after_forward_MiB"] for tp in sizes},
@@ -79,12 +83,14 @@ def drop_h_saving(runs: dict[tuple[str, int], dict], bytes_per_element: int) -> 
 
 
 def to_markdown(result: dict) -> str:
-    lines = [f"### {result['title']}", "", "| impl | TP sizes | steps | max Δloss | max rel | "
-             "after-fwd MiB per GPU |", "|---|---|---|---|---|---|"]  # fmt: skip
+    lines = [f"### {result['title']}", "", "| impl | TP sizes | one init | steps | Δloss at "
+             "step 0 | max Δloss | max rel | after-fwd MiB per GPU |",
+             "|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for impl, r in result["loss_agreement"].items():
         mem = ", ".join(f"TP{tp}: {_num(v)}" for tp, v in r["after_forward_MiB"].items())
         lines.append(
-            f"| {impl} | {r['tp_sizes']} | {r['steps']} | {r['max_abs_loss_diff']:.4g} | "
+            f"| {impl} | {r['tp_sizes']} | {'yes' if r['same_init'] else 'no'} | {r['steps']} | "
+            f"{r['step0_abs_loss_diff']:.4g} | {r['max_abs_loss_diff']:.4g} | "
             f"{r['max_rel_loss_diff']:.3g} | {mem} |"
         )
     lines += ["", "| TP | drop_h saves after fwd (MiB) | in saved tensors | analytic | rel diff |",
@@ -96,6 +102,27 @@ def to_markdown(result: dict) -> str:
             f"{r['analytic_MiB']:.1f} | {rel} |"
         )
     return "\n".join(lines) + "\n"
+
+
+def plot_losses(runs: dict[tuple[str, int], dict], path: Path) -> None:
+    """Loss against step, one panel per impl, one line per TP size (log scale: the curves
+    fall by orders of magnitude on mock data)."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    impls = sorted({impl for impl, _ in runs})
+    fig = Figure(figsize=(5 * len(impls), 4), layout="constrained")
+    FigureCanvasAgg(fig)
+    for ax, impl in zip(fig.subplots(1, len(impls), squeeze=False)[0], impls, strict=True):
+        for tp in sorted(tp for i, tp in runs if i == impl):
+            losses = runs[impl, tp]["losses"]
+            steps = sorted(losses, key=int)
+            ax.plot([int(s) for s in steps], [losses[s] for s in steps], label=f"TP={tp}")
+        ax.set(title=impl, xlabel="step", ylabel="loss", yscale="log")
+        ax.grid(alpha=0.3)
+        ax.legend()
+    with atomic_write(path, "wb") as f:
+        fig.savefig(f, format="png", dpi=110)
 
 
 def _num(value: float | None) -> str:
@@ -111,6 +138,7 @@ def main() -> None:
     parser.add_argument("--commit", default=None)
     parser.add_argument("--json", type=Path, default=None)
     parser.add_argument("--md", type=Path, default=None)
+    parser.add_argument("--plot", type=Path, default=None, help="a PNG of the loss curves")
     args = parser.parse_args()
     runs = load(args.runs)
     result = {
@@ -128,6 +156,8 @@ def main() -> None:
     if args.md is not None:
         with atomic_write(args.md) as f:
             f.write(markdown)
+    if args.plot is not None:
+        plot_losses(runs, args.plot)
 
 
 if __name__ == "__main__":

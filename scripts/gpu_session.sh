@@ -122,14 +122,15 @@ for stage in "$@"; do
       for impl in normal drop_h save_factors; do
         for tp in 1 2; do
           torchrun --nproc-per-node "$tp" recipes/pretrain_megatron.py --mlp-impl "$impl" \
-            --tp "$tp" $MEGATRON_GPU --max-steps 50 --output-dir /tmp/megatron-tp \
+            --tp "$tp" --cpu-init $MEGATRON_GPU --max-steps 50 --output-dir /tmp/megatron-tp \
             --summary-json "$RES/tp/megatron_tp${tp}_$impl.json" 2>&1 | tail -1
         done
       done
       python3 scripts/compare_tp.py "$RES"/tp/*.json --commit "$commit" \
         --title "Megatron TP=2 against TP=1, bf16, 50 steps, $MEGATRON_GPU" \
         --command "bash scripts/gpu_session.sh megatron_tp2" \
-        --json "$RES/megatron_tp2_vs_tp1_h200.json" --md "$RES/megatron_tp2_vs_tp1_h200.md"
+        --json "$RES/megatron_tp2_vs_tp1_h200.json" --md "$RES/megatron_tp2_vs_tp1_h200.md" \
+        --plot "$RES/megatron_tp2_vs_tp1_h200.png"
       # a packed checkpoint written at TP=2 resumes a canonical model at TP=1
       run="recipes/pretrain_megatron.py --max-steps 6 --output-dir /tmp/megatron-runs"
       torchrun --nproc-per-node 2 $run --tp 2 --mlp-impl save_factors --save /tmp/mck-tp2 \

@@ -29,7 +29,9 @@ pytest.importorskip("megatron.core", reason="needs the megatron extra")
 
 from megatron.core import parallel_state
 from megatron.core import utils as mcore_utils
+from megatron.core.optimizer import OptimizerConfig
 from megatron.core.optimizer import optimizer as mcore_optimizer
+from megatron.core.optimizer.optimizer import FP32Optimizer
 from megatron.core.pipeline_parallel import schedules
 from megatron.core.tensor_parallel import random as mcore_random
 from megatron.core.transformer.transformer_config import TransformerConfig
@@ -137,3 +139,21 @@ def swiglu_config(**overrides) -> TransformerConfig:
     )
     fields.update(overrides)
     return TransformerConfig(**fields)
+
+
+def _init_adam_state(optimizer: torch.optim.Optimizer, config=None) -> None:
+    """What get_megatron_optimizer passes for Adam: zero moments before a load."""
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if not optimizer.state[p]:
+                optimizer.state[p]["exp_avg"] = torch.zeros_like(p)
+                optimizer.state[p]["exp_avg_sq"] = torch.zeros_like(p)
+
+
+def make_optimizer(model: torch.nn.Module) -> FP32Optimizer:
+    """Megatron's optimizer for fp32 params without DistributedOptimizer (which needs CUDA)."""
+    config = OptimizerConfig(optimizer="adam", lr=1e-3, clip_grad=0.0)
+    # One param group with the keys Megatron's optimizers match groups by when loading.
+    group = dict(wd_mult=1.0, lr_mult=1.0, is_expert_parallel=False, is_decoupled_lr=False)
+    adam = torch.optim.Adam([{"params": list(model.parameters()), **group}], lr=config.lr)
+    return FP32Optimizer(adam, config, init_state_fn=_init_adam_state)

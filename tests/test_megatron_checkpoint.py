@@ -14,12 +14,11 @@ from pathlib import Path
 import pytest
 import torch
 from helpers import rel_err
-from megatron_support import megatron_parallel, spawn, swiglu_config
+from megatron_support import make_optimizer, megatron_parallel, spawn, swiglu_config
 from test_megatron_mlp import BATCH, PARITY, SEQ, VOCAB, build_gpt, gpt_loss
 
 from megatron.core import dist_checkpointing  # isort: skip
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec  # isort: skip
-from megatron.core.optimizer import OptimizerConfig  # isort: skip
 from megatron.core.optimizer.optimizer import FP32Optimizer  # isort: skip
 
 from swiglu_train.integrations.megatron import get_gpt_layer_spec
@@ -38,24 +37,6 @@ def layer_spec(kind: str):
 
 def batch(step: int) -> torch.Tensor:
     return torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(step))
-
-
-def _init_adam_state(optimizer: torch.optim.Optimizer, config=None) -> None:
-    """What get_megatron_optimizer passes for Adam: zero moments before a load."""
-    for group in optimizer.param_groups:
-        for p in group["params"]:
-            if not optimizer.state[p]:
-                optimizer.state[p]["exp_avg"] = torch.zeros_like(p)
-                optimizer.state[p]["exp_avg_sq"] = torch.zeros_like(p)
-
-
-def make_optimizer(model: torch.nn.Module) -> FP32Optimizer:
-    """Megatron's optimizer for fp32 params without DistributedOptimizer (which needs CUDA)."""
-    config = OptimizerConfig(optimizer="adam", lr=1e-3, clip_grad=0.0)
-    # One param group with the keys Megatron's optimizers match groups by when loading.
-    group = dict(wd_mult=1.0, lr_mult=1.0, is_expert_parallel=False, is_decoupled_lr=False)
-    adam = torch.optim.Adam([{"params": list(model.parameters()), **group}], lr=config.lr)
-    return FP32Optimizer(adam, config, init_state_fn=_init_adam_state)
 
 
 def train_step(model, optimizer: FP32Optimizer, step: int) -> None:

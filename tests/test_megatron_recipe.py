@@ -13,9 +13,11 @@ import sys
 from pathlib import Path
 
 import pytest
-from megatron_support import free_port
+import torch
+from megatron_support import free_port, make_optimizer, megatron_parallel, spawn
 
 LAUNCHER = Path(__file__).with_name("megatron_recipe_cpu.py")
+RECIPE = LAUNCHER.parents[1] / "recipes" / "pretrain_megatron.py"
 TINY = [
     *("--device", "cpu", "--num-layers", "2", "--hidden-size", "64"),
     *("--ffn-hidden-size", "96", "--num-attention-heads", "4", "--seq-length", "32"),
@@ -94,7 +96,7 @@ def test_recipe_trains_logs_memory_and_resumes(tmp_path: Path) -> None:
 def test_stock_baselines_differ_only_in_the_activation_fusion(impl: str, fused: bool) -> None:
     """Both stock runs build Megatron's own MLP; 'stock_eager' turns its compiled bias-SwiGLU
     off, the knob that isolates the activation when stock is slower than ours on the GPU."""
-    recipe = runpy.run_path(str(LAUNCHER.parents[1] / "recipes" / "pretrain_megatron.py"))
+    recipe = runpy.run_path(str(RECIPE))
     args = recipe["parse_args"](["--device", "cpu", "--mlp-impl", impl])
     config = recipe["transformer_config"](args)
     assert config.bias_activation_fusion is fused and config.gated_linear_unit
@@ -115,14 +117,46 @@ def test_tp2_against_tp1_losses_agree_and_drop_h_saves_h_per_rank(tmp_path: Path
     out = tmp_path / "compare.json"
     script = Path(__file__).resolve().parents[1] / "scripts" / "compare_tp.py"
     command = [sys.executable, str(script), *map(str, runs.values()), "--bytes-per-element", "4"]
-    done = subprocess.run([*command, "--json", str(out)], capture_output=True, text=True)
+    plot = tmp_path / "losses.png"
+    command += ["--json", str(out), "--plot", str(plot)]
+    done = subprocess.run(command, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(out.read_text())
     agreement = result["loss_agreement"]["normal"]
     assert agreement["tp_sizes"] == [1, 2] and agreement["steps"] == 3
+    assert agreement["same_init"] and agreement["step0_abs_loss_diff"] < 1e-4
     assert agreement["max_rel_loss_diff"] < 1e-5
+    assert plot.read_bytes().startswith(b"\x89PNG")
     saving = result["drop_h_saving"]["2"]
     # 2 layers x M = 2 x 32 tokens x F/2 = 48 x 4 bytes (fp32 on CPU)
     assert saving["analytic_MiB"] * 2**20 == 2 * 64 * 48 * 4
     assert saving["saved_for_backward_MiB"] == pytest.approx(saving["analytic_MiB"], rel=1e-9)
     assert saving["measured_MiB"] is None  # the allocator figure is CUDA's
+
+
+def _fresh_optimizer_worker(rank: int, world_size: int, port: int) -> None:
+    with megatron_parallel(rank, world_size, port):
+        recipe = runpy.run_path(str(RECIPE))
+        torch.manual_seed(0)
+        models = [torch.nn.Linear(8, 4), torch.nn.Linear(8, 4)]
+        models[1].load_state_dict(models[0].state_dict())
+        optimizers = [make_optimizer(m) for m in models]
+        recipe["init_optimizer_state"](optimizers[0])
+        state = optimizers[0].optimizer.state
+        assert len(state) == 2
+        for s in state.values():
+            assert s["step"] == 0 and not s["exp_avg"].any() and not s["exp_avg_sq"].any()
+        x = torch.randn(5, 8)
+        for model, optimizer in zip(models, optimizers, strict=True):
+            optimizer.zero_grad()
+            model(x).square().sum().backward()
+            optimizer.step()
+        for ours, fresh in zip(models[0].parameters(), models[1].parameters(), strict=True):
+            assert torch.equal(ours, fresh)
+        assert all(s["step"] == 1 for s in state.values())
+
+
+def test_fresh_optimizer_state_for_a_resume_is_a_fresh_adam() -> None:
+    """A resume first gives the fresh optimizer zero moments and step 0 (DistributedOptimizer
+    cannot describe a stepless Adam), and that state trains exactly like a fresh Adam."""
+    spawn(_fresh_optimizer_worker, 1)

@@ -69,13 +69,6 @@ def save_factors_fused(w: LayerWeights) -> Layer:
     return lambda x: save_factors_mlp(x, fc1, None, fc2, None, chunk=chunk, fused_forward=True)
 
 
-def drop_h_quack_cublas_fc2(w: LayerWeights) -> Layer:
-    """drop_h_quack with cuBLAS for fc2's forward GEMM (the candidate against quack's)."""
-    from swiglu_train.ops.quack_mlp import drop_h_quack_mlp
-
-    return lambda x: drop_h_quack_mlp(x, w.fc1, None, w.fc2, None, quack_fc2=False)
-
-
 def liger(w: LayerWeights) -> Layer:
     """Liger-Kernel's fused gate/up SiLU-mul on the [gate | up] preact, in place in backward."""
     from liger_kernel.ops.swiglu import LigerFusedGateUpSiLUMulFunction
@@ -123,7 +116,6 @@ BUILDERS: dict[str, Callable[[LayerWeights], Layer]] = {
     "save_factors": ours("save_factors"),
     "save_factors_fused": save_factors_fused,
     "drop_h_quack": ours("drop_h_quack"),
-    "drop_h_quack_cublas_fc2": drop_h_quack_cublas_fc2,
     "liger": liger,
     "fla": fla,
     "quack": quack,

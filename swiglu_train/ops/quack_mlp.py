@@ -1,14 +1,14 @@
 """The ``drop_h_quack`` impl: drop_h on quack's CuTe-DSL GEMMs, SwiGLU in both epilogues.
 
 Forward is one GEMM that writes h and the preactivation (quack's ``gemm_gated``), then cuBLAS
-fc2. Backward is one GEMM that computes grad_h = grad_y @ W2 and, in its epilogue, both
-grad_preact (from the saved preactivation) and h again for fc2's weight grad
-(``gemm_dgated``): grad_h never reaches memory. With ``inplace`` grad_preact is written over
-the saved preactivation; each output tile reads its own preact tile before writing it, so
-the aliasing is safe, and backward allocates no [M, 2F] buffer. This is the route to the
-six-GEMM floor that our Triton GEMMs cannot take on the H200 (Triton 3.6 trails cuBLAS by
-4-17 % there, and its Hopper warp specialization miscompiles the gated GEMM:
-benchmarks/results/probe_ws_h200.json).
+fc2 (quack's GEMM there measured the same: benchmarks/results/mlp_quack_fc2_h200.json).
+Backward is one GEMM that computes grad_h = grad_y @ W2 and, in its epilogue, both grad_preact
+(from the saved preactivation) and h again for fc2's weight grad (``gemm_dgated``): grad_h
+never reaches memory. With ``inplace`` grad_preact is written over the saved preactivation;
+each output tile reads its own preact tile before writing it, so the aliasing is safe, and
+backward allocates no [M, 2F] buffer. This is the route to the six-GEMM floor that our Triton
+GEMMs cannot take on the H200 (Triton 3.6 trails cuBLAS by 4-17 % there, and its Hopper warp
+specialization miscompiles the gated GEMM: benchmarks/results/probe_ws_h200.json).
 
 Saved tensors are drop_h's (x and the [M, 2F] preactivation). quack keeps the preactivation
 gate/up interleaved per column, but its ``concat_layout`` reads fc1 and writes fc1's grads in
@@ -69,7 +69,7 @@ def _canonical_bias_grad(grad_preact: torch.Tensor) -> torch.Tensor:
 
 class _DropHQuack(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, fc1_weight, fc1_bias, fc2_weight, fc2_bias, inplace: bool, quack_fc2: bool):
+    def forward(ctx, x, fc1_weight, fc1_bias, fc2_weight, fc2_bias, inplace: bool):
         check_quack_inputs(x, fc1_weight, fc2_weight)
         q = require_quack()
         x = x.contiguous()
@@ -77,10 +77,7 @@ class _DropHQuack(torch.autograd.Function):
             x, fc1_weight.t(), bias=fc1_bias, activation="swiglu", tuned=False,
             concat_layout=("B", "bias"),
         )  # fmt: skip
-        if quack_fc2:
-            y = q.gemm(h, fc2_weight.t(), bias=fc2_bias, tuned=False)
-        else:
-            y = F.linear(h, fc2_weight, fc2_bias)
+        y = F.linear(h, fc2_weight, fc2_bias)
         ctx.save_for_backward(x, fc1_weight, fc2_weight, preact)
         ctx.inplace, ctx.has_bias = inplace, (fc1_bias is not None, fc2_bias is not None)
         ctx.backward_ran = False
@@ -104,7 +101,7 @@ class _DropHQuack(torch.autograd.Function):
         grad_w1 = gemm(grad_preact.t(), x, concat_layout=("out",)) if need_w1 else None
         grad_b1 = _canonical_bias_grad(grad_preact) if need_b1 and ctx.has_bias[0] else None
         grad_b2 = grad_y.sum(0) if need_b2 and ctx.has_bias[1] else None
-        return grad_x, grad_w1, grad_b1, grad_w2, grad_b2, None, None
+        return grad_x, grad_w1, grad_b1, grad_w2, grad_b2, None
 
 
 def drop_h_quack_mlp(
@@ -114,7 +111,6 @@ def drop_h_quack_mlp(
     fc2_weight: torch.Tensor,
     fc2_bias: torch.Tensor | None,
     inplace: bool = True,
-    quack_fc2: bool = True,
 ) -> torch.Tensor:
     """drop_h with SwiGLU fused into quack's fc1 and grad_h GEMM epilogues (CUDA sm_90+)."""
-    return _DropHQuack.apply(x, fc1_weight, fc1_bias, fc2_weight, fc2_bias, inplace, quack_fc2)
+    return _DropHQuack.apply(x, fc1_weight, fc1_bias, fc2_weight, fc2_bias, inplace)
