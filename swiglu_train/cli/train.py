@@ -68,7 +68,8 @@ def pretrain(
         str | None, typer.Option(help="a YAML path, or tiny / 125m / 1b from configs/")
     ] = None,
     mlp_impl: Annotated[
-        str | None, typer.Option(help="normal, drop_h, save_factors, or auto (from the table)")
+        str | None,
+        typer.Option(help="normal, drop_h, save_factors, drop_h_quack, or auto (from the table)"),
     ] = None,
     data: Annotated[
         list[str] | None,
