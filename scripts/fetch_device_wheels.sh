@@ -5,10 +5,12 @@
 #   .whlx  nvidia-cutlass-dsl-libs-cu13 (88 MB) unpacked and re-compressed with xz        (48 MB)
 #   .whlw  wandb and the dependencies the box lacks, and megatron-core for Python 3.12     (27 MB)
 #   .whlt  pytest-xdist and execnet, so the GPU tests compile their kernels in parallel   (0.1 MB)
-# .whl + .whlx fit one call (scripts/device_setup.sh installs them); .whlw goes in another.
+#   .whlm  megatron-core alone, to test the Megatron adapter on quack's kernels             (2.6 MB)
+# .whl + .whlx (+ .whlt + .whlm) fit one call (scripts/device_setup.sh installs them); .whlw
+# goes in another.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-for d in .whl .whlx .whlw .whlt; do grep -qx "/$d/" .git/info/exclude || echo "/$d/" >> .git/info/exclude; done
+for d in .whl .whlx .whlw .whlt .whlm; do grep -qx "/$d/" .git/info/exclude || echo "/$d/" >> .git/info/exclude; done
 get() {  # get DIR PACKAGE==VERSION...
   local dir=$1; shift
   mkdir -p "$dir"
@@ -35,4 +37,5 @@ get .whlw wandb==0.31.0 cwevals==0.0.1b1 opentelemetry-api==1.45.2 opentelemetry
   typing-inspection platformdirs importlib-metadata lazy-importer distro sniffio typing-extensions \
   megatron-core==0.16.1
 get .whlt pytest-xdist==3.8.0 execnet==2.1.2
-du -sh .whl .whlx .whlw .whlt
+get .whlm megatron-core==0.16.1
+du -sh .whl .whlx .whlw .whlt .whlm

@@ -3,7 +3,7 @@
 #   bash scripts/gpu_session.sh STAGE [STAGE...]      results land in $OUT (default ./gpu-out)
 # Stages:
 #   setup      install carried wheels (.whl + .whlx: peers; .whlw: wandb, megatron-core;
-#              .whlt: pytest-xdist) when present
+#              .whlt: pytest-xdist; .whlm: megatron-core alone) when present
 #   tests      the `gpu` tests (CUDA params and GPU-only tests; CI runs the rest)
 #   tune       scripts/tune_gated_gemm.py: the gated GEMM's configs and its ratio to cuBLAS
 #   bench      scripts/bench_mlp.py at the seed shape, every variant (save_factors included)
@@ -60,7 +60,7 @@ for stage in "$@"; do
   case $stage in
     setup)
       if [ -d .whlx ]; then bash scripts/device_setup.sh; fi
-      for d in .whlw .whlt; do  # whichever this call carried
+      for d in .whlw .whlt .whlm; do  # whichever this call carried
         if [ -d $d ]; then python3 -m pip install -q --no-index --no-deps --no-compile $d/*.whl; fi
       done ;;
     tests)  # in parallel where pytest-xdist is carried (.whlt): Triton compiles are CPU-bound

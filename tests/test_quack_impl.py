@@ -2,26 +2,14 @@
 
 import pytest
 import torch
-from helpers import TOLERANCE, reference_outputs, rel_err, run_outputs
+from helpers import TOLERANCE, quack_runs, reference_outputs, rel_err, run_outputs
 
 from swiglu_train import ParMLP
 from swiglu_train.ops import SECOND_BACKWARD_ERROR
-from swiglu_train.ops.quack_mlp import require_quack
-
-
-def _quack_runs() -> bool:
-    if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9:
-        return False
-    try:
-        require_quack()
-    except ImportError:
-        return False
-    return True
-
 
 pytestmark = [
     pytest.mark.gpu,
-    pytest.mark.skipif(not _quack_runs(), reason="needs quack-kernels and an sm_90+ GPU"),
+    pytest.mark.skipif(not quack_runs(), reason="needs quack-kernels and an sm_90+ GPU"),
 ]
 
 
