@@ -11,19 +11,6 @@ from swiglu_train.ops import reference
 TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
 
 
-def quack_runs() -> bool:
-    """quack-kernels imports and the GPU is sm_90+: where drop_h_quack can run."""
-    from swiglu_train.ops.quack_mlp import require_quack
-
-    if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9:
-        return False
-    try:
-        require_quack()
-    except ImportError:
-        return False
-    return True
-
-
 def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
     actual, expected = actual.double().cpu(), expected.double().cpu()
     assert torch.isfinite(actual).all(), "non-finite values"

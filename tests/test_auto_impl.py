@@ -51,6 +51,20 @@ def test_within_one_percent_the_lower_memory_wins(drop_h_ratio, expected):
     assert resolve(4096, 4096, 11008, H200, table({(4096, 4096, 11008): impls})).impl == expected
 
 
+@pytest.mark.parametrize("quack_here", [False, True], ids=["no_quack", "quack"])
+def test_impls_this_machine_cannot_run_are_left_out(monkeypatch, quack_here):
+    """drop_h_quack is chosen only where quack runs; elsewhere the next best, and a point
+    that measured nothing runnable falls back."""
+    monkeypatch.setattr(auto, "quack_available", lambda: quack_here)
+    impls = {"normal": (1.05, 990.0), "drop_h": (1.07, 686.0), "drop_h_quack": (1.01, 686.0)}
+    resolution = resolve(4096, 4096, 11008, H200, table({(4096, 4096, 11008): impls}))
+    assert resolution.impl == ("drop_h_quack" if quack_here else "normal")
+    only_quack = table({(4096, 4096, 11008): {"drop_h_quack": (1.01, 686.0)}})
+    resolution = resolve(4096, 4096, 11008, H200, only_quack)
+    assert resolution.impl == ("drop_h_quack" if quack_here else "drop_h")
+    assert quack_here or "can run here" in resolution.reason
+
+
 def test_choose_explains_a_memory_tie_break():
     stats = {"normal": ImplStats(10.0, 1.0, 990.0), "drop_h": ImplStats(10.05, 1.005, 685.0)}
     impl, why = choose(stats)

@@ -82,6 +82,7 @@ def result_with(points: dict, skipped: list | None = None) -> dict:
         "commit": "abc1234",
         "dtype": "bf16",
         "command": "swiglu-train bench-crossover",
+        "impls": ["normal", "drop_h", "save_factors"],
     }
     return {"meta": meta, "rows": rows, "skipped": skipped or []}
 
@@ -132,7 +133,7 @@ def test_lookup_table_needs_cuda_readings():
 def test_run_records_skips_and_keeps_going(monkeypatch):
     def fake_measure(cfg, progress):
         m, d, _, o = cfg.shape
-        assert o == d and cfg.variants == crossover.IMPLS and cfg.stack_layers == 0
+        assert o == d and cfg.variants == crossover.default_impls() and cfg.stack_layers == 0
         if d == 8192:
             raise torch.OutOfMemoryError("CUDA out of memory.\nTried to allocate 2 GiB")
         failed = {"save_factors": "failed: OutOfMemoryError: x"} if m == 4096 else {}

@@ -9,7 +9,7 @@ import os
 
 import pytest
 import torch
-from helpers import quack_runs, rel_err
+from helpers import rel_err
 from megatron_support import free_port, swiglu_config  # skips this file without megatron
 
 from megatron.core import parallel_state  # isort: skip
@@ -19,10 +19,11 @@ from megatron.core.transformer.mlp import MLPSubmodules  # isort: skip
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module  # isort: skip
 
 from swiglu_train.integrations.megatron import ParMLPMegatron
+from swiglu_train.ops.quack_mlp import quack_available
 
 pytestmark = [
     pytest.mark.gpu,
-    pytest.mark.skipif(not quack_runs(), reason="needs quack-kernels and an sm_90+ GPU"),
+    pytest.mark.skipif(not quack_available(), reason="needs quack-kernels and an sm_90+ GPU"),
 ]
 
 

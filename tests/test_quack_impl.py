@@ -2,14 +2,15 @@
 
 import pytest
 import torch
-from helpers import TOLERANCE, quack_runs, reference_outputs, rel_err, run_outputs
+from helpers import TOLERANCE, reference_outputs, rel_err, run_outputs
 
 from swiglu_train import ParMLP
 from swiglu_train.ops import SECOND_BACKWARD_ERROR
+from swiglu_train.ops.quack_mlp import quack_available
 
 pytestmark = [
     pytest.mark.gpu,
-    pytest.mark.skipif(not quack_runs(), reason="needs quack-kernels and an sm_90+ GPU"),
+    pytest.mark.skipif(not quack_available(), reason="needs quack-kernels and an sm_90+ GPU"),
 ]
 
 

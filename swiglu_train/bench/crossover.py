@@ -11,7 +11,7 @@ from __future__ import annotations
 import gc
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -24,8 +24,16 @@ from swiglu_train.layers.auto import (
     choose,
     gpu_family,
 )
+from swiglu_train.ops.quack_mlp import quack_available
 
-IMPLS = ("normal", "drop_h", "save_factors")
+PORTABLE = ("normal", "drop_h", "save_factors")
+
+
+def default_impls() -> tuple[str, ...]:
+    """Every impl that runs here: drop_h_quack joins where quack runs."""
+    return (*PORTABLE, "drop_h_quack") if quack_available() else PORTABLE
+
+
 Point = tuple[int, int, int]  # (M, D, F)
 Progress = Callable[[str, int], Callable[[], None]]
 
@@ -40,6 +48,7 @@ class CrossoverConfig:
     device: str = "cuda"
     seed: int = 0
     commit: str | None = None
+    impls: Sequence[str] = field(default_factory=default_impls)
 
     def points(self) -> list[Point]:
         """Shape-major, so the largest (D, F) runs last, after everything else is on record."""
@@ -50,7 +59,7 @@ class CrossoverConfig:
         return BenchConfig(
             shape=(m, d, f, d),
             dtype=self.dtype,
-            variants=IMPLS,
+            variants=tuple(self.impls),
             samples=self.samples,
             warmup=self.warmup,
             stack_layers=0,
@@ -155,7 +164,7 @@ def run_crossover(cfg: CrossoverConfig, progress: Progress) -> dict:
         "seed": cfg.seed,
         "m": list(cfg.m),
         "shapes": [list(s) for s in cfg.shapes],
-        "impls": list(IMPLS),
+        "impls": list(cfg.impls),
         "peak_definition": PEAK_DEFINITION,
         "winner_rule": "fastest by median paired ratio to the floor; among impls within "
         f"{TIE_TOLERANCE:.0%} of it, least after-forward memory (layers/auto.py)",
@@ -188,13 +197,13 @@ def _by_point(rows: Sequence[dict]) -> dict[Point, dict[str, dict]]:
 
 def to_markdown(result: dict) -> str:
     """One line per point: each impl's ratio to the floor and after-forward MiB, the winners."""
-    head = " | ".join(IMPLS)
+    names = result["meta"]["impls"]
     lines = [
-        f"| M | D | F | floor ms | {head} | fastest | least memory | auto |",
-        "|---" * (7 + len(IMPLS)) + "|",
+        f"| M | D | F | floor ms | {' | '.join(names)} | fastest | least memory | auto |",
+        "|---" * (7 + len(names)) + "|",
     ]
     for (m, d, f), impls in _by_point(result["rows"]).items():
-        cells = [_cell(impls.get(name)) for name in IMPLS]
+        cells = [_cell(impls.get(name)) for name in names]
         winner = {
             flag: next((n for n, r in impls.items() if r[flag]), "—")
             for flag in ("fastest", "least_memory", "auto_choice")

@@ -41,6 +41,17 @@ def require_quack():
     return gemm_interface
 
 
+def quack_available() -> bool:
+    """quack imports and the current CUDA device is sm_90+: where drop_h_quack can run."""
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9:
+        return False
+    try:
+        require_quack()
+    except ImportError:
+        return False
+    return True
+
+
 def check_quack_inputs(x: torch.Tensor, fc1_weight: torch.Tensor, fc2_weight: torch.Tensor):
     """A clear error for anything quack's kernels cannot take, before any kernel is built."""
     if not x.is_cuda:
