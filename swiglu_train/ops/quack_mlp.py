@@ -41,15 +41,23 @@ def require_quack():
     return gemm_interface
 
 
-def quack_available() -> bool:
-    """quack imports and the current CUDA device is sm_90+: where drop_h_quack can run."""
-    if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9:
-        return False
+def quack_unavailable_reason() -> str | None:
+    """Why drop_h_quack cannot run on the current CUDA device, or None when it can."""
+    if not torch.cuda.is_available():
+        return "no CUDA GPU"
+    major, minor = torch.cuda.get_device_capability()
+    if major < 9:
+        return f"compute capability {major}.{minor} is below 9.0 (Hopper)"
     try:
         require_quack()
     except ImportError:
-        return False
-    return True
+        return "quack-kernels is not installed (pip install 'swiglu-train[quack]')"
+    return None
+
+
+def quack_available() -> bool:
+    """Whether drop_h_quack can run on the current CUDA device (``auto`` asks this)."""
+    return quack_unavailable_reason() is None
 
 
 def check_quack_inputs(x: torch.Tensor, fc1_weight: torch.Tensor, fc2_weight: torch.Tensor):

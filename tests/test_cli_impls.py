@@ -1,0 +1,38 @@
+"""``swiglu-train impls``: availability per impl and auto's pick, as a user would ask."""
+
+import pytest
+import torch
+from helpers import crossover_table, pretend_gpu
+from typer.testing import CliRunner
+
+from swiglu_train.cli import app
+
+runner = CliRunner()
+SHAPE = ["--hidden-size", "4096", "--ffn-hidden-size", "11008", "--tokens", "4096"]
+
+
+def run(*args: str) -> str:
+    result = runner.invoke(app, ["impls", *args], terminal_width=200)
+    assert result.exit_code == 0, result.output
+    return result.output
+
+
+def test_every_impl_is_listed_with_what_it_saves():
+    output = run()
+    for name in ("normal", "drop_h", "save_factors", "drop_h_quack"):
+        assert name in output
+    assert "preact [M, 2F], h [M, F]" in output
+    assert "--hidden-size and --ffn-hidden-size" in output
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only answers")
+def test_off_cuda_quack_is_unavailable_and_auto_falls_back():
+    output = run(*SHAPE)
+    assert "no: no CUDA GPU" in output
+    assert "auto -> drop_h (fallback to drop_h: not on a CUDA device" in output
+
+
+def test_auto_s_pick_comes_from_the_table_of_this_gpu(monkeypatch):
+    impls = {"normal": (1.0, 990.0), "drop_h": (1.05, 686.0)}
+    pretend_gpu(monkeypatch, crossover_table({(4096, 4096, 11008): impls}))
+    assert "auto -> normal (normal: fastest (1.000x floor) at the nearest" in run(*SHAPE)
