@@ -142,6 +142,31 @@ def test_plot_draws_every_timed_line_against_the_gemms_alone():
     assert gated_72b.get_title() == "fc1 + SwiGLU, 72b"
 
 
+def test_a_quack_winner_records_the_fastest_path_without_quack():
+    def row(m, **ms):
+        return {"table": "gated", "K": 8, "N": 16, "M": m} | {f"{n}_ms": v for n, v in ms.items()}
+
+    rows = [
+        row(512, quack_act=1.0, gated_triton=1.3, cublas_act=1.2),
+        row(1, quack_act=1.0),  # nothing to fall back to where quack is missing: no entry
+        row(2, quack_act=2.0, gated_triton=1.0),
+    ]
+    fitted = fit.fit_dispatch(rows)["8x16"]["gated"]
+    assert fitted == {
+        "2": _entry("gated", 1.0, "quack", 2.0),
+        "512": _entry("quack", 1.0, "cublas", 1.2) | {"fallback": "cublas"},
+    }
+    result = {
+        "gpu": "cpu",
+        "commit": "abc",
+        "meta": {"dtype": "fp32"},
+        "dispatch": {"8x16": {"gated": fitted}},
+    }
+    with dispatch.use_table(fit.dispatch_table(result, "test")):
+        assert dispatch.choose("gated", 8, 16, 512, quack=True) == "quack"
+        assert dispatch.choose("gated", 8, 16, 512) == "cublas"
+
+
 def _entry(path, ms, runner_up, ratio):
     return {"path": path, "ms": ms, "runner_up": runner_up, "runner_up_ratio": ratio}
 
@@ -197,7 +222,7 @@ def test_cli_smoke_on_cpu(tmp_path):
     table = tmp_path / "table" / "inference_dispatch_cpu.json"
     args = ["bench-inference", "--device", "cpu", "--dtype", "fp32", "--models", "32x48"]
     args += ["--m", "1,20", "--samples", "2", "--variants"]
-    args += ["ours,fused_mlp,gated_linear,cublas_act_linear,gated_triton,cublas_act"]
+    args += ["ours,fused_mlp,gated_linear,cublas_act_linear,gated_triton,cublas_act,quack_act"]
     args += ["--json", str(out), "--md", str(md), "--dispatch-table", str(table)]
     result = CliRunner().invoke(app, args)
     assert result.exit_code == 0, result.output
@@ -209,8 +234,10 @@ def test_cli_smoke_on_cpu(tmp_path):
     for r in rows:
         assert r["eager_ms"] > 0 and r["ours_ms"] > 0 and r["ours_rel_err"] < 1e-5
     assert [r["ours_path"] for r in rows] == ["gated", "gated", "fused_mlp", "gated"]
-    for r in rows:  # every candidate ran, and agrees
-        assert all(r[f"{n}_rel_err"] < 1e-5 for n in iv.CANDIDATES[r["table"]].values())
+    for r in rows:  # every candidate but quack's (no GPU, no quack here) ran, and agrees
+        names = [n for p, n in iv.CANDIDATES[r["table"]].items() if p != dispatch.QUACK]
+        assert all(r[f"{n}_rel_err"] < 1e-5 for n in names)
+        assert f"{iv.CANDIDATES[r['table']][dispatch.QUACK]}_ms" not in r
     assert "| 32x48 | 20 |" in md.read_text() and "- 32x48 mlp: 1 " in md.read_text()
     fitted = json.loads(table.read_text())
     assert fitted["shapes"] == payload["dispatch"] and fitted["gpu"] == "cpu"

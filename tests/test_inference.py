@@ -17,6 +17,7 @@ from swiglu_train.layers import par_mlp as par_mlp_module
 from swiglu_train.layers.layout import CANONICAL, Layout, relayout
 from swiglu_train.ops import dispatch, inference, reference, use_backend
 from swiglu_train.ops.dispatch import DispatchTable, DispatchTableError
+from swiglu_train.ops.quack_mlp import quack_serves
 
 ROOT = Path(__file__).resolve().parents[1]
 TRITON = [p for p in device_backends() if p.values[1] == "triton"]
@@ -194,6 +195,23 @@ def test_lookup_takes_the_nearest_shape_in_log_d_and_log_f():
         assert dispatch.choose("mlp", 1024, 16384, 1) == "fused_mlp"
 
 
+def test_a_quack_entry_serves_its_fallback_where_quack_cannot():
+    """The table's "quack" path runs only where quack's kernel can take the call; elsewhere
+    (here: no GPU, so no quack) the entry's fallback, the fastest path without quack."""
+    table = dispatch_table({"32x48": {"mlp": {1: "fused_mlp", 16: "quack"}}})
+    table["shapes"]["32x48"]["mlp"]["16"]["fallback"] = "cublas"
+    x, w1, w2 = torch.randn(60, 32), torch.randn(96, 32), torch.randn(32, 48)
+    with dispatch.use_table(table), use_backend("triton"):
+        assert dispatch.choose("mlp", 32, 48, 60, quack=True) == "quack"
+        assert dispatch.choose("mlp", 32, 48, 60) == "cublas"
+        assert dispatch.choose("mlp", 32, 48, 1, quack=True) == "fused_mlp"
+        assert not quack_serves(x, w1)
+        assert inference.inference_path(x, w1, w2, None) == "cublas"
+        actual = inference.swiglu_mlp_inference(x, w1, None, w2, None, None)
+    expected = reference.mlp(x.double(), w1.double(), None, w2.double(), None)
+    assert rel_err(actual, expected) < TOLERANCE[torch.float32]
+
+
 def test_packaged_table_loads_and_ships_as_package_data():
     resource = importlib.resources.files("swiglu_train.ops") / dispatch.PACKAGED_TABLE
     raw = json.loads(resource.read_text())
@@ -217,6 +235,14 @@ def test_packaged_table_loads_and_ships_as_package_data():
         (lambda t: t["shapes"]["8x16"]["gated"]["1"].update(path="fused_mlp"), "gated.1"),
         (lambda t: t["shapes"]["8x16"]["mlp"].update({"0": {"path": "gated"}}), r"mlp\.0"),
         (lambda t: t["shapes"]["8x16"].update(mlp={}), "expected a non-empty object"),
+        (lambda t: t["shapes"]["8x16"]["mlp"].update({"2": {"path": "quack"}}), "needs a 'fallb"),
+        (lambda t: t["shapes"]["8x16"]["mlp"]["1"].update(fallback="gated"), "only a 'quack'"),
+        (
+            lambda t: t["shapes"]["8x16"]["gated"].update(
+                {"2": {"path": "quack", "fallback": "fused_mlp"}}
+            ),
+            r"gated\.2: a 'quack' path needs a 'fallback' among \('gated', 'cublas'\)",
+        ),
     ],
 )
 def test_malformed_table_names_the_problem(edit, message):

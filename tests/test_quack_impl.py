@@ -2,10 +2,10 @@
 
 import pytest
 import torch
-from helpers import TOLERANCE, reference_outputs, rel_err, run_outputs
+from helpers import TOLERANCE, dispatch_table, reference_outputs, rel_err, run_outputs
 
 from swiglu_train import ParMLP
-from swiglu_train.ops import SECOND_BACKWARD_ERROR
+from swiglu_train.ops import SECOND_BACKWARD_ERROR, dispatch, inference, reference
 from swiglu_train.ops.quack_mlp import quack_available
 
 pytestmark = [
@@ -84,3 +84,19 @@ def test_memory_is_drop_h_s_or_less():
     drop_h_held, drop_h_peak = _memory("drop_h", m, d, f)
     assert quack_held == drop_h_held
     assert quack_peak <= drop_h_peak
+
+
+def test_no_grad_quack_path_where_the_table_names_it():
+    """The dispatch's "quack" path: quack's gated GEMM for h, then cuBLAS fc2."""
+    table = dispatch_table({"1024x2816": {"gated": {512: "quack"}, "mlp": {512: "quack"}}})
+    for kind in ("gated", "mlp"):
+        table["shapes"]["1024x2816"][kind]["512"]["fallback"] = "cublas"
+    mlp = ParMLP(1024, 2816, bias=True, device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(512, 1024, device="cuda", dtype=torch.bfloat16)
+    params = (mlp.fc1.weight, mlp.fc1.bias, mlp.fc2.weight, mlp.fc2.bias)
+    expected = reference.mlp(x.double(), *(p.double() for p in params))
+    with dispatch.use_table(table), torch.no_grad():
+        assert inference.inference_path(x, mlp.fc1.weight, mlp.fc2.weight, None) == "quack"
+        assert inference.projection_path(x, mlp.fc1.weight, None) == "quack"
+        y = mlp(x)
+    assert rel_err(y, expected) < TOLERANCE[torch.bfloat16]

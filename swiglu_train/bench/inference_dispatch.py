@@ -21,17 +21,21 @@ def fit_dispatch(rows: Sequence[dict]) -> dict[str, dict[str, dict[str, dict]]]:
     """Per "DxF", per table, per measured M: the fastest dispatch candidate by median ms, its ms,
     and the runner-up with ``runner_up_ratio`` = its ms over the winner's (the margin; None
     with one candidate). Candidates that were not timed (not importable, rejected, failed) are
-    not eligible; an M where none was timed gets no entry. Ties go to the first candidate."""
+    not eligible; an M where none was timed gets no entry. Ties go to the first candidate.
+    A "quack" winner also records its ``fallback``, the fastest of the others; with no other
+    timed, quack is not eligible (a machine without quack would have no path)."""
     shapes: dict[str, dict[str, dict[str, dict]]] = {}
     for r in sorted(rows, key=lambda r: (r["K"], r["N"], r["table"], r["M"])):
         candidates = iv.CANDIDATES[r["table"]].items()
         timed = {path: r[f"{name}_ms"] for path, name in candidates if f"{name}_ms" in r}
-        if not timed:
+        if not set(timed) - {dispatch.QUACK}:  # nothing timed, or nothing to fall back to
             continue
         best, *others = sorted(timed, key=timed.get)
         entry = {"path": best, "ms": _sig(timed[best]), "runner_up": None, "runner_up_ratio": None}
         if others:
             entry.update(runner_up=others[0], runner_up_ratio=_sig(timed[others[0]] / timed[best]))
+        if best == dispatch.QUACK:
+            entry["fallback"] = others[0]
         by_table = shapes.setdefault(f"{r['K']}x{r['N']}", {})
         by_table.setdefault(r["table"], {})[str(r["M"])] = entry
     return shapes

@@ -27,7 +27,7 @@ LINES = [
         {"color": "C3", "marker": "o", "linewidth": 2.5},
     ),
 ]
-CANDIDATE_COLORS = {"fused_mlp": "C4", "gated": "C5", "cublas": "C6"}  # same path, same color
+CANDIDATE_COLORS = {"fused_mlp": "C4", "gated": "C5", "cublas": "C6", "quack": "C8"}  # per path
 CANDIDATE_STYLE = {"linestyle": "--", "linewidth": 1, "alpha": 0.7}
 
 

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 
 from swiglu_train.ops import inference, reference
 from swiglu_train.ops.activation import swiglu_fwd
+from swiglu_train.ops.quack_mlp import quack_swiglu_projection, require_quack
 
 COMPILE_MODE = "default"  # cuBLAS GEMMs + fused Triton pointwise; max-autotune costs minutes
 
@@ -88,6 +89,17 @@ def _quack_mlp() -> Variant:
                                  concat_layout=True)  # fmt: skip
 
 
+def _quack_projection() -> Variant:
+    """Our "quack" dispatch path alone: quack's gated GEMM, no preactivation stored."""
+    require_quack()  # not importable: the bench reports this candidate skipped
+    return lambda x, w: quack_swiglu_projection(x, w.fc1, None)
+
+
+def _quack_projection_linear() -> Variant:
+    projection = _quack_projection()
+    return lambda x, w: F.linear(projection(x, w), w.fc2)
+
+
 def _cublas_act(x: torch.Tensor, w: Weights) -> torch.Tensor:
     """cuBLAS fc1, then our activation kernel on its [gate | up] output."""
     return swiglu_fwd(F.linear(x, w.fc1))
@@ -107,6 +119,7 @@ GATED: dict[str, Callable[[], Variant]] = {
     "ours": lambda: lambda x, w: inference.swiglu_gated_projection(x, w.fc1, None, None),
     "gated_triton": lambda: lambda x, w: inference.swiglu_gated_inference(x, w.fc1, None, None),
     "cublas_act": lambda: _cublas_act,
+    "quack_act": _quack_projection,
     "gemm_only": lambda: lambda x, w: F.linear(x, w.fc1),
 }
 MLP: dict[str, Callable[[], Variant]] = {
@@ -119,14 +132,20 @@ MLP: dict[str, Callable[[], Variant]] = {
         lambda x, w: F.linear(inference.swiglu_gated_inference(x, w.fc1, None, None), w.fc2)
     ),
     "cublas_act_linear": lambda: lambda x, w: F.linear(_cublas_act(x, w), w.fc2),
+    "quack_act_linear": _quack_projection_linear,
     # the two GEMMs alone: fc2 reads the [M, F] left half of fc1's output in place
     "gemm_only": lambda: lambda x, w: F.linear(F.linear(x, w.fc1)[:, : w.ffn], w.fc2),
 }
 TABLES: dict[str, dict[str, Callable[[], Variant]]] = {"gated": GATED, "mlp": MLP}
 # Per table, each dispatch path (ops.dispatch.PATHS) and the variant that times it alone.
 CANDIDATES = {
-    "gated": {"gated": "gated_triton", "cublas": "cublas_act"},
-    "mlp": {"fused_mlp": "fused_mlp", "gated": "gated_linear", "cublas": "cublas_act_linear"},
+    "gated": {"gated": "gated_triton", "cublas": "cublas_act", "quack": "quack_act"},
+    "mlp": {
+        "fused_mlp": "fused_mlp",
+        "gated": "gated_linear",
+        "cublas": "cublas_act_linear",
+        "quack": "quack_act_linear",
+    },
 }
 EAGER = {"gated": ("eager_fused", "eager_separate"), "mlp": ("eager",)}
 FLOORS = frozenset({"gemm_only"})

@@ -3,9 +3,11 @@
 The table (``inference_dispatch_h200.json``, written by ``bench-inference --dispatch-table``)
 holds, per measured shape "DxF", two kinds of entry, each mapping a measured M to the path that
 was fastest there (with its ms and the runner-up's margin, for readers):
-  "gated"  h alone (fc1 + SwiGLU): "gated" (our Triton gated GEMM) or "cublas" (cuBLAS fc1,
-           then our activation kernel);
-  "mlp"    the whole MLP: "fused_mlp", "gated" (+ cuBLAS fc2) or "cublas" (+ cuBLAS fc2).
+  "gated"  h alone (fc1 + SwiGLU): "gated" (our Triton gated GEMM), "cublas" (cuBLAS fc1,
+           then our activation kernel) or "quack" (quack's GEMM with the SwiGLU epilogue);
+  "mlp"    the whole MLP: "fused_mlp", or one of those three followed by cuBLAS fc2.
+A "quack" entry also names its "fallback", the fastest path without quack, which serves where
+quack cannot (not installed, below sm_90, fp32, sizes not multiples of 8).
 
 Lookup for (D, F, M): the nearest measured shape by Euclidean distance in (log2 D, log2 F), ties
 to the smaller D·F. D and F count separately, not as their product, because they are different
@@ -40,13 +42,14 @@ from swiglu_train.tables import check_header, read_json
 
 SCHEMA = 1
 PACKAGED_TABLE = "inference_dispatch_h200.json"
-PATHS = {"gated": ("gated", "cublas"), "mlp": ("fused_mlp", "gated", "cublas")}
+PATHS = {"gated": ("gated", "cublas", "quack"), "mlp": ("fused_mlp", "gated", "cublas", "quack")}
+QUACK = "quack"
 DEFAULT_FUSED_MLP_MAX_M = 16
 DEFAULT_GATED_MAX_M = 4096
 _TABLE_KEYS = {"schema", "gpu", "commit", "dtype", "shapes"}
 _OPTIONAL_TABLE_KEYS = {"source", "command", "note"}
 
-Choices = tuple[tuple[int, str], ...]  # (M, path) by increasing M
+Choices = tuple[tuple[int, str, str], ...]  # (M, path, path without quack) by increasing M
 
 
 class DispatchTableError(ValueError):
@@ -89,7 +92,14 @@ def _choices(kind: str, by_m: object, where: str, fail) -> Choices:
         path = entry.get("path") if isinstance(entry, dict) else None
         if not (isinstance(m, str) and m.isdigit() and int(m) >= 1) or path not in PATHS[kind]:
             raise fail(f"{where}.{m}", f"expected M >= 1 -> {{path: one of {PATHS[kind]}}}")
-        choices.append((int(m), path))
+        fallback = entry.get("fallback", path)
+        if (path == QUACK) != ("fallback" in entry) or fallback not in PATHS[kind][:-1]:
+            raise fail(
+                f"{where}.{m}",
+                "a 'quack' path needs a 'fallback' among "
+                f"{PATHS[kind][:-1]}, and only a 'quack' path has one",
+            )
+        choices.append((int(m), path, fallback))
     return tuple(sorted(choices))
 
 
@@ -130,15 +140,18 @@ def active_table() -> DispatchTable:
     return _override if _override is not None else packaged_table()
 
 
-def choose(kind: str, hidden_size: int, ffn_size: int, m: int) -> str:
-    """The path for ``kind`` ("gated" or "mlp") at (D, F, M): the table's, else the default."""
+def choose(kind: str, hidden_size: int, ffn_size: int, m: int, quack: bool = False) -> str:
+    """The path for ``kind`` ("gated" or "mlp") at (D, F, M): the table's, else the default.
+    ``quack``: whether quack's kernel can serve this call; if not, a "quack" entry's fallback."""
     choices = _nearest_shape(kind, hidden_size, ffn_size)
     if choices is None:
         return default_path(kind, m)
-    for (lo, path), (hi, _) in itertools.pairwise(choices):
-        if m * m <= lo * hi:  # log m <= the mean of log lo and log hi: lo is nearer (or tied)
-            return path
-    return choices[-1][1]
+    entry = choices[-1]
+    for lo, hi in itertools.pairwise(choices):
+        if m * m <= lo[0] * hi[0]:  # log m <= the mean of log lo and log hi: lo is nearer
+            entry = lo
+            break
+    return entry[1] if quack else entry[2]
 
 
 def default_path(kind: str, m: int) -> str:

@@ -10,6 +10,8 @@ apply where the table has no entry):
   "cublas"     canonical fc1 at large M: cuBLAS fc1, our activation kernel, cuBLAS fc2, which
                is what wins at training sizes (the no-grad forward of reentrant activation
                checkpointing lands here);
+  "quack"      canonical fc1 where the table measured quack's GEMM with the SwiGLU epilogue
+               fastest (then cuBLAS fc2); where quack cannot serve, the entry's fallback;
   "torch"      plain torch, where Triton cannot run (or under ``use_backend("torch")``), and
                on CPU beyond INTERPRETER_MAX_M rows: the interpreter runs kernels at Python
                speed (the gated GEMM takes 3.4 s for 256x64 -> 160), fit for tests, not models.
@@ -24,6 +26,7 @@ import torch.nn.functional as F
 from swiglu_train.ops import dispatch
 from swiglu_train.ops.activation import swiglu_fwd, triton_enabled
 from swiglu_train.ops.gated import gated_enabled, gated_fwd
+from swiglu_train.ops.quack_mlp import quack_serves, quack_swiglu_projection
 
 try:
     from swiglu_train.kernels import fused_mlp as fused_kernels
@@ -58,24 +61,26 @@ def grad_needed(*tensors: torch.Tensor | None) -> bool:
 def inference_path(
     x: torch.Tensor, fc1_weight: torch.Tensor, fc2_weight: torch.Tensor, chunk: int | None
 ) -> str:
-    """The MLP's path for this call (fused_mlp, gated, cublas or torch); ``chunk``: packed fc1's,
-    or None. Where the table's fused_mlp cannot serve (weights not row-major), gated does."""
+    """The MLP's path for this call (fused_mlp, gated, cublas, quack or torch); ``chunk``: packed
+    fc1's, or None. Where the table's fused_mlp cannot serve (weights not row-major), gated does."""
     (m, d), f = x.shape, fc1_weight.shape[0] // 2
     if chunk is None and _kernels_serve(x):
-        path = dispatch.choose("mlp", d, f, m)
+        path = dispatch.choose("mlp", d, f, m, quack_serves(x, fc1_weight))
         fusable = (
             fused_kernels is not None and fc1_weight.stride(1) == 1 and fc2_weight.stride(1) == 1
         )
-        if path == "cublas" or (path == "fused_mlp" and fusable):
+        if path in ("cublas", "quack") or (path == "fused_mlp" and fusable):
             return path
     return "gated" if _gated_serves(x, chunk, f) else "torch"
 
 
 def projection_path(x: torch.Tensor, fc1_weight: torch.Tensor, chunk: int | None) -> str:
-    """The path for h alone (gated, cublas or torch), from the table's "gated" entries."""
+    """The path for h alone (gated, cublas, quack or torch), from the table's "gated" entries."""
     (m, d), f = x.shape, fc1_weight.shape[0] // 2
-    if chunk is None and _kernels_serve(x) and dispatch.choose("gated", d, f, m) == "cublas":
-        return "cublas"
+    if chunk is None and _kernels_serve(x):
+        path = dispatch.choose("gated", d, f, m, quack_serves(x, fc1_weight))
+        if path in ("cublas", "quack"):
+            return path
     return "gated" if _gated_serves(x, chunk, f) else "torch"
 
 
@@ -94,8 +99,11 @@ def swiglu_gated_projection(
 ) -> torch.Tensor:
     """h [M, F] with no grad on the fastest path for this shape (:func:`projection_path`)."""
     x = x if x.stride(-1) == 1 else x.contiguous()
-    if projection_path(x, fc1_weight, chunk) == "cublas":
+    path = projection_path(x, fc1_weight, chunk)
+    if path == "cublas":
         return swiglu_fwd(F.linear(x, fc1_weight, fc1_bias))
+    if path == "quack":
+        return quack_swiglu_projection(x, fc1_weight, fc1_bias)
     return swiglu_gated_inference(x, fc1_weight, fc1_bias, chunk)
 
 
@@ -129,6 +137,8 @@ def swiglu_mlp_inference(
         return fused_mlp(x2d, fc1_weight, fc1_bias, fc2_weight, fc2_bias)
     if path == "cublas":
         h = swiglu_fwd(F.linear(x2d, fc1_weight, fc1_bias))
+    elif path == "quack":
+        h = quack_swiglu_projection(x2d, fc1_weight, fc1_bias)
     else:
         h = swiglu_gated_inference(x2d, fc1_weight, fc1_bias, chunk)
     return F.linear(h, fc2_weight, fc2_bias)

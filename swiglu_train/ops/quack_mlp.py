@@ -43,9 +43,15 @@ def require_quack():
 
 def quack_unavailable_reason() -> str | None:
     """Why drop_h_quack cannot run on the current CUDA device, or None when it can."""
-    if not torch.cuda.is_available():
+    return _unavailable_reason(torch.cuda.current_device() if torch.cuda.is_available() else -1)
+
+
+@functools.cache
+def _unavailable_reason(device_index: int) -> str | None:
+    """Per device, once: the no-grad dispatch asks on every call."""
+    if device_index < 0:
         return "no CUDA GPU"
-    major, minor = torch.cuda.get_device_capability()
+    major, minor = torch.cuda.get_device_capability(device_index)
     if major < 9:
         return f"compute capability {major}.{minor} is below 9.0 (Hopper)"
     try:
@@ -79,6 +85,23 @@ def check_quack_inputs(x: torch.Tensor, fc1_weight: torch.Tensor, fc2_weight: to
             f"impl 'drop_h_quack' needs sizes that are multiples of {ALIGN} (16-byte rows "
             f"for TMA); got {odd}: use impl 'drop_h'"
         )
+
+
+def quack_serves(x: torch.Tensor, fc1_weight: torch.Tensor) -> bool:
+    """Whether quack's gated GEMM can take this no-grad call (the dispatch's "quack" path)."""
+    sizes_ok = x.shape[1] % ALIGN == 0 and fc1_weight.shape[0] % (2 * ALIGN) == 0
+    return x.is_cuda and x.dtype in QUACK_DTYPES and sizes_ok and quack_available()
+
+
+def quack_swiglu_projection(
+    x: torch.Tensor, fc1_weight: torch.Tensor, fc1_bias: torch.Tensor | None
+) -> torch.Tensor:
+    """h [M, F] from quack's GEMM with the SwiGLU epilogue, no preactivation stored."""
+    _, h = require_quack().gemm_gated(
+        x, fc1_weight.t(), bias=fc1_bias, activation="swiglu", tuned=False, store_preact=False,
+        concat_layout=("B", "bias"),
+    )  # fmt: skip
+    return h
 
 
 def _canonical_bias_grad(grad_preact: torch.Tensor) -> torch.Tensor:
