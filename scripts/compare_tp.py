@@ -33,7 +33,8 @@ def load(paths: list[str]) -> dict[tuple[str, int], dict]:
 
 
 def loss_agreement(runs: dict[tuple[str, int], dict]) -> dict[str, dict]:
-    """Per impl run at two or more TP sizes: max |Δloss| (and relative) over common steps."""
+    """Per impl run at two or more TP sizes: |Δloss| at step 0 (None when a run starts later)
+    and the max |Δloss| (and relative) over their common steps."""
     out = {}
     for impl in sorted({impl for impl, _ in runs}):
         sizes = sorted(tp for i, tp in runs if i == impl)
@@ -49,7 +50,7 @@ def loss_agreement(runs: dict[tuple[str, int], dict]) -> dict[str, dict]:
             "tp_sizes": sizes,
             "same_init": all(runs[impl, tp].get("cpu_init", False) for tp in sizes),
             "steps": len(steps),
-            "step0_abs_loss_diff": diffs[0],
+            "step0_abs_loss_diff": diffs[0] if steps[0] == "0" else None,  # resumed: none
             "max_abs_loss_diff": max(diffs),
             "max_rel_loss_diff": max(rel),
             "after_forward_MiB": {str(tp): runs[impl, tp]["after_forward_MiB"] for tp in sizes},
@@ -90,7 +91,7 @@ def to_markdown(result: dict) -> str:
         mem = ", ".join(f"TP{tp}: {_num(v)}" for tp, v in r["after_forward_MiB"].items())
         lines.append(
             f"| {impl} | {r['tp_sizes']} | {'yes' if r['same_init'] else 'no'} | {r['steps']} | "
-            f"{r['step0_abs_loss_diff']:.4g} | {r['max_abs_loss_diff']:.4g} | "
+            f"{_num(r['step0_abs_loss_diff'], '.4g')} | {r['max_abs_loss_diff']:.4g} | "
             f"{r['max_rel_loss_diff']:.3g} | {mem} |"
         )
     lines += ["", "| TP | drop_h saves after fwd (MiB) | in saved tensors | analytic | rel diff |",
@@ -125,8 +126,8 @@ def plot_losses(runs: dict[tuple[str, int], dict], path: Path) -> None:
         fig.savefig(f, format="png", dpi=110)
 
 
-def _num(value: float | None) -> str:
-    return "—" if value is None else f"{value:.1f}"
+def _num(value: float | None, spec: str = ".1f") -> str:
+    return "—" if value is None else format(value, spec)
 
 
 def main() -> None:

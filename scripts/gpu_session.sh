@@ -32,10 +32,12 @@ export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD WANDB_MODE=offline WANDB_SILENT=true O
 # model whose GEMMs dominate instead.
 MEGATRON_GPU="--num-layers 8 --hidden-size 2048 --ffn-hidden-size 5632 --seq-length 2048 --micro-batch-size 8"
 commit=$(cat COMMIT 2>/dev/null || git rev-parse --short HEAD 2>/dev/null || echo unknown)
-# drop_h_quack joins the training stages where quack is installed. Its wheels (.whl + .whlx)
-# and .whlw do not fit one carry; a machine keeps what `setup` installed while it stays warm
-# (30 s after a call), so run setup with .whl + .whlx, then straight away carry .whlw.
-QUACK_IMPL=$(python3 -c "import quack" 2>/dev/null && echo drop_h_quack)
+# drop_h_quack joins the training stages where it runs (quack installed, sm_90+). Its wheels
+# (.whl + .whlx) and .whlw do not fit one carry; a machine keeps what `setup` installed while it
+# stays warm (30 s after a call), so run setup with .whl + .whlx, then straight away carry .whlw.
+quack_impl() {  # asked per stage: `setup` may have installed quack earlier in the same call
+  python3 -c "from swiglu_train.ops.quack_mlp import quack_available as a; print('drop_h_quack' if a() else '')"
+}
 pack() { tar czf "$OUT/results.tgz" -C "$RES" .; }
 compare_losses() {  # FULL.log RESUMED.log LABEL: the resumed steps' losses against the full run's
   python3 - "$@" <<'PY'
@@ -84,7 +86,7 @@ for stage in "$@"; do
         --table "$RES/table/crossover_h200.json" 2>&1 | tail -40 ;;
     pretrain)
       for round in $(seq "${PRETRAIN_ROUNDS:-2}"); do  # 125M tokens/s moves ±5 % run to run
-        for impl in normal drop_h save_factors $QUACK_IMPL; do
+        for impl in normal drop_h save_factors $(quack_impl); do
           python3 -m swiglu_train pretrain --config 125m --mlp-impl "$impl" --max-steps 40 \
             --output-dir "/tmp/pt-$impl-$round" --summary-json "$RES/pretrain_${impl}_$round.json" \
             > "/tmp/pt-$impl-$round.log" 2>&1 || tail -5 "/tmp/pt-$impl-$round.log"
@@ -99,7 +101,7 @@ for stage in "$@"; do
       python3 scripts/max_micro_batch.py --config 1b --mlp-impl normal,drop_h --commit "$commit" \
         --json "$RES/max_micro_batch_1b.json" ;;
     megatron)  # two rounds, the order reversed in the second, so no impl always runs first
-      order="stock stock_eager normal drop_h save_factors $QUACK_IMPL"
+      order="stock stock_eager normal drop_h save_factors $(quack_impl)"
       for round in 1 2; do
         for impl in $order; do
           torchrun --nproc-per-node 1 recipes/pretrain_megatron.py --mlp-impl "$impl" \

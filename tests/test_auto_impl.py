@@ -63,6 +63,8 @@ def test_impls_this_machine_cannot_run_are_left_out(monkeypatch, quack_here):
     resolution = resolve(4096, 4096, 11008, H200, only_quack)
     assert resolution.impl == ("drop_h_quack" if quack_here else "drop_h")
     assert quack_here or "can run here" in resolution.reason
+    odd_ffn = table({(4096, 4096, 11004): impls})  # F not a multiple of 8: quack cannot take it
+    assert resolve(4096, 4096, 11004, H200, odd_ffn).impl == "normal"
 
 
 def test_choose_explains_a_memory_tie_break():

@@ -202,9 +202,11 @@ def test_a_quack_entry_serves_its_fallback_where_quack_cannot():
     table["shapes"]["32x48"]["mlp"]["16"]["fallback"] = "cublas"
     x, w1, w2 = torch.randn(60, 32), torch.randn(96, 32), torch.randn(32, 48)
     with dispatch.use_table(table), use_backend("triton"):
-        assert dispatch.choose("mlp", 32, 48, 60, quack=True) == "quack"
+        asked = []
+        assert dispatch.choose("mlp", 32, 48, 60, lambda: asked.append(1) or True) == "quack"
         assert dispatch.choose("mlp", 32, 48, 60) == "cublas"
-        assert dispatch.choose("mlp", 32, 48, 1, quack=True) == "fused_mlp"
+        assert dispatch.choose("mlp", 32, 48, 1, lambda: asked.append(2) or True) == "fused_mlp"
+        assert asked == [1]  # asked only where the table names quack
         assert not quack_serves(x, w1)
         assert inference.inference_path(x, w1, w2, None) == "cublas"
         actual = inference.swiglu_mlp_inference(x, w1, None, w2, None, None)

@@ -100,3 +100,19 @@ def test_no_grad_quack_path_where_the_table_names_it():
         assert inference.projection_path(x, mlp.fc1.weight, None) == "quack"
         y = mlp(x)
     assert rel_err(y, expected) < TOLERANCE[torch.bfloat16]
+
+
+def test_a_column_major_fc1_gives_the_row_major_answer():
+    """quack's concat_layout reads [W_gate; W_up] along fc1's rows: a column-major fc1 (a
+    transposed view) is made row-major first, not read with gate and up interleaved wrongly."""
+    from swiglu_train.ops.quack_mlp import drop_h_quack_mlp
+
+    x = torch.randn(256, 512, device="cuda", dtype=torch.bfloat16)
+    w1 = torch.randn(1408, 512, device="cuda", dtype=torch.bfloat16) / 512**0.5
+    w2 = torch.randn(512, 704, device="cuda", dtype=torch.bfloat16) / 704**0.5
+    column_major = w1.t().contiguous().t()
+    assert column_major.stride(1) != 1 and torch.equal(column_major, w1)
+    with torch.no_grad():
+        expected = drop_h_quack_mlp(x, w1, None, w2, None)
+        actual = drop_h_quack_mlp(x, column_major, None, w2, None)
+    assert torch.equal(actual, expected)

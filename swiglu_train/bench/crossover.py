@@ -24,14 +24,13 @@ from swiglu_train.layers.auto import (
     choose,
     gpu_family,
 )
+from swiglu_train.layers.registry import PORTABLE_IMPLS, QUACK_IMPLS
 from swiglu_train.ops.quack_mlp import quack_available
-
-PORTABLE = ("normal", "drop_h", "save_factors")
 
 
 def default_impls() -> tuple[str, ...]:
-    """Every impl that runs here: drop_h_quack joins where quack runs."""
-    return (*PORTABLE, "drop_h_quack") if quack_available() else PORTABLE
+    """Every impl that runs here: the quack impls join where quack runs."""
+    return (*PORTABLE_IMPLS, *sorted(QUACK_IMPLS)) if quack_available() else PORTABLE_IMPLS
 
 
 Point = tuple[int, int, int]  # (M, D, F)

@@ -10,7 +10,8 @@ optimizer holds its parameters.
 The rule, at the table point nearest in log-space to (tokens_hint, D, F): take the fastest
 impl (by the paired median ratio to the six-GEMM floor), and among impls within
 ``TIE_TOLERANCE`` of it the one with the least after-forward memory. Impls this machine cannot
-run (``drop_h_quack`` without quack or below sm_90) are left out first.
+run (``drop_h_quack`` without quack, below sm_90, or with D or F not a multiple of 8) are left
+out first.
 
 The fallback is ``drop_h``: it is never slower than ``normal`` by more than noise and saves
 M·F·2 bytes per layer (h is recomputed instead of saved), while ``save_factors`` is a layout
@@ -33,7 +34,7 @@ from importlib.resources.abc import Traversable
 import torch
 
 from swiglu_train.layers.registry import MLP_IMPLS, QUACK_IMPLS
-from swiglu_train.ops.quack_mlp import quack_available
+from swiglu_train.ops.quack_mlp import quack_available, quack_sizes_ok
 from swiglu_train.tables import check_header, read_json
 
 FALLBACK = "drop_h"
@@ -201,7 +202,8 @@ def resolve(
                 f"{dim}={q} is more than one grid step (x{2**step:.2f}) from the nearest "
                 f"measured point ({where}) on {table.device_name}"
             )
-    runnable = {n: v for n, v in point.impls.items() if n not in QUACK_IMPLS or quack_available()}
+    quack = quack_sizes_ok(hidden_size, ffn_hidden_size) and quack_available()
+    runnable = {n: v for n, v in point.impls.items() if n not in QUACK_IMPLS or quack}
     if not runnable:
         return fallback(f"none of the impls measured at {where} can run here (quack missing)")
     impl, why = choose(runnable)

@@ -7,7 +7,7 @@ was fastest there (with its ms and the runner-up's margin, for readers):
            then our activation kernel) or "quack" (quack's GEMM with the SwiGLU epilogue);
   "mlp"    the whole MLP: "fused_mlp", or one of those three followed by cuBLAS fc2.
 A "quack" entry also names its "fallback", the fastest path without quack, which serves where
-quack cannot (not installed, below sm_90, fp32, sizes not multiples of 8).
+quack cannot (not installed, below sm_90, fp32, sizes not multiples of 8, fc1 not row-major).
 
 Lookup for (D, F, M): the nearest measured shape by Euclidean distance in (log2 D, log2 F), ties
 to the smaller D·F. D and F count separately, not as their product, because they are different
@@ -31,7 +31,7 @@ import importlib.resources
 import itertools
 import math
 import re
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from importlib.resources.abc import Traversable
 from pathlib import Path
@@ -42,8 +42,9 @@ from swiglu_train.tables import check_header, read_json
 
 SCHEMA = 1
 PACKAGED_TABLE = "inference_dispatch_h200.json"
-PATHS = {"gated": ("gated", "cublas", "quack"), "mlp": ("fused_mlp", "gated", "cublas", "quack")}
 QUACK = "quack"
+WITHOUT_QUACK = {"gated": ("gated", "cublas"), "mlp": ("fused_mlp", "gated", "cublas")}
+PATHS = {kind: (*paths, QUACK) for kind, paths in WITHOUT_QUACK.items()}
 DEFAULT_FUSED_MLP_MAX_M = 16
 DEFAULT_GATED_MAX_M = 4096
 _TABLE_KEYS = {"schema", "gpu", "commit", "dtype", "shapes"}
@@ -93,11 +94,11 @@ def _choices(kind: str, by_m: object, where: str, fail) -> Choices:
         if not (isinstance(m, str) and m.isdigit() and int(m) >= 1) or path not in PATHS[kind]:
             raise fail(f"{where}.{m}", f"expected M >= 1 -> {{path: one of {PATHS[kind]}}}")
         fallback = entry.get("fallback", path)
-        if (path == QUACK) != ("fallback" in entry) or fallback not in PATHS[kind][:-1]:
+        if (path == QUACK) != ("fallback" in entry) or fallback not in WITHOUT_QUACK[kind]:
             raise fail(
                 f"{where}.{m}",
                 "a 'quack' path needs a 'fallback' among "
-                f"{PATHS[kind][:-1]}, and only a 'quack' path has one",
+                f"{WITHOUT_QUACK[kind]}, and only a 'quack' path has one",
             )
         choices.append((int(m), path, fallback))
     return tuple(sorted(choices))
@@ -140,9 +141,12 @@ def active_table() -> DispatchTable:
     return _override if _override is not None else packaged_table()
 
 
-def choose(kind: str, hidden_size: int, ffn_size: int, m: int, quack: bool = False) -> str:
+def choose(
+    kind: str, hidden_size: int, ffn_size: int, m: int, quack: Callable[[], bool] = lambda: False
+) -> str:
     """The path for ``kind`` ("gated" or "mlp") at (D, F, M): the table's, else the default.
-    ``quack``: whether quack's kernel can serve this call; if not, a "quack" entry's fallback."""
+    ``quack`` says whether quack's kernel can serve this call, asked only when the table names
+    quack; where it cannot, the entry's fallback."""
     choices = _nearest_shape(kind, hidden_size, ffn_size)
     if choices is None:
         return default_path(kind, m)
@@ -151,7 +155,7 @@ def choose(kind: str, hidden_size: int, ffn_size: int, m: int, quack: bool = Fal
         if m * m <= lo[0] * hi[0]:  # log m <= the mean of log lo and log hi: lo is nearer
             entry = lo
             break
-    return entry[1] if quack else entry[2]
+    return entry[1] if entry[1] != QUACK or quack() else entry[2]
 
 
 def default_path(kind: str, m: int) -> str:

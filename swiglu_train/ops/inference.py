@@ -65,7 +65,7 @@ def inference_path(
     fc1's, or None. Where the table's fused_mlp cannot serve (weights not row-major), gated does."""
     (m, d), f = x.shape, fc1_weight.shape[0] // 2
     if chunk is None and _kernels_serve(x):
-        path = dispatch.choose("mlp", d, f, m, quack_serves(x, fc1_weight))
+        path = dispatch.choose("mlp", d, f, m, lambda: quack_serves(x, fc1_weight))
         fusable = (
             fused_kernels is not None and fc1_weight.stride(1) == 1 and fc2_weight.stride(1) == 1
         )
@@ -78,7 +78,7 @@ def projection_path(x: torch.Tensor, fc1_weight: torch.Tensor, chunk: int | None
     """The path for h alone (gated, cublas, quack or torch), from the table's "gated" entries."""
     (m, d), f = x.shape, fc1_weight.shape[0] // 2
     if chunk is None and _kernels_serve(x):
-        path = dispatch.choose("gated", d, f, m, quack_serves(x, fc1_weight))
+        path = dispatch.choose("gated", d, f, m, lambda: quack_serves(x, fc1_weight))
         if path in ("cublas", "quack"):
             return path
     return "gated" if _gated_serves(x, chunk, f) else "torch"

@@ -58,6 +58,8 @@ def _unavailable_reason(device_index: int) -> str | None:
         require_quack()
     except ImportError:
         return "quack-kernels is not installed (pip install 'swiglu-train[quack]')"
+    except Exception as e:  # an installed quack that fails to load must not break other impls
+        return f"quack-kernels failed to load: {type(e).__name__}: {e}"
     return None
 
 
@@ -87,10 +89,17 @@ def check_quack_inputs(x: torch.Tensor, fc1_weight: torch.Tensor, fc2_weight: to
         )
 
 
+def quack_sizes_ok(hidden_size: int, ffn_hidden_size: int) -> bool:
+    """D and F as quack's TMA operands need them: 16-byte rows."""
+    return hidden_size % ALIGN == 0 and ffn_hidden_size % ALIGN == 0
+
+
 def quack_serves(x: torch.Tensor, fc1_weight: torch.Tensor) -> bool:
-    """Whether quack's gated GEMM can take this no-grad call (the dispatch's "quack" path)."""
-    sizes_ok = x.shape[1] % ALIGN == 0 and fc1_weight.shape[0] % (2 * ALIGN) == 0
-    return x.is_cuda and x.dtype in QUACK_DTYPES and sizes_ok and quack_available()
+    """Whether quack's gated GEMM can take this no-grad call (the dispatch's "quack" path):
+    its concat_layout reads [W_gate; W_up] along fc1's rows, so fc1 must be row-major."""
+    sizes_ok = quack_sizes_ok(x.shape[1], fc1_weight.shape[0] // 2)
+    row_major = fc1_weight.stride(1) == 1
+    return x.is_cuda and x.dtype in QUACK_DTYPES and sizes_ok and row_major and quack_available()
 
 
 def quack_swiglu_projection(
@@ -115,6 +124,8 @@ class _DropHQuack(torch.autograd.Function):
         check_quack_inputs(x, fc1_weight, fc2_weight)
         q = require_quack()
         x = x.contiguous()
+        # concat_layout reads [W_gate; W_up] along fc1's non-contiguous dim: it must be the rows
+        fc1_weight = fc1_weight if fc1_weight.stride(1) == 1 else fc1_weight.contiguous()
         preact, h = q.gemm_gated(
             x, fc1_weight.t(), bias=fc1_bias, activation="swiglu", tuned=False,
             concat_layout=("B", "bias"),
