@@ -116,3 +116,54 @@ def test_a_column_major_fc1_gives_the_row_major_answer():
         expected = drop_h_quack_mlp(x, w1, None, w2, None)
         actual = drop_h_quack_mlp(x, column_major, None, w2, None)
     assert torch.equal(actual, expected)
+
+
+def test_autocast_with_fp32_master_weights():
+    """Mixed precision as trainers run it: fp32 parameters, bf16 compute, fp32 grads."""
+    mlp = ParMLP(512, 1408, impl="drop_h_quack", device="cuda")
+    x = torch.randn(300, 512, device="cuda", requires_grad=True)
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        y = mlp(x)
+    assert y.dtype == torch.bfloat16
+    y.float().sum().backward()
+    assert mlp.fc1.weight.grad.dtype == torch.float32 and x.grad.dtype == torch.float32
+    expected = reference_outputs(mlp, x, torch.ones(300, 512))
+    assert rel_err(y, expected["y"]) < TOLERANCE[torch.bfloat16]
+    assert rel_err(mlp.fc1.weight.grad, expected["fc1.weight"]) < TOLERANCE[torch.bfloat16]
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_activation_checkpointing(reentrant):
+    """The recompute of a checkpointed forward runs under grad (non-reentrant) or no-grad then
+    grad (reentrant); either way the grads are the reference's."""
+    mlp = ParMLP(512, 1408, impl="drop_h_quack", device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(300, 512, device="cuda", dtype=torch.bfloat16)
+    grad_y = torch.randn_like(x)
+    expected = reference_outputs(mlp, x, grad_y)
+
+    class Checkpointed(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.mlp = mlp
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return torch.utils.checkpoint.checkpoint(self.mlp, x, use_reentrant=reentrant)
+
+    actual = run_outputs(Checkpointed(), x, grad_y)
+    for name, value in expected.items():
+        key = name if name in ("y", "x") else f"mlp.{name}"
+        assert rel_err(actual[key], value) < TOLERANCE[torch.bfloat16], name
+
+
+def test_torch_compile_matches_eager():
+    """torch.compile (graph breaks allowed: quack's kernels are opaque to it) computes what
+    eager does."""
+    torch._dynamo.reset()
+    mlp = ParMLP(512, 1408, impl="drop_h_quack", device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(300, 512, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    y_eager = mlp(x)
+    (gx_eager,) = torch.autograd.grad(y_eager.float().square().sum(), x)
+    y = torch.compile(mlp)(x)
+    (gx,) = torch.autograd.grad(y.float().square().sum(), x)
+    torch.testing.assert_close(y, y_eager, rtol=2**-7, atol=2**-7)
+    torch.testing.assert_close(gx, gx_eager, rtol=2**-7, atol=2**-7)
