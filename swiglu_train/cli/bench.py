@@ -251,9 +251,10 @@ def bench_crossover(
         typer.Option(help="write the lookup table for impl='auto' here (CUDA only)"),
     ] = None,
 ) -> None:
-    """Where normal, drop_h and save_factors win, by time and memory, over a grid of (M, D, F).
+    """Where each impl wins, by time and memory, over a grid of (M, D, F).
 
-    Ship the --table file as swiglu_train/layers/crossover_<gpu family>.json.
+    normal, drop_h and save_factors, and drop_h_quack where quack runs. Ship the --table file
+    as swiglu_train/layers/crossover_<gpu family>.json.
     """
     from swiglu_train.bench.crossover import (
         CrossoverConfig,

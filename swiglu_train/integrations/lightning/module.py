@@ -91,6 +91,6 @@ class PretrainModule(pl.LightningModule):
             raise ValueError(
                 f"checkpoint fc1 layout is {saved} but the model's is {self.fc1_layout()}; "
                 "its optimizer state would be misread. Resume with an impl of the same layout "
-                "(normal/drop_h: canonical; save_factors: packed); this model runs "
+                "(normal/drop_h/drop_h_quack: canonical; save_factors: packed); this model runs "
                 f"{self.model.layers[0].mlp.impl!r}"
             )
