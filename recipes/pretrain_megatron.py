@@ -20,9 +20,11 @@ pipeline parallelism rank 0 holds neither the loss nor a bracketed forward/backw
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import statistics
 import time
+from collections.abc import Callable, Iterator
 from functools import partial
 from pathlib import Path
 
@@ -257,29 +259,55 @@ def save(root: str, step: int, model, optimizer) -> None:
     dist_checkpointing.save(state, directory)
 
 
-def init_optimizer_state(optimizer: MegatronOptimizer) -> None:
-    """Zero moments and step 0 in a fresh optimizer, so that it can describe what to load.
-
-    DistributedOptimizer.state_dict reads one common 'step' off the param states; without
-    Apex or TE (our machines) a torch Adam has none before its first step, and megatron-core
-    0.16 asserts (seen resuming on the H200). Step 0 with zero moments is what a fresh Adam
-    starts from, and the load overwrites all of it.
+@contextlib.contextmanager
+def loadable(optimizer: MegatronOptimizer) -> Iterator[None]:
+    """A fresh optimizer made able to load a checkpoint where Megatron runs torch's Adam (no
+    Apex or TE, as on our machines). Two megatron-core 0.16 gaps, met resuming on the H200:
+    - DistributedOptimizer.state_dict reads one common 'step' off the param states, which a
+      fresh Adam lacks: it gets zero moments and step 0 (what a fresh Adam starts from; the
+      load overwrites both);
+    - its fully-reshardable param load copies every per-param state key from the checkpoint,
+      'step' included, which that format keeps per group: the per-param steps step aside
+      while it runs and come back after (already set from the checkpoint's group step).
     """
+    patched = []
     for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
         if opt.init_state_fn is None:
             continue
         opt.init_state_fn(opt.optimizer, opt.config)
         for state in opt.optimizer.state.values():
             state.setdefault("step", torch.zeros((), dtype=torch.float32))
+        load_params = getattr(opt, "load_parameter_state_from_fully_reshardable", None)
+        if load_params is not None:
+            opt.load_parameter_state_from_fully_reshardable = _steps_aside(opt, load_params)
+            patched.append(opt)
+    try:
+        yield
+    finally:
+        for opt in patched:  # the instance attribute goes; the class's method serves again
+            del opt.load_parameter_state_from_fully_reshardable
+
+
+def _steps_aside(opt: MegatronOptimizer, load_params: Callable[[dict], None]):
+    def load_without_step(param_state: dict) -> None:
+        state = opt.optimizer.state
+        steps = {p: s.pop("step") for p, s in state.items() if "step" in s}
+        try:
+            load_params(param_state)
+        finally:
+            for p, step in steps.items():
+                state[p]["step"] = step
+
+    return load_without_step
 
 
 def load(directory: str, model, optimizer) -> int:
-    if isinstance(optimizer, MegatronOptimizer):
-        init_optimizer_state(optimizer)
-    state = dist_checkpointing.load(checkpoint_state(model, optimizer, True), directory)
-    model.module.load_state_dict(state["model"])
-    if "optimizer" in state:
-        optimizer.load_state_dict(state["optimizer"])
+    megatron = isinstance(optimizer, MegatronOptimizer)
+    with loadable(optimizer) if megatron else contextlib.nullcontext():
+        state = dist_checkpointing.load(checkpoint_state(model, optimizer, True), directory)
+        model.module.load_state_dict(state["model"])
+        if "optimizer" in state:
+            optimizer.load_state_dict(state["optimizer"])
     return dist_checkpointing.load_common_state_dict(directory)["step"]
 
 

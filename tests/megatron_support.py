@@ -7,7 +7,9 @@ Megatron assumes CUDA in a few places that a CPU test still reaches:
   sequence-parallel collectives allocate on ``torch.cuda.current_device()``;
 - dist-ckpt's filesystem writer calls ``torch.cuda.synchronize()`` before writing;
 - the pipeline schedules count tokens in a ``torch.zeros(..., device="cuda")``;
-- the optimizers keep their loss scale in a ``torch.tensor(..., device="cuda")``.
+- the optimizers keep their loss scale in a ``torch.tensor(..., device="cuda")``;
+- DistributedOptimizer checks parameter type names for CUDA and gathers state with ``.cuda()``
+  (:func:`shim_distributed_optimizer`, installed only by the tests that build one).
 
 :func:`shim_cuda_only_calls` points those at the CPU generator and CPU memory. The shims live
 here, in test code, because outside tests Megatron only runs on CUDA; they are installed in
@@ -89,6 +91,25 @@ def shim_cuda_only_calls(seed: int = 1234) -> None:
     torch.cuda.current_device = lambda: torch.device("cpu")
     torch.cuda.synchronize = lambda device=None: None
     schedules.torch = mcore_optimizer.torch = _TorchWithoutCudaFactories()
+
+
+def shim_distributed_optimizer() -> None:
+    """Let Megatron's DistributedOptimizer take CPU parameters (per process, workers only).
+
+    It accepts a parameter only if ``.type()`` names a CUDA tensor type, and moves the state it
+    gathers for a checkpoint with ``.cuda()``: CPU tensors report the CUDA type names and
+    ``.cuda()`` leaves them where they are. Nothing else about its arithmetic changes.
+    """
+    plain_type = torch.Tensor.type
+
+    def cuda_type_names(self: torch.Tensor, *args, **kwargs):
+        name = plain_type(self, *args, **kwargs)
+        if args or kwargs or not name.startswith("torch.") or ".cuda." in name:
+            return name
+        return name.replace("torch.", "torch.cuda.", 1)
+
+    torch.Tensor.type = cuda_type_names
+    torch.Tensor.cuda = lambda self, *args, **kwargs: self
 
 
 def free_port() -> int:
