@@ -74,6 +74,14 @@ def normal_mlp(
     return F.linear(h, fc2_weight, fc2_bias)
 
 
+def save_drop_h(ctx, x, fc1_weight, fc1_bias, fc2_weight, fc2_bias, preact, inplace) -> None:
+    """What every drop_h backward reads: x, both weights and the preact (h is recomputed)."""
+    ctx.save_for_backward(x, fc1_weight, fc2_weight, preact)
+    ctx.inplace = inplace
+    ctx.has_bias = (fc1_bias is not None, fc2_bias is not None)
+    ctx.backward_ran = False
+
+
 class _DropH(torch.autograd.Function):
     @staticmethod
     def forward(
@@ -92,12 +100,8 @@ class _DropH(torch.autograd.Function):
         else:
             preact = F.linear(x, fc1_weight, fc1_bias)
             h = swiglu_fwd(preact)
-        y = F.linear(h, fc2_weight, fc2_bias)
-        ctx.save_for_backward(x, fc1_weight, fc2_weight, preact)
-        ctx.inplace = inplace
-        ctx.has_bias = (fc1_bias is not None, fc2_bias is not None)
-        ctx.backward_ran = False
-        return y
+        save_drop_h(ctx, x, fc1_weight, fc1_bias, fc2_weight, fc2_bias, preact, inplace)
+        return F.linear(h, fc2_weight, fc2_bias)
 
     @staticmethod
     def backward(ctx, grad_y: torch.Tensor):

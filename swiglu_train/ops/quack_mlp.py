@@ -22,7 +22,7 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from swiglu_train.ops.mlp import SECOND_BACKWARD_ERROR, claim_inplace_backward
+from swiglu_train.ops.mlp import SECOND_BACKWARD_ERROR, claim_inplace_backward, save_drop_h
 
 QUACK_DTYPES = (torch.bfloat16, torch.float16)
 ALIGN = 8  # quack's TMA operands need 16-byte rows: 8 elements of a 16-bit dtype
@@ -130,11 +130,8 @@ class _DropHQuack(torch.autograd.Function):
             x, fc1_weight.t(), bias=fc1_bias, activation="swiglu", tuned=False,
             concat_layout=("B", "bias"),
         )  # fmt: skip
-        y = F.linear(h, fc2_weight, fc2_bias)
-        ctx.save_for_backward(x, fc1_weight, fc2_weight, preact)
-        ctx.inplace, ctx.has_bias = inplace, (fc1_bias is not None, fc2_bias is not None)
-        ctx.backward_ran = False
-        return y
+        save_drop_h(ctx, x, fc1_weight, fc1_bias, fc2_weight, fc2_bias, preact, inplace)
+        return F.linear(h, fc2_weight, fc2_bias)
 
     @staticmethod
     def backward(ctx, grad_y: torch.Tensor):
