@@ -32,11 +32,14 @@ export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD WANDB_MODE=offline WANDB_SILENT=true O
 # model whose GEMMs dominate instead.
 MEGATRON_GPU="--num-layers 8 --hidden-size 2048 --ffn-hidden-size 5632 --seq-length 2048 --micro-batch-size 8"
 commit=$(cat COMMIT 2>/dev/null || git rev-parse --short HEAD 2>/dev/null || echo unknown)
-# drop_h_quack joins the training stages where it runs (quack installed, sm_90+). Its wheels
+# The quack impls join the training stages where they run (quack installed, sm_90+). Its wheels
 # (.whl + .whlx) and .whlw do not fit one carry; a machine keeps what `setup` installed while it
 # stays warm (30 s after a call), so run setup with .whl + .whlx, then straight away carry .whlw.
 quack_impl() {  # asked per stage: `setup` may have installed quack earlier in the same call
-  python3 -c "from swiglu_train.ops.quack_mlp import quack_available as a; print('drop_h_quack' if a() else '')"
+  python3 -c "
+from swiglu_train.layers.registry import QUACK_IMPLS
+from swiglu_train.ops.quack_mlp import quack_available
+print(*sorted(QUACK_IMPLS) if quack_available() else [])"
 }
 pack() { tar czf "$OUT/results.tgz" -C "$RES" .; }
 compare_losses() {  # FULL.log RESUMED.log LABEL: the resumed steps' losses against the full run's

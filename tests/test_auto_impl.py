@@ -228,7 +228,8 @@ def test_auto_uses_the_table_of_its_own_gpu_family(monkeypatch):
 
 def test_impl_names_list_auto_where_a_user_chooses():
     with pytest.raises(
-        ValueError, match="valid impls: normal, drop_h, save_factors, drop_h_quack, auto"
+        ValueError,
+        match="valid impls: normal, drop_h, save_factors, drop_h_quack, save_factors_quack, auto",
     ):
         ParMLP(8, 16, impl="fast")
     mlp = ParMLP(8, 16)
@@ -255,7 +256,7 @@ def test_pretrain_rejects_unknown_impl_listing_auto():
 
     cfg = PretrainConfig()
     cfg.model.mlp_impl = "fastest"
-    with pytest.raises(ValueError, match=r"unknown MLP impl 'fastest'.*drop_h_quack, auto"):
+    with pytest.raises(ValueError, match=r"unknown MLP impl 'fastest'.*save_factors_quack, auto"):
         run_pretrain(cfg)
 
 

@@ -19,7 +19,7 @@ def run(*args: str) -> str:
 
 def test_every_impl_is_listed_with_what_it_saves():
     output = run()
-    for name in ("normal", "drop_h", "save_factors", "drop_h_quack"):
+    for name in ("normal", "drop_h", "save_factors", "drop_h_quack", "save_factors_quack"):
         assert name in output
     assert "preact [M, 2F], h [M, F]" in output
     assert "--hidden-size and --ffn-hidden-size" in output

@@ -20,7 +20,13 @@ def test_unknown_impl_lists_valid_ones():
     with pytest.raises(ValueError, match="valid impls"):
         mlp.impl = "nope"
     assert mlp.impl == "drop_h"  # a failed switch leaves the layer as it was
-    assert set(MLP_IMPLS) == {"normal", "drop_h", "save_factors", "drop_h_quack"}
+    assert set(MLP_IMPLS) == {
+        "normal",
+        "drop_h",
+        "save_factors",
+        "drop_h_quack",
+        "save_factors_quack",
+    }
 
 
 @pytest.mark.parametrize(("device", "backend"), device_backends())
@@ -88,8 +94,9 @@ def test_missing_quack_is_named_when_the_layer_is_built(monkeypatch):
     monkeypatch.setitem(sys.modules, "quack", None)  # as if quack-kernels were not installed
     require_quack.cache_clear()
     try:
-        with pytest.raises(ImportError, match=r"quack-kernels.*swiglu-train\[quack\]"):
-            ParMLP(16, 32, impl="drop_h_quack")
+        for impl in ("drop_h_quack", "save_factors_quack"):
+            with pytest.raises(ImportError, match=r"quack-kernels.*swiglu-train\[quack\]"):
+                ParMLP(16, 32, impl=impl)
     finally:
         require_quack.cache_clear()
 

@@ -1,24 +1,39 @@
-"""``drop_h_quack`` on CUDA: numerics, in-place backward, errors, memory (CPU: test_errors)."""
+"""The quack impls on CUDA: numerics, in-place backward, errors, memory (CPU: test_errors)."""
 
 import pytest
 import torch
 from helpers import TOLERANCE, dispatch_table, reference_outputs, rel_err, run_outputs
 
 from swiglu_train import ParMLP
-from swiglu_train.ops import SECOND_BACKWARD_ERROR, dispatch, inference, reference
+from swiglu_train.layers.registry import QUACK_IMPLS
+from swiglu_train.ops import (
+    SECOND_BACKWARD_ERROR,
+    SECOND_BACKWARD_ERROR_FACTORS,
+    dispatch,
+    inference,
+    reference,
+)
 from swiglu_train.ops.quack_mlp import quack_available
 
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not quack_available(), reason="needs quack-kernels and an sm_90+ GPU"),
 ]
+QUACK = sorted(QUACK_IMPLS)
+# each quack impl saves what its portable twin saves, and raises its twin's second-backward error
+TWIN = {"drop_h_quack": "drop_h", "save_factors_quack": "save_factors"}
+SECOND_BACKWARD = {
+    "drop_h_quack": SECOND_BACKWARD_ERROR,
+    "save_factors_quack": SECOND_BACKWARD_ERROR_FACTORS,
+}
 
 
 @pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("m", [1, 777, 4096])
-def test_matches_float64_reference(m, dtype, bias):
-    mlp = ParMLP(512, 1408, 384, bias=bias, impl="drop_h_quack", device="cuda", dtype=dtype)
+@pytest.mark.parametrize("impl", QUACK)
+def test_matches_float64_reference(impl, m, dtype, bias):
+    mlp = ParMLP(512, 1408, 384, bias=bias, impl=impl, device="cuda", dtype=dtype)
     x = torch.randn(m, 512, device="cuda", dtype=dtype)
     grad_y = torch.randn(m, 384, device="cuda", dtype=dtype)
     expected = reference_outputs(mlp, x, grad_y)
@@ -29,8 +44,9 @@ def test_matches_float64_reference(m, dtype, bias):
         assert rel_err(actual[name], expected[name]) < TOLERANCE[dtype], name
 
 
-def test_inplace_and_copy_backward_agree_bitwise():
-    mlp = ParMLP(1024, 2816, bias=True, impl="drop_h_quack", device="cuda", dtype=torch.bfloat16)
+@pytest.mark.parametrize("impl", QUACK)
+def test_inplace_and_copy_backward_agree_bitwise(impl):
+    mlp = ParMLP(1024, 2816, bias=True, impl=impl, device="cuda", dtype=torch.bfloat16)
     x = torch.randn(2, 1000, 1024, device="cuda", dtype=torch.bfloat16)
     grad_y = torch.randn_like(x)
     inplace = run_outputs(mlp, x, grad_y)
@@ -40,20 +56,22 @@ def test_inplace_and_copy_backward_agree_bitwise():
         assert torch.equal(inplace[name], copied[name]), name
 
 
-def test_second_backward_raises():
-    mlp = ParMLP(256, 512, impl="drop_h_quack", device="cuda", dtype=torch.bfloat16)
+@pytest.mark.parametrize("impl", QUACK)
+def test_second_backward_raises(impl):
+    mlp = ParMLP(256, 512, impl=impl, device="cuda", dtype=torch.bfloat16)
     y = mlp(torch.randn(64, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True))
     y.sum().backward(retain_graph=True)
     with pytest.raises(RuntimeError) as info:
         y.sum().backward()
-    assert str(info.value) == SECOND_BACKWARD_ERROR
+    assert str(info.value) == SECOND_BACKWARD[impl]
 
 
-def test_bad_inputs_on_cuda():
-    mlp = ParMLP(256, 500, impl="drop_h_quack", device="cuda", dtype=torch.bfloat16)
-    with pytest.raises(ValueError, match=r"multiples of 8.*'ffn': 500"):
+@pytest.mark.parametrize("impl", QUACK)
+def test_bad_inputs_on_cuda(impl):
+    mlp = ParMLP(256, 500, impl=impl, device="cuda", dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match=rf"{impl}' needs sizes .*multiples of 8.*'ffn': 500"):
         mlp(torch.randn(8, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True))
-    mlp = ParMLP(256, 512, impl="drop_h_quack", device="cuda")
+    mlp = ParMLP(256, 512, impl=impl, device="cuda")
     with pytest.raises(TypeError, match=r"bf16 or fp16 tensors, got torch\.float32"):
         mlp(torch.randn(8, 256, device="cuda", requires_grad=True))
 
@@ -77,13 +95,15 @@ def _memory(impl: str, m: int, d: int, f: int) -> tuple[int, int]:
     return held, torch.cuda.max_memory_allocated() - base
 
 
-def test_memory_is_drop_h_s_or_less():
-    """The same saved tensors as drop_h, and backward writes grad_preact over the preact."""
+@pytest.mark.parametrize("impl", QUACK)
+def test_memory_is_the_portable_twin_s_or_less(impl):
+    """The same saved tensors as the portable twin, and backward writes grad_preact over the
+    saved [M, 2F] tensor."""
     m, d, f = 4096, 1024, 2816
-    quack_held, quack_peak = _memory("drop_h_quack", m, d, f)
-    drop_h_held, drop_h_peak = _memory("drop_h", m, d, f)
-    assert quack_held == drop_h_held
-    assert quack_peak <= drop_h_peak
+    quack_held, quack_peak = _memory(impl, m, d, f)
+    twin_held, twin_peak = _memory(TWIN[impl], m, d, f)
+    assert quack_held == twin_held
+    assert quack_peak <= twin_peak
 
 
 def test_no_grad_quack_path_where_the_table_names_it():
@@ -118,9 +138,10 @@ def test_a_column_major_fc1_gives_the_row_major_answer():
     assert torch.equal(actual, expected)
 
 
-def test_autocast_with_fp32_master_weights():
+@pytest.mark.parametrize("impl", QUACK)
+def test_autocast_with_fp32_master_weights(impl):
     """Mixed precision as trainers run it: fp32 parameters, bf16 compute, fp32 grads."""
-    mlp = ParMLP(512, 1408, impl="drop_h_quack", device="cuda")
+    mlp = ParMLP(512, 1408, impl=impl, device="cuda")
     x = torch.randn(300, 512, device="cuda", requires_grad=True)
     with torch.autocast("cuda", dtype=torch.bfloat16):
         y = mlp(x)
@@ -133,10 +154,11 @@ def test_autocast_with_fp32_master_weights():
 
 
 @pytest.mark.parametrize("reentrant", [False, True])
-def test_activation_checkpointing(reentrant):
+@pytest.mark.parametrize("impl", QUACK)
+def test_activation_checkpointing(impl, reentrant):
     """The recompute of a checkpointed forward runs under grad (non-reentrant) or no-grad then
     grad (reentrant); either way the grads are the reference's."""
-    mlp = ParMLP(512, 1408, impl="drop_h_quack", device="cuda", dtype=torch.bfloat16)
+    mlp = ParMLP(512, 1408, impl=impl, device="cuda", dtype=torch.bfloat16)
     x = torch.randn(300, 512, device="cuda", dtype=torch.bfloat16)
     grad_y = torch.randn_like(x)
     expected = reference_outputs(mlp, x, grad_y)
@@ -155,11 +177,12 @@ def test_activation_checkpointing(reentrant):
         assert rel_err(actual[key], value) < TOLERANCE[torch.bfloat16], name
 
 
-def test_torch_compile_matches_eager():
+@pytest.mark.parametrize("impl", QUACK)
+def test_torch_compile_matches_eager(impl):
     """torch.compile (graph breaks allowed: quack's kernels are opaque to it) computes what
     eager does."""
     torch._dynamo.reset()
-    mlp = ParMLP(512, 1408, impl="drop_h_quack", device="cuda", dtype=torch.bfloat16)
+    mlp = ParMLP(512, 1408, impl=impl, device="cuda", dtype=torch.bfloat16)
     x = torch.randn(300, 512, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     y_eager = mlp(x)
     (gx_eager,) = torch.autograd.grad(y_eager.float().square().sum(), x)
@@ -167,3 +190,22 @@ def test_torch_compile_matches_eager():
     (gx,) = torch.autograd.grad(y.float().square().sum(), x)
     torch.testing.assert_close(y, y_eager, rtol=2**-7, atol=2**-7)
     torch.testing.assert_close(gx, gx_eager, rtol=2**-7, atol=2**-7)
+
+
+@pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])
+def test_no_grad_reads_the_chunk_1_layout_with_quack(bias):
+    """save_factors_quack's fc1 (packed, chunk 1) is quack's own pair order: with no grad it
+    takes quack's gated GEMM directly, and computes the reference's y."""
+    kwargs = {"bias": bias, "device": "cuda", "dtype": torch.bfloat16}
+    mlp = ParMLP(1024, 2816, impl="save_factors_quack", **kwargs)
+    canonical = ParMLP(1024, 2816, impl="normal", **kwargs)
+    canonical.load_state_dict(mlp.state_dict())  # unpacked on load, by the layout stamp
+    x = torch.randn(512, 1024, device="cuda", dtype=torch.bfloat16)
+    with torch.no_grad():
+        assert inference.inference_path(x, mlp.fc1.weight, mlp.fc2.weight, 1) == "quack"
+        assert inference.projection_path(x, mlp.fc1.weight, 1) == "quack"
+        y = mlp(x)
+        c = canonical
+        params = (c.fc1.weight, c.fc1.bias, c.fc2.weight, c.fc2.bias)
+        expected = reference.mlp(x.double(), *(None if p is None else p.double() for p in params))
+    assert rel_err(y, expected) < TOLERANCE[torch.bfloat16]

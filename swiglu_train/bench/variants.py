@@ -116,6 +116,7 @@ BUILDERS: dict[str, Callable[[LayerWeights], Layer]] = {
     "save_factors": ours("save_factors"),
     "save_factors_fused": save_factors_fused,
     "drop_h_quack": ours("drop_h_quack"),
+    "save_factors_quack": ours("save_factors_quack"),
     "liger": liger,
     "fla": fla,
     "quack": quack,

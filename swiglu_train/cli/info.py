@@ -15,6 +15,7 @@ SAVED = {  # besides x and the weights, from forward to backward
     "drop_h": "preact [M, 2F]; h recomputed in the backward kernel",
     "save_factors": "factors [M, 2F], h [M, F]; fc1 packed",
     "drop_h_quack": "preact [M, 2F]; h recomputed in quack's grad_h GEMM epilogue",
+    "save_factors_quack": "factors [M, 2F], h [M, F]; fc1 packed (chunk 1), both epilogues fused",
 }
 
 

@@ -9,15 +9,19 @@ and any state_dict is converted on load to the layout of the module it is loaded
 
 from __future__ import annotations
 
-import math
-
 import torch
 from torch import nn
 
 from swiglu_train.kernels.runtime import SUPPORTED_DTYPES
 from swiglu_train.layers.auto import resolve_auto
 from swiglu_train.layers.layout import CANONICAL, Layout, order
-from swiglu_train.layers.registry import AUTO, PACKED_IMPLS, check_impl_name, get_impl
+from swiglu_train.layers.registry import (
+    AUTO,
+    PACKED_IMPLS,
+    check_impl_name,
+    get_impl,
+    packed_chunk,
+)
 from swiglu_train.ops.inference import grad_needed, swiglu_mlp_inference
 
 STAMP_KEY = "_extra_state"  # a packed ParMLP's state_dict entry: {"fc1_layout": {...}}
@@ -28,7 +32,8 @@ class ParMLP(nn.Module):
 
     ``inplace=False`` lets a ``drop_h`` or ``save_factors`` graph be backpropagated more than
     once, at the cost of activation-sized buffers in backward. ``chunk`` is the packed layout's
-    chunk for packed impls (default: the largest power of two up to 128 dividing F).
+    chunk under ``save_factors`` (default: the largest power of two up to 128 dividing F);
+    ``save_factors_quack`` always packs with chunk 1, quack's pair order.
     With no grad to compute (eval, generation, inference mode) every impl takes the same
     inference path (``ops.inference``), which saves nothing for backward.
 
@@ -62,7 +67,7 @@ class ParMLP(nn.Module):
         self.fc1 = nn.Linear(hidden_size, 2 * ffn_hidden_size, bias=bias, **factory)
         self.fc2 = nn.Linear(ffn_hidden_size, output_size or hidden_size, bias=bias, **factory)
         self.inplace = inplace
-        self.chunk = chunk or math.gcd(ffn_hidden_size, 128)
+        self.chunk = chunk  # None: each packed impl's default
         self.fc1_layout = CANONICAL
         self.set_impl(auto.impl if auto else impl)
         self.auto_reason = auto.reason if auto else None
@@ -103,7 +108,9 @@ class ParMLP(nn.Module):
         return index
 
     def _layout_for(self, name: str) -> Layout:
-        return Layout("packed", self.chunk) if name in PACKED_IMPLS else CANONICAL
+        if name not in PACKED_IMPLS:
+            return CANONICAL
+        return Layout("packed", packed_chunk(name, self.chunk, self.fc2.in_features))
 
     @property
     def hidden_size(self) -> int:

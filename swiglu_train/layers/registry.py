@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import torch
 
 from swiglu_train.ops import drop_h_mlp, normal_mlp, save_factors_mlp
 from swiglu_train.ops.quack_mlp import drop_h_quack_mlp, require_quack
+from swiglu_train.ops.quack_save_factors import CHUNK as QUACK_PAIR_CHUNK
+from swiglu_train.ops.quack_save_factors import save_factors_quack_mlp
 
 MLPFunction = Callable[..., torch.Tensor]
 
@@ -16,11 +19,14 @@ _IMPLS: dict[str, MLPFunction] = {
     "drop_h": drop_h_mlp,
     "save_factors": save_factors_mlp,
     "drop_h_quack": drop_h_quack_mlp,
+    "save_factors_quack": save_factors_quack_mlp,
 }
 MLP_IMPLS: tuple[str, ...] = tuple(_IMPLS)
-PACKED_IMPLS: frozenset[str] = frozenset({"save_factors"})  # these read fc1 in packed layout
+# these read fc1 in packed layout
+PACKED_IMPLS: frozenset[str] = frozenset({"save_factors", "save_factors_quack"})
+FIXED_CHUNKS: dict[str, int] = {"save_factors_quack": QUACK_PAIR_CHUNK}  # set by the kernel
 # quack's CuTe-DSL kernels: CUDA sm_90+ with quack-kernels installed; the others run anywhere
-QUACK_IMPLS: frozenset[str] = frozenset({"drop_h_quack"})
+QUACK_IMPLS: frozenset[str] = frozenset({"drop_h_quack", "save_factors_quack"})
 PORTABLE_IMPLS: tuple[str, ...] = tuple(n for n in MLP_IMPLS if n not in QUACK_IMPLS)
 AUTO = "auto"  # not a function: ParMLP resolves it to one of MLP_IMPLS when built (layers/auto)
 IMPL_CHOICES: tuple[str, ...] = (*MLP_IMPLS, AUTO)  # what a user may ask a ParMLP for
@@ -30,6 +36,24 @@ def check_impl_name(name: str) -> None:
     """A ValueError listing every name a user may choose (``auto`` included) for an unknown one."""
     if name not in IMPL_CHOICES:
         raise ValueError(f"unknown MLP impl {name!r}; valid impls: {', '.join(IMPL_CHOICES)}")
+
+
+def packed_chunk(name: str, chunk: int | None, ffn_size: int) -> int:
+    """The packed layout's chunk for packed impl ``name`` on ``ffn_size`` rows per half.
+
+    A kernel that fixes the chunk (save_factors_quack: 1) overrides a default but refuses a
+    different explicit one; otherwise ``chunk``, or the largest power of two up to 128 dividing
+    ``ffn_size`` (one 128-wide GEMM tile per chunk where the size allows).
+    """
+    fixed = FIXED_CHUNKS.get(name)
+    if fixed is not None:
+        if chunk not in (None, fixed):
+            raise ValueError(f"impl {name!r} packs fc1 with chunk {fixed}, not chunk={chunk}")
+        return fixed
+    chunk = math.gcd(ffn_size, 128) if chunk is None else chunk
+    if chunk < 1 or ffn_size % chunk:
+        raise ValueError(f"chunk={chunk} must be positive and divide the ffn size {ffn_size}")
+    return chunk
 
 
 def get_impl(name: str) -> MLPFunction:

@@ -11,7 +11,9 @@ apply where the table has no entry):
                is what wins at training sizes (the no-grad forward of reentrant activation
                checkpointing lands here);
   "quack"      canonical fc1 where the table measured quack's GEMM with the SwiGLU epilogue
-               fastest (then cuBLAS fc2); where quack cannot serve, the entry's fallback;
+               fastest (then cuBLAS fc2); where quack cannot serve, the entry's fallback.
+               Always for fc1 packed with chunk 1 (save_factors_quack's layout, quack's own
+               pair order) where quack can serve;
   "torch"      plain torch, where Triton cannot run (or under ``use_backend("torch")``), and
                on CPU beyond INTERPRETER_MAX_M rows: the interpreter runs kernels at Python
                speed (the gated GEMM takes 3.4 s for 256x64 -> 160), fit for tests, not models.
@@ -34,6 +36,7 @@ except ImportError:  # no Triton: the gated and torch paths decide alone
     fused_kernels = None
 
 INTERPRETER_MAX_M = 64
+INTERLEAVED = 1  # the packed chunk whose pairs quack's gated GEMM reads as they are
 
 
 @torch.library.custom_op("swiglu_train::fused_mlp", mutates_args=())
@@ -64,6 +67,8 @@ def inference_path(
     """The MLP's path for this call (fused_mlp, gated, cublas, quack or torch); ``chunk``: packed
     fc1's, or None. Where the table's fused_mlp cannot serve (weights not row-major), gated does."""
     (m, d), f = x.shape, fc1_weight.shape[0] // 2
+    if chunk == INTERLEAVED and quack_serves(x, fc1_weight):
+        return "quack"
     if chunk is None and _kernels_serve(x):
         path = dispatch.choose("mlp", d, f, m, lambda: quack_serves(x, fc1_weight))
         fusable = (
@@ -77,6 +82,8 @@ def inference_path(
 def projection_path(x: torch.Tensor, fc1_weight: torch.Tensor, chunk: int | None) -> str:
     """The path for h alone (gated, cublas, quack or torch), from the table's "gated" entries."""
     (m, d), f = x.shape, fc1_weight.shape[0] // 2
+    if chunk == INTERLEAVED and quack_serves(x, fc1_weight):
+        return "quack"
     if chunk is None and _kernels_serve(x):
         path = dispatch.choose("gated", d, f, m, lambda: quack_serves(x, fc1_weight))
         if path in ("cublas", "quack"):
@@ -103,7 +110,7 @@ def swiglu_gated_projection(
     if path == "cublas":
         return swiglu_fwd(F.linear(x, fc1_weight, fc1_bias))
     if path == "quack":
-        return quack_swiglu_projection(x, fc1_weight, fc1_bias)
+        return quack_swiglu_projection(x, fc1_weight, fc1_bias, chunk == INTERLEAVED)
     return swiglu_gated_inference(x, fc1_weight, fc1_bias, chunk)
 
 
@@ -138,7 +145,7 @@ def swiglu_mlp_inference(
     if path == "cublas":
         h = swiglu_fwd(F.linear(x2d, fc1_weight, fc1_bias))
     elif path == "quack":
-        h = quack_swiglu_projection(x2d, fc1_weight, fc1_bias)
+        h = quack_swiglu_projection(x2d, fc1_weight, fc1_bias, chunk == INTERLEAVED)
     else:
         h = swiglu_gated_inference(x2d, fc1_weight, fc1_bias, chunk)
     return F.linear(h, fc2_weight, fc2_bias)

@@ -68,24 +68,28 @@ def quack_available() -> bool:
     return quack_unavailable_reason() is None
 
 
-def check_quack_inputs(x: torch.Tensor, fc1_weight: torch.Tensor, fc2_weight: torch.Tensor):
-    """A clear error for anything quack's kernels cannot take, before any kernel is built."""
+def check_quack_inputs(
+    x: torch.Tensor, fc1_weight: torch.Tensor, fc2_weight: torch.Tensor, impl: str = "drop_h_quack"
+) -> None:
+    """A clear error for anything quack's kernels cannot take, before any kernel is built;
+    it names ``impl`` and the portable impl with the same saved tensors."""
+    portable = impl.removesuffix("_quack")
     if not x.is_cuda:
-        raise ValueError(f"impl 'drop_h_quack' runs on CUDA only; the input is on {x.device}")
+        raise ValueError(f"impl {impl!r} runs on CUDA only; the input is on {x.device}")
     major, minor = torch.cuda.get_device_capability(x.device)
     if major < 9:
         raise ValueError(
-            f"impl 'drop_h_quack' needs compute capability 9.0+ (Hopper); {x.device} is "
-            f"{major}.{minor}: use impl 'drop_h'"
+            f"impl {impl!r} needs compute capability 9.0+ (Hopper); {x.device} is "
+            f"{major}.{minor}: use impl {portable!r}"
         )
     if x.dtype not in QUACK_DTYPES:
-        raise TypeError(f"impl 'drop_h_quack' needs bf16 or fp16 tensors, got {x.dtype}")
+        raise TypeError(f"impl {impl!r} needs bf16 or fp16 tensors, got {x.dtype}")
     sizes = {"hidden": fc1_weight.shape[1], "ffn": fc2_weight.shape[1], "out": fc2_weight.shape[0]}
     odd = {name: n for name, n in sizes.items() if n % ALIGN}
     if odd:
         raise ValueError(
-            f"impl 'drop_h_quack' needs sizes that are multiples of {ALIGN} (16-byte rows "
-            f"for TMA); got {odd}: use impl 'drop_h'"
+            f"impl {impl!r} needs sizes that are multiples of {ALIGN} (16-byte rows "
+            f"for TMA); got {odd}: use impl {portable!r}"
         )
 
 
@@ -96,19 +100,28 @@ def quack_sizes_ok(hidden_size: int, ffn_hidden_size: int) -> bool:
 
 def quack_serves(x: torch.Tensor, fc1_weight: torch.Tensor) -> bool:
     """Whether quack's gated GEMM can take this no-grad call (the dispatch's "quack" path):
-    its concat_layout reads [W_gate; W_up] along fc1's rows, so fc1 must be row-major."""
+    both of its fc1 readings (concat_layout's [W_gate; W_up], or pairs interleaved) run
+    along fc1's rows, so fc1 must be row-major."""
     sizes_ok = quack_sizes_ok(x.shape[1], fc1_weight.shape[0] // 2)
     row_major = fc1_weight.stride(1) == 1
     return x.is_cuda and x.dtype in QUACK_DTYPES and sizes_ok and row_major and quack_available()
 
 
 def quack_swiglu_projection(
-    x: torch.Tensor, fc1_weight: torch.Tensor, fc1_bias: torch.Tensor | None
+    x: torch.Tensor,
+    fc1_weight: torch.Tensor,
+    fc1_bias: torch.Tensor | None,
+    interleaved: bool = False,
 ) -> torch.Tensor:
-    """h [M, F] from quack's GEMM with the SwiGLU epilogue, no preactivation stored."""
+    """h [M, F] from quack's GEMM with the SwiGLU epilogue, no preactivation stored.
+
+    fc1 is canonical [W_gate; W_up], or with ``interleaved`` packed with chunk 1
+    (save_factors_quack's layout), which is quack's own pair order.
+    """
+    concat = {} if interleaved else {"concat_layout": ("B", "bias")}
     _, h = require_quack().gemm_gated(
         x, fc1_weight.t(), bias=fc1_bias, activation="swiglu", tuned=False, store_preact=False,
-        concat_layout=("B", "bias"),
+        **concat,
     )  # fmt: skip
     return h
 

@@ -25,7 +25,6 @@ backward.
 from __future__ import annotations
 
 import inspect
-import math
 from typing import Any
 
 import torch
@@ -50,7 +49,7 @@ from swiglu_train.integrations.megatron.packed import (
 )
 from swiglu_train.kernels.runtime import SUPPORTED_DTYPES
 from swiglu_train.layers.layout import CANONICAL, Layout, relayout
-from swiglu_train.layers.registry import AUTO, MLP_IMPLS, PACKED_IMPLS, get_impl
+from swiglu_train.layers.registry import AUTO, MLP_IMPLS, PACKED_IMPLS, get_impl, packed_chunk
 from swiglu_train.ops.inference import grad_needed, swiglu_mlp_inference
 
 SUPPORTED_IMPLS: tuple[str, ...] = MLP_IMPLS
@@ -107,7 +106,7 @@ class ParMLPMegatron(MLP):
     ``bias_activation_fusion`` is ignored: our impl replaces that path whatever its value.
     ``inplace=False`` lets a ``drop_h`` or ``save_factors`` graph be backpropagated twice.
     ``chunk`` is the packed layout's chunk under ``save_factors``; it must divide this rank's
-    ffn size F/tp (default: ``gcd(F/tp, 128)``).
+    ffn size F/tp (default: ``gcd(F/tp, 128)``). ``save_factors_quack`` packs with chunk 1.
     """
 
     DEFAULT_IMPL = "drop_h"
@@ -157,12 +156,10 @@ class ParMLPMegatron(MLP):
             if chunk is not None:
                 raise ValueError(f"chunk applies to packed impls only, not {impl!r}")
             return CANONICAL
-        chunk = math.gcd(local_ffn, 128) if chunk is None else chunk
-        if chunk < 1 or local_ffn % chunk:
-            raise ValueError(
-                f"chunk={chunk} must divide this rank's ffn size {local_ffn} "
-                "(ffn_hidden_size / tensor_model_parallel_size)"
-            )
+        try:
+            chunk = packed_chunk(impl, chunk, local_ffn)
+        except ValueError as e:
+            raise ValueError(f"{e} (this rank's share: ffn_hidden_size / tp size)") from None
         layout = Layout("packed", chunk)
         with torch.no_grad():
             for p in (self.linear_fc1.weight, self.linear_fc1.bias):

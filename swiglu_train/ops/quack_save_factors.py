@@ -1,0 +1,109 @@
+"""The ``save_factors_quack`` impl: save_factors (seed 002) with both fusions in GEMM epilogues.
+
+Forward is one GEMM, x @ W1_packedᵀ, whose epilogue (``kernels.quack_epilogues``) writes h and
+the two backward factors [up * silu'(gate) | silu(gate)] and never stores the preactivation;
+fc2 is cuBLAS. Backward is one GEMM, grad_y @ W2, whose epilogue multiplies grad_h by the saved
+factors and writes grad_preact over them in place, so neither grad_h nor a new [M, 2F] buffer
+reaches memory; fc1's two weight/input GEMMs are cuBLAS and take grad_preact packed as it is.
+
+quack pairs adjacent output columns, so fc1 is packed with chunk 1 ([g_0, u_0, g_1, u_1, ...]);
+checkpoints stay canonical through the layout stamp, as for ``save_factors``. Saved tensors
+are save_factors' (x, h and the [M, 2F] factors): after-forward memory equals ``normal``'s, in
+exchange for a backward with no recompute and no activation pass.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn.functional as F
+
+from swiglu_train.ops.mlp import claim_inplace_backward
+from swiglu_train.ops.quack_mlp import check_quack_inputs, require_quack
+from swiglu_train.ops.save_factors import SECOND_BACKWARD_ERROR_FACTORS
+
+IMPL = "save_factors_quack"
+CHUNK = 1  # quack's pair order: gate and up of one column side by side
+
+
+@functools.cache
+def _epilogues():
+    """The CuTe-DSL epilogues, imported once quack is known to load."""
+    require_quack()
+    from swiglu_train.kernels import quack_epilogues
+
+    return quack_epilogues
+
+
+def factors_forward(
+    x: torch.Tensor, fc1_weight: torch.Tensor, fc1_bias: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(h [M, F], factors [M, 2F]) from one GEMM on a chunk-1 packed fc1."""
+    epi = _epilogues()
+    m, two_f = x.shape[0], fc1_weight.shape[0]
+    factors = x.new_empty(m, two_f)
+    h = x.new_empty(m, two_f // 2)
+    out = {"D": factors, "h": h}
+    if fc1_bias is None:
+        epi.swiglu_factors_epilogue(x, fc1_weight.t(), out=out, tuned=False)
+    else:
+        epi.swiglu_factors_bias_epilogue(
+            x, fc1_weight.t(), out=out, tuned=False, bias=fc1_bias.unsqueeze(0)
+        )
+    return h, factors
+
+
+def factors_to_grad(
+    grad_y: torch.Tensor, fc2_weight: torch.Tensor, factors: torch.Tensor, out: torch.Tensor
+) -> torch.Tensor:
+    """grad_preact = (grad_y @ W2) ⊙ factors into ``out`` (which may be ``factors``)."""
+    _epilogues().factors_to_grad_epilogue(
+        grad_y, fc2_weight, factors, out={"D": out}, tuned=False, dynamic_scheduler=True
+    )
+    return out
+
+
+class _SaveFactorsQuack(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, fc1_weight, fc1_bias, fc2_weight, fc2_bias, inplace: bool):
+        check_quack_inputs(x, fc1_weight, fc2_weight, IMPL)
+        x = x.contiguous()
+        h, factors = factors_forward(x, fc1_weight, fc1_bias)
+        ctx.save_for_backward(x, fc1_weight, fc2_weight, h, factors)
+        ctx.inplace, ctx.has_bias = inplace, (fc1_bias is not None, fc2_bias is not None)
+        ctx.backward_ran = False
+        return F.linear(h, fc2_weight, fc2_bias)
+
+    @staticmethod
+    def backward(ctx, grad_y: torch.Tensor):
+        inplace = claim_inplace_backward(ctx, SECOND_BACKWARD_ERROR_FACTORS)
+        x, fc1_weight, fc2_weight, h, factors = ctx.saved_tensors
+        need_x, need_w1, need_b1, need_w2, need_b2 = ctx.needs_input_grad[:5]
+        grad_y = grad_y.contiguous()
+        out = factors if inplace else torch.empty_like(factors)
+        grad_preact = factors_to_grad(grad_y, fc2_weight, factors, out)
+        grad_w2 = grad_y.t() @ h if need_w2 else None
+        grad_x = grad_preact @ fc1_weight if need_x else None
+        grad_w1 = grad_preact.t() @ x if need_w1 else None
+        grad_b1 = grad_preact.sum(0) if need_b1 and ctx.has_bias[0] else None
+        grad_b2 = grad_y.sum(0) if need_b2 and ctx.has_bias[1] else None
+        return grad_x, grad_w1, grad_b1, grad_w2, grad_b2, None
+
+
+def save_factors_quack_mlp(
+    x: torch.Tensor,
+    fc1_weight: torch.Tensor,
+    fc1_bias: torch.Tensor | None,
+    fc2_weight: torch.Tensor,
+    fc2_bias: torch.Tensor | None,
+    inplace: bool = True,
+    chunk: int = CHUNK,
+) -> torch.Tensor:
+    """save_factors on quack's GEMMs (CUDA sm_90+); fc1 weight and bias packed with chunk 1."""
+    if chunk != CHUNK:
+        raise ValueError(
+            f"impl {IMPL!r} reads fc1 packed with chunk {CHUNK} (quack's pair order), got "
+            f"chunk={chunk}: repack with swiglu_train.packing.switch_impl"
+        )
+    return _SaveFactorsQuack.apply(x, fc1_weight, fc1_bias, fc2_weight, fc2_bias, inplace)
