@@ -15,6 +15,7 @@ exchange for a backward with no recompute and no activation pass.
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -27,6 +28,15 @@ IMPL = "save_factors_quack"
 CHUNK = 1  # quack's pair order: gate and up of one column side by side
 
 
+@dataclass(frozen=True)
+class Gemms:
+    """How the quack GEMMs run: ``tuned`` autotunes each shape once (quack caches the winner on
+    disk); ``quack_fc1_grads`` runs grad_x and grad_W1 on quack's GEMM instead of cuBLAS."""
+
+    tuned: bool = False
+    quack_fc1_grads: bool = False
+
+
 @functools.cache
 def _epilogues():
     """The CuTe-DSL epilogues, imported once quack is known to load."""
@@ -36,8 +46,9 @@ def _epilogues():
     return quack_epilogues
 
 
-def factors_forward(
-    x: torch.Tensor, fc1_weight: torch.Tensor, fc1_bias: torch.Tensor | None
+@torch.library.custom_op("swiglu_train::quack_swiglu_factors", mutates_args=())
+def quack_swiglu_factors(
+    x: torch.Tensor, fc1_weight: torch.Tensor, fc1_bias: torch.Tensor | None, tuned: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(h [M, F], factors [M, 2F]) from one GEMM on a chunk-1 packed fc1."""
     epi = _epilogues()
@@ -46,32 +57,63 @@ def factors_forward(
     h = x.new_empty(m, two_f // 2)
     out = {"D": factors, "h": h}
     if fc1_bias is None:
-        epi.swiglu_factors_epilogue(x, fc1_weight.t(), out=out, tuned=False)
+        epi.swiglu_factors_epilogue(x, fc1_weight.t(), out=out, tuned=tuned)
     else:
         epi.swiglu_factors_bias_epilogue(
-            x, fc1_weight.t(), out=out, tuned=False, bias=fc1_bias.unsqueeze(0)
+            x, fc1_weight.t(), out=out, tuned=tuned, bias=fc1_bias.unsqueeze(0)
         )
     return h, factors
 
 
-def factors_to_grad(
-    grad_y: torch.Tensor, fc2_weight: torch.Tensor, factors: torch.Tensor, out: torch.Tensor
-) -> torch.Tensor:
-    """grad_preact = (grad_y @ W2) ⊙ factors into ``out`` (which may be ``factors``)."""
+@quack_swiglu_factors.register_fake
+def _(x, fc1_weight, fc1_bias, tuned):
+    m, two_f = x.shape[0], fc1_weight.shape[0]
+    return x.new_empty(m, two_f // 2), x.new_empty(m, two_f)
+
+
+def _factors_to_grad(grad_y, fc2_weight, factors, out, tuned: bool) -> None:
     _epilogues().factors_to_grad_epilogue(
-        grad_y, fc2_weight, factors, out={"D": out}, tuned=False, dynamic_scheduler=True
+        grad_y, fc2_weight, factors, out={"D": out}, tuned=tuned, dynamic_scheduler=True
     )
+
+
+@torch.library.custom_op("swiglu_train::quack_factors_to_grad_", mutates_args=("factors",))
+def quack_factors_to_grad_(
+    grad_y: torch.Tensor, fc2_weight: torch.Tensor, factors: torch.Tensor, tuned: bool
+) -> None:
+    """factors <- (grad_y @ W2) ⊙ factors = grad_preact, in place; grad_h never stored."""
+    _factors_to_grad(grad_y, fc2_weight, factors, factors, tuned)
+
+
+@quack_factors_to_grad_.register_fake
+def _(grad_y, fc2_weight, factors, tuned):
+    return None
+
+
+@torch.library.custom_op("swiglu_train::quack_factors_to_grad", mutates_args=())
+def quack_factors_to_grad(
+    grad_y: torch.Tensor, fc2_weight: torch.Tensor, factors: torch.Tensor, tuned: bool
+) -> torch.Tensor:
+    """grad_preact = (grad_y @ W2) ⊙ factors into a new tensor (the factors kept)."""
+    out = torch.empty_like(factors)
+    _factors_to_grad(grad_y, fc2_weight, factors, out, tuned)
     return out
+
+
+@quack_factors_to_grad.register_fake
+def _(grad_y, fc2_weight, factors, tuned):
+    return torch.empty_like(factors)
 
 
 class _SaveFactorsQuack(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, fc1_weight, fc1_bias, fc2_weight, fc2_bias, inplace: bool):
+    def forward(ctx, x, fc1_weight, fc1_bias, fc2_weight, fc2_bias, inplace: bool, gemms: Gemms):
         check_quack_inputs(x, fc1_weight, fc2_weight, IMPL)
         x = x.contiguous()
-        h, factors = factors_forward(x, fc1_weight, fc1_bias)
+        h, factors = quack_swiglu_factors(x, fc1_weight, fc1_bias, gemms.tuned)
         ctx.save_for_backward(x, fc1_weight, fc2_weight, h, factors)
-        ctx.inplace, ctx.has_bias = inplace, (fc1_bias is not None, fc2_bias is not None)
+        ctx.inplace, ctx.gemms = inplace, gemms
+        ctx.has_bias = (fc1_bias is not None, fc2_bias is not None)
         ctx.backward_ran = False
         return F.linear(h, fc2_weight, fc2_bias)
 
@@ -80,15 +122,22 @@ class _SaveFactorsQuack(torch.autograd.Function):
         inplace = claim_inplace_backward(ctx, SECOND_BACKWARD_ERROR_FACTORS)
         x, fc1_weight, fc2_weight, h, factors = ctx.saved_tensors
         need_x, need_w1, need_b1, need_w2, need_b2 = ctx.needs_input_grad[:5]
-        grad_y = grad_y.contiguous()
-        out = factors if inplace else torch.empty_like(factors)
-        grad_preact = factors_to_grad(grad_y, fc2_weight, factors, out)
+        grad_y, tuned = grad_y.contiguous(), ctx.gemms.tuned
+        if inplace:
+            quack_factors_to_grad_(grad_y, fc2_weight, factors, tuned)
+            grad_preact = factors
+        else:
+            grad_preact = quack_factors_to_grad(grad_y, fc2_weight, factors, tuned)
         grad_w2 = grad_y.t() @ h if need_w2 else None
-        grad_x = grad_preact @ fc1_weight if need_x else None
-        grad_w1 = grad_preact.t() @ x if need_w1 else None
+        if ctx.gemms.quack_fc1_grads:
+            gemm = functools.partial(require_quack().gemm, dynamic_scheduler=True, tuned=tuned)
+        else:
+            gemm = torch.mm
+        grad_x = gemm(grad_preact, fc1_weight) if need_x else None
+        grad_w1 = gemm(grad_preact.t(), x) if need_w1 else None
         grad_b1 = grad_preact.sum(0) if need_b1 and ctx.has_bias[0] else None
         grad_b2 = grad_y.sum(0) if need_b2 and ctx.has_bias[1] else None
-        return grad_x, grad_w1, grad_b1, grad_w2, grad_b2, None
+        return grad_x, grad_w1, grad_b1, grad_w2, grad_b2, None, None
 
 
 def save_factors_quack_mlp(
@@ -99,6 +148,7 @@ def save_factors_quack_mlp(
     fc2_bias: torch.Tensor | None,
     inplace: bool = True,
     chunk: int = CHUNK,
+    gemms: Gemms = Gemms(),
 ) -> torch.Tensor:
     """save_factors on quack's GEMMs (CUDA sm_90+); fc1 weight and bias packed with chunk 1."""
     if chunk != CHUNK:
@@ -106,4 +156,4 @@ def save_factors_quack_mlp(
             f"impl {IMPL!r} reads fc1 packed with chunk {CHUNK} (quack's pair order), got "
             f"chunk={chunk}: repack with swiglu_train.packing.switch_impl"
         )
-    return _SaveFactorsQuack.apply(x, fc1_weight, fc1_bias, fc2_weight, fc2_bias, inplace)
+    return _SaveFactorsQuack.apply(x, fc1_weight, fc1_bias, fc2_weight, fc2_bias, inplace, gemms)
