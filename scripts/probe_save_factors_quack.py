@@ -1,5 +1,5 @@
-"""Which GEMM settings make save_factors_quack fastest: quack autotuning and quack's GEMM for
-grad_x / grad_W1, each against the shipped default, paired in the MLP benchmark.
+"""Which GEMM settings make save_factors_quack fastest: quack autotuning per pass, and quack's
+GEMM for fc2 / grad_W2 and grad_x / grad_W1, against the shipped default, paired in the bench.
 
     python scripts/probe_save_factors_quack.py --samples 40 --json OUT.json [bench options]
 """
@@ -11,9 +11,10 @@ from swiglu_train.cli import app
 from swiglu_train.ops.quack_save_factors import Gemms, save_factors_quack_mlp
 
 SETTINGS = {
-    "sfq_tuned": Gemms(tuned=True),
-    "sfq_quack_fc1_grads": Gemms(quack_fc1_grads=True),
-    "sfq_tuned_quack_fc1_grads": Gemms(tuned=True, quack_fc1_grads=True),
+    "sfq_tune_fwd": Gemms(tune_forward=True),
+    "sfq_tune_both": Gemms(tune_forward=True, tune_backward=True),
+    "sfq_tune_fwd_quack_fc2": Gemms(tune_forward=True, quack_fc2=True),
+    "sfq_tune_fwd_quack_all": Gemms(tune_forward=True, quack_fc2=True, quack_fc1_grads=True),
 }
 
 

@@ -30,11 +30,14 @@ CHUNK = 1  # quack's pair order: gate and up of one column side by side
 
 @dataclass(frozen=True)
 class Gemms:
-    """How the quack GEMMs run: ``tuned`` autotunes each shape once (quack caches the winner on
-    disk); ``quack_fc1_grads`` runs grad_x and grad_W1 on quack's GEMM instead of cuBLAS."""
+    """How the GEMMs run. ``tune_forward`` / ``tune_backward`` autotune the epilogue GEMM of
+    that pass once per shape (quack caches the winner on disk); ``quack_fc1_grads`` and
+    ``quack_fc2`` run grad_x / grad_W1, and fc2 / grad_W2, on quack's GEMM instead of cuBLAS."""
 
-    tuned: bool = False
+    tune_forward: bool = False
+    tune_backward: bool = False
     quack_fc1_grads: bool = False
+    quack_fc2: bool = False
 
 
 @functools.cache
@@ -110,11 +113,13 @@ class _SaveFactorsQuack(torch.autograd.Function):
     def forward(ctx, x, fc1_weight, fc1_bias, fc2_weight, fc2_bias, inplace: bool, gemms: Gemms):
         check_quack_inputs(x, fc1_weight, fc2_weight, IMPL)
         x = x.contiguous()
-        h, factors = quack_swiglu_factors(x, fc1_weight, fc1_bias, gemms.tuned)
+        h, factors = quack_swiglu_factors(x, fc1_weight, fc1_bias, gemms.tune_forward)
         ctx.save_for_backward(x, fc1_weight, fc2_weight, h, factors)
         ctx.inplace, ctx.gemms = inplace, gemms
         ctx.has_bias = (fc1_bias is not None, fc2_bias is not None)
         ctx.backward_ran = False
+        if gemms.quack_fc2:
+            return require_quack().gemm(h, fc2_weight.t(), bias=fc2_bias, tuned=False)
         return F.linear(h, fc2_weight, fc2_bias)
 
     @staticmethod
@@ -122,19 +127,19 @@ class _SaveFactorsQuack(torch.autograd.Function):
         inplace = claim_inplace_backward(ctx, SECOND_BACKWARD_ERROR_FACTORS)
         x, fc1_weight, fc2_weight, h, factors = ctx.saved_tensors
         need_x, need_w1, need_b1, need_w2, need_b2 = ctx.needs_input_grad[:5]
-        grad_y, tuned = grad_y.contiguous(), ctx.gemms.tuned
+        grad_y, gemms = grad_y.contiguous(), ctx.gemms
+        tuned = gemms.tune_backward
         if inplace:
             quack_factors_to_grad_(grad_y, fc2_weight, factors, tuned)
             grad_preact = factors
         else:
             grad_preact = quack_factors_to_grad(grad_y, fc2_weight, factors, tuned)
-        grad_w2 = grad_y.t() @ h if need_w2 else None
-        if ctx.gemms.quack_fc1_grads:
-            gemm = functools.partial(require_quack().gemm, dynamic_scheduler=True, tuned=tuned)
-        else:
-            gemm = torch.mm
-        grad_x = gemm(grad_preact, fc1_weight) if need_x else None
-        grad_w1 = gemm(grad_preact.t(), x) if need_w1 else None
+        quack_gemm = functools.partial(require_quack().gemm, dynamic_scheduler=True, tuned=False)
+        fc2_gemm = quack_gemm if gemms.quack_fc2 else torch.mm
+        fc1_gemm = quack_gemm if gemms.quack_fc1_grads else torch.mm
+        grad_w2 = fc2_gemm(grad_y.t(), h) if need_w2 else None
+        grad_x = fc1_gemm(grad_preact, fc1_weight) if need_x else None
+        grad_w1 = fc1_gemm(grad_preact.t(), x) if need_w1 else None
         grad_b1 = grad_preact.sum(0) if need_b1 and ctx.has_bias[0] else None
         grad_b2 = grad_y.sum(0) if need_b2 and ctx.has_bias[1] else None
         return grad_x, grad_w1, grad_b1, grad_w2, grad_b2, None, None
