@@ -10,7 +10,7 @@ optimizer holds its parameters.
 The rule, at the table point nearest in log-space to (tokens_hint, D, F): take the fastest
 impl (by the paired median ratio to the six-GEMM floor), and among impls within
 ``TIE_TOLERANCE`` of it the one with the least after-forward memory. Impls this machine cannot
-run (``drop_h_quack`` without quack, below sm_90, or with D or F not a multiple of 8) are left
+run (the quack impls without quack, below sm_90, or with D or F not a multiple of 8) are left
 out first.
 
 The fallback is ``drop_h``: it is never slower than ``normal`` by more than noise and saves

@@ -1,12 +1,14 @@
 """The ``drop_h_quack`` impl: drop_h on quack's CuTe-DSL GEMMs, SwiGLU in both epilogues.
 
-Forward is one GEMM that writes h and the preactivation (quack's ``gemm_gated``), then cuBLAS
-fc2 (quack's GEMM there measured the same: benchmarks/results/mlp_quack_fc2_h200.json).
+Forward is one GEMM that writes h and the preactivation (quack's ``gemm_gated``), then fc2.
 Backward is one GEMM that computes grad_h = grad_y @ W2 and, in its epilogue, both grad_preact
 (from the saved preactivation) and h again for fc2's weight grad (``gemm_dgated``): grad_h
 never reaches memory. With ``inplace`` grad_preact is written over the saved preactivation;
 each output tile reads its own preact tile before writing it, so the aliasing is safe, and
-backward allocates no [M, 2F] buffer. This is the route to the six-GEMM floor that our Triton
+backward allocates no [M, 2F] buffer. Every GEMM runs on quack with its static persistent
+schedule: at the seed shape quack's plain GEMM beats cuBLAS on fc2, grad_W2 and grad_x, and the
+static schedule beats the dynamic one on each (benchmarks/results/probe_gemm_backends_h200.json).
+This is the route to the six-GEMM floor that our Triton
 GEMMs cannot take on the H200 (Triton 3.6 trails cuBLAS by 4-17 % there, and its Hopper warp
 specialization miscompiles the gated GEMM: benchmarks/results/probe_ws_h200.json).
 
@@ -20,7 +22,6 @@ from __future__ import annotations
 import functools
 
 import torch
-import torch.nn.functional as F
 
 from swiglu_train.ops.mlp import SECOND_BACKWARD_ERROR, claim_inplace_backward, save_drop_h
 
@@ -39,6 +40,12 @@ def require_quack():
             "'swiglu-train[quack]') and a CUDA GPU of compute capability 9.0 or newer"
         ) from e
     return gemm_interface
+
+
+def quack_gemm() -> functools.partial:
+    """quack's plain GEMM as the quack impls call it: untuned (no per-shape autotune stall),
+    static persistent schedule (measured faster than the dynamic one at training sizes)."""
+    return functools.partial(require_quack().gemm, tuned=False)
 
 
 def quack_unavailable_reason() -> str | None:
@@ -144,7 +151,7 @@ class _DropHQuack(torch.autograd.Function):
             concat_layout=("B", "bias"),
         )  # fmt: skip
         save_drop_h(ctx, x, fc1_weight, fc1_bias, fc2_weight, fc2_bias, preact, inplace)
-        return F.linear(h, fc2_weight, fc2_bias)
+        return quack_gemm()(h, fc2_weight.t(), bias=fc2_bias)
 
     @staticmethod
     def backward(ctx, grad_y: torch.Tensor):
@@ -155,11 +162,11 @@ class _DropHQuack(torch.autograd.Function):
         grad_y = grad_y.contiguous()
         grad_preact, h = q.gemm_dgated(
             grad_y, fc2_weight, preact, activation="swiglu", tuned=False,
-            dx_out=preact if inplace else None,
+            dynamic_scheduler=False, dx_out=preact if inplace else None,
         )  # fmt: skip
-        grad_w2 = grad_y.t() @ h if need_w2 else None
+        gemm = quack_gemm()
+        grad_w2 = gemm(grad_y.t(), h) if need_w2 else None
         del h  # frees [M, F] before the two largest GEMM outputs are allocated
-        gemm = functools.partial(q.gemm, dynamic_scheduler=True, tuned=False)
         grad_x = gemm(grad_preact, fc1_weight, concat_layout=("B",)) if need_x else None
         grad_w1 = gemm(grad_preact.t(), x, concat_layout=("out",)) if need_w1 else None
         grad_b1 = _canonical_bias_grad(grad_preact) if need_b1 and ctx.has_bias[0] else None

@@ -1,10 +1,14 @@
 """The ``save_factors_quack`` impl: save_factors (seed 002) with both fusions in GEMM epilogues.
 
 Forward is one GEMM, x @ W1_packedᵀ, whose epilogue (``kernels.quack_epilogues``) writes h and
-the two backward factors [up * silu'(gate) | silu(gate)] and never stores the preactivation;
-fc2 is cuBLAS. Backward is one GEMM, grad_y @ W2, whose epilogue multiplies grad_h by the saved
+the two backward factors [up * silu'(gate) | silu(gate)] and never stores the preactivation.
+Backward is one GEMM, grad_y @ W2, whose epilogue multiplies grad_h by the saved
 factors and writes grad_preact over them in place, so neither grad_h nor a new [M, 2F] buffer
-reaches memory; fc1's two weight/input GEMMs are cuBLAS and take grad_preact packed as it is.
+reaches memory; grad_x and grad_W1 take grad_preact packed as it is.
+
+The other GEMMs run on quack's plain GEMM, static persistent schedule, untuned, which at the
+seed shape beats cuBLAS on every one of them but grad_W1, where cuBLAS stays
+(benchmarks/results/probe_gemm_backends_h200.json).
 
 quack pairs adjacent output columns, so fc1 is packed with chunk 1 ([g_0, u_0, g_1, u_1, ...]);
 checkpoints stay canonical through the layout stamp, as for ``save_factors``. Saved tensors
@@ -15,29 +19,15 @@ exchange for a backward with no recompute and no activation pass.
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from swiglu_train.ops.mlp import claim_inplace_backward
-from swiglu_train.ops.quack_mlp import check_quack_inputs, require_quack
+from swiglu_train.ops.quack_mlp import check_quack_inputs, quack_gemm, require_quack
 from swiglu_train.ops.save_factors import SECOND_BACKWARD_ERROR_FACTORS
 
 IMPL = "save_factors_quack"
 CHUNK = 1  # quack's pair order: gate and up of one column side by side
-
-
-@dataclass(frozen=True)
-class Gemms:
-    """How the GEMMs run. ``tune_forward`` / ``tune_backward`` autotune the epilogue GEMM of
-    that pass once per shape (quack caches the winner on disk); ``quack_fc1_grads`` and
-    ``quack_fc2`` run grad_x / grad_W1, and fc2 / grad_W2, on quack's GEMM instead of cuBLAS."""
-
-    tune_forward: bool = False
-    tune_backward: bool = False
-    quack_fc1_grads: bool = False
-    quack_fc2: bool = False
 
 
 @functools.cache
@@ -51,7 +41,7 @@ def _epilogues():
 
 @torch.library.custom_op("swiglu_train::quack_swiglu_factors", mutates_args=())
 def quack_swiglu_factors(
-    x: torch.Tensor, fc1_weight: torch.Tensor, fc1_bias: torch.Tensor | None, tuned: bool
+    x: torch.Tensor, fc1_weight: torch.Tensor, fc1_bias: torch.Tensor | None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(h [M, F], factors [M, 2F]) from one GEMM on a chunk-1 packed fc1."""
     epi = _epilogues()
@@ -60,89 +50,80 @@ def quack_swiglu_factors(
     h = x.new_empty(m, two_f // 2)
     out = {"D": factors, "h": h}
     if fc1_bias is None:
-        epi.swiglu_factors_epilogue(x, fc1_weight.t(), out=out, tuned=tuned)
+        epi.swiglu_factors_epilogue(x, fc1_weight.t(), out=out, tuned=False)
     else:
         epi.swiglu_factors_bias_epilogue(
-            x, fc1_weight.t(), out=out, tuned=tuned, bias=fc1_bias.unsqueeze(0)
+            x, fc1_weight.t(), out=out, tuned=False, bias=fc1_bias.unsqueeze(0)
         )
     return h, factors
 
 
 @quack_swiglu_factors.register_fake
-def _(x, fc1_weight, fc1_bias, tuned):
+def _(x, fc1_weight, fc1_bias):
     m, two_f = x.shape[0], fc1_weight.shape[0]
     return x.new_empty(m, two_f // 2), x.new_empty(m, two_f)
 
 
-def _factors_to_grad(grad_y, fc2_weight, factors, out, tuned: bool) -> None:
-    _epilogues().factors_to_grad_epilogue(
-        grad_y, fc2_weight, factors, out={"D": out}, tuned=tuned, dynamic_scheduler=True
-    )
+def _factors_to_grad(grad_y, fc2_weight, factors, out) -> None:
+    _epilogues().factors_to_grad_epilogue(grad_y, fc2_weight, factors, out={"D": out}, tuned=False)
 
 
 @torch.library.custom_op("swiglu_train::quack_factors_to_grad_", mutates_args=("factors",))
 def quack_factors_to_grad_(
-    grad_y: torch.Tensor, fc2_weight: torch.Tensor, factors: torch.Tensor, tuned: bool
+    grad_y: torch.Tensor, fc2_weight: torch.Tensor, factors: torch.Tensor
 ) -> None:
     """factors <- (grad_y @ W2) ⊙ factors = grad_preact, in place; grad_h never stored."""
-    _factors_to_grad(grad_y, fc2_weight, factors, factors, tuned)
+    _factors_to_grad(grad_y, fc2_weight, factors, factors)
 
 
 @quack_factors_to_grad_.register_fake
-def _(grad_y, fc2_weight, factors, tuned):
+def _(grad_y, fc2_weight, factors):
     return None
 
 
 @torch.library.custom_op("swiglu_train::quack_factors_to_grad", mutates_args=())
 def quack_factors_to_grad(
-    grad_y: torch.Tensor, fc2_weight: torch.Tensor, factors: torch.Tensor, tuned: bool
+    grad_y: torch.Tensor, fc2_weight: torch.Tensor, factors: torch.Tensor
 ) -> torch.Tensor:
     """grad_preact = (grad_y @ W2) ⊙ factors into a new tensor (the factors kept)."""
     out = torch.empty_like(factors)
-    _factors_to_grad(grad_y, fc2_weight, factors, out, tuned)
+    _factors_to_grad(grad_y, fc2_weight, factors, out)
     return out
 
 
 @quack_factors_to_grad.register_fake
-def _(grad_y, fc2_weight, factors, tuned):
+def _(grad_y, fc2_weight, factors):
     return torch.empty_like(factors)
 
 
 class _SaveFactorsQuack(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, fc1_weight, fc1_bias, fc2_weight, fc2_bias, inplace: bool, gemms: Gemms):
+    def forward(ctx, x, fc1_weight, fc1_bias, fc2_weight, fc2_bias, inplace: bool):
         check_quack_inputs(x, fc1_weight, fc2_weight, IMPL)
         x = x.contiguous()
-        h, factors = quack_swiglu_factors(x, fc1_weight, fc1_bias, gemms.tune_forward)
+        h, factors = quack_swiglu_factors(x, fc1_weight, fc1_bias)
         ctx.save_for_backward(x, fc1_weight, fc2_weight, h, factors)
-        ctx.inplace, ctx.gemms = inplace, gemms
-        ctx.has_bias = (fc1_bias is not None, fc2_bias is not None)
+        ctx.inplace, ctx.has_bias = inplace, (fc1_bias is not None, fc2_bias is not None)
         ctx.backward_ran = False
-        if gemms.quack_fc2:
-            return require_quack().gemm(h, fc2_weight.t(), bias=fc2_bias, tuned=False)
-        return F.linear(h, fc2_weight, fc2_bias)
+        return quack_gemm()(h, fc2_weight.t(), bias=fc2_bias)
 
     @staticmethod
     def backward(ctx, grad_y: torch.Tensor):
         inplace = claim_inplace_backward(ctx, SECOND_BACKWARD_ERROR_FACTORS)
         x, fc1_weight, fc2_weight, h, factors = ctx.saved_tensors
         need_x, need_w1, need_b1, need_w2, need_b2 = ctx.needs_input_grad[:5]
-        grad_y, gemms = grad_y.contiguous(), ctx.gemms
-        tuned = gemms.tune_backward
+        grad_y, gemm = grad_y.contiguous(), quack_gemm()
         if inplace:
-            quack_factors_to_grad_(grad_y, fc2_weight, factors, tuned)
+            quack_factors_to_grad_(grad_y, fc2_weight, factors)
             grad_preact = factors
         else:
-            grad_preact = quack_factors_to_grad(grad_y, fc2_weight, factors, tuned)
-        quack_gemm = functools.partial(require_quack().gemm, dynamic_scheduler=True, tuned=False)
-        fc2_gemm = quack_gemm if gemms.quack_fc2 else torch.mm
-        fc1_gemm = quack_gemm if gemms.quack_fc1_grads else torch.mm
-        grad_w2 = fc2_gemm(grad_y.t(), h) if need_w2 else None
-        grad_x = fc1_gemm(grad_preact, fc1_weight) if need_x else None
-        grad_w1 = fc1_gemm(grad_preact.t(), x) if need_w1 else None
+            grad_preact = quack_factors_to_grad(grad_y, fc2_weight, factors)
+        grad_w2 = gemm(grad_y.t(), h) if need_w2 else None
+        grad_x = gemm(grad_preact, fc1_weight) if need_x else None
+        grad_w1 = grad_preact.t() @ x if need_w1 else None  # cuBLAS: 1.6 % faster here
         grad_b1 = grad_preact.sum(0) if need_b1 and ctx.has_bias[0] else None
         grad_b2 = grad_y.sum(0) if need_b2 and ctx.has_bias[1] else None
-        return grad_x, grad_w1, grad_b1, grad_w2, grad_b2, None, None
+        return grad_x, grad_w1, grad_b1, grad_w2, grad_b2, None
 
 
 def save_factors_quack_mlp(
@@ -153,7 +134,6 @@ def save_factors_quack_mlp(
     fc2_bias: torch.Tensor | None,
     inplace: bool = True,
     chunk: int = CHUNK,
-    gemms: Gemms = Gemms(),
 ) -> torch.Tensor:
     """save_factors on quack's GEMMs (CUDA sm_90+); fc1 weight and bias packed with chunk 1."""
     if chunk != CHUNK:
@@ -161,4 +141,4 @@ def save_factors_quack_mlp(
             f"impl {IMPL!r} reads fc1 packed with chunk {CHUNK} (quack's pair order), got "
             f"chunk={chunk}: repack with swiglu_train.packing.switch_impl"
         )
-    return _SaveFactorsQuack.apply(x, fc1_weight, fc1_bias, fc2_weight, fc2_bias, inplace, gemms)
+    return _SaveFactorsQuack.apply(x, fc1_weight, fc1_bias, fc2_weight, fc2_bias, inplace)
