@@ -105,3 +105,14 @@ def test_quack_input_checks_name_the_problem():
     w1, w2 = torch.empty(64, 16), torch.empty(16, 32)
     with pytest.raises(ValueError, match="runs on CUDA only; the input is on cpu"):
         check_quack_inputs(torch.empty(4, 16), w1, w2)
+
+
+def test_save_factors_quack_errors_name_it_before_any_kernel():
+    """Its own name and its portable twin in the input checks; its fixed chunk enforced."""
+    from swiglu_train.ops.quack_save_factors import save_factors_quack_mlp
+
+    x, w1, w2 = torch.empty(4, 16), torch.empty(64, 16), torch.empty(16, 32)
+    with pytest.raises(ValueError, match="impl 'save_factors_quack' runs on CUDA only"):
+        check_quack_inputs(x, w1, w2, "save_factors_quack")
+    with pytest.raises(ValueError, match=r"reads fc1 packed with chunk 1 .*got chunk=16"):
+        save_factors_quack_mlp(x, w1, None, w2, None, chunk=16)

@@ -110,3 +110,41 @@ def test_save_factors_second_backward():
     first = x.grad.clone()
     y.sum().backward()
     torch.testing.assert_close(x.grad, 2 * first)
+
+
+def test_chunk_1_is_quack_s_interleaved_pair_order():
+    """save_factors_quack's layout: gate and up of each column side by side, per TP rank."""
+    ffn = 6
+    w = torch.arange(2 * ffn).float().unsqueeze(1)
+    interleaved = relayout(w, CANONICAL, Layout("packed", 1)).flatten().tolist()
+    assert interleaved == [0, 6, 1, 7, 2, 8, 3, 9, 4, 10, 5, 11]
+    per_rank = relayout(w, CANONICAL, Layout("packed", 1, tp=2)).flatten().tolist()
+    assert per_rank == [0, 6, 1, 7, 2, 8, 3, 9, 4, 10, 5, 11]  # rank 0: 0-2, rank 1: 3-5
+
+
+def test_packed_chunk_is_fixed_by_the_kernel_or_chosen():
+    from swiglu_train.layers.registry import packed_chunk
+
+    assert packed_chunk("save_factors_quack", None, 14336) == 1
+    assert packed_chunk("save_factors_quack", 1, 14336) == 1
+    with pytest.raises(ValueError, match="packs fc1 with chunk 1, not chunk=64"):
+        packed_chunk("save_factors_quack", 64, 14336)
+    assert packed_chunk("save_factors", None, 14336) == 128
+    assert packed_chunk("save_factors", None, 96) == 32
+    with pytest.raises(ValueError, match="chunk=5 must be positive and divide the ffn size 96"):
+        packed_chunk("save_factors", 5, 96)
+
+
+def test_no_grad_on_a_chunk_1_fc1_computes_the_canonical_function():
+    """Where quack cannot serve (here: CPU), a chunk-1 packed fc1 takes the torch path."""
+    from swiglu_train.ops.inference import inference_path, swiglu_mlp_inference
+
+    canonical = ParMLP(16, 24, 8, bias=True, impl="normal")
+    x = torch.randn(5, 16)
+    packed = Layout("packed", 1)
+    w1 = relayout(canonical.fc1.weight.detach(), CANONICAL, packed)
+    b1 = relayout(canonical.fc1.bias.detach(), CANONICAL, packed)
+    with torch.no_grad():
+        assert inference_path(x, w1, canonical.fc2.weight, 1) == "torch"
+        y = swiglu_mlp_inference(x, w1, b1, canonical.fc2.weight, canonical.fc2.bias, chunk=1)
+        torch.testing.assert_close(y, canonical(x), rtol=1e-6, atol=1e-6)
