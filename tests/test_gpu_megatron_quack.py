@@ -1,4 +1,4 @@
-"""The Megatron adapter running drop_h_quack on CUDA: the same function and grads as drop_h.
+"""The Megatron adapter running the quack impls on CUDA: the same function and grads as drop_h.
 
 Needs a GPU with quack and megatron-core together (carry .whl, .whlx and .whlm: see
 scripts/fetch_device_wheels.sh). A world of one NCCL rank at TP=1, so Megatron's real CUDA
@@ -19,6 +19,7 @@ from megatron.core.transformer.mlp import MLPSubmodules  # isort: skip
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module  # isort: skip
 
 from swiglu_train.integrations.megatron import ParMLPMegatron
+from swiglu_train.layers.layout import CANONICAL, relayout
 from swiglu_train.ops.quack_mlp import quack_available
 
 pytestmark = [
@@ -57,14 +58,18 @@ def run(impl: str, state: dict | None, x: torch.Tensor) -> tuple[dict, dict]:
     assert bias is None
     out.float().square().sum().backward()
     results = {"out": out.detach(), "x": x.grad}
-    results |= {name: p.grad for name, p in mlp.named_parameters()}
+    for name, p in mlp.named_parameters():  # fc1's grads compared in the canonical layout
+        fc1 = name.startswith("linear_fc1.")
+        results[name] = relayout(p.grad, mlp.fc1_layout, CANONICAL) if fc1 else p.grad
     return results, mlp.state_dict()
 
 
-def test_adapter_computes_drop_h_on_quack(one_rank):
+@pytest.mark.parametrize("impl", ["drop_h_quack", "save_factors_quack"])
+def test_adapter_computes_drop_h_on_quack(one_rank, impl):
+    """drop_h's canonical state loads into either (save_factors_quack packs it, chunk 1)."""
     x = torch.randn(512, 4, 1024, device="cuda", dtype=torch.bfloat16)  # [seq, batch, hidden]
     expected, state = run("drop_h", None, x)
-    actual, _ = run("drop_h_quack", state, x)
+    actual, _ = run(impl, state, x)
     assert actual.keys() == expected.keys()
     for name, value in expected.items():
         assert rel_err(actual[name], value) < 1e-2, name  # two bf16 GEMM paths

@@ -29,11 +29,11 @@ def bench(
         str,
         typer.Option(
             help="comma-separated: eager,compile,normal,drop_h,drop_h_fused,drop_h_quack,"
-            "save_factors,save_factors_fused,liger,fla,quack"
+            "save_factors,save_factors_fused,save_factors_quack,liger,fla,quack"
         ),
     ] = (
         "eager,compile,normal,drop_h,drop_h_fused,drop_h_quack,save_factors,save_factors_fused,"
-        "liger,fla,quack"
+        "save_factors_quack,liger,fla,quack"
     ),
     samples: Annotated[int, typer.Option(min=1, help="paired samples (use >= 30)")] = 40,
     warmup: Annotated[int, typer.Option(min=1)] = 3,
@@ -253,7 +253,7 @@ def bench_crossover(
 ) -> None:
     """Where each impl wins, by time and memory, over a grid of (M, D, F).
 
-    normal, drop_h and save_factors, and drop_h_quack where quack runs. Ship the --table file
+    normal, drop_h and save_factors, and the quack impls where quack runs. Ship the --table file
     as swiglu_train/layers/crossover_<gpu family>.json.
     """
     from swiglu_train.bench.crossover import (

@@ -69,7 +69,7 @@ def pretrain(
     ] = None,
     mlp_impl: Annotated[
         str | None,
-        typer.Option(help="normal, drop_h, save_factors, drop_h_quack, or auto (from the table)"),
+        typer.Option(help="an impl (swiglu-train impls lists them), or auto (from the table)"),
     ] = None,
     data: Annotated[
         list[str] | None,

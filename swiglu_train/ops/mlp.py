@@ -21,9 +21,9 @@ from swiglu_train.ops.activation import (
 from swiglu_train.ops.gated import gated_enabled, gated_fwd
 
 SECOND_BACKWARD_ERROR = (
-    "ParMLP(impl='drop_h') ran its backward in place: the saved preactivation now holds its "
-    "gradient, so a second backward through this graph (retain_graph=True) would compute "
-    "garbage. Build the layer with inplace=False to backpropagate more than once."
+    "ParMLP(impl='drop_h' or 'drop_h_quack') ran its backward in place: the saved preactivation"
+    " now holds its gradient, so a second backward through this graph (retain_graph=True) would"
+    " compute garbage. Build the layer with inplace=False to backpropagate more than once."
 )
 
 

@@ -64,7 +64,9 @@ def _(x, fc1_weight, fc1_bias):
     return x.new_empty(m, two_f // 2), x.new_empty(m, two_f)
 
 
-def _factors_to_grad(grad_y, fc2_weight, factors, out) -> None:
+def _factors_to_grad(
+    grad_y: torch.Tensor, fc2_weight: torch.Tensor, factors: torch.Tensor, out: torch.Tensor
+) -> None:
     _epilogues().factors_to_grad_epilogue(grad_y, fc2_weight, factors, out={"D": out}, tuned=False)
 
 

@@ -30,9 +30,9 @@ except ImportError:  # no Triton: the plain-torch path serves
     gated_gemm = None
 
 SECOND_BACKWARD_ERROR_FACTORS = (
-    "ParMLP(impl='save_factors') ran its backward in place: the saved factors now hold "
-    "grad_preact, so a second backward through this graph (retain_graph=True) would compute "
-    "garbage. Build the layer with inplace=False to backpropagate more than once."
+    "ParMLP(impl='save_factors' or 'save_factors_quack') ran its backward in place: the saved "
+    "factors now hold grad_preact, so a second backward through this graph (retain_graph=True) "
+    "would compute garbage. Build the layer with inplace=False to backpropagate more than once."
 )
 
 

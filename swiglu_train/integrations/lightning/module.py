@@ -91,6 +91,7 @@ class PretrainModule(pl.LightningModule):
             raise ValueError(
                 f"checkpoint fc1 layout is {saved} but the model's is {self.fc1_layout()}; "
                 "its optimizer state would be misread. Resume with an impl of the same layout "
-                "(normal/drop_h/drop_h_quack: canonical; save_factors: packed); this model runs "
+                "(normal/drop_h/drop_h_quack: canonical; save_factors: packed by its chunk; "
+                "save_factors_quack: packed with chunk 1); this model runs "
                 f"{self.model.layers[0].mlp.impl!r}"
             )
