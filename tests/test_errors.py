@@ -7,6 +7,7 @@ import torch
 from conftest import device_backends
 
 from swiglu_train import MLP_IMPLS, ParMLP
+from swiglu_train.layers import PORTABLE_IMPLS
 from swiglu_train.ops import SECOND_BACKWARD_ERROR, use_backend
 from swiglu_train.ops.quack_mlp import check_quack_inputs, require_quack
 
@@ -116,3 +117,20 @@ def test_save_factors_quack_errors_name_it_before_any_kernel():
         check_quack_inputs(x, w1, w2, "save_factors_quack")
     with pytest.raises(ValueError, match=r"reads fc1 packed with chunk 1 .*got chunk=16"):
         save_factors_quack_mlp(x, w1, None, w2, None, chunk=16)
+
+
+@pytest.mark.parametrize("impl", PORTABLE_IMPLS)
+@pytest.mark.parametrize(("device", "backend"), device_backends())
+def test_an_empty_batch_gives_empty_outputs_and_zero_grads(device, backend, impl):
+    """A rank with no tokens (ragged batches, idle experts) trains and infers, with or without
+    grad: empty outputs and zero weight grads, not a reshape error."""
+    mlp = ParMLP(16, 32, 24, bias=True, impl=impl, device=device)
+    x = torch.randn(0, 16, device=device, requires_grad=True)
+    with use_backend(backend):
+        y = mlp(x)
+        y.sum().backward()
+        with torch.no_grad():
+            assert mlp(x).shape == (0, 24)
+    assert y.shape == (0, 24) and x.grad.shape == (0, 16)
+    for name, p in mlp.named_parameters():
+        assert p.grad is not None and not p.grad.any(), name

@@ -209,3 +209,13 @@ def test_no_grad_reads_the_chunk_1_layout_with_quack(bias):
         params = (c.fc1.weight, c.fc1.bias, c.fc2.weight, c.fc2.bias)
         expected = reference.mlp(x.double(), *(None if p is None else p.double() for p in params))
     assert rel_err(y, expected) < TOLERANCE[torch.bfloat16]
+
+
+@pytest.mark.parametrize("impl", QUACK)
+def test_an_empty_batch_takes_the_portable_twin(impl):
+    mlp = ParMLP(256, 512, 128, bias=True, impl=impl, device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(0, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    y = mlp(x)
+    y.sum().backward()
+    assert y.shape == (0, 128) and x.grad.shape == (0, 256)
+    assert all(p.grad is not None and not p.grad.any() for p in mlp.parameters())

@@ -222,15 +222,15 @@ def swiglu_backward(
     M, F = _check_preact(preact)
     _check_like("grad_h", grad_h, preact, (M, F))
     _check_like("grad_preact", grad_preact, preact, (M, 2 * F))
-    inplace = grad_preact.data_ptr() == preact.data_ptr()
     if h is not None:
         _check_like("h", h, preact, (M, F))
-        if inplace != (h.data_ptr() == grad_h.data_ptr()):
-            raise ValueError("in-place backward must overwrite both preact and grad_h")
-    elif inplace:
-        raise ValueError("in-place backward is only defined together with h over grad_h")
-    if M == 0:
+    if M == 0:  # before the aliasing checks: empty tensors all have data_ptr 0
         return
+    inplace = grad_preact.data_ptr() == preact.data_ptr()
+    if h is not None and inplace != (h.data_ptr() == grad_h.data_ptr()):
+        raise ValueError("in-place backward must overwrite both preact and grad_h")
+    if h is None and inplace:
+        raise ValueError("in-place backward is only defined together with h over grad_h")
     write_h = h is not None
     key = (F, m_bucket(M), write_h, preact.dtype, preact.device)
     if inplace and not INTERPRET and key not in _tuned_inplace_keys:

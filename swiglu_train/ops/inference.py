@@ -122,7 +122,8 @@ def swiglu_gated_inference(
     if _gated_serves(x, chunk, f):
         return gated_fwd(x, fc1_weight, fc1_bias, chunk or f, "none")[0]
     preact = F.linear(x, fc1_weight, fc1_bias)
-    pairs = preact.view(x.shape[0], -1, 2, chunk or f)  # [gate_j | up_j] pairs; one if canonical
+    chunk = chunk or f  # [gate_j | up_j] pairs; one if canonical
+    pairs = preact.view(x.shape[0], f // chunk, 2, chunk)  # explicit sizes: M may be 0
     return (F.silu(pairs[:, :, 0]) * pairs[:, :, 1]).reshape(x.shape[0], f)
 
 

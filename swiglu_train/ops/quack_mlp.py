@@ -23,7 +23,12 @@ import functools
 
 import torch
 
-from swiglu_train.ops.mlp import SECOND_BACKWARD_ERROR, claim_inplace_backward, save_drop_h
+from swiglu_train.ops.mlp import (
+    SECOND_BACKWARD_ERROR,
+    claim_inplace_backward,
+    drop_h_mlp,
+    save_drop_h,
+)
 
 QUACK_DTYPES = (torch.bfloat16, torch.float16)
 ALIGN = 8  # quack's TMA operands need 16-byte rows: 8 elements of a 16-bit dtype
@@ -141,7 +146,6 @@ def _canonical_bias_grad(grad_preact: torch.Tensor) -> torch.Tensor:
 class _DropHQuack(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, fc1_weight, fc1_bias, fc2_weight, fc2_bias, inplace: bool):
-        check_quack_inputs(x, fc1_weight, fc2_weight)
         q = require_quack()
         x = x.contiguous()
         # concat_layout reads [W_gate; W_up] along fc1's non-contiguous dim: it must be the rows
@@ -182,5 +186,11 @@ def drop_h_quack_mlp(
     fc2_bias: torch.Tensor | None,
     inplace: bool = True,
 ) -> torch.Tensor:
-    """drop_h with SwiGLU fused into quack's fc1 and grad_h GEMM epilogues (CUDA sm_90+)."""
+    """drop_h with SwiGLU fused into quack's fc1 and grad_h GEMM epilogues (CUDA sm_90+).
+
+    An empty batch (no tokens on this rank) takes drop_h itself: a TMA descriptor needs a row.
+    """
+    check_quack_inputs(x, fc1_weight, fc2_weight)
+    if x.shape[0] == 0:
+        return drop_h_mlp(x, fc1_weight, fc1_bias, fc2_weight, fc2_bias, inplace)
     return _DropHQuack.apply(x, fc1_weight, fc1_bias, fc2_weight, fc2_bias, inplace)

@@ -24,7 +24,7 @@ import torch
 
 from swiglu_train.ops.mlp import claim_inplace_backward
 from swiglu_train.ops.quack_mlp import check_quack_inputs, quack_gemm, require_quack
-from swiglu_train.ops.save_factors import SECOND_BACKWARD_ERROR_FACTORS
+from swiglu_train.ops.save_factors import SECOND_BACKWARD_ERROR_FACTORS, save_factors_mlp
 
 IMPL = "save_factors_quack"
 CHUNK = 1  # quack's pair order: gate and up of one column side by side
@@ -101,7 +101,6 @@ def _(grad_y, fc2_weight, factors):
 class _SaveFactorsQuack(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, fc1_weight, fc1_bias, fc2_weight, fc2_bias, inplace: bool):
-        check_quack_inputs(x, fc1_weight, fc2_weight, IMPL)
         x = x.contiguous()
         h, factors = quack_swiglu_factors(x, fc1_weight, fc1_bias)
         ctx.save_for_backward(x, fc1_weight, fc2_weight, h, factors)
@@ -137,10 +136,17 @@ def save_factors_quack_mlp(
     inplace: bool = True,
     chunk: int = CHUNK,
 ) -> torch.Tensor:
-    """save_factors on quack's GEMMs (CUDA sm_90+); fc1 weight and bias packed with chunk 1."""
+    """save_factors on quack's GEMMs (CUDA sm_90+); fc1 weight and bias packed with chunk 1.
+
+    An empty batch (no tokens on this rank) takes save_factors itself: a TMA descriptor needs
+    a row.
+    """
     if chunk != CHUNK:
         raise ValueError(
             f"impl {IMPL!r} reads fc1 packed with chunk {CHUNK} (quack's pair order), got "
             f"chunk={chunk}: repack with swiglu_train.packing.switch_impl"
         )
+    check_quack_inputs(x, fc1_weight, fc2_weight, IMPL)
+    if x.shape[0] == 0:
+        return save_factors_mlp(x, fc1_weight, fc1_bias, fc2_weight, fc2_bias, inplace, CHUNK)
     return _SaveFactorsQuack.apply(x, fc1_weight, fc1_bias, fc2_weight, fc2_bias, inplace)

@@ -38,7 +38,7 @@ SECOND_BACKWARD_ERROR_FACTORS = (
 
 def _pairs(t: torch.Tensor, chunk: int) -> torch.Tensor:
     """[M, 2F] packed -> [M, F/C, 2, C]: index 0 of dim 2 is the gate chunk, 1 the up chunk."""
-    return t.view(t.shape[0], -1, 2, chunk)
+    return t.view(t.shape[0], t.shape[1] // (2 * chunk), 2, chunk)  # explicit: M may be 0
 
 
 def swiglu_packed(preact: torch.Tensor, chunk: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -48,7 +48,7 @@ def swiglu_packed(preact: torch.Tensor, chunk: int) -> tuple[torch.Tensor, torch
     """
     pairs = _pairs(preact, chunk)
     gate, up = pairs[:, :, 0], pairs[:, :, 1]
-    h = (F.silu(gate) * up).reshape(preact.shape[0], -1)
+    h = (F.silu(gate) * up).reshape(preact.shape[0], preact.shape[1] // 2)
     gate32, up32 = gate.float(), up.float()
     sig = torch.sigmoid(gate32)
     factors = torch.stack([up32 * sig * (1 + gate32 * (1 - sig)), gate32 * sig], dim=2)
@@ -111,7 +111,8 @@ class _SaveFactors(torch.autograd.Function):
         if _fused(x, ctx.chunk):
             packed_factors_to_grad_(grad_preact, grad_h, ctx.chunk)
         else:
-            _pairs(grad_preact, ctx.chunk).mul_(grad_h.view(grad_h.shape[0], -1, 1, ctx.chunk))
+            grad_h = grad_h.view(grad_h.shape[0], grad_h.shape[1] // ctx.chunk, 1, ctx.chunk)
+            _pairs(grad_preact, ctx.chunk).mul_(grad_h)
         need_x, need_w1, need_b1 = ctx.needs_input_grad[:3]
         grad_x = grad_preact @ fc1_weight if need_x else None
         grad_w1 = grad_preact.t() @ x if need_w1 else None
