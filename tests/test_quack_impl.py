@@ -106,13 +106,14 @@ def test_memory_is_the_portable_twin_s_or_less(impl):
     assert quack_peak <= twin_peak
 
 
-def test_no_grad_quack_path_where_the_table_names_it():
+@pytest.mark.parametrize("m", [1, 100, 512])  # up to 128 rows: the small-M config
+def test_no_grad_quack_path_where_the_table_names_it(m):
     """The dispatch's "quack" path: quack's gated GEMM for h, then cuBLAS fc2."""
-    table = dispatch_table({"1024x2816": {"gated": {512: "quack"}, "mlp": {512: "quack"}}})
+    table = dispatch_table({"1024x2816": {"gated": {m: "quack"}, "mlp": {m: "quack"}}})
     for kind in ("gated", "mlp"):
-        table["shapes"]["1024x2816"][kind]["512"]["fallback"] = "cublas"
+        table["shapes"]["1024x2816"][kind][str(m)]["fallback"] = "cublas"
     mlp = ParMLP(1024, 2816, bias=True, device="cuda", dtype=torch.bfloat16)
-    x = torch.randn(512, 1024, device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(m, 1024, device="cuda", dtype=torch.bfloat16)
     params = (mlp.fc1.weight, mlp.fc1.bias, mlp.fc2.weight, mlp.fc2.bias)
     expected = reference.mlp(x.double(), *(p.double() for p in params))
     with dispatch.use_table(table), torch.no_grad():

@@ -130,12 +130,29 @@ def quack_swiglu_projection(
     fc1 is canonical [W_gate; W_up], or with ``interleaved`` packed with chunk 1
     (save_factors_quack's layout), which is quack's own pair order.
     """
-    concat = {} if interleaved else {"concat_layout": ("B", "bias")}
+    options = {} if interleaved else {"concat_layout": ("B", "bias")}
+    if x.shape[0] <= SMALL_M and not torch.compiler.is_compiling():  # a pin is eager-only
+        options["config"] = _small_m_config()
     _, h = require_quack().gemm_gated(
         x, fc1_weight.t(), bias=fc1_bias, activation="swiglu", tuned=False, store_preact=False,
-        **concat,
+        **options,
     )  # fmt: skip
     return h
+
+
+SMALL_M = 128  # rows that fit one M tile
+
+
+@functools.cache
+def _small_m_config():
+    """quack's SM90 default clusters two CTAs along M, so with one M tile half of them idle;
+    this one clusters along N instead (a tile of quack's own SM90 tuning space)."""
+    from quack.gemm_config import GemmConfig
+
+    return GemmConfig(
+        tile_m=128, tile_n=128, pingpong=True, cluster_m=1, cluster_n=2,
+        is_dynamic_persistent=False,
+    )  # fmt: skip
 
 
 def _canonical_bias_grad(grad_preact: torch.Tensor) -> torch.Tensor:
