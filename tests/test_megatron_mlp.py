@@ -27,7 +27,7 @@ from swiglu_train.integrations.megatron import (
     get_mlp_layer_spec,
     mlp_spec,
 )
-from swiglu_train.layers import PORTABLE_IMPLS  # CPU-runnable: drop_h_quack needs CUDA
+from swiglu_train.layers import PORTABLE_IMPLS, registry  # CPU-runnable: quack needs CUDA
 from swiglu_train.layers.layout import CANONICAL, Layout, relayout
 
 PARITY = 1e-5  # the fp32 target, norm-relative
@@ -147,7 +147,7 @@ def _save_factors_layout(world_size: int) -> None:
     packed = relayout(stock.linear_fc1.weight.detach(), CANONICAL, layout)
     assert torch.equal(ours.linear_fc1.weight, packed), "repacked at construction"
     assert not torch.equal(packed, stock.linear_fc1.weight), "the layouts must differ here"
-    expected = f"chunk=5 must be positive and divide the ffn size {local_ffn} .this rank's share"
+    expected = f"chunk=5 must be positive and divide this rank's ffn size {local_ffn} "
     with pytest.raises(ValueError, match=expected):
         ParMLPMegatron(config, stock_submodules(), impl="save_factors", chunk=5)
     with pytest.raises(ValueError, match="chunk applies to packed impls only"):
@@ -155,6 +155,12 @@ def _save_factors_layout(world_size: int) -> None:
     with pytest.raises(ValueError, match=r"holds fc1 packed.*impl 'drop_h' needs it canonical"):
         ours.impl = "drop_h"
     ours.impl = "save_factors"  # same layout: allowed
+    real, registry.require_quack = registry.require_quack, lambda: None  # no quack here
+    try:
+        with pytest.raises(ValueError, match=r"'save_factors_quack' needs it packed\(chunk=1"):
+            ours.impl = "save_factors_quack"  # packed too, but with chunk 1
+    finally:
+        registry.require_quack = real
 
 
 def _mlp_layer_parity() -> None:

@@ -148,3 +148,20 @@ def test_no_grad_on_a_chunk_1_fc1_computes_the_canonical_function():
         assert inference_path(x, w1, canonical.fc2.weight, 1) == "torch"
         y = swiglu_mlp_inference(x, w1, b1, canonical.fc2.weight, canonical.fc2.bias, chunk=1)
         torch.testing.assert_close(y, canonical(x), rtol=1e-6, atol=1e-6)
+
+
+def test_par_mlp_chunk_is_save_factors_and_left_aside_by_fixed_chunk_impls(monkeypatch):
+    """An explicit chunk is refused when named with save_factors_quack, and left aside when
+    the model switches to it (or auto picks it): its layout is always chunk 1."""
+    from swiglu_train.layers import registry
+
+    monkeypatch.setattr(registry, "require_quack", lambda: None)  # no quack on this machine
+    with pytest.raises(ValueError, match="packs fc1 with chunk 1, not chunk=8"):
+        ParMLP(16, 32, impl="save_factors_quack", chunk=8)
+    mlp = ParMLP(16, 32, impl="save_factors", chunk=8)
+    canonical = relayout(mlp.fc1.weight.detach(), mlp.fc1_layout, CANONICAL)
+    mlp.set_impl("save_factors_quack")
+    assert mlp.fc1_layout == Layout("packed", 1)
+    assert torch.equal(mlp.fc1.weight, relayout(canonical, CANONICAL, Layout("packed", 1)))
+    mlp.set_impl("save_factors")
+    assert mlp.fc1_layout == Layout("packed", 8)

@@ -17,6 +17,7 @@ from swiglu_train.layers.auto import resolve_auto
 from swiglu_train.layers.layout import CANONICAL, Layout, order
 from swiglu_train.layers.registry import (
     AUTO,
+    FIXED_CHUNKS,
     PACKED_IMPLS,
     check_impl_name,
     get_impl,
@@ -33,7 +34,8 @@ class ParMLP(nn.Module):
     ``inplace=False`` lets a ``drop_h`` or ``save_factors`` graph be backpropagated more than
     once, at the cost of activation-sized buffers in backward. ``chunk`` is the packed layout's
     chunk under ``save_factors`` (default: the largest power of two up to 128 dividing F);
-    ``save_factors_quack`` always packs with chunk 1, quack's pair order.
+    ``save_factors_quack`` always packs with chunk 1, quack's pair order (a different chunk
+    named together with it is refused; with ``auto`` or a later switch it is left aside).
     With no grad to compute (eval, generation, inference mode) every impl takes the same
     inference path (``ops.inference``), which saves nothing for backward.
 
@@ -60,6 +62,8 @@ class ParMLP(nn.Module):
         if min(hidden_size, ffn_hidden_size, output_size or hidden_size) < 1:
             raise ValueError("ParMLP sizes must be positive")
         check_impl_name(impl)
+        if impl in FIXED_CHUNKS:  # a chunk named with it must be its own
+            packed_chunk(impl, chunk, ffn_hidden_size)
         auto = None
         if impl == AUTO:  # now, before any optimizer can hold fc1 in the layout this decides
             auto = resolve_auto(tokens_hint, hidden_size, ffn_hidden_size, device)
@@ -110,7 +114,8 @@ class ParMLP(nn.Module):
     def _layout_for(self, name: str) -> Layout:
         if name not in PACKED_IMPLS:
             return CANONICAL
-        return Layout("packed", packed_chunk(name, self.chunk, self.fc2.in_features))
+        chunk = None if name in FIXED_CHUNKS else self.chunk  # ``chunk`` is save_factors'
+        return Layout("packed", packed_chunk(name, chunk, self.fc2.in_features))
 
     @property
     def hidden_size(self) -> int:

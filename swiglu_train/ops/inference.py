@@ -29,6 +29,7 @@ from swiglu_train.ops import dispatch
 from swiglu_train.ops.activation import swiglu_fwd, triton_enabled
 from swiglu_train.ops.gated import gated_enabled, gated_fwd
 from swiglu_train.ops.quack_mlp import quack_serves, quack_swiglu_projection
+from swiglu_train.ops.quack_save_factors import CHUNK as INTERLEAVED  # quack's own pair order
 
 try:
     from swiglu_train.kernels import fused_mlp as fused_kernels
@@ -36,7 +37,6 @@ except ImportError:  # no Triton: the gated and torch paths decide alone
     fused_kernels = None
 
 INTERPRETER_MAX_M = 64
-INTERLEAVED = 1  # the packed chunk whose pairs quack's gated GEMM reads as they are
 
 
 @torch.library.custom_op("swiglu_train::fused_mlp", mutates_args=())

@@ -131,8 +131,8 @@ def quack_swiglu_projection(
     (save_factors_quack's layout), which is quack's own pair order.
     """
     options = {} if interleaved else {"concat_layout": ("B", "bias")}
-    if x.shape[0] <= SMALL_M and not torch.compiler.is_compiling():  # a pin is eager-only
-        options["config"] = _small_m_config()
+    if x.shape[0] <= SMALL_M and _hopper(x) and not torch.compiler.is_compiling():
+        options["config"] = _small_m_config()  # a config pin is eager-only in quack
     _, h = require_quack().gemm_gated(
         x, fc1_weight.t(), bias=fc1_bias, activation="swiglu", tuned=False, store_preact=False,
         **options,
@@ -141,6 +141,11 @@ def quack_swiglu_projection(
 
 
 SMALL_M = 128  # rows that fit one M tile
+
+
+def _hopper(x: torch.Tensor) -> bool:
+    """sm_90: the config below is from quack's SM90 space; other archs keep their defaults."""
+    return torch.cuda.get_device_capability(x.device)[0] == 9
 
 
 @functools.cache

@@ -114,7 +114,9 @@ class _SaveFactorsQuack(torch.autograd.Function):
         x, fc1_weight, fc2_weight, h, factors = ctx.saved_tensors
         need_x, need_w1, need_b1, need_w2, need_b2 = ctx.needs_input_grad[:5]
         grad_y, gemm = grad_y.contiguous(), quack_gemm()
-        if inplace:
+        if not (need_x or need_w1 or need_b1):  # a frozen fc1 fed by a frozen input
+            grad_preact = None
+        elif inplace:
             quack_factors_to_grad_(grad_y, fc2_weight, factors)
             grad_preact = factors
         else:

@@ -49,7 +49,14 @@ from swiglu_train.integrations.megatron.packed import (
 )
 from swiglu_train.kernels.runtime import SUPPORTED_DTYPES
 from swiglu_train.layers.layout import CANONICAL, Layout, relayout
-from swiglu_train.layers.registry import AUTO, MLP_IMPLS, PACKED_IMPLS, get_impl, packed_chunk
+from swiglu_train.layers.registry import (
+    AUTO,
+    FIXED_CHUNKS,
+    MLP_IMPLS,
+    PACKED_IMPLS,
+    get_impl,
+    packed_chunk,
+)
 from swiglu_train.ops.inference import grad_needed, swiglu_mlp_inference
 
 SUPPORTED_IMPLS: tuple[str, ...] = MLP_IMPLS
@@ -151,16 +158,11 @@ class ParMLPMegatron(MLP):
     def _pack_fc1(self, impl: str, chunk: int | None) -> Layout:
         """Repack this rank's freshly initialised fc1 shard when ``impl`` reads it packed, so
         the module computes the same function from the same seed as the stock MLP."""
-        local_ffn = self.linear_fc1.weight.shape[0] // 2
         if impl not in PACKED_IMPLS:
             if chunk is not None:
                 raise ValueError(f"chunk applies to packed impls only, not {impl!r}")
             return CANONICAL
-        try:
-            chunk = packed_chunk(impl, chunk, local_ffn)
-        except ValueError as e:
-            raise ValueError(f"{e} (this rank's share: ffn_hidden_size / tp size)") from None
-        layout = Layout("packed", chunk)
+        layout = self._layout_for(impl, chunk)
         with torch.no_grad():
             for p in (self.linear_fc1.weight, self.linear_fc1.bias):
                 if p is not None:
@@ -271,14 +273,27 @@ class ParMLPMegatron(MLP):
         (optimizer state and DDP buffers hold it), so a layout change means a new model
         loading a checkpoint, which is layout-neutral."""
         self.validate_impl(name)
-        if (name in PACKED_IMPLS) != self.fc1_layout.packed:
+        keeps_chunk = name not in FIXED_CHUNKS and self.fc1_layout.packed  # save_factors: any
+        chunk = self.fc1_layout.chunk if keeps_chunk else None
+        needed = self._layout_for(name, chunk) if name in PACKED_IMPLS else CANONICAL
+        if needed != self.fc1_layout:
             raise ValueError(
                 f"{type(self).__name__} holds fc1 {self.fc1_layout}; impl {name!r} needs it "
-                f"{'packed' if name in PACKED_IMPLS else 'canonical'}. Build the model with "
-                "this impl and load a checkpoint (dist-ckpt or state_dict) instead"
+                f"{needed}. Build the model with this impl and load a checkpoint (dist-ckpt or "
+                "state_dict) instead"
             )
         self._mlp_function = get_impl(name)
         self._impl = name
+
+    def _layout_for(self, impl: str, chunk: int | None) -> Layout:
+        """The packed layout ``impl`` reads this rank's fc1 shard in (``chunk``: asked for)."""
+        local_ffn = self.linear_fc1.weight.shape[0] // 2
+        if impl not in FIXED_CHUNKS and chunk is not None and (chunk < 1 or local_ffn % chunk):
+            raise ValueError(
+                f"chunk={chunk} must be positive and divide this rank's ffn size {local_ffn} "
+                "(ffn_hidden_size / tensor_model_parallel_size)"
+            )
+        return Layout("packed", packed_chunk(impl, chunk, local_ffn))
 
     @classmethod
     def validate_impl(cls, name: str) -> None:
