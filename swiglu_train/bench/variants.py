@@ -92,14 +92,21 @@ def fla(w: LayerWeights) -> Layer:
     return layer
 
 
-def quack(w: LayerWeights) -> Layer:
-    """quack's CuTe-DSL MLP with the activation fused into its GEMM epilogues.
+def quack(tuned: bool) -> Callable[[LayerWeights], Layer]:
+    """quack's CuTe-DSL MLP with the activation fused into its GEMM epilogues; ``tuned``
+    autotunes each GEMM once per shape (minutes of warm-up), as quack's own default does.
 
     ``concat_layout=True`` reads our canonical [W_gate; W_up]; quack's default is interleaved.
     """
-    from quack.mlp import mlp_func
 
-    return lambda x: mlp_func(x, w.fc1, w.fc2, activation="swiglu", tuned=False, concat_layout=True)
+    def build(w: LayerWeights) -> Layer:
+        from quack.mlp import mlp_func
+
+        return lambda x: mlp_func(
+            x, w.fc1, w.fc2, activation="swiglu", tuned=tuned, concat_layout=True
+        )
+
+    return build
 
 
 def compiled(w: LayerWeights) -> Layer:
@@ -119,5 +126,6 @@ BUILDERS: dict[str, Callable[[LayerWeights], Layer]] = {
     "save_factors_quack": ours("save_factors_quack"),
     "liger": liger,
     "fla": fla,
-    "quack": quack,
+    "quack": quack(tuned=False),
+    "quack_tuned": quack(tuned=True),
 }

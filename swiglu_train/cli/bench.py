@@ -29,7 +29,8 @@ def bench(
         str,
         typer.Option(
             help="comma-separated: eager,compile,normal,drop_h,drop_h_fused,drop_h_quack,"
-            "save_factors,save_factors_fused,save_factors_quack,liger,fla,quack"
+            "save_factors,save_factors_fused,save_factors_quack,liger,fla,quack, and "
+            "quack_tuned (quack autotuned: minutes of warm-up)"
         ),
     ] = (
         "eager,compile,normal,drop_h,drop_h_fused,drop_h_quack,save_factors,save_factors_fused,"
