@@ -38,8 +38,11 @@ def check_impl_name(name: str) -> None:
         raise ValueError(f"unknown MLP impl {name!r}; valid impls: {', '.join(IMPL_CHOICES)}")
 
 
-def packed_chunk(name: str, chunk: int | None, ffn_size: int) -> int:
-    """The packed layout's chunk for packed impl ``name`` on ``ffn_size`` rows per half.
+def packed_chunk(
+    name: str, chunk: int | None, ffn_size: int, size_name: str = "the ffn size"
+) -> int:
+    """The packed layout's chunk for packed impl ``name`` on ``ffn_size`` rows per half
+    (``size_name`` says which size that is, in the error).
 
     A kernel that fixes the chunk (save_factors_quack: 1) overrides a default but refuses a
     different explicit one; otherwise ``chunk``, or the largest power of two up to 128 dividing
@@ -52,7 +55,7 @@ def packed_chunk(name: str, chunk: int | None, ffn_size: int) -> int:
         return fixed
     chunk = math.gcd(ffn_size, 128) if chunk is None else chunk
     if chunk < 1 or ffn_size % chunk:
-        raise ValueError(f"chunk={chunk} must be positive and divide the ffn size {ffn_size}")
+        raise ValueError(f"chunk={chunk} must be positive and divide {size_name} {ffn_size}")
     return chunk
 
 

@@ -41,8 +41,8 @@ def require_quack():
         from quack import gemm_interface
     except ImportError as e:
         raise ImportError(
-            "impl 'drop_h_quack' needs the quack-kernels package (pip install "
-            "'swiglu-train[quack]') and a CUDA GPU of compute capability 9.0 or newer"
+            "impls 'drop_h_quack' and 'save_factors_quack' need the quack-kernels package "
+            "(pip install 'swiglu-train[quack]') and a CUDA GPU of compute capability 9.0+"
         ) from e
     return gemm_interface
 
@@ -54,7 +54,7 @@ def quack_gemm() -> functools.partial:
 
 
 def quack_unavailable_reason() -> str | None:
-    """Why drop_h_quack cannot run on the current CUDA device, or None when it can."""
+    """Why the quack impls cannot run on the current CUDA device, or None when they can."""
     return _unavailable_reason(torch.cuda.current_device() if torch.cuda.is_available() else -1)
 
 
@@ -76,7 +76,7 @@ def _unavailable_reason(device_index: int) -> str | None:
 
 
 def quack_available() -> bool:
-    """Whether drop_h_quack can run on the current CUDA device (``auto`` asks this)."""
+    """Whether the quack impls can run on the current CUDA device (``auto`` asks this)."""
     return quack_unavailable_reason() is None
 
 

@@ -11,7 +11,8 @@ elsewhere the same math runs in plain torch with the same saved tensors.
 ``fused_forward=True`` (power-of-two chunks >= 16) instead runs forward as one wide gated GEMM
 with the SwiGLU epilogue, so the preactivation never reaches memory: the same saved tensors
 and peak, but on the H200 our Triton GEMM loses more to cuBLAS than the epilogue saves
-(save_factors 1.074x the floor with cuBLAS fc1, 1.109x fused: benchmarks/results/mlp_h200.json).
+(save_factors 1.074x the floor with cuBLAS fc1, 1.109x fused:
+benchmarks/results/mlp_all_variants_h200.json).
 """
 
 from __future__ import annotations

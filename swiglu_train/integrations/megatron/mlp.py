@@ -288,12 +288,8 @@ class ParMLPMegatron(MLP):
     def _layout_for(self, impl: str, chunk: int | None) -> Layout:
         """The packed layout ``impl`` reads this rank's fc1 shard in (``chunk``: asked for)."""
         local_ffn = self.linear_fc1.weight.shape[0] // 2
-        if impl not in FIXED_CHUNKS and chunk is not None and (chunk < 1 or local_ffn % chunk):
-            raise ValueError(
-                f"chunk={chunk} must be positive and divide this rank's ffn size {local_ffn} "
-                "(ffn_hidden_size / tensor_model_parallel_size)"
-            )
-        return Layout("packed", packed_chunk(impl, chunk, local_ffn))
+        size_name = "this rank's ffn size (ffn_hidden_size / tensor_model_parallel_size)"
+        return Layout("packed", packed_chunk(impl, chunk, local_ffn, size_name))
 
     @classmethod
     def validate_impl(cls, name: str) -> None:
