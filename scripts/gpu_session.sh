@@ -25,7 +25,9 @@
 # written STAGE:N gets its own bound of N seconds.
 set -uo pipefail
 OUT=${OUT:-./gpu-out}
-RES=${RES:-/tmp/gpu-results}
+# A fresh folder per call: a lent machine may keep /tmp from an earlier session, whose results
+# would otherwise ride along in results.tgz looking current.
+RES=${RES:-$(mktemp -d /tmp/gpu-results.XXXXXX)}
 mkdir -p "$OUT" "$RES"
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD WANDB_MODE=offline WANDB_SILENT=true OUT RES
 # A step of the recipe's CPU-sized default model is launch-bound on an H200 (30 ms): time a

@@ -12,7 +12,7 @@ from helpers import crossover_table, pretend_gpu
 from swiglu_train import ParMLP
 from swiglu_train.layers import auto
 from swiglu_train.layers.auto import CrossoverTable, ImplStats, TableError, choose, resolve
-from swiglu_train.layers.registry import MLP_IMPLS
+from swiglu_train.layers.registry import MLP_IMPLS, PACKED_IMPLS
 
 ROOT = Path(__file__).resolve().parents[1]
 H200 = "NVIDIA H200"
@@ -271,7 +271,7 @@ def test_auto_on_this_gpu_resolves_from_its_packaged_table():
         assert mlp.impl == "drop_h" and "no crossover table" in mlp.auto_reason
     else:
         assert "nearest measured point" in mlp.auto_reason
-        assert mlp.fc1_layout.packed == (mlp.impl == "save_factors")
+        assert mlp.fc1_layout.packed == (mlp.impl in PACKED_IMPLS)
     x = torch.randn(64, 3584, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     mlp(x).sum().backward()
     assert x.grad is not None and torch.isfinite(x.grad).all()

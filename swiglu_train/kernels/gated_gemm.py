@@ -42,15 +42,23 @@ def _configs() -> list[triton.Config]:
     # overlap without warp specialization; Triton 3.6's Hopper autoWS takes only 4-warp,
     # two-dot tiles here, runs 2x slower and miscompiles: probe_ws_h200.json); for decode
     # and short prompts small-M tiles with deep K, where a persistent grid evens out the waves.
+    # At M <= 512 the GEMM streams W1 from HBM, so narrow-N tiles (many programs, more loads in
+    # flight) are candidates too: with 128-wide tiles, 0.5B's F = 4864 fills 38 of 132 SMs at
+    # M = 128 and 7B's 148 tiles run in two waves, the second one 16 tiles long.
     tiles = [  # (BLOCK_M, BLOCK_N, BLOCK_K, stages, warps, persistent)
         (128, 128, 64, 3, 8, False),
         (128, 128, 64, 4, 8, False),
         (256, 64, 64, 3, 8, False),
+        (128, 64, 64, 4, 8, False),
+        (128, 64, 64, 4, 8, True),
+        (128, 32, 128, 3, 4, False),
         (64, 128, 64, 4, 4, False),
         (64, 64, 128, 4, 4, False),
+        (64, 32, 128, 4, 4, False),
         (32, 64, 128, 4, 4, False),
         (16, 64, 128, 4, 4, False),
         (16, 64, 128, 4, 4, True),
+        (16, 32, 128, 4, 4, False),
         (16, 128, 128, 3, 4, False),
     ]
     return [
