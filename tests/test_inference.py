@@ -17,7 +17,7 @@ from swiglu_train.layers import par_mlp as par_mlp_module
 from swiglu_train.layers.layout import CANONICAL, Layout, relayout
 from swiglu_train.ops import dispatch, inference, reference, use_backend
 from swiglu_train.ops.dispatch import DispatchTable, DispatchTableError
-from swiglu_train.ops.quack_mlp import quack_serves
+from swiglu_train.ops.quack_mlp import SMALL_M_TILES_N, quack_serves, small_m_tile_n
 
 ROOT = Path(__file__).resolve().parents[1]
 TRITON = [p for p in device_backends() if p.values[1] == "triton"]
@@ -343,3 +343,15 @@ def test_inference_path_under_torch_compile_fullgraph(device, backend, impl, m):
         expected = mlp(x)
         actual = torch.compile(mlp, fullgraph=True, backend=backend_name)(x)
     torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    ("fc1_rows", "tile_n"),
+    [(9728, 128), (37888, 160), (55296, 224), (59136, 224)],  # Qwen-2.5 0.5B, 7B, 32B, 72B
+)
+def test_quack_small_m_tile_fills_the_last_wave_best(fc1_rows, tile_n):
+    """At one M tile quack's N tile sets the waves on 132 SMs (clusters of two): 7B's 296
+    128-wide tiles run 2.24 waves, its 237 160-wide ones 1.80; 0.5B's fill under one wave at
+    any width, so the narrowest (most tiles) wins."""
+    assert small_m_tile_n(fc1_rows, 132) == tile_n
+    assert tile_n in SMALL_M_TILES_N

@@ -13,7 +13,12 @@ from swiglu_train.ops import (
     inference,
     reference,
 )
-from swiglu_train.ops.quack_mlp import quack_available
+from swiglu_train.ops.quack_mlp import (
+    SMALL_M_TILES_N,
+    quack_available,
+    quack_swiglu_projection,
+    small_m_tile_n,
+)
 
 pytestmark = [
     pytest.mark.gpu,
@@ -121,6 +126,21 @@ def test_no_grad_quack_path_where_the_table_names_it(m):
         assert inference.projection_path(x, mlp.fc1.weight, None) == "quack"
         y = mlp(x)
     assert rel_err(y, expected) < TOLERANCE[torch.bfloat16]
+
+
+@pytest.mark.parametrize("interleaved", [False, True], ids=["canonical", "interleaved"])
+@pytest.mark.parametrize("tile_n", SMALL_M_TILES_N)
+def test_small_m_projection_at_every_n_tile(tile_n, interleaved):
+    """Each N tile the small-M config can pick (pingpong up to 192, cooperative above) computes
+    h: F is the narrowest that makes this GPU's SM count pick it."""
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    f = next(f for f in range(256, 1 << 16, 64) if small_m_tile_n(2 * f, sms) == tile_n)
+    x = torch.randn(100, 512, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(2 * f, 512, device="cuda", dtype=torch.bfloat16) / 512**0.5
+    canonical = w.view(f, 2, 512).transpose(0, 1).reshape(2 * f, 512) if interleaved else w
+    expected = reference.swiglu(x.double() @ canonical.double().t())
+    h = quack_swiglu_projection(x, w, None, interleaved=interleaved)
+    assert rel_err(h, expected) < TOLERANCE[torch.bfloat16]
 
 
 def test_a_column_major_fc1_gives_the_row_major_answer():

@@ -132,7 +132,8 @@ def quack_swiglu_projection(
     """
     options = {} if interleaved else {"concat_layout": ("B", "bias")}
     if x.shape[0] <= SMALL_M and _hopper(x) and not torch.compiler.is_compiling():
-        options["config"] = _small_m_config()  # a config pin is eager-only in quack
+        sms = torch.cuda.get_device_properties(x.device).multi_processor_count
+        options["config"] = _small_m_config(fc1_weight.shape[0], sms)  # pins are eager-only
     _, h = require_quack().gemm_gated(
         x, fc1_weight.t(), bias=fc1_bias, activation="swiglu", tuned=False, store_preact=False,
         **options,
@@ -148,14 +149,33 @@ def _hopper(x: torch.Tensor) -> bool:
     return torch.cuda.get_device_capability(x.device)[0] == 9
 
 
+SMALL_M_TILES_N = (128, 160, 192, 224, 256)  # quack's SM90 gated space at tile_m = 128
+CLUSTER_N = 2
+
+
+def small_m_tile_n(fc1_rows: int, sms: int) -> int:
+    """The N tile for one M tile of quack's gated GEMM. With one M tile the grid is one row of
+    N tiles, so the N tile decides how evenly they fill the SMs (7B's 2F = 37888 in 128-wide
+    tiles runs 2.24 waves, in 160-wide ones 1.80): take the one whose last wave is fullest,
+    the narrowest on a tie."""
+
+    def fill(tile_n: int) -> float:
+        clusters = -(-fc1_rows // (tile_n * CLUSTER_N))
+        waves = -(-clusters // (sms // CLUSTER_N))
+        return clusters / (waves * (sms // CLUSTER_N))
+
+    return max(SMALL_M_TILES_N, key=lambda n: (fill(n), -n))
+
+
 @functools.cache
-def _small_m_config():
+def _small_m_config(fc1_rows: int, sms: int):
     """quack's SM90 default clusters two CTAs along M, so with one M tile half of them idle;
-    this one clusters along N instead (a tile of quack's own SM90 tuning space)."""
+    this config clusters along N instead, pingpong where quack's space has it (N up to 192)."""
     from quack.gemm_config import GemmConfig
 
+    tile_n = small_m_tile_n(fc1_rows, sms)
     return GemmConfig(
-        tile_m=128, tile_n=128, pingpong=True, cluster_m=1, cluster_n=2,
+        tile_m=128, tile_n=tile_n, pingpong=tile_n <= 192, cluster_m=1, cluster_n=CLUSTER_N,
         is_dynamic_persistent=False,
     )  # fmt: skip
 
