@@ -17,7 +17,7 @@ from swiglu_train.layers import par_mlp as par_mlp_module
 from swiglu_train.layers.layout import CANONICAL, Layout, relayout
 from swiglu_train.ops import dispatch, inference, reference, use_backend
 from swiglu_train.ops.dispatch import DispatchTable, DispatchTableError
-from swiglu_train.ops.quack_mlp import SMALL_M_TILES_N, quack_serves, small_m_tile_n
+from swiglu_train.ops.quack_mlp import quack_serves, small_m_tile_n, wave_fill
 
 ROOT = Path(__file__).resolve().parents[1]
 TRITON = [p for p in device_backends() if p.values[1] == "triton"]
@@ -346,12 +346,28 @@ def test_inference_path_under_torch_compile_fullgraph(device, backend, impl, m):
 
 
 @pytest.mark.parametrize(
-    ("fc1_rows", "tile_n"),
-    [(9728, 128), (37888, 160), (55296, 224), (59136, 224)],  # Qwen-2.5 0.5B, 7B, 32B, 72B
+    ("m", "fc1_rows", "tile_n"),
+    [  # Qwen-2.5 0.5B, 7B, 32B and 72B on 132 SMs
+        (128, 9728, 128),
+        (128, 37888, 160),
+        (128, 55296, 224),
+        (128, 59136, 224),
+        (512, 9728, 160),
+        (512, 37888, None),
+        (512, 55296, None),
+        (512, 59136, 128),
+        (4096, 9728, None),
+    ],
 )
-def test_quack_small_m_tile_fills_the_last_wave_best(fc1_rows, tile_n):
-    """At one M tile quack's N tile sets the waves on 132 SMs (clusters of two): 7B's 296
-    128-wide tiles run 2.24 waves, its 237 160-wide ones 1.80; 0.5B's fill under one wave at
-    any width, so the narrowest (most tiles) wins."""
-    assert small_m_tile_n(fc1_rows, 132) == tile_n
-    assert tile_n in SMALL_M_TILES_N
+def test_quack_small_m_tile_fills_the_last_wave_best(m, fc1_rows, tile_n):
+    """quack's default (128x192 tiles, clusters of two along M) idles half its CTAs at one M
+    tile; at four, 7B's 198 column tiles fill 6 waves exactly and it stays, while 72B's 308
+    leave the last of 10 waves a third empty and 128-wide tiles fill 14. Past 512 rows the
+    default always stays."""
+    assert small_m_tile_n(m, fc1_rows, 132) == tile_n
+
+
+def test_wave_fill_counts_a_cluster_s_idle_ctas():
+    assert wave_fill(1, 198, 2, 1, 132) == 0.5  # one M tile in clusters of two along M
+    assert wave_fill(1, 237, 1, 2, 132) == 237 / 264  # 119 clusters: two waves of 66
+    assert wave_fill(4, 198, 2, 1, 132) == 1.0

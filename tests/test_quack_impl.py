@@ -131,10 +131,10 @@ def test_no_grad_quack_path_where_the_table_names_it(m):
 @pytest.mark.parametrize("interleaved", [False, True], ids=["canonical", "interleaved"])
 @pytest.mark.parametrize("tile_n", SMALL_M_TILES_N)
 def test_small_m_projection_at_every_n_tile(tile_n, interleaved):
-    """Each N tile the small-M config can pick (pingpong up to 192, cooperative above) computes
-    h: F is the narrowest that makes this GPU's SM count pick it."""
+    """Each N tile the small-M rule can pin (pingpong up to 192, cooperative above) computes
+    h: F is the narrowest that makes this GPU's SM count pick it at 100 rows."""
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    f = next(f for f in range(256, 1 << 16, 64) if small_m_tile_n(2 * f, sms) == tile_n)
+    f = next(f for f in range(256, 1 << 16, 64) if small_m_tile_n(100, 2 * f, sms) == tile_n)
     x = torch.randn(100, 512, device="cuda", dtype=torch.bfloat16)
     w = torch.randn(2 * f, 512, device="cuda", dtype=torch.bfloat16) / 512**0.5
     canonical = w.view(f, 2, 512).transpose(0, 1).reshape(2 * f, 512) if interleaved else w

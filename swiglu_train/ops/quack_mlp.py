@@ -133,7 +133,9 @@ def quack_swiglu_projection(
     options = {} if interleaved else {"concat_layout": ("B", "bias")}
     if x.shape[0] <= SMALL_M and _hopper(x) and not torch.compiler.is_compiling():
         sms = torch.cuda.get_device_properties(x.device).multi_processor_count
-        options["config"] = _small_m_config(fc1_weight.shape[0], sms)  # pins are eager-only
+        tile_n = small_m_tile_n(x.shape[0], fc1_weight.shape[0], sms)
+        if tile_n is not None:
+            options["config"] = _n_clustered_config(tile_n)  # a pin is eager-only in quack
     _, h = require_quack().gemm_gated(
         x, fc1_weight.t(), bias=fc1_bias, activation="swiglu", tuned=False, store_preact=False,
         **options,
@@ -141,41 +143,54 @@ def quack_swiglu_projection(
     return h
 
 
-SMALL_M = 128  # rows that fit one M tile
+# Up to four M tiles the tile grid, not the mainloop, sets the waves. Beyond, quack's default
+# (which clusters along M, so each weight tile is fetched once per two M tiles) measured
+# faster than cuBLAS, and wave fill alone does not see that saving.
+SMALL_M = 512
+TILE_M = 128
+DEFAULT_TILE_N, DEFAULT_CLUSTER_M = 192, 2  # quack 0.6.5's SM90 default: 128x192, cluster 2x1
+SMALL_M_TILES_N = (128, 160, 192, 224, 256)  # quack's SM90 gated space at tile_m = 128
+CLUSTER_N = 2
+FILL_MARGIN = 1.05  # below this gain in fill, keep quack's default
 
 
 def _hopper(x: torch.Tensor) -> bool:
-    """sm_90: the config below is from quack's SM90 space; other archs keep their defaults."""
+    """sm_90: the configs here are from quack's SM90 space; other archs keep their defaults."""
     return torch.cuda.get_device_capability(x.device)[0] == 9
 
 
-SMALL_M_TILES_N = (128, 160, 192, 224, 256)  # quack's SM90 gated space at tile_m = 128
-CLUSTER_N = 2
+def wave_fill(m_tiles: int, n_tiles: int, cluster_m: int, cluster_n: int, sms: int) -> float:
+    """Busy share of the SM slots over a persistent grid's waves of clusters: a cluster takes
+    cluster_m x cluster_n SMs whether or not the grid has a tile for each of them."""
+    clusters = -(-m_tiles // cluster_m) * -(-n_tiles // cluster_n)
+    waves = -(-clusters // (sms // (cluster_m * cluster_n)))
+    return m_tiles * n_tiles / (waves * sms)
 
 
-def small_m_tile_n(fc1_rows: int, sms: int) -> int:
-    """The N tile for one M tile of quack's gated GEMM. With one M tile the grid is one row of
-    N tiles, so the N tile decides how evenly they fill the SMs (7B's 2F = 37888 in 128-wide
-    tiles runs 2.24 waves, in 160-wide ones 1.80): take the one whose last wave is fullest,
-    the narrowest on a tie."""
+def small_m_tile_n(m: int, fc1_rows: int, sms: int) -> int | None:
+    """The N tile of an N-clustered config for quack's gated GEMM at M rows, or None to keep
+    quack's default. With one M tile the default's M cluster idles half its CTAs; with a few,
+    the N tile decides how evenly the tiles fill the SMs (7B's 2F = 37888 at M = 128 runs 2.24
+    waves of 128-wide tiles, 1.80 of 160-wide ones). The fullest last wave wins, the narrowest
+    tile on a tie; the default stays unless the best fills FILL_MARGIN more."""
+    m_tiles = -(-m // TILE_M)
 
-    def fill(tile_n: int) -> float:
-        clusters = -(-fc1_rows // (tile_n * CLUSTER_N))
-        waves = -(-clusters // (sms // CLUSTER_N))
-        return clusters / (waves * (sms // CLUSTER_N))
+    def fill(tile_n: int, cluster_m: int, cluster_n: int) -> float:
+        return wave_fill(m_tiles, -(-fc1_rows // tile_n), cluster_m, cluster_n, sms)
 
-    return max(SMALL_M_TILES_N, key=lambda n: (fill(n), -n))
+    best = max(SMALL_M_TILES_N, key=lambda n: (fill(n, 1, CLUSTER_N), -n))
+    default = fill(DEFAULT_TILE_N, DEFAULT_CLUSTER_M, 1)
+    return best if fill(best, 1, CLUSTER_N) > FILL_MARGIN * default else None
 
 
 @functools.cache
-def _small_m_config(fc1_rows: int, sms: int):
-    """quack's SM90 default clusters two CTAs along M, so with one M tile half of them idle;
-    this config clusters along N instead, pingpong where quack's space has it (N up to 192)."""
+def _n_clustered_config(tile_n: int):
+    """A config of quack's SM90 gated space clustered along N, pingpong where the space has it
+    (N up to 192), cooperative above."""
     from quack.gemm_config import GemmConfig
 
-    tile_n = small_m_tile_n(fc1_rows, sms)
     return GemmConfig(
-        tile_m=128, tile_n=tile_n, pingpong=tile_n <= 192, cluster_m=1, cluster_n=CLUSTER_N,
+        tile_m=TILE_M, tile_n=tile_n, pingpong=tile_n <= 192, cluster_m=1, cluster_n=CLUSTER_N,
         is_dynamic_persistent=False,
     )  # fmt: skip
 
