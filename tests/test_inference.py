@@ -356,14 +356,15 @@ def test_inference_path_under_torch_compile_fullgraph(device, backend, impl, m):
         (512, 37888, None),
         (512, 55296, None),
         (512, 59136, 128),
-        (4096, 9728, None),
+        (640, 9728, None),  # past four M tiles, though a 160-wide tile would fill better
+        (0, 59136, None),  # an empty batch: quack returns it as is
     ],
 )
 def test_quack_small_m_tile_fills_the_last_wave_best(m, fc1_rows, tile_n):
     """quack's default (128x192 tiles, clusters of two along M) idles half its CTAs at one M
     tile; at four, 7B's 198 column tiles fill 6 waves exactly and it stays, while 72B's 308
-    leave the last of 10 waves a third empty and 128-wide tiles fill 14. Past 512 rows the
-    default always stays."""
+    leave the last of 10 waves a third empty and 128-wide tiles fill 14. Past 512 rows,
+    where its M clusters halve the weight fetches, the default always stays."""
     assert small_m_tile_n(m, fc1_rows, 132) == tile_n
 
 

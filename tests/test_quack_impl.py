@@ -17,6 +17,7 @@ from swiglu_train.ops.quack_mlp import (
     SMALL_M_TILES_N,
     quack_available,
     quack_swiglu_projection,
+    require_quack,
     small_m_tile_n,
 )
 
@@ -111,7 +112,7 @@ def test_memory_is_the_portable_twin_s_or_less(impl):
     assert quack_peak <= twin_peak
 
 
-@pytest.mark.parametrize("m", [1, 100, 512])  # up to 128 rows: the small-M config
+@pytest.mark.parametrize("m", [1, 100, 512])  # the small-M rule pins a config at 1 and 100
 def test_no_grad_quack_path_where_the_table_names_it(m):
     """The dispatch's "quack" path: quack's gated GEMM for h, then cuBLAS fc2."""
     table = dispatch_table({"1024x2816": {"gated": {m: "quack"}, "mlp": {m: "quack"}}})
@@ -128,19 +129,44 @@ def test_no_grad_quack_path_where_the_table_names_it(m):
     assert rel_err(y, expected) < TOLERANCE[torch.bfloat16]
 
 
+@pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9,
+    reason="the small-M rule pins SM90 configs only",
+)
 @pytest.mark.parametrize("interleaved", [False, True], ids=["canonical", "interleaved"])
 @pytest.mark.parametrize("tile_n", SMALL_M_TILES_N)
-def test_small_m_projection_at_every_n_tile(tile_n, interleaved):
+def test_small_m_projection_at_every_n_tile(tile_n, interleaved, monkeypatch):
     """Each N tile the small-M rule can pin (pingpong up to 192, cooperative above) computes
-    h: F is the narrowest that makes this GPU's SM count pick it at 100 rows."""
+    h with a bias: F is the narrowest that makes this GPU's SM count pick it at 100 rows."""
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     f = next(f for f in range(256, 1 << 16, 64) if small_m_tile_n(100, 2 * f, sms) == tile_n)
     x = torch.randn(100, 512, device="cuda", dtype=torch.bfloat16)
     w = torch.randn(2 * f, 512, device="cuda", dtype=torch.bfloat16) / 512**0.5
-    canonical = w.view(f, 2, 512).transpose(0, 1).reshape(2 * f, 512) if interleaved else w
-    expected = reference.swiglu(x.double() @ canonical.double().t())
-    h = quack_swiglu_projection(x, w, None, interleaved=interleaved)
+    b = torch.randn(2 * f, device="cuda", dtype=torch.bfloat16)
+
+    def to_canonical(t: torch.Tensor) -> torch.Tensor:  # [g0, u0, g1, u1, ...] -> [gate; up]
+        return t.view(f, 2, -1).transpose(0, 1).reshape(2 * f, -1) if interleaved else t
+
+    preact = x.double() @ to_canonical(w).double().t() + to_canonical(b[:, None]).double().t()
+    expected = reference.swiglu(preact)
+    pinned, gemm_gated = [], require_quack().gemm_gated
+
+    def spy(*args, **kwargs):
+        pinned.append(kwargs.get("config"))
+        return gemm_gated(*args, **kwargs)
+
+    monkeypatch.setattr(require_quack(), "gemm_gated", spy)
+    h = quack_swiglu_projection(x, w, b, interleaved=interleaved)
+    assert [c.tile_n for c in pinned if c is not None] == [tile_n]
     assert rel_err(h, expected) < TOLERANCE[torch.bfloat16]
+
+
+def test_an_empty_no_grad_batch_on_the_chunk_1_layout():
+    """save_factors_quack's no-grad path goes to quack at any M; an empty batch returns empty."""
+    mlp = ParMLP(1024, 2816, impl="save_factors_quack", device="cuda", dtype=torch.bfloat16)
+    with torch.no_grad():
+        y = mlp(torch.randn(0, 1024, device="cuda", dtype=torch.bfloat16))
+    assert y.shape == (0, 1024)
 
 
 def test_a_column_major_fc1_gives_the_row_major_answer():

@@ -131,11 +131,11 @@ def quack_swiglu_projection(
     (save_factors_quack's layout), which is quack's own pair order.
     """
     options = {} if interleaved else {"concat_layout": ("B", "bias")}
-    if x.shape[0] <= SMALL_M and _hopper(x) and not torch.compiler.is_compiling():
+    if not torch.compiler.is_compiling() and _hopper(x):  # a config pin is eager-only in quack
         sms = torch.cuda.get_device_properties(x.device).multi_processor_count
         tile_n = small_m_tile_n(x.shape[0], fc1_weight.shape[0], sms)
         if tile_n is not None:
-            options["config"] = _n_clustered_config(tile_n)  # a pin is eager-only in quack
+            options["config"] = _n_clustered_config(tile_n)
     _, h = require_quack().gemm_gated(
         x, fc1_weight.t(), bias=fc1_bias, activation="swiglu", tuned=False, store_preact=False,
         **options,
@@ -167,12 +167,16 @@ def wave_fill(m_tiles: int, n_tiles: int, cluster_m: int, cluster_n: int, sms: i
     return m_tiles * n_tiles / (waves * sms)
 
 
+@functools.lru_cache(maxsize=256)  # per call on the host, against GEMMs of ~10 us
 def small_m_tile_n(m: int, fc1_rows: int, sms: int) -> int | None:
     """The N tile of an N-clustered config for quack's gated GEMM at M rows, or None to keep
-    quack's default. With one M tile the default's M cluster idles half its CTAs; with a few,
-    the N tile decides how evenly the tiles fill the SMs (7B's 2F = 37888 at M = 128 runs 2.24
-    waves of 128-wide tiles, 1.80 of 160-wide ones). The fullest last wave wins, the narrowest
-    tile on a tie; the default stays unless the best fills FILL_MARGIN more."""
+    quack's default (always past SMALL_M, and for an empty batch, which quack returns as is).
+    With one M tile the default's M cluster idles half its CTAs; with a few, the N tile decides
+    how evenly the tiles fill the SMs (7B's 2F = 37888 at M = 128 runs 2.24 waves of 128-wide
+    tiles, 1.80 of 160-wide ones). The fullest last wave wins, the narrowest tile on a tie; the
+    default stays unless the best fills FILL_MARGIN more."""
+    if not 0 < m <= SMALL_M:
+        return None
     m_tiles = -(-m // TILE_M)
 
     def fill(tile_n: int, cluster_m: int, cluster_n: int) -> float:
