@@ -5,6 +5,7 @@
 #   setup      install carried wheels (.whl + .whlx: peers; .whlw: wandb, megatron-core;
 #              .whlt: pytest-xdist; .whlm: megatron-core alone) when present
 #   tests      the `gpu` tests (CUDA params and GPU-only tests; CI runs the rest)
+#   quack_tiles scripts/probe_quack_tiles.py: quack's gated GEMM under each small-M config
 #   tune       scripts/tune_gated_gemm.py: the gated GEMM's configs and its ratio to cuBLAS
 #   bench      scripts/bench_mlp.py at the seed shape, every variant (save_factors included)
 #   stack      swiglu-train bench-memory for every impl, with the profiler's overhead
@@ -77,6 +78,9 @@ for stage in "$@"; do
     tests)  # in parallel where pytest-xdist is carried (.whlt): Triton compiles are CPU-bound
       workers=$(python3 -c "import xdist" 2>/dev/null && echo "-n 12" || true)
       python3 -m pytest -q -m gpu -p no:cacheprovider $workers --durations=12 2>&1 | tee "$RES/pytest.log" | tail -15 ;;
+    quack_tiles)  # the wave-fill rule's choice against every quack config, M <= 512
+      python3 scripts/probe_quack_tiles.py --samples 30 --commit "$commit" \
+        --json "$RES/probe_quack_tiles_h200.json" --md "$RES/probe_quack_tiles_h200.md" ;;
     tune)
       python3 scripts/tune_gated_gemm.py --samples 30 --json "$RES/tune_gated_h200.json" \
         2>&1 | grep -v "^ " ;;

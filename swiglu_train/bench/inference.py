@@ -106,7 +106,7 @@ def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
     return ((actual - expected).norm() / expected.norm().clamp_min(1e-30)).item()
 
 
-def _call_ms(fn: Callable[[], object], device: torch.device, calls: int = 3) -> float:
+def call_ms(fn: Callable[[], object], device: torch.device, calls: int = 3) -> float:
     clock = Clock(device)
     clock.sync()
     start = clock.mark()
@@ -133,7 +133,7 @@ def measure(
     expected = variants[reference_name](x, w)
     reps = 1  # CPU: a smoke run, where interpreted kernels are 1000x slower than eager
     if device.type == "cuda":
-        reps = choose_reps(_call_ms(lambda: variants[reference_name](x, w), device), len(copies))
+        reps = choose_reps(call_ms(lambda: variants[reference_name](x, w), device), len(copies))
     errors, replays, skipped = {}, {}, dict(skipped)
     for name, fn in variants.items():
         if name == "fused_mlp" and m > iv.FUSED_MLP_MAX_BENCH_M:

@@ -128,14 +128,28 @@ def quack_swiglu_projection(
     """h [M, F] from quack's GEMM with the SwiGLU epilogue, no preactivation stored.
 
     fc1 is canonical [W_gate; W_up], or with ``interleaved`` packed with chunk 1
-    (save_factors_quack's layout), which is quack's own pair order.
+    (save_factors_quack's layout), which is quack's own pair order. Up to SMALL_M rows on
+    Hopper the config comes from the wave-fill rule (``small_m_tile_n``).
     """
-    options = {} if interleaved else {"concat_layout": ("B", "bias")}
+    config = None
     if not torch.compiler.is_compiling() and _hopper(x):  # a config pin is eager-only in quack
         sms = torch.cuda.get_device_properties(x.device).multi_processor_count
         tile_n = small_m_tile_n(x.shape[0], fc1_weight.shape[0], sms)
-        if tile_n is not None:
-            options["config"] = _n_clustered_config(tile_n)
+        config = None if tile_n is None else n_clustered_config(tile_n)
+    return quack_gated_h(x, fc1_weight, fc1_bias, interleaved, config)
+
+
+def quack_gated_h(
+    x: torch.Tensor,
+    fc1_weight: torch.Tensor,
+    fc1_bias: torch.Tensor | None,
+    interleaved: bool,
+    config: object | None,
+) -> torch.Tensor:
+    """quack's gated GEMM with a given config (None: quack's default for the arch)."""
+    options = {} if interleaved else {"concat_layout": ("B", "bias")}
+    if config is not None:
+        options["config"] = config
     _, h = require_quack().gemm_gated(
         x, fc1_weight.t(), bias=fc1_bias, activation="swiglu", tuned=False, store_preact=False,
         **options,
@@ -188,7 +202,7 @@ def small_m_tile_n(m: int, fc1_rows: int, sms: int) -> int | None:
 
 
 @functools.cache
-def _n_clustered_config(tile_n: int):
+def n_clustered_config(tile_n: int):
     """A config of quack's SM90 gated space clustered along N, pingpong where the space has it
     (N up to 192), cooperative above."""
     from quack.gemm_config import GemmConfig

@@ -1,0 +1,127 @@
+"""quack's gated projection at up to 512 rows, under its SM90 default and under each N-clustered
+tile, against the cuBLAS fc1 GEMM alone: does the wave-fill rule (`quack_mlp.small_m_tile_n`)
+pick the fastest config? Timed as the inference bench times (CUDA graphs over weight copies
+that overflow L2, paired samples in random order, per-call medians).
+
+    python scripts/probe_quack_tiles.py [--models 0.5b,7b,32b,72b] [--m 128,256,384,512]
+        [--samples 30] --json OUT.json [--md OUT.md]
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import sys
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from swiglu_train.bench.inference import (
+    QWEN_MLP,
+    call_ms,
+    capture,
+    choose_reps,
+    parse_model,
+    rel_err,
+    weight_copies,
+)
+from swiglu_train.bench.mlp import environment
+from swiglu_train.bench.timing import Case, paired_samples
+from swiglu_train.files import atomic_write, write_json_atomic
+from swiglu_train.ops import reference
+from swiglu_train.ops.quack_mlp import (
+    SMALL_M_TILES_N,
+    n_clustered_config,
+    quack_gated_h,
+    small_m_tile_n,
+)
+
+REL_ERR_LIMIT = 1e-2  # bf16: a few roundings of h
+
+
+def configs() -> dict[str, object | None]:
+    """Every config the rule can pick, by the name the rows use ("default": quack's own)."""
+    return {"default": None} | {f"n{n}": n_clustered_config(n) for n in SMALL_M_TILES_N}
+
+
+def measure(model: str, m: int, samples: int, seed: int) -> dict:
+    d, f = parse_model(model)
+    device = torch.device("cuda")
+    copies = weight_copies(d, f, torch.bfloat16, device)
+    x = torch.randn(m, d, device=device, dtype=torch.bfloat16)
+    expected = reference.swiglu(F.linear(x.double(), copies[0].fc1.double()))
+    calls = {"cublas_fc1": lambda i: F.linear(x, copies[i].fc1)}
+    for name, config in configs().items():
+        h = quack_gated_h(x, copies[0].fc1, None, False, config)
+        if not rel_err(h, expected) <= REL_ERR_LIMIT:
+            raise AssertionError(f"{model} M={m} {name}: rel err {rel_err(h, expected):.3g}")
+        calls[name] = lambda i, c=config: quack_gated_h(x, copies[i].fc1, None, False, c)
+    reps = choose_reps(call_ms(lambda: calls["cublas_fc1"](0), device), len(copies))
+    replays = {name: capture(call, reps, device) for name, call in calls.items()}
+    cases = [Case(name, replay, lambda _: None, lambda: None) for name, replay in replays.items()]
+    times = paired_samples(cases, samples, device, seed)
+    base = times["cublas_fc1"]["fwd"]
+    ms = {n: float(np.median(t["fwd"])) / reps for n, t in times.items()}
+    over_gemm = {
+        n: float(np.median(t["fwd"] / base)) for n, t in times.items() if n != "cublas_fc1"
+    }
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    tile_n = small_m_tile_n(m, 2 * f, sms)
+    rule = "default" if tile_n is None else f"n{tile_n}"
+    best = min(over_gemm, key=over_gemm.get)
+    return {
+        "model": model, "M": m, "K": d, "F": f, "ms": ms, "over_gemm_only": over_gemm,
+        "rule": rule, "best": best, "rule_over_best": over_gemm[rule] / over_gemm[best],
+        "default_over_rule": over_gemm["default"] / over_gemm[rule],
+    }  # fmt: skip
+
+
+def to_markdown(result: dict) -> str:
+    names = list(configs())
+    head = "| model | M | " + " | ".join(names) + " | rule | best | rule ÷ best |"
+    lines = [
+        f"### quack gated projection ÷ cuBLAS fc1 GEMM alone ({result['gpu']}, {result['commit']})",
+        "",
+        head,
+        "|" + "---|" * (len(names) + 5),
+    ]
+    for r in result["rows"]:
+        cells = " | ".join(f"{r['over_gemm_only'][n]:.3f}" for n in names)
+        lines.append(
+            f"| {r['model']} | {r['M']} | {cells} | {r['rule']} | {r['best']} "
+            f"| {r['rule_over_best']:.3f} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", default=",".join(QWEN_MLP))
+    parser.add_argument("--m", default="128,256,384,512")
+    parser.add_argument("--samples", type=int, default=30)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--commit")
+    parser.add_argument("--json", required=True)
+    parser.add_argument("--md")
+    args = parser.parse_args()
+    rows = []
+    for model in args.models.split(","):
+        for m in map(int, args.m.split(",")):
+            rows.append(measure(model, m, args.samples, args.seed))
+            r = rows[-1]
+            print(f"{model:5s} M={m:4d} rule {r['rule']:8s} best {r['best']:8s} "
+                  f"rule/best {r['rule_over_best']:.3f} default/rule {r['default_over_rule']:.3f}",
+                  flush=True)  # fmt: skip
+    env = environment(torch.device("cuda"), args.commit)
+    command = "python scripts/probe_quack_tiles.py " + shlex.join(sys.argv[1:])
+    result = {"gpu": env["device_name"], "commit": env["commit"], "command": command}
+    result |= {"environment": env, "samples": args.samples, "rows": rows}
+    write_json_atomic(args.json, result)
+    if args.md:
+        with atomic_write(args.md) as fh:
+            fh.write(to_markdown(result))
+
+
+if __name__ == "__main__":
+    main()
