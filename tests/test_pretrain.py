@@ -5,6 +5,7 @@ import json
 import os
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 
 import numpy as np
@@ -14,7 +15,7 @@ from helpers import crossover_table, pretend_gpu
 from typer.testing import CliRunner
 
 from swiglu_train.cli import app
-from swiglu_train.integrations.lightning.config import PretrainConfig, load_config
+from swiglu_train.integrations.lightning.config import CONFIG_DIR, PretrainConfig, load_config
 from swiglu_train.integrations.lightning.data import ByteTokenizer, PackedTextData, load_documents
 from swiglu_train.integrations.lightning.pretrain import run_pretrain
 from swiglu_train.ops import use_backend
@@ -59,6 +60,19 @@ def small_config(tmp_path: Path, data: list[str] | None, impl: str, steps: int) 
 
 def test_tiny_yaml_is_the_builtin_default():
     assert load_config("tiny") == PretrainConfig()
+
+
+def test_named_configs_ship_in_the_wheel():
+    """They live in the package and pyproject.toml lists them as package data, so
+    `pretrain --config 125m` works from an installed wheel, not only from a checkout."""
+    root = Path(__file__).resolve().parents[1]
+    package = root / "swiglu_train" / "integrations" / "lightning"
+    named = sorted(CONFIG_DIR.glob("*.yaml"))
+    assert [p.stem for p in named] == ["125m", "1b", "tiny"]
+    assert all(p.is_relative_to(package) for p in named)
+    setuptools = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]
+    patterns = setuptools["package-data"]["swiglu_train.integrations.lightning"]
+    assert all(any(p.relative_to(package).match(g) for g in patterns) for p in named)
 
 
 def test_smoke_every_impl_same_initial_loss_and_loss_falls(tmp_path, corpus):

@@ -1,4 +1,8 @@
-"""The pretraining config: YAML files in ``configs/`` over defaults that need no file at all."""
+"""The pretraining config: YAML files over defaults that need no file at all.
+
+The named configs (``tiny``, ``125m``, ``1b``) ship inside the package, so an installed wheel
+has them too, not only a source checkout.
+"""
 
 from __future__ import annotations
 
@@ -13,7 +17,7 @@ from swiglu_train.integrations.lightning.data import DataConfig
 from swiglu_train.integrations.lightning.model import ModelConfig
 from swiglu_train.integrations.lightning.module import OptimConfig
 
-CONFIG_DIR = Path(__file__).resolve().parents[3] / "configs"  # the repo's configs/
+CONFIG_DIR = Path(__file__).resolve().parent / "configs"  # package data (pyproject.toml)
 
 
 @dataclass
@@ -53,7 +57,7 @@ class PretrainConfig:
 
 
 def resolve_config_path(name_or_path: str) -> Path:
-    """A YAML path, or the name of one in ``configs/`` (``tiny``, ``125m``, ``1b``)."""
+    """A YAML path, or the name of a packaged config (``tiny``, ``125m``, ``1b``)."""
     path = Path(name_or_path)
     if path.is_file():
         return path
