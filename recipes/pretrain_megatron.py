@@ -10,8 +10,9 @@ to W&B (offline without an API key). ``--mlp-impl stock`` runs Megatron's own ML
 ``--device cpu`` runs on gloo in fp32 for smoke tests, with torch's AdamW stepping on the
 DDP grad buffers (Megatron's optimizers allocate on "cuda" unconditionally) and model-only
 checkpoints. Megatron still calls a few CUDA-only functions there (its RNG tracker, buffer
-allocation), which tests/megatron_support.py replaces; the test suite runs this recipe through
-tests/megatron_recipe_cpu.py, which installs those shims first.
+allocation), which tests/megatron_support.py replaces; so ``--device cpu`` runs through
+tests/megatron_recipe_cpu.py, which installs those shims first (launched directly, the recipe
+says so and stops).
 
 W&B gets memory, loss and throughput from global rank 0, so only with ``--pp 1`` (with
 pipeline parallelism rank 0 holds neither the loss nor a bracketed forward/backward).
@@ -53,6 +54,9 @@ from swiglu_train.memory.wandb_run import WandbMemoryLogger, init_run
 
 STOCK = ("stock", "stock_eager")  # Megatron's MLP: the baseline our spec replaces
 SHAPE_ARGS = ("num_layers", "hidden_size", "ffn_hidden_size", "seq_length", "micro_batch_size")
+
+
+CPU_SHIMS_ENV = "SWIGLU_TRAIN_MEGATRON_CPU_SHIMS"  # set by tests/megatron_recipe_cpu.py
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -97,6 +101,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def initialize(args: argparse.Namespace) -> None:
+    smoke = "torchrun --nproc-per-node N tests/megatron_recipe_cpu.py --device cpu ..."
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit(f"--device cuda (the default), but torch sees no CUDA device; the CPU "
+                         f"smoke mode runs as {smoke}")  # fmt: skip
+    if args.device == "cpu" and not os.environ.get(CPU_SHIMS_ENV):
+        raise SystemExit(f"--device cpu needs Megatron's CUDA-only calls (RNG tracker, buffers) "
+                         f"replaced, which the test launcher does: {smoke}")  # fmt: skip
     backend = "nccl" if args.device == "cuda" else "gloo"
     if args.device == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))

@@ -98,6 +98,27 @@ def test_recipe_trains_logs_memory_and_resumes(tmp_path: Path) -> None:
     assert resumed[3] == pytest.approx(losses[3], rel=1e-6)
 
 
+@pytest.mark.parametrize(
+    ("device", "message"),
+    [
+        ("cpu", r"--device cpu needs Megatron's CUDA-only calls .* tests/megatron_recipe_cpu\.py"),
+        ("cuda", r"torch sees no CUDA device; the CPU smoke mode runs as torchrun"),
+    ],
+)
+def test_recipe_launched_directly_says_how_to_run_on_this_machine(device, message) -> None:
+    """Straight from the README's command line, a CPU machine gets a sentence, not Megatron's
+    CUDA assertion from deep inside its RNG tracker."""
+    if device == "cuda" and torch.cuda.is_available():
+        pytest.skip("this machine has CUDA: the recipe would start training")
+    env = {k: v for k, v in os.environ.items() if k != "SWIGLU_TRAIN_MEGATRON_CPU_SHIMS"}
+    result = subprocess.run(
+        [sys.executable, str(RECIPE), "--device", device], env=env, capture_output=True,
+        text=True, timeout=120,
+    )  # fmt: skip
+    assert result.returncode == 1
+    assert re.search(message, result.stderr), result.stderr[-2000:]
+
+
 @pytest.mark.parametrize(("impl", "fused"), [("stock", True), ("stock_eager", False)])
 def test_stock_baselines_differ_only_in_the_activation_fusion(impl: str, fused: bool) -> None:
     """Both stock runs build Megatron's own MLP; 'stock_eager' turns its compiled bias-SwiGLU
