@@ -136,13 +136,22 @@ def pretrain(
 
 @app.command()
 def convert(
-    src: Annotated[Path, typer.Argument(help="input .ckpt or .pt")],
+    src: Annotated[
+        Path, typer.Argument(help="input: a Lightning .ckpt, or a .pt holding a bare state_dict")
+    ],
     dst: Annotated[Path, typer.Argument(help="output path (written atomically)")],
-    to: Annotated[str, typer.Option(help="packed, canonical, or hf (gate/up/down_proj)")],
-    chunk: Annotated[int | None, typer.Option(help="chunk of the packed layout")] = None,
+    to: Annotated[
+        str, typer.Option(help="packed, canonical, or hf (gate/up/down_proj, weights only)")
+    ],
+    chunk: Annotated[
+        int | None, typer.Option(help="chunk of the packed layout (default 128)")
+    ] = None,
     assume_layout: Annotated[
         str | None,
-        typer.Option(help="layout of unstamped fc1 weights: canonical, packed:C, or hf"),
+        typer.Option(
+            help="layout of fc1 weights the file does not record: canonical, packed:C, or hf; "
+            "a layout the file records must agree"
+        ),
     ] = None,
     trust: Annotated[bool, typer.Option(help="unpickle arbitrary objects (trusted files)")] = False,
 ) -> None:
@@ -151,46 +160,51 @@ def convert(
     from rich.table import Table
 
     from swiglu_train.layers.layout import CANONICAL, Layout
-    from swiglu_train.packing import convert_checkpoint, from_hf, to_hf
+    from swiglu_train.packing import convert_checkpoint, from_hf, records_layout, to_hf
 
     if to not in ("packed", "canonical", "hf"):
         raise typer.BadParameter("--to must be packed, canonical or hf")
+    if chunk is not None and chunk < 1:
+        raise typer.BadParameter(
+            f"must be a positive number of rows, got {chunk}", param_hint="--chunk"
+        )
+    if chunk is not None and to != "packed":
+        raise typer.BadParameter("applies to --to packed only", param_hint="--chunk")
+    assume = None  # None: the layout the checkpoint records
+    if assume_layout == "canonical":
+        assume = CANONICAL
+    elif assume_layout and assume_layout.startswith("packed:"):
+        try:
+            assume = Layout("packed", int(assume_layout.split(":", 1)[1]))
+        except ValueError as e:
+            raise typer.BadParameter(f"{assume_layout!r}: {e}", param_hint="--assume-layout") from e
+    elif assume_layout not in (None, "hf"):
+        raise typer.BadParameter(
+            f"--assume-layout {assume_layout!r}: use canonical, packed:C or hf"
+        )
     try:
         ckpt = torch.load(src, map_location="cpu", weights_only=not trust)
     except FileNotFoundError:
         raise typer.BadParameter(f"{src} does not exist") from None
     except Exception as e:  # weights_only refuses arbitrary pickled objects
         raise typer.BadParameter(f"cannot load {src} safely ({e}); pass --trust if you do") from e
-    state = ckpt.get("state_dict", ckpt)
-    stamped = any(k.endswith("_extra_state") for k in state)
-    if not stamped and assume_layout is None:
+    if not isinstance(ckpt, dict):
+        raise typer.BadParameter(f"{src} holds a {type(ckpt).__name__}, not a checkpoint dict")
+    if assume_layout is None and not records_layout(ckpt):
         raise typer.BadParameter(
-            f"{src} carries no fc1 layout stamp; say what it is with --assume-layout "
+            f"{src} does not record its fc1 layout; say what it is with --assume-layout "
             "(canonical, packed:C or hf)"
         )
     report = []
-    if assume_layout == "hf":
-        ckpt = from_hf(ckpt, report)
-        assume = CANONICAL
-    elif assume_layout and assume_layout.startswith("packed:"):
-        assume = Layout("packed", int(assume_layout.split(":", 1)[1]))
-    elif assume_layout in (None, "canonical"):
-        assume = CANONICAL
-    else:
-        raise typer.BadParameter(
-            f"--assume-layout {assume_layout!r}: use canonical, packed:C or hf"
-        )
-    if to == "hf" and "state_dict" in ckpt:
-        raise typer.BadParameter("--to hf takes a bare state_dict (no optimizer state)")
     try:
+        if assume_layout == "hf":
+            ckpt = from_hf(ckpt, report)
         if to == "hf":
-            if assume != CANONICAL:
-                ckpt = convert_checkpoint(ckpt, to="canonical", assume_layout=assume)
-            out = to_hf(ckpt, report)
+            out = to_hf(ckpt, report, assume_layout=assume)
         else:
             out = convert_checkpoint(ckpt, to=to, chunk=chunk, assume_layout=assume, report=report)
     except ValueError as e:  # a layout the input cannot take, named by the converter
-        raise typer.BadParameter(str(e)) from e
+        raise typer.BadParameter(f"{src}: {e}") from e
     with atomic_write(dst, "wb") as f:
         torch.save(out, f)
     table = Table(title=f"{src} -> {dst}")

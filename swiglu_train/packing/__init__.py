@@ -6,6 +6,7 @@ from swiglu_train.packing.convert import (
     Converted,
     convert_checkpoint,
     from_hf,
+    records_layout,
     switch_impl,
     to_hf,
 )
@@ -20,6 +21,7 @@ __all__ = [
     "packed_order",
     "permute_live_state",
     "permute_state",
+    "records_layout",
     "relayout",
     "switch_impl",
     "to_hf",

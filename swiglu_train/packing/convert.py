@@ -1,10 +1,12 @@
 """Switch a live model between layouts, and convert checkpoints between them.
 
 A checkpoint is a bare state_dict, or a Lightning-style dict (``state_dict`` plus
-``optimizer_states``). ParMLP fc1 entries are found by their stamp (packed) or, in canonical
-state, by structure: ``<prefix>fc1.weight`` [2F, D] beside ``<prefix>fc2.weight`` [O, F].
-Optimizer state is mapped through the parameter names the checkpoint records; without them
-the mapping would be a guess, so it is refused.
+``optimizer_states``). ParMLP fc1 entries are found by structure: ``<prefix>fc1.weight``
+[2F, D] beside ``<prefix>fc2.weight`` [O, F]. Their layout is read from what the checkpoint
+records: a packed ParMLP's stamp, and our Lightning checkpoints' ``swiglu_train.fc1_layout``.
+A layout the caller assumes must agree with a recorded one: reading rows in the wrong layout
+would scramble fc1 without any error. Optimizer state is mapped through the parameter names
+the checkpoint records; without them the mapping would be a guess, so it is refused.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from swiglu_train.layers.par_mlp import STAMP_KEY
 from swiglu_train.packing.optimizer import permute_live_state, permute_state
 
 CKPT_KEY = "swiglu_train"  # where Lightning checkpoints record layout and optimizer names
+DEFAULT_CHUNK = 128
 
 
 def switch_impl(
@@ -64,27 +67,42 @@ def convert_checkpoint(
 ) -> dict:
     """A converted copy of ``ckpt`` with every ParMLP fc1 (and its optimizer state) in ``to``.
 
-    ``to`` is "packed" (with ``chunk``) or "canonical". Unstamped fc1 weights are read as
-    ``assume_layout`` (canonical by default: the ecosystem's layout).
+    ``to`` is "packed" (with ``chunk``, 128 by default) or "canonical". fc1 weights whose
+    layout the checkpoint does not record are read as ``assume_layout`` (canonical by default:
+    the ecosystem's layout); one it records must agree with ``assume_layout`` when given.
     """
     if to not in ("packed", "canonical"):
         raise ValueError(f"to must be 'packed' or 'canonical', got {to!r}")
+    if chunk is not None and chunk < 1:
+        raise ValueError(f"chunk must be a positive number of rows, got {chunk}")
     lightning = "state_dict" in ckpt
     out = copy.deepcopy(ckpt)
     state = out["state_dict"] if lightning else out
+    record = _lightning_record(out) if lightning else None
     names = out.get(CKPT_KEY, {}).get("optimizer_param_names")
     if lightning and out.get("optimizer_states") and names is None:
         raise ValueError(
             "checkpoint has optimizer_states but no recorded parameter names "
             f"({CKPT_KEY}.optimizer_param_names); mapping them would be a guess"
         )
-    report = report if report is not None else []
+    prefixes = _mlp_prefixes(state)
+    if not prefixes:
+        raise ValueError(
+            "no ParMLP fc1 weights found (expected '<prefix>fc1.weight' beside "
+            "'<prefix>fc2.weight' with matching sizes)"
+        )
+    chunk = DEFAULT_CHUNK if chunk is None else chunk
     target = CANONICAL
-    for prefix in _mlp_prefixes(state):
-        stamp = state.pop(prefix + STAMP_KEY, None)
-        source = Layout.from_dict(stamp["fc1_layout"]) if stamp else assume_layout or CANONICAL
+    for prefix in prefixes:
+        source = _recorded_layout(state, prefix, record)
+        if source is not None and assume_layout is not None and source != assume_layout:
+            raise ValueError(
+                f"{prefix}fc1 is recorded as {source} but assumed to be {assume_layout}; "
+                "the recorded layout is used when no layout is assumed"
+            )
+        source = source or assume_layout or CANONICAL
         rows = state[prefix + "fc1.weight"].shape[0]
-        target = CANONICAL if to == "canonical" else Layout("packed", chunk or 128, source.tp)
+        target = CANONICAL if to == "canonical" else Layout("packed", chunk, source.tp)
         index = order(rows, source, target)
         moved_states = 0
         if index is not None:
@@ -94,15 +112,44 @@ def convert_checkpoint(
                     moved_states += _move_optimizer_state(out, names, prefix + key, index)
         if target.packed:
             state[prefix + STAMP_KEY] = {"fc1_layout": target.to_dict()}
-        report.append(Converted(prefix, str(source), str(target), moved_states))
-    if not report:
-        raise ValueError(
-            "no ParMLP fc1 weights found (expected '<prefix>fc1.weight' beside "
-            "'<prefix>fc2.weight' with matching sizes)"
-        )
+        if report is not None:
+            report.append(Converted(prefix, str(source), str(target), moved_states))
     if lightning and CKPT_KEY in out:
         out[CKPT_KEY]["fc1_layout"] = target.to_dict()
     return out
+
+
+def records_layout(ckpt: dict) -> bool:
+    """Whether ``ckpt`` says which layout its fc1 weights are in: a stamp or a Lightning record."""
+    lightning = "state_dict" in ckpt
+    if lightning and ckpt.get(CKPT_KEY, {}).get("fc1_layout") is not None:
+        return True
+    return any(k.endswith(STAMP_KEY) for k in (ckpt["state_dict"] if lightning else ckpt))
+
+
+def _lightning_record(ckpt: dict) -> Layout | None:
+    """The fc1 layout our PretrainModule records: its model's ParMLPs all share one."""
+    recorded = ckpt.get(CKPT_KEY, {}).get("fc1_layout")
+    return None if recorded is None else Layout.from_dict(recorded)
+
+
+def _recorded_layout(state: dict, prefix: str, record: Layout | None) -> Layout | None:
+    """The layout the checkpoint records for one fc1 (its stamp is popped), or None.
+
+    ParMLP stamps every packed fc1 and loads an unstamped one as canonical, so beside a
+    Lightning record an unstamped fc1 reads as canonical. Where stamp and record disagree,
+    trusting either one could scramble fc1, so the checkpoint is refused.
+    """
+    stamp = state.pop(prefix + STAMP_KEY, None)
+    if stamp is not None and (not isinstance(stamp, dict) or set(stamp) != {"fc1_layout"}):
+        raise ValueError(f"{prefix}{STAMP_KEY}: unrecognised ParMLP stamp {stamp!r}")
+    stamped = None if stamp is None else Layout.from_dict(stamp["fc1_layout"])
+    if record is not None and (stamped or CANONICAL) != record:
+        raise ValueError(
+            f"{prefix}fc1 is stamped {stamped or 'canonical (no stamp)'} but the checkpoint "
+            f"records {record} ({CKPT_KEY}.fc1_layout); it contradicts itself"
+        )
+    return record or stamped
 
 
 def _mlp_prefixes(state: dict) -> list[str]:
@@ -143,9 +190,23 @@ def _move_optimizer_state(ckpt: dict, names: list[list[str]] | None, key: str, i
 HF_NAMES = ("gate_proj.weight", "up_proj.weight", "down_proj.weight")
 
 
-def to_hf(state: dict, report: list[Converted] | None = None) -> dict:
-    """A bare state_dict with every ParMLP as HF Llama's gate_proj / up_proj / down_proj."""
-    out = convert_checkpoint(state, to="canonical", report=report)
+def to_hf(
+    ckpt: dict, report: list[Converted] | None = None, assume_layout: Layout | None = None
+) -> dict:
+    """A bare state_dict with every ParMLP as HF Llama's gate_proj / up_proj / down_proj.
+
+    ``ckpt`` may be a Lightning checkpoint: its weights are read in the layout it records.
+    Its optimizer state is left behind, as an HF state_dict has no place for it.
+    """
+    lightning = "state_dict" in ckpt
+    if lightning:
+        ckpt = {"state_dict": ckpt["state_dict"], CKPT_KEY: ckpt.get(CKPT_KEY, {})}
+    moved: list[Converted] = []
+    out = convert_checkpoint(ckpt, to="canonical", assume_layout=assume_layout, report=moved)
+    if lightning:
+        out = out["state_dict"]
+    if report is not None:
+        report.extend(Converted(r.prefix, r.source, "hf", 0) for r in moved)
     for prefix in _mlp_prefixes(out):
         if prefix + "fc1.bias" in out or prefix + "fc2.bias" in out:
             raise ValueError(f"{prefix}: HF's gated MLP has no biases; this ParMLP has them")

@@ -1,0 +1,213 @@
+"""`convert` reads the layout a checkpoint records, refuses assumptions that contradict it, and
+leaves the converted checkpoint recording its new layout."""
+
+import shutil
+import textwrap
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+from test_pretrain import small_config
+from typer.testing import CliRunner
+
+from swiglu_train import ParMLP
+from swiglu_train.cli import app
+from swiglu_train.integrations.lightning.module import PretrainModule
+from swiglu_train.integrations.lightning.pretrain import run_pretrain
+from swiglu_train.layers.layout import CANONICAL, Layout, packed_order
+from swiglu_train.ops import use_backend
+from swiglu_train.packing import convert_checkpoint, to_hf
+
+ROWS, CHUNK = 320, 32  # small_config's fc1 (2 x 160 rows); save_factors packs it by 32
+PACKED = Layout("packed", CHUNK)
+MLPS = ("model.layers.0.mlp.", "model.layers.1.mlp.")
+
+
+@pytest.fixture(scope="module")
+def pretrained(tmp_path_factory) -> dict[str, Path]:
+    """last.ckpt of a two-step `pretrain` per impl: drop_h (canonical), save_factors (packed)."""
+    root = tmp_path_factory.mktemp("pretrained")
+    corpus = root / "corpus"
+    corpus.mkdir()
+    for module in (shutil, textwrap):
+        (corpus / Path(module.__file__).name).write_bytes(Path(module.__file__).read_bytes())
+    paths = {}
+    with use_backend("torch"):
+        for impl in ("drop_h", "save_factors"):
+            cfg = small_config(root, [str(corpus / "*.py")], impl, 2)
+            cfg.data.val_fraction, cfg.train.checkpoint_every = 0.0, 2
+            run_pretrain(cfg)
+            paths[impl] = Path(cfg.output_dir) / "checkpoints" / "last.ckpt"
+    return paths
+
+
+def invoke(*args: object):
+    return CliRunner().invoke(app, ["convert", *map(str, args)], env={"COLUMNS": "400"})
+
+
+def load(path: Path) -> dict:
+    return torch.load(path, weights_only=False)
+
+
+def unpacked(fc1: torch.Tensor, layout: Layout) -> torch.Tensor:
+    """Canonical rows of a packed fc1, by the definition ``packed = canonical[packed_order]``."""
+    canonical = torch.empty_like(fc1)
+    canonical[packed_order(fc1.shape[0], layout.chunk, layout.tp)] = fc1
+    return canonical
+
+
+def fc1_state(ckpt: dict, prefix: str) -> list[torch.Tensor]:
+    """The optimizer's per-element state of one fc1 weight, through the recorded names."""
+    names = [n for group in ckpt["swiglu_train"]["optimizer_param_names"] for n in group]
+    opt = ckpt["optimizer_states"][0]
+    ids = [i for group in opt["param_groups"] for i in group["params"]]
+    state = opt["state"][ids[names.index(prefix + "fc1.weight")]]
+    return [state["exp_avg"], state["exp_avg_sq"]]
+
+
+def test_pretrain_checkpoint_converts_by_its_record_and_records_the_new_layout(
+    pretrained, tmp_path
+):
+    src, packed_path, back_path = pretrained["drop_h"], tmp_path / "p.ckpt", tmp_path / "c.ckpt"
+    original = load(src)
+    assert original["swiglu_train"]["fc1_layout"] == CANONICAL.to_dict()
+    assert not any(k.endswith("_extra_state") for k in original["state_dict"])
+
+    ok = invoke("--to", "packed", "--chunk", CHUNK, src, packed_path)
+    assert ok.exit_code == 0, ok.output
+    packed = load(packed_path)
+    assert packed["swiglu_train"]["fc1_layout"] == PACKED.to_dict()
+    index = packed_order(ROWS, CHUNK)
+    for prefix in MLPS:
+        assert packed["state_dict"][prefix + "_extra_state"] == {"fc1_layout": PACKED.to_dict()}
+        fc1 = original["state_dict"][prefix + "fc1.weight"]
+        assert torch.equal(packed["state_dict"][prefix + "fc1.weight"], fc1[index])
+        for new, old in zip(fc1_state(packed, prefix), fc1_state(original, prefix), strict=True):
+            assert torch.equal(new, old[index])
+
+    # The converted file is read by its own record: back without --assume-layout, bit-exact.
+    ok = invoke("--to", "canonical", packed_path, back_path)
+    assert ok.exit_code == 0, ok.output
+    back = load(back_path)
+    assert back["swiglu_train"]["fc1_layout"] == CANONICAL.to_dict()
+    assert back["state_dict"].keys() == original["state_dict"].keys()
+    for key, value in original["state_dict"].items():
+        assert torch.equal(back["state_dict"][key], value), key
+
+    # And a save_factors model resumes from the packed file computing drop_h's function.
+    cfg = small_config(tmp_path, None, "save_factors", 2)
+    module = PretrainModule(cfg.model, cfg.optim, 2)
+    module.on_load_checkpoint(packed)  # refuses a record unlike the model's layout
+    module.load_state_dict(packed["state_dict"])
+    reference = PretrainModule(replace(cfg.model, mlp_impl="drop_h"), cfg.optim, 2)
+    reference.load_state_dict(original["state_dict"])
+    tokens = torch.randint(0, cfg.model.vocab_size, (2, 16))
+    with torch.no_grad(), use_backend("torch"):
+        torch.testing.assert_close(module.model(tokens), reference.model(tokens))
+
+
+@pytest.mark.parametrize(
+    ("impl", "assumed", "recorded"),
+    [
+        ("drop_h", "packed:64", "canonical"),
+        ("save_factors", "canonical", str(PACKED)),
+        ("save_factors", "packed:64", str(PACKED)),
+    ],
+)
+def test_assumption_contradicting_the_record_is_refused(
+    pretrained, tmp_path, impl, assumed, recorded
+):
+    refused = invoke(
+        "--to",
+        "packed",
+        "--chunk",
+        16,
+        "--assume-layout",
+        assumed,
+        pretrained[impl],
+        tmp_path / "out.ckpt",
+    )
+    assert refused.exit_code != 0
+    assumed_str = "canonical" if assumed == "canonical" else "packed(chunk=64, tp=1)"
+    for name in (str(pretrained[impl]), recorded, assumed_str):
+        assert name in refused.output, (name, refused.output)
+    assert not (tmp_path / "out.ckpt").exists()
+    with pytest.raises(ValueError, match="is recorded as"):
+        convert_checkpoint(
+            load(pretrained[impl]), to="canonical", assume_layout=Layout("packed", 64)
+        )
+
+
+@pytest.mark.parametrize(
+    ("impl", "assumed"), [("drop_h", "canonical"), ("save_factors", f"packed:{CHUNK}")]
+)
+def test_assumption_agreeing_with_the_record_is_fine(pretrained, tmp_path, impl, assumed):
+    ok = invoke(
+        "--to", "canonical", "--assume-layout", assumed, pretrained[impl], tmp_path / "c.ckpt"
+    )
+    assert ok.exit_code == 0, ok.output
+    original, out = load(pretrained[impl])["state_dict"], load(tmp_path / "c.ckpt")["state_dict"]
+    source = CANONICAL if impl == "drop_h" else PACKED
+    for prefix in MLPS:
+        fc1 = original[prefix + "fc1.weight"]
+        expected = fc1 if source == CANONICAL else unpacked(fc1, source)
+        assert torch.equal(out[prefix + "fc1.weight"], expected)
+
+
+def test_stamp_and_record_that_disagree_are_refused(pretrained):
+    ckpt = load(pretrained["save_factors"])
+    ckpt["swiglu_train"]["fc1_layout"] = CANONICAL.to_dict()
+    with pytest.raises(ValueError, match="contradicts itself"):
+        convert_checkpoint(ckpt, to="canonical")
+
+
+@pytest.mark.parametrize("chunk", [0, -4])
+def test_non_positive_chunk_is_refused(tmp_path, chunk):
+    state = ParMLP(16, 128, impl="normal").state_dict()  # 128 rows per half: the default fits
+    torch.save(state, tmp_path / "c.pt")
+    refused = invoke(
+        "--to",
+        "packed",
+        "--chunk",
+        chunk,
+        "--assume-layout",
+        "canonical",
+        tmp_path / "c.pt",
+        tmp_path / "p.pt",
+    )
+    assert refused.exit_code != 0 and "positive" in refused.output and "--chunk" in refused.output
+    assert not (tmp_path / "p.pt").exists()
+    with pytest.raises(ValueError, match=f"chunk must be a positive number of rows, got {chunk}"):
+        convert_checkpoint(state, to="packed", chunk=chunk)
+    default = convert_checkpoint(state, to="packed")  # no chunk given: 128
+    assert torch.equal(default["fc1.weight"], state["fc1.weight"][packed_order(256, 128)])
+
+
+def test_chunk_without_a_packed_target_is_refused(tmp_path):
+    torch.save(ParMLP(16, 128, impl="normal").state_dict(), tmp_path / "c.pt")
+    args = ("--chunk", 64, "--assume-layout", "canonical", tmp_path / "c.pt", tmp_path / "o.pt")
+    for to in ("canonical", "hf"):
+        refused = invoke("--to", to, *args)
+        assert refused.exit_code != 0 and "applies to --to packed only" in refused.output
+    assert not (tmp_path / "o.pt").exists()
+
+
+def test_to_hf_takes_a_lightning_checkpoint(pretrained, tmp_path):
+    src = pretrained["save_factors"]
+    ok = invoke("--to", "hf", src, tmp_path / "hf.pt")
+    assert ok.exit_code == 0, ok.output
+    packed = load(src)["state_dict"]
+    hf = torch.load(tmp_path / "hf.pt")  # a bare state_dict: weights only
+    assert not {"optimizer_states", "state_dict", "swiglu_train"} & hf.keys()
+    assert not any(k.endswith(("_extra_state", "fc1.weight")) for k in hf)
+    for prefix in MLPS:
+        fc1 = unpacked(packed[prefix + "fc1.weight"], PACKED)
+        assert torch.equal(hf[prefix + "gate_proj.weight"], fc1[: ROWS // 2])
+        assert torch.equal(hf[prefix + "up_proj.weight"], fc1[ROWS // 2 :])
+        assert torch.equal(hf[prefix + "down_proj.weight"], packed[prefix + "fc2.weight"])
+    rows = [line for line in ok.output.splitlines() if "model.layers.0.mlp" in line]
+    assert len(rows) == 1 and rows[0].split("│")[3].strip() == "hf", ok.output
+    report = []
+    to_hf(load(src), report)
+    assert [(r.source, r.target) for r in report] == [(str(PACKED), "hf")] * 2
