@@ -217,6 +217,18 @@ def test_bad_inputs_are_named(tmp_path):
         load_config(str(tmp_path / "typo.yaml"))
 
 
+def test_a_corpus_too_small_to_hold_out_a_document_says_so(tmp_path):
+    """One file, and one document in k held out: no validation rows. The run says why
+    instead of Lightning's warning about a zero-length dataloader."""
+    (tmp_path / "one.txt").write_text("a few words " * 2000)
+    data = PackedTextData(
+        small_config(tmp_path, [str(tmp_path / "one.txt")], "drop_h", 1).data, 320
+    )
+    with pytest.warns(UserWarning, match=r"no validation set \(one document in \d+ is held out"):
+        data.setup("fit")
+    assert not data.has_validation and data.val_dataloader() == []
+
+
 def test_cli_default_corpus_summary_json(tmp_path):
     """The README command on the embedded defaults, shortened: stdlib corpus, summary JSON."""
     out = tmp_path / "summary.json"

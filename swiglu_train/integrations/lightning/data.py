@@ -17,6 +17,7 @@ from pathlib import Path
 import lightning.pytorch as pl
 import numpy as np
 import torch
+from lightning.pytorch.utilities import rank_zero_warn
 from torch.utils.data import DataLoader, Dataset, Sampler
 
 EOD = 256  # end-of-document id, after the 256 byte values
@@ -115,14 +116,19 @@ def pack(documents: list[np.ndarray], seq_length: int) -> torch.Tensor:
     return torch.from_numpy(np.asarray(stream)[index].astype(np.int32))
 
 
+def val_stride(val_fraction: float) -> int | None:
+    """Every how many documents one is held out for validation (None: none is)."""
+    return max(2, round(1 / val_fraction)) if val_fraction > 0 else None
+
+
 def split(
     documents: list[tuple[str, np.ndarray]], val_fraction: float
 ) -> tuple[list[np.ndarray], list[np.ndarray]]:
     """Deterministic document-level split: every k-th document (k = 1 / val_fraction) of the
     sorted corpus is held out, wherever the corpus lives."""
-    if val_fraction <= 0:
+    stride = val_stride(val_fraction)
+    if stride is None:
         return [ids for _, ids in documents], []
-    stride = max(2, round(1 / val_fraction))
     train = [ids for i, (_, ids) in enumerate(documents) if i % stride != stride - 1]
     val = [ids for i, (_, ids) in enumerate(documents) if i % stride == stride - 1]
     return train, val
@@ -194,6 +200,11 @@ class PackedTextData(pl.LightningDataModule):
                 f"corpus {what} is too small: {len(self.train_rows)} training rows of "
                 f"{self.cfg.seq_length + 1} tokens, need at least {self.cfg.micro_batch_size}"
             )
+        if not self.has_validation:
+            stride = val_stride(self.cfg.val_fraction)
+            why = f"one document in {stride} is held out" if stride else "val_fraction is 0"
+            rank_zero_warn(f"no validation set ({why}; corpus {what} has too few documents): "
+                           "val_loss is not computed")  # fmt: skip
         largest = int(self.train_rows.max())
         if largest >= self.vocab_size:
             raise ValueError(
@@ -214,5 +225,11 @@ class PackedTextData(pl.LightningDataModule):
         )
         return DataLoader(Rows(self.train_rows), batch_sampler=sampler)
 
-    def val_dataloader(self) -> DataLoader:
+    @property
+    def has_validation(self) -> bool:
+        return len(self.val_rows) > 0
+
+    def val_dataloader(self) -> DataLoader | list:
+        if not self.has_validation:  # [] tells Lightning there is no validation to run
+            return []
         return DataLoader(Rows(self.val_rows), batch_size=self.cfg.micro_batch_size)

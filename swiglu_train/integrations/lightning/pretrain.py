@@ -64,6 +64,7 @@ def run_pretrain(cfg: PretrainConfig, resume: str | None = None) -> dict[str, An
     pl.seed_everything(cfg.train.seed, workers=True)
     module = PretrainModule(cfg.model, cfg.optim, cfg.train.max_steps)
     data = PackedTextData(cfg.data, cfg.model.vocab_size)
+    data.setup("fit")  # here, so a corpus too small to validate on turns validation off
     memory = MemoryProfilerCallback(per_layer=True)
     history = LossAndThroughput()
     wandb_logger = WandbLogger(
@@ -88,6 +89,7 @@ def run_pretrain(cfg: PretrainConfig, resume: str | None = None) -> dict[str, An
         accumulate_grad_batches=cfg.train.accumulate_grad_batches,
         gradient_clip_val=cfg.train.gradient_clip_val,
         val_check_interval=cfg.train.val_check_interval,
+        limit_val_batches=None if data.has_validation else 0,
         check_val_every_n_epoch=None,
         log_every_n_steps=cfg.train.log_every_n_steps,
         logger=[wandb_logger, CSVLogger(out, name="csv")],
