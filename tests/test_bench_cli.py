@@ -93,3 +93,38 @@ def test_bench_smoke_on_cpu(tmp_path):
         assert row["rel_err_vs_reference"] < 1e-5  # fp32: every variant computes the same MLP
     assert payload["meta"]["samples"] == 30 and payload["meta"]["device_name"] == "cpu"
     assert [r["layers"] for r in payload["stack"]] == [2, 2, 2, 2]
+
+
+def test_bench_prints_skip_reasons_with_their_brackets(monkeypatch):
+    from swiglu_train.bench import mlp
+
+    real_case = mlp.layer_case
+    hint = "needs quack (pip install 'swiglu-train[quack]')"
+
+    def layer_case(name, *args):
+        if name == "drop_h_quack":
+            raise ImportError(hint)
+        return real_case(name, *args)
+
+    monkeypatch.setattr(mlp, "layer_case", layer_case)
+    args = ["bench", "--device", "cpu", "--dtype", "fp32", "--shape", f"{M},{D},{FFN},{D}"]
+    args += ["--variants", "eager,drop_h_quack", "--samples", "2", "--stack-layers", "0"]
+    result = runner.invoke(app, args, env={"COLUMNS": "200"})  # the reason on one line
+    assert result.exit_code == 0, result.output
+    assert f"skipped drop_h_quack: not importable: {hint}" in result.output
+
+
+def test_bench_inference_merge_takes_several_files_after_one_flag(tmp_path):
+    runs = []
+    for model in ("32x48", "16x40"):
+        runs.append(tmp_path / f"{model}.json")
+        args = ["bench-inference", "--device", "cpu", "--dtype", "fp32", "--models", model]
+        args += ["--m", "1", "--samples", "1", "--variants", "ours", "--json", str(runs[-1])]
+        assert runner.invoke(app, args).exit_code == 0
+    for merge in (["--merge", *map(str, runs)], ["--merge", str(runs[0]), "--merge", str(runs[1])]):
+        out = tmp_path / "merged.json"
+        result = runner.invoke(app, ["bench-inference", *merge, "--json", str(out)])
+        assert result.exit_code == 0, result.output
+        assert {r["model"] for r in json.loads(out.read_text())["rows"]} == {"32x48", "16x40"}
+    stray = runner.invoke(app, ["bench-inference", str(runs[0])], env={"COLUMNS": "200"})
+    assert stray.exit_code == 2 and "unexpected arguments" in stray.output

@@ -36,3 +36,12 @@ def test_auto_s_pick_comes_from_the_table_of_this_gpu(monkeypatch):
     impls = {"normal": (1.0, 990.0), "drop_h": (1.05, 686.0)}
     pretend_gpu(monkeypatch, crossover_table({(4096, 4096, 11008): impls}))
     assert "auto -> normal (normal: fastest (1.000x floor) at the nearest" in run(*SHAPE)
+
+
+def test_a_quack_install_hint_keeps_its_brackets(monkeypatch):
+    import swiglu_train.ops.quack_mlp as quack_mlp
+
+    hint = "quack-kernels is not installed (pip install 'swiglu-train[quack]')"
+    monkeypatch.setattr(quack_mlp, "quack_unavailable_reason", lambda: hint)
+    result = runner.invoke(app, ["impls"], env={"COLUMNS": "200"})  # the reason on one line
+    assert result.exit_code == 0 and f"no: {hint}" in result.output

@@ -3,17 +3,43 @@
 from __future__ import annotations
 
 import contextlib
+import os
 import shlex
 import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import Progress
 
-app = typer.Typer(help="SwiGLU MLP layers that give pretraining its activation memory back.")
+DEBUG_ENV = "SWIGLU_TRAIN_DEBUG"
+# What the package raises for bad input (its TableError and DispatchTableError are ValueErrors):
+# shown as one line, where any other exception is a bug and keeps its traceback.
+USER_ERRORS = (ValueError, FileNotFoundError)
+
+
+class App(typer.Typer):
+    """A Typer app whose entry point reports input errors in one line instead of a traceback."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return super().__call__(*args, **kwargs)
+        except USER_ERRORS as e:
+            if os.environ.get(DEBUG_ENV, "0") not in ("", "0"):
+                raise
+            error_console.print(f"error: {escape(str(e))}", highlight=False, soft_wrap=True)
+            raise SystemExit(1) from None
+
+
+app = App(
+    help="SwiGLU MLP layers that give pretraining its activation memory back.\n\n"
+    f"Input errors print one line; set {DEBUG_ENV}=1 to see their traceback."
+)
 console = Console()
+error_console = Console(stderr=True)
 
 
 @app.callback()
@@ -26,6 +52,24 @@ def parse_shape(value: str) -> tuple[int, int, int, int]:
     if len(parts) != 4 or min(parts) < 1:
         raise typer.BadParameter("expected four positive integers M,D,F,O")
     return tuple(parts)  # type: ignore[return-value]
+
+
+def require_device(device: str) -> str:
+    """Check --device before a run: a CUDA run without CUDA fails deep in torch otherwise."""
+    import torch
+
+    try:
+        kind = torch.device(device).type
+    except RuntimeError as e:
+        raise typer.BadParameter(
+            f"{device!r} is not a torch device", param_hint="'--device'"
+        ) from e
+    if kind == "cuda" and not torch.cuda.is_available():
+        raise typer.BadParameter(
+            "CUDA is not available on this machine; pass --device cpu for a smoke run",
+            param_hint="'--device'",
+        )
+    return device
 
 
 def invocation() -> str:

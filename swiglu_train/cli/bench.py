@@ -8,6 +8,7 @@ from typing import Annotated
 
 import typer
 from rich.markdown import Markdown
+from rich.markup import escape
 
 from swiglu_train.cli.app import (
     app,
@@ -15,6 +16,7 @@ from swiglu_train.cli.app import (
     invocation,
     parse_shape,
     progress_bars,
+    require_device,
 )
 from swiglu_train.files import atomic_write, write_json_atomic
 
@@ -54,6 +56,7 @@ def bench(
         raise typer.BadParameter(f"unknown variants {unknown}; choose from {list(BUILDERS)}")
     if dtype not in DTYPES:
         raise typer.BadParameter(f"dtype must be one of {list(DTYPES)}")
+    require_device(device)
     if samples < 30:
         console.print(f"[yellow]{samples} samples: results are not claimable (need >= 30)")
     cfg = BenchConfig(
@@ -73,11 +76,11 @@ def bench(
     markdown = to_markdown(result)
     console.print(Markdown(markdown))
     for name, reason in result["skipped"].items():
-        console.print(f"[yellow]skipped {name}: {reason}")
+        console.print(f"[yellow]skipped {name}: {escape(reason)}")
     if json_path is not None:
         write_json_atomic(json_path, result)
         json_path.with_suffix(".md").write_text(markdown)
-        console.print(f"wrote {json_path}")
+        console.print(f"wrote {escape(str(json_path))}")
 
 
 @app.command("bench-inference")
@@ -110,6 +113,14 @@ def bench_inference(
         list[Path] | None,
         typer.Option(help="merge these --json results (runs split by model) instead of running"),
     ] = None,
+    more_merge: Annotated[
+        list[Path] | None,
+        typer.Argument(
+            metavar="MERGE",
+            help="more files for --merge, so --merge a.json b.json reads both",
+            show_default=False,
+        ),
+    ] = None,
 ) -> None:
     """Time the gated projection and the whole MLP, forward only, in CUDA graphs.
 
@@ -125,6 +136,9 @@ def bench_inference(
     from swiglu_train.bench.inference_variants import TABLES
     from swiglu_train.bench.mlp import DTYPES
 
+    if more_merge and not merge:
+        raise typer.BadParameter(f"unexpected arguments {[str(p) for p in more_merge]}")
+    merge = [*(merge or []), *(more_merge or [])]
     model_names = [v for v in models.split(",") if v]
     try:
         for name in model_names:
@@ -141,6 +155,8 @@ def bench_inference(
         raise typer.BadParameter(f"unknown variants {unknown}; choose from {sorted(known)}")
     if dtype not in DTYPES:
         raise typer.BadParameter(f"dtype must be one of {list(DTYPES)}")
+    if not merge:  # merging reads result files: it runs anywhere
+        require_device(device)
     if samples < 30:
         console.print(f"[yellow]{samples} samples: results are not claimable (need >= 30)")
     if merge:
@@ -158,21 +174,21 @@ def bench_inference(
     console.print(Markdown(markdown))
     if json_path is not None:
         write_json_atomic(json_path, result)
-        console.print(f"wrote {json_path}")
+        console.print(f"wrote {escape(str(json_path))}")
     if md_path is not None:
         with atomic_write(md_path) as f:
             f.write(markdown)
-        console.print(f"wrote {md_path}")
+        console.print(f"wrote {escape(str(md_path))}")
     if plot_path is not None:
         from swiglu_train.bench.inference_plot import plot_inference
 
         with atomic_write(plot_path, "wb") as f:
             plot_inference(result).savefig(f, format="png", dpi=110)
-        console.print(f"wrote {plot_path}")
+        console.print(f"wrote {escape(str(plot_path))}")
     if dispatch_path is not None:
         source = "swiglu-train bench-inference" + (f", {json_path.name}" if json_path else "")
         write_json_atomic(dispatch_path, dispatch_table(result, source))
-        console.print(f"wrote {dispatch_path}")
+        console.print(f"wrote {escape(str(dispatch_path))}")
 
 
 @app.command("bench-memory")
@@ -197,6 +213,7 @@ def bench_memory(
         get_impl(impl)  # a clear error listing the valid impls
     if dtype not in DTYPES:
         raise typer.BadParameter(f"dtype must be one of {list(DTYPES)}")
+    require_device(device)
     depths = [int(v) for v in layers.split(",") if v]
     dims, torch_dtype = parse_shape(shape), DTYPES[dtype]
     rows = []
@@ -229,7 +246,7 @@ def bench_memory(
         write_json_atomic(json_path, {"meta": meta, "results": rows, "overhead": overhead})
         json_path.with_suffix(".md").write_text(markdown)
         memory_stack.plot(rows).savefig(json_path.with_suffix(".png"), dpi=120)
-        console.print(f"wrote {json_path} (.md, .png)")
+        console.print(f"wrote {escape(str(json_path))} (.md, .png)")
 
 
 @app.command("bench-crossover")
@@ -277,6 +294,7 @@ def bench_crossover(
         raise typer.BadParameter("--table needs allocator readings: run with --device cuda")
     if table is not None and not (commit or git_commit()):
         raise typer.BadParameter("--table records the commit measured; pass --commit (no git)")
+    require_device(device)
     if samples < 30:
         console.print(f"[yellow]{samples} samples: results are not claimable (need >= 30)")
     cfg = CrossoverConfig(grid_m, grid_shapes, samples, warmup, dtype, device, seed, commit)
@@ -288,7 +306,7 @@ def bench_crossover(
     if json_path is not None:
         write_json_atomic(json_path, result)
         json_path.with_suffix(".md").write_text(markdown)
-        console.print(f"wrote {json_path} (.md)")
+        console.print(f"wrote {escape(str(json_path))} (.md)")
     if table is not None:
         write_json_atomic(table, lookup_table(result))
-        console.print(f"wrote {table}")
+        console.print(f"wrote {escape(str(table))}")

@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Annotated
 
 import typer
+from rich.markup import escape
 from rich.table import Table
 
 from swiglu_train.cli.app import app, console
@@ -41,7 +42,7 @@ def impls(
         table.add_column(column)
     for name in MLP_IMPLS:
         if name in QUACK_IMPLS:
-            runs = "yes (quack)" if quack_reason is None else f"[red]no[/]: {quack_reason}"
+            runs = "yes (quack)" if quack_reason is None else f"[red]no[/]: {escape(quack_reason)}"
         else:
             runs = f"yes ({kernels})"
         table.add_row(name, runs, SAVED[name])
@@ -50,4 +51,4 @@ def impls(
         console.print("--hidden-size and --ffn-hidden-size (and --tokens) show auto's pick")
         return
     choice = resolve_auto(tokens, hidden_size, ffn_hidden_size, device)
-    console.print(f"auto -> [bold]{choice.impl}[/] ({choice.reason})")
+    console.print(f"auto -> [bold]{choice.impl}[/] ({escape(choice.reason)})")

@@ -1,0 +1,69 @@
+"""Input errors reach the user as one line, not a traceback; genuine bugs keep theirs."""
+
+import sys
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from swiglu_train.cli import app
+
+runner = CliRunner()
+DEBUG_ENV = "SWIGLU_TRAIN_DEBUG"  # as --help documents it
+NO_CUDA = "Invalid value for '--device': CUDA is not available on this machine; pass --device cpu"
+
+
+@pytest.fixture
+def entry(monkeypatch, capsys):
+    """Run ``swiglu-train ARGS`` through the console-script entry point; (exit code, stderr)."""
+    monkeypatch.setattr(sys, "excepthook", sys.excepthook)  # Typer installs its own
+    monkeypatch.delenv(DEBUG_ENV, raising=False)
+
+    def run(*args: str) -> tuple[int, str]:
+        with pytest.raises(SystemExit) as exit_:
+            app(args=list(args), prog_name="swiglu-train")
+        return exit_.value.code, capsys.readouterr().err
+
+    return run
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the answer without CUDA")
+@pytest.mark.parametrize("command", ["bench", "bench-memory", "bench-crossover", "bench-inference"])
+def test_bench_without_cuda_says_so_in_one_line(command):
+    result = runner.invoke(app, [command], env={"COLUMNS": "200"})
+    assert result.exit_code == 2, result.output
+    assert NO_CUDA in result.output and "Traceback" not in result.output
+
+
+def test_bench_rejects_a_device_torch_does_not_know():
+    result = runner.invoke(app, ["bench", "--device", "gpu0"], env={"COLUMNS": "200"})
+    assert result.exit_code == 2 and "'gpu0' is not a torch device" in result.output
+
+
+def test_a_missing_config_is_one_line(entry):
+    code, err = entry("pretrain", "--config", "nosuch")
+    assert code == 1
+    assert err == "error: config 'nosuch' not found; named configs: ['125m', '1b', 'tiny']\n"
+
+
+def test_an_unknown_impl_is_one_line(entry):
+    code, err = entry("bench-memory", "--device", "cpu", "--mlp-impl", "fast[x]")
+    assert code == 1 and err.startswith("error: unknown MLP impl 'fast[x]'; valid impls: normal")
+    assert err.count("\n") == 1
+
+
+def test_debug_env_shows_the_traceback(entry, monkeypatch):
+    monkeypatch.setenv(DEBUG_ENV, "1")
+    with pytest.raises(FileNotFoundError, match="config 'nosuch' not found"):
+        entry("pretrain", "--config", "nosuch")
+
+
+def test_a_bug_is_not_taken_for_an_input_error(entry, monkeypatch):
+    import swiglu_train.integrations.lightning.config as config
+
+    def broken(name):
+        raise RuntimeError("a bug")
+
+    monkeypatch.setattr(config, "load_config", broken)
+    with pytest.raises(RuntimeError, match="a bug"):
+        entry("pretrain", "--config", "tiny")
