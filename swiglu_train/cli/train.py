@@ -6,6 +6,7 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
+from rich.markup import escape
 
 from swiglu_train.cli.app import (
     app,
@@ -45,7 +46,7 @@ def compare_memory(
         raise typer.BadParameter(str(e), param_hint="RUN") from e
     try:
         for path in write_report(loaded, out):
-            console.print(f"wrote {path}")
+            console.print(f"wrote {escape(str(path))}")
     except ValueError as e:
         raise typer.BadParameter(str(e), param_hint="--out") from e
     if wandb_workspace is None:
@@ -57,7 +58,8 @@ def compare_memory(
     try:
         build_workspace(wandb_workspace, loaded).save()
     except (wandb.errors.Error, OSError) as e:
-        console.print(f"[red]could not save the W&B workspace to {wandb_workspace}: {e}")
+        where = escape(wandb_workspace)
+        console.print(f"[red]could not save the W&B workspace to {where}: {escape(str(e))}")
         console.print("The PNG and HTML are written; log in (`wandb login`) with network to save.")
         raise typer.Exit(1) from e
 
@@ -131,7 +133,7 @@ def pretrain(
     console.print(table)
     if summary_json is not None:
         write_json_atomic(summary_json, summary)
-        console.print(f"wrote {summary_json}")
+        console.print(f"wrote {escape(str(summary_json))}")
 
 
 @app.command()
@@ -207,9 +209,10 @@ def convert(
         raise typer.BadParameter(f"{src}: {e}") from e
     with atomic_write(dst, "wb") as f:
         torch.save(out, f)
-    table = Table(title=f"{src} -> {dst}")
+    table = Table(title=escape(f"{src} -> {dst}"))
     for column in ("ParMLP", "from", "to", "optimizer states moved"):
         table.add_column(column)
     for r in report:
-        table.add_row(r.prefix.rstrip(".") or "(root)", r.source, r.target, str(r.optimizer_states))
+        prefix = escape(r.prefix.rstrip(".")) or "(root)"
+        table.add_row(prefix, r.source, r.target, str(r.optimizer_states))
     console.print(table)
