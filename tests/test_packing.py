@@ -204,12 +204,12 @@ def test_convert_cli_round_trips_and_refuses_unstamped(tmp_path):
 
 
 def test_convert_report_keeps_brackets_in_paths(tmp_path):
-    """Rich reads [..] as a style tag: a path like run[1]/ must print as it is."""
+    """Rich reads [..] as a style tag: a path like run[quack]/ must print as it is."""
     from typer.testing import CliRunner
 
     from swiglu_train.cli import app
 
-    folder = tmp_path / "run[1]"
+    folder = tmp_path / "run[quack]"
     folder.mkdir()
     torch.save(TwoLayers(bias=False).state_dict(), folder / "in.pt")
     args = ["convert", "--to", "packed", "--chunk", "8", "--assume-layout", "canonical"]
@@ -217,4 +217,4 @@ def test_convert_report_keeps_brackets_in_paths(tmp_path):
         app, [*args, str(folder / "in.pt"), str(folder / "out.pt")], env={"COLUMNS": "400"}
     )
     assert result.exit_code == 0, result.output
-    assert "run[1]" in result.output  # unescaped, Rich prints "run/in.pt"
+    assert "run[quack]" in result.output  # unescaped, Rich takes [quack] for a style tag
