@@ -211,3 +211,45 @@ def test_to_hf_takes_a_lightning_checkpoint(pretrained, tmp_path):
     report = []
     to_hf(load(src), report)
     assert [(r.source, r.target) for r in report] == [(str(PACKED), "hf")] * 2
+
+
+def _bare(impls: tuple[str, str]) -> dict:
+    """A bare state_dict of two ParMLPs (16 -> 2x24 rows) in these impls' layouts."""
+    layers = torch.nn.ModuleList(ParMLP(16, 24, impl=i, chunk=8) for i in impls)
+    return layers.state_dict()
+
+
+def test_a_megatron_stamp_beside_linear_fc1_is_refused_not_ignored():
+    """Megatron names the weights linear_fc1/linear_fc2 and stamps the MLP module: convert must
+    not read those packed rows as unstamped canonical ones."""
+    state = _bare(("save_factors", "save_factors"))
+    megatron = {}
+    for i in (0, 1):
+        mlp = f"decoder.layers.{i}.mlp."
+        megatron[mlp + "linear_fc1.weight"] = state[f"{i}.fc1.weight"]
+        megatron[mlp + "linear_fc2.weight"] = state[f"{i}.fc2.weight"]
+        megatron[mlp + "_extra_state"] = state[f"{i}._extra_state"]
+    with pytest.raises(ValueError, match=r"decoder\.layers\.0\.mlp\._extra_state records an fc1"):
+        convert_checkpoint(megatron, to="canonical")
+
+
+def test_another_module_s_extra_state_records_no_layout(tmp_path):
+    """A foreign _extra_state (Transformer Engine keeps one) is no layout stamp: an unstamped
+    file still needs --assume-layout."""
+    state = _bare(("normal", "normal"))
+    state["0.norm._extra_state"] = torch.zeros(3)
+    torch.save(state, tmp_path / "in.pt")
+    result = invoke("--to", "packed", "--chunk", "8", tmp_path / "in.pt", tmp_path / "out.pt")
+    assert result.exit_code != 0 and "--assume-layout" in result.output
+    assert not (tmp_path / "out.pt").exists()
+
+
+def test_an_unstamped_sibling_of_a_stamped_fc1_is_canonical():
+    """ParMLP loads an unstamped fc1 as canonical, so in a file with stamps, assuming packed
+    for the unstamped one contradicts what the file records."""
+    state = _bare(("normal", "save_factors"))
+    with pytest.raises(ValueError, match=r"0\.fc1 is recorded as canonical but assumed"):
+        convert_checkpoint(state, to="canonical", assume_layout=Layout("packed", 8))
+    converted = convert_checkpoint(state, to="packed", chunk=8)
+    assert torch.equal(converted["1.fc1.weight"], state["1.fc1.weight"])  # already packed by 8
+    assert torch.equal(converted["0.fc1.weight"], state["0.fc1.weight"][packed_order(48, 8, 1)])

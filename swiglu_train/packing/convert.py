@@ -91,10 +91,18 @@ def convert_checkpoint(
             "no ParMLP fc1 weights found (expected '<prefix>fc1.weight' beside "
             "'<prefix>fc2.weight' with matching sizes)"
         )
+    stray = sorted(set(_stamp_keys(state)) - {p + STAMP_KEY for p in prefixes})
+    if stray:  # e.g. Megatron's mlp._extra_state beside linear_fc1: its rows would go unread
+        raise ValueError(
+            f"{stray[0]} records an fc1 layout, but no '<prefix>fc1.weight' beside "
+            "'<prefix>fc2.weight' sits under it; a Megatron state_dict converts by loading it "
+            "into ParMLPMegatron, not with convert"
+        )
+    recorded = record is not None or bool(_stamp_keys(state))
     chunk = DEFAULT_CHUNK if chunk is None else chunk
     target = CANONICAL
     for prefix in prefixes:
-        source = _recorded_layout(state, prefix, record)
+        source = _recorded_layout(state, prefix, record, recorded)
         if source is not None and assume_layout is not None and source != assume_layout:
             raise ValueError(
                 f"{prefix}fc1 is recorded as {source} but assumed to be {assume_layout}; "
@@ -124,7 +132,15 @@ def records_layout(ckpt: dict) -> bool:
     lightning = "state_dict" in ckpt
     if lightning and ckpt.get(CKPT_KEY, {}).get("fc1_layout") is not None:
         return True
-    return any(k.endswith(STAMP_KEY) for k in (ckpt["state_dict"] if lightning else ckpt))
+    return bool(_stamp_keys(ckpt["state_dict"] if lightning else ckpt))
+
+
+def _stamp_keys(state: dict) -> list[str]:
+    """Keys of ParMLP layout stamps; other modules' ``_extra_state`` (TE's, say) are not."""
+    return [
+        k for k, v in state.items()
+        if k.endswith(STAMP_KEY) and isinstance(v, dict) and "fc1_layout" in v
+    ]  # fmt: skip
 
 
 def _lightning_record(ckpt: dict) -> Layout | None:
@@ -133,12 +149,15 @@ def _lightning_record(ckpt: dict) -> Layout | None:
     return None if recorded is None else Layout.from_dict(recorded)
 
 
-def _recorded_layout(state: dict, prefix: str, record: Layout | None) -> Layout | None:
+def _recorded_layout(
+    state: dict, prefix: str, record: Layout | None, recorded: bool
+) -> Layout | None:
     """The layout the checkpoint records for one fc1 (its stamp is popped), or None.
 
-    ParMLP stamps every packed fc1 and loads an unstamped one as canonical, so beside a
-    Lightning record an unstamped fc1 reads as canonical. Where stamp and record disagree,
-    trusting either one could scramble fc1, so the checkpoint is refused.
+    ParMLP stamps every packed fc1 and loads an unstamped one as canonical, so in a file that
+    records layouts (a Lightning record, or any stamp) an unstamped fc1 reads as canonical.
+    Where stamp and record disagree, trusting either one could scramble fc1, so the
+    checkpoint is refused.
     """
     stamp = state.pop(prefix + STAMP_KEY, None)
     if stamp is not None and (not isinstance(stamp, dict) or set(stamp) != {"fc1_layout"}):
@@ -149,7 +168,7 @@ def _recorded_layout(state: dict, prefix: str, record: Layout | None) -> Layout 
             f"{prefix}fc1 is stamped {stamped or 'canonical (no stamp)'} but the checkpoint "
             f"records {record} ({CKPT_KEY}.fc1_layout); it contradicts itself"
         )
-    return record or stamped
+    return stamped or (CANONICAL if recorded else None)
 
 
 def _mlp_prefixes(state: dict) -> list[str]:
