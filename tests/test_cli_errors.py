@@ -43,7 +43,10 @@ def test_bench_rejects_a_device_torch_does_not_know():
 def test_a_missing_config_is_one_line(entry):
     code, err = entry("pretrain", "--config", "nosuch")
     assert code == 1
-    assert err == "error: config 'nosuch' not found; named configs: ['125m', '1b', 'tiny']\n"
+    assert err == (
+        "error: config 'nosuch' not found; named configs: ['125m', '1b', 'tiny'] "
+        f"({DEBUG_ENV}=1 shows the traceback)\n"
+    )
 
 
 def test_an_unknown_impl_is_one_line(entry):
@@ -52,10 +55,24 @@ def test_an_unknown_impl_is_one_line(entry):
     assert err.count("\n") == 1
 
 
-def test_debug_env_shows_the_traceback(entry, monkeypatch):
-    monkeypatch.setenv(DEBUG_ENV, "1")
+@pytest.mark.parametrize("value", ["1", "true", "yes"])
+def test_debug_env_shows_the_traceback(entry, monkeypatch, value):
+    monkeypatch.setenv(DEBUG_ENV, value)
     with pytest.raises(FileNotFoundError, match="config 'nosuch' not found"):
         entry("pretrain", "--config", "nosuch")
+
+
+@pytest.mark.parametrize("value", ["0", "false", "off", ""])
+def test_debug_env_off_keeps_one_line(entry, monkeypatch, value):
+    monkeypatch.setenv(DEBUG_ENV, value)
+    code, err = entry("pretrain", "--config", "nosuch")
+    assert code == 1 and err.count("\n") == 1
+
+
+def test_an_error_line_prints_emoji_codes_and_brackets_as_typed(entry):
+    """Rich would render ':x:' as an emoji and swallow '[bold]' as a tag."""
+    code, err = entry("pretrain", "--config", "7b:x:1[bold]")
+    assert code == 1 and "config '7b:x:1[bold]' not found" in err
 
 
 def test_a_bug_is_not_taken_for_an_input_error(entry, monkeypatch):

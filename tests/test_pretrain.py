@@ -224,9 +224,31 @@ def test_a_corpus_too_small_to_hold_out_a_document_says_so(tmp_path):
     data = PackedTextData(
         small_config(tmp_path, [str(tmp_path / "one.txt")], "drop_h", 1).data, 320
     )
-    with pytest.warns(UserWarning, match=r"no validation set \(one document in \d+ is held out"):
+    with pytest.warns(UserWarning, match=r"no validation set: corpus .*one\.txt.* has fewer "):
         data.setup("fit")
     assert not data.has_validation and data.val_dataloader() == []
+
+
+def test_a_run_without_validation_skips_it_quietly(tmp_path, corpus, recwarn):
+    """Validation off (here on purpose) means no val loop at all: no val_loss, and none of
+    Lightning's warnings about a zero-length val dataloader."""
+    cfg = small_config(tmp_path, [str(corpus / "*.py")], "drop_h", 2)
+    cfg.data.val_fraction, cfg.train.val_check_interval = 0.0, 1
+    with use_backend("torch"):
+        summary = run_pretrain(cfg)
+    assert summary["steps"] == 2 and summary["val_loss"] is None
+    assert not [w for w in recwarn if "length" in str(w.message).lower()]
+
+
+def test_validation_turned_off_on_purpose_warns_nothing(tmp_path, recwarn):
+    cfg = small_config(tmp_path, [str(tmp_path / "*.txt")], "drop_h", 1)
+    for i in range(3):
+        (tmp_path / f"{i}.txt").write_text("a few words " * 2000)
+    cfg.data.val_fraction = 0.0
+    data = PackedTextData(cfg.data, 320)
+    data.setup("fit")
+    assert not data.has_validation
+    assert not [w for w in recwarn if "validation" in str(w.message)]
 
 
 def test_cli_default_corpus_summary_json(tmp_path):

@@ -74,9 +74,9 @@ def weight_copies(d: int, f: int, dtype: torch.dtype, device: torch.device) -> l
     return [first] + [iv.Weights(first.fc1.clone(), first.fc2.clone()) for _ in range(n - 1)]
 
 
-def choose_reps(call_ms: float, copies: int) -> int:
+def choose_reps(ms_per_call: float, copies: int) -> int:
     """Calls per graph: a multiple of the copies, lasting about TARGET_REPLAY_MS."""
-    rounds = math.ceil(TARGET_REPLAY_MS / max(call_ms * copies, 1e-6))
+    rounds = math.ceil(TARGET_REPLAY_MS / max(ms_per_call * copies, 1e-6))
     return copies * max(1, min(rounds, MAX_REPS // copies))
 
 

@@ -12,13 +12,17 @@ from typing import Any
 
 import typer
 from rich.console import Console
-from rich.markup import escape
 from rich.progress import Progress
 
 DEBUG_ENV = "SWIGLU_TRAIN_DEBUG"
 # What the package raises for bad input (its TableError and DispatchTableError are ValueErrors):
-# shown as one line, where any other exception is a bug and keeps its traceback.
+# shown as one line. A bug can raise these types too, so the line says how to see where;
+# any other exception keeps its traceback.
 USER_ERRORS = (ValueError, FileNotFoundError)
+
+
+def debugging() -> bool:
+    return os.environ.get(DEBUG_ENV, "").strip().lower() not in ("", "0", "false", "no", "off")
 
 
 class App(typer.Typer):
@@ -28,9 +32,10 @@ class App(typer.Typer):
         try:
             return super().__call__(*args, **kwargs)
         except USER_ERRORS as e:
-            if os.environ.get(DEBUG_ENV, "0") not in ("", "0"):
+            if debugging():
                 raise
-            error_console.print(f"error: {escape(str(e))}", highlight=False, soft_wrap=True)
+            line = f"error: {e} ({DEBUG_ENV}=1 shows the traceback)"
+            error_console.print(line, markup=False, emoji=False, highlight=False, soft_wrap=True)
             raise SystemExit(1) from None
 
 

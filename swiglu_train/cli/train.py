@@ -67,7 +67,7 @@ def compare_memory(
 @app.command()
 def pretrain(
     config: Annotated[
-        str | None, typer.Option(help="a YAML path, or tiny / 125m / 1b from configs/")
+        str | None, typer.Option(help="a YAML path, or a packaged config: tiny, 125m or 1b")
     ] = None,
     mlp_impl: Annotated[
         str | None,

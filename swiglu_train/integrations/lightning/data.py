@@ -200,11 +200,16 @@ class PackedTextData(pl.LightningDataModule):
                 f"corpus {what} is too small: {len(self.train_rows)} training rows of "
                 f"{self.cfg.seq_length + 1} tokens, need at least {self.cfg.micro_batch_size}"
             )
-        if not self.has_validation:
+        wanted = self.cfg.val_fraction > 0 and self.cfg.val_batches > 0
+        if wanted and not self.has_validation:  # asked for, but the corpus gives none
             stride = val_stride(self.cfg.val_fraction)
-            why = f"one document in {stride} is held out" if stride else "val_fraction is 0"
-            rank_zero_warn(f"no validation set ({why}; corpus {what} has too few documents): "
-                           "val_loss is not computed")  # fmt: skip
+            why = (
+                f"corpus {what} has fewer than {stride} documents, one in {stride} held out"
+                if not val
+                else f"its {len(val)} held-out documents fill no row of "
+                f"{self.cfg.seq_length + 1} tokens"
+            )
+            rank_zero_warn(f"no validation set: {why}; val_loss is not computed")
         largest = int(self.train_rows.max())
         if largest >= self.vocab_size:
             raise ValueError(
