@@ -8,7 +8,7 @@ from conftest import device_backends
 
 from swiglu_train import MLP_IMPLS, ParMLP
 from swiglu_train.layers import PORTABLE_IMPLS
-from swiglu_train.ops import SECOND_BACKWARD_ERROR, use_backend
+from swiglu_train.ops import DOUBLE_BACKWARD_ERROR, SECOND_BACKWARD_ERROR, use_backend
 from swiglu_train.ops.quack_mlp import check_quack_inputs, require_quack
 
 HAS_CUDA = torch.cuda.is_available()
@@ -40,6 +40,22 @@ def test_second_backward_through_inplace_graph_raises(device, backend):
         with pytest.raises(RuntimeError, match="inplace=False") as info:
             y.sum().backward()
     assert str(info.value) == SECOND_BACKWARD_ERROR
+
+
+@pytest.mark.parametrize("impl", sorted(PORTABLE_IMPLS))
+@pytest.mark.parametrize(("device", "backend"), device_backends())
+def test_double_backward_is_refused_not_silently_wrong(device, backend, impl):
+    """A gradient penalty differentiates the backward itself; ours are kernels without
+    derivatives, so create_graph=True must fail rather than drop terms (drop_h and
+    save_factors used to return wrong fc1 grads and no fc2 grad)."""
+    mlp = ParMLP(8, 16, impl=impl, device=device)
+    x = torch.randn(5, 8, device=device, requires_grad=True)
+    with use_backend(backend), pytest.raises(RuntimeError) as info:
+        torch.autograd.grad(mlp(x).sum(), x, create_graph=True)
+    assert str(info.value) == DOUBLE_BACKWARD_ERROR
+    with use_backend(backend):
+        mlp(x).sum().backward()  # a plain backward is unaffected
+    assert x.grad is not None and torch.isfinite(x.grad).all()
 
 
 def test_wrong_dtype_names_both_dtypes():

@@ -7,6 +7,7 @@ from helpers import TOLERANCE, dispatch_table, reference_outputs, rel_err, run_o
 from swiglu_train import ParMLP
 from swiglu_train.layers.registry import QUACK_IMPLS
 from swiglu_train.ops import (
+    DOUBLE_BACKWARD_ERROR,
     SECOND_BACKWARD_ERROR,
     SECOND_BACKWARD_ERROR_FACTORS,
     dispatch,
@@ -70,6 +71,15 @@ def test_second_backward_raises(impl):
     with pytest.raises(RuntimeError) as info:
         y.sum().backward()
     assert str(info.value) == SECOND_BACKWARD[impl]
+
+
+@pytest.mark.parametrize("impl", QUACK)
+def test_double_backward_is_refused(impl):
+    mlp = ParMLP(256, 512, impl=impl, device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(64, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    with pytest.raises(RuntimeError) as info:
+        torch.autograd.grad(mlp(x).sum(), x, create_graph=True)
+    assert str(info.value) == DOUBLE_BACKWARD_ERROR
 
 
 @pytest.mark.parametrize("impl", QUACK)

@@ -27,6 +27,20 @@ SECOND_BACKWARD_ERROR = (
 )
 
 
+DOUBLE_BACKWARD_ERROR = (
+    "ParMLP's backward is not itself differentiable: its kernels and custom ops have no "
+    "derivatives, so create_graph=True (double backward, as in a gradient penalty) would "
+    "record a graph that silently misses terms. Differentiate a plain torch MLP for that "
+    "(swiglu_train.ops.reference.mlp computes the same function)."
+)
+
+
+def refuse_double_backward() -> None:
+    """Raise where autograd would record this backward for a second differentiation."""
+    if torch.is_grad_enabled() and not torch.compiler.is_compiling():
+        raise RuntimeError(DOUBLE_BACKWARD_ERROR)
+
+
 def claim_inplace_backward(ctx, error: str) -> bool:
     """Whether this backward may overwrite its saved tensors; a second backward through the
     same graph raises ``error`` (checked before the overwritten tensors are read).
@@ -51,6 +65,7 @@ class _SwiGLU(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_h: torch.Tensor) -> torch.Tensor:
+        refuse_double_backward()
         (preact,) = ctx.saved_tensors
         return swiglu_bwd(preact, grad_h.contiguous())
 
@@ -105,6 +120,7 @@ class _DropH(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_y: torch.Tensor):
+        refuse_double_backward()
         inplace = claim_inplace_backward(ctx, SECOND_BACKWARD_ERROR)
         x, fc1_weight, fc2_weight, preact = ctx.saved_tensors
         need_x, need_w1, need_b1, need_w2, need_b2 = ctx.needs_input_grad[:5]

@@ -22,7 +22,7 @@ import functools
 
 import torch
 
-from swiglu_train.ops.mlp import claim_inplace_backward
+from swiglu_train.ops.mlp import claim_inplace_backward, refuse_double_backward
 from swiglu_train.ops.quack_mlp import check_quack_inputs, quack_gemm, require_quack
 from swiglu_train.ops.save_factors import SECOND_BACKWARD_ERROR_FACTORS, save_factors_mlp
 
@@ -110,6 +110,7 @@ class _SaveFactorsQuack(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_y: torch.Tensor):
+        refuse_double_backward()
         inplace = claim_inplace_backward(ctx, SECOND_BACKWARD_ERROR_FACTORS)
         x, fc1_weight, fc2_weight, h, factors = ctx.saved_tensors
         need_x, need_w1, need_b1, need_w2, need_b2 = ctx.needs_input_grad[:5]

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from swiglu_train.ops.activation import kernels as activation_kernels
 from swiglu_train.ops.activation import triton_enabled
 from swiglu_train.ops.gated import gated_fwd
-from swiglu_train.ops.mlp import claim_inplace_backward
+from swiglu_train.ops.mlp import claim_inplace_backward, refuse_double_backward
 
 try:
     from swiglu_train.kernels import gated_gemm
@@ -105,6 +105,7 @@ class _SaveFactors(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_h: torch.Tensor):
+        refuse_double_backward()
         inplace = claim_inplace_backward(ctx, SECOND_BACKWARD_ERROR_FACTORS)
         x, fc1_weight, factors = ctx.saved_tensors
         grad_h = grad_h.contiguous()
