@@ -17,7 +17,7 @@ from swiglu_train.integrations.lightning.module import PretrainModule
 from swiglu_train.integrations.lightning.pretrain import run_pretrain
 from swiglu_train.layers.layout import CANONICAL, Layout, packed_order
 from swiglu_train.ops import use_backend
-from swiglu_train.packing import convert_checkpoint, to_hf
+from swiglu_train.packing import convert_checkpoint, from_hf, to_hf
 
 ROWS, CHUNK = 320, 32  # small_config's fc1 (2 x 160 rows); save_factors packs it by 32
 PACKED = Layout("packed", CHUNK)
@@ -253,3 +253,36 @@ def test_an_unstamped_sibling_of_a_stamped_fc1_is_canonical():
     converted = convert_checkpoint(state, to="packed", chunk=8)
     assert torch.equal(converted["1.fc1.weight"], state["1.fc1.weight"])  # already packed by 8
     assert torch.equal(converted["0.fc1.weight"], state["0.fc1.weight"][packed_order(48, 8, 1)])
+
+
+def _hf(f_gate: int = 24, f_up: int = 24, f_down: int = 24) -> dict:
+    return {
+        "m.gate_proj.weight": torch.randn(f_gate, 16),
+        "m.up_proj.weight": torch.randn(f_up, 16),
+        "m.down_proj.weight": torch.randn(16, f_down),
+    }
+
+
+@pytest.mark.parametrize(
+    ("state", "message"),
+    [
+        (_hf(f_up=40), r"m\.: expected gate_proj and up_proj \[F, D\] and down_proj \[O, F\]"),
+        (_hf(f_down=32), r"with one F; got .*'down_proj': \(16, 32\)"),
+        (_hf() | {"m.gate_proj.bias": torch.zeros(24)}, r"HF MLP biases \(m\.gate_proj\.bias\)"),
+        (_hf() | {"m.fc1.weight": torch.zeros(48, 16)}, r"already holds \['m\.fc1\.weight'\]"),
+        (_hf() | {"m.up_proj.weight": [[0.0]]}, r"HF weights must be tensors; got \{'up_proj'"),
+    ],
+)
+def test_from_hf_refuses_what_would_load_wrong(state, message):
+    """Mismatched sizes would concatenate into an fc1 a ParMLP of another F loads without error,
+    with gate rows taken from up_proj; biases would be dropped by a non-strict load."""
+    with pytest.raises(ValueError, match=message):
+        from_hf(state)
+
+
+def test_from_hf_builds_the_canonical_fc1():
+    state = _hf()
+    out = from_hf(state)
+    assert torch.equal(out["m.fc1.weight"][:24], state["m.gate_proj.weight"])
+    assert torch.equal(out["m.fc1.weight"][24:], state["m.up_proj.weight"])
+    assert torch.equal(out["m.fc2.weight"], state["m.down_proj.weight"])

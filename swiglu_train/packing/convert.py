@@ -236,6 +236,20 @@ def to_hf(
     return out
 
 
+def _check_hf_shapes(prefix: str, gate, up, down) -> None:
+    """gate_proj and up_proj [F, D], down_proj [O, F]: anything else would load into a ParMLP
+    of another size with its gate and up rows mixed, without an error."""
+    tensors = {"gate_proj": gate, "up_proj": up, "down_proj": down}
+    odd = {n: type(t).__name__ for n, t in tensors.items() if not isinstance(t, torch.Tensor)}
+    if odd:
+        raise ValueError(f"{prefix}: HF weights must be tensors; got {odd}")
+    shapes = {n: tuple(t.shape) for n, t in tensors.items()}
+    two_d = gate.dim() == 2 and down.dim() == 2
+    if not two_d or up.shape != gate.shape or down.shape[1] != gate.shape[0]:
+        raise ValueError(f"{prefix}: expected gate_proj and up_proj [F, D] and down_proj [O, F]"
+                         f" with one F; got {shapes}")  # fmt: skip
+
+
 def from_hf(state: dict, report: list[Converted] | None = None) -> dict:
     """The inverse of :func:`to_hf`: canonical ParMLP fc1 = [gate_proj; up_proj]."""
     out = dict(state)
@@ -247,6 +261,14 @@ def from_hf(state: dict, report: list[Converted] | None = None) -> dict:
         if missing:
             raise ValueError(f"{prefix}: HF gated MLP lacks {missing}")
         gate, up, down = (out.pop(prefix + n) for n in HF_NAMES)
+        _check_hf_shapes(prefix, gate, up, down)
+        biases = [prefix + n.replace("weight", "bias") for n in HF_NAMES]
+        if any(b in out for b in biases):  # mlp_bias=True: ParMLP's fc1 bias has no HF twin here
+            raise ValueError(f"{prefix}: HF MLP biases ({', '.join(b for b in biases if b in out)})"
+                             " are not converted; only bias-free gated MLPs are")  # fmt: skip
+        taken = [prefix + k for k in ("fc1.weight", "fc2.weight") if prefix + k in out]
+        if taken:
+            raise ValueError(f"{prefix}: the state already holds {taken}; not overwriting them")
         out[prefix + "fc1.weight"] = torch.cat([gate, up])
         out[prefix + "fc2.weight"] = down
         if report is not None:
