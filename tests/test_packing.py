@@ -72,11 +72,27 @@ def test_live_switch_continues_the_same_training(make_optimizer):
 def test_non_elementwise_state_is_refused():
     model = TwoLayers()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    opt.state[model.layers[0].fc1.weight] = {"row_variance": torch.zeros(48)}
+    opt.state[model.layers[1].fc1.weight] = {"row_variance": torch.zeros(48)}
+    before = {k: v.clone() for k, v in model.state_dict().items() if torch.is_tensor(v)}
     with pytest.raises(
-        ValueError, match=r"layers.0.fc1: optimizer state 'row_variance' has shape \(48,\)"
+        ValueError, match=r"layers.1.fc1: optimizer state 'row_variance' has shape \(48,\)"
     ):
         switch_impl(model, "save_factors", opt)
+    # refused before anything moved: layers.0 (whose state was fine) is not switched either
+    assert [m.impl for m in model.layers] == ["normal", "normal"]
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items() if k in before)
+
+
+def test_a_switch_one_layer_cannot_take_changes_no_layer():
+    """chunk 16 divides layers.0's F = 32 but not layers.1's F = 24."""
+    model = torch.nn.ModuleList([ParMLP(16, 32, impl="normal"), ParMLP(16, 24, impl="normal")])
+    for mlp in model:
+        mlp.chunk = 16
+    fc1 = model[0].fc1.weight.clone()
+    with pytest.raises(ValueError, match="24"):
+        switch_impl(model, "save_factors")
+    assert [m.impl for m in model] == ["normal", "normal"]
+    assert torch.equal(model[0].fc1.weight, fc1)
 
 
 def test_bare_state_dict_round_trip_is_bit_exact():

@@ -101,7 +101,7 @@ class ParMLP(nn.Module):
         per-element optimizer state the same way.
         """
         function, target = get_impl(name), self._layout_for(name)
-        index = order(self.fc1.out_features, self.fc1_layout, target)
+        index = self.layout_change(name)
         if index is not None:
             with torch.no_grad():
                 for p in (self.fc1.weight, self.fc1.bias):
@@ -110,6 +110,12 @@ class ParMLP(nn.Module):
         self._mlp_function, self._impl, self.fc1_layout = function, name, target
         self.auto_reason: str | None = None  # a named impl is no longer auto's choice
         return index
+
+    def layout_change(self, name: str) -> torch.Tensor | None:
+        """The row index switching to ``name`` would apply to fc1 (None: same layout), changing
+        nothing: callers check a whole model's switch before making any of it."""
+        get_impl(name)  # an unknown name is refused here, not half-way through a switch
+        return order(self.fc1.out_features, self.fc1_layout, self._layout_for(name))
 
     def _layout_for(self, name: str) -> Layout:
         if name not in PACKED_IMPLS:

@@ -10,7 +10,7 @@ from swiglu_train.packing.convert import (
     switch_impl,
     to_hf,
 )
-from swiglu_train.packing.optimizer import permute_live_state, permute_state
+from swiglu_train.packing.optimizer import permute_state
 
 __all__ = [
     "CANONICAL",
@@ -19,7 +19,6 @@ __all__ = [
     "convert_checkpoint",
     "from_hf",
     "packed_order",
-    "permute_live_state",
     "permute_state",
     "records_layout",
     "relayout",

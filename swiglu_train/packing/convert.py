@@ -20,7 +20,7 @@ from torch import nn
 from swiglu_train.layers import ParMLP
 from swiglu_train.layers.layout import CANONICAL, Layout, order
 from swiglu_train.layers.par_mlp import STAMP_KEY
-from swiglu_train.packing.optimizer import permute_live_state, permute_state
+from swiglu_train.packing.optimizer import permute_state
 
 CKPT_KEY = "swiglu_train"  # where Lightning checkpoints record layout and optimizer names
 DEFAULT_CHUNK = 128
@@ -31,21 +31,27 @@ def switch_impl(
 ) -> list[str]:
     """Switch every ParMLP to ``impl``, repacking fc1 and its optimizer state together.
 
-    Returns the names of the ParMLPs whose layout changed.
+    Every layer's new layout and optimizer state are worked out before any is changed, so a
+    switch that cannot be made (a chunk that does not divide F, a factored optimizer state)
+    leaves the model and optimizer as they were. Returns the names of the ParMLPs whose layout
+    changed.
     """
-    changed = []
+    plans = []
     for name, mlp in model.named_modules():
         if not isinstance(mlp, ParMLP):
             continue
-        index = mlp.set_impl(impl)
-        if index is None:
-            continue
-        changed.append(name)
-        if optimizer is not None:
+        index, states = mlp.layout_change(impl), {}
+        if index is not None and optimizer is not None:
             for p in (mlp.fc1.weight, mlp.fc1.bias):
-                if p is not None:
-                    permute_live_state(optimizer, p, index, f"{name}.fc1")
-    return changed
+                if p is not None and optimizer.state.get(p):
+                    where = f"{name}.fc1" if name else "fc1"
+                    states[p] = permute_state(optimizer.state[p], p.shape, index, where)
+        plans.append((name, mlp, index, states))
+    for _, mlp, _, states in plans:
+        mlp.set_impl(impl)
+        if optimizer is not None:
+            optimizer.state.update(states)
+    return [name for name, _, index, _ in plans if index is not None]
 
 
 @dataclass

@@ -25,12 +25,3 @@ def permute_state(state: dict, param_shape: torch.Size, index: torch.Tensor, whe
                 "layout change"
             )
     return out
-
-
-def permute_live_state(
-    optimizer: torch.optim.Optimizer, param: torch.Tensor, index: torch.Tensor, where: str
-) -> None:
-    """Re-order a live optimizer's state for ``param`` in place (after the parameter moved)."""
-    state = optimizer.state.get(param)
-    if state:
-        optimizer.state[param] = permute_state(state, param.shape, index, where)
