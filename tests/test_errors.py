@@ -105,6 +105,23 @@ def test_mismatched_devices_meta():
 def test_non_positive_sizes():
     with pytest.raises(ValueError, match="positive"):
         ParMLP(8, 0)
+    with pytest.raises(ValueError, match="output_size=0"):  # 0 is a size, not "unset"
+        ParMLP(8, 16, output_size=0)
+
+
+@pytest.mark.parametrize(
+    ("impl", "chunk", "error", "message"),
+    [
+        ("drop_h", 5, ValueError, r"chunk=5 must be positive and divide the ffn size 32"),
+        ("normal", 0, ValueError, r"chunk=0 must be positive"),
+        ("save_factors", 2.0, TypeError, r"chunk must be a whole number of rows, got 2\.0"),
+        ("save_factors", True, TypeError, r"got True"),
+    ],
+)
+def test_a_bad_chunk_is_refused_when_the_layer_is_built(impl, chunk, error, message):
+    """The chunk is save_factors': named with another impl it used to pass until a switch."""
+    with pytest.raises(error, match=message):
+        ParMLP(16, 32, impl=impl, chunk=chunk)
 
 
 def test_missing_quack_is_named_when_the_layer_is_built(monkeypatch):

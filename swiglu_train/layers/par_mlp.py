@@ -59,17 +59,23 @@ class ParMLP(nn.Module):
         tokens_hint: int | None = None,
     ) -> None:
         super().__init__()
-        if min(hidden_size, ffn_hidden_size, output_size or hidden_size) < 1:
-            raise ValueError("ParMLP sizes must be positive")
+        output_size = hidden_size if output_size is None else output_size
+        if min(hidden_size, ffn_hidden_size, output_size) < 1:
+            raise ValueError(
+                f"ParMLP sizes must be positive; got hidden_size={hidden_size}, "
+                f"ffn_hidden_size={ffn_hidden_size}, output_size={output_size}"
+            )
         check_impl_name(impl)
         if impl in FIXED_CHUNKS:  # a chunk named with it must be its own
             packed_chunk(impl, chunk, ffn_hidden_size)
+        elif chunk is not None:  # save_factors' chunk: refused now, not at a later switch
+            packed_chunk("save_factors", chunk, ffn_hidden_size)
         auto = None
         if impl == AUTO:  # now, before any optimizer can hold fc1 in the layout this decides
             auto = resolve_auto(tokens_hint, hidden_size, ffn_hidden_size, device)
         factory = {"device": device, "dtype": dtype}
         self.fc1 = nn.Linear(hidden_size, 2 * ffn_hidden_size, bias=bias, **factory)
-        self.fc2 = nn.Linear(ffn_hidden_size, output_size or hidden_size, bias=bias, **factory)
+        self.fc2 = nn.Linear(ffn_hidden_size, output_size, bias=bias, **factory)
         self.inplace = inplace
         self.chunk = chunk  # None: each packed impl's default
         self.fc1_layout = CANONICAL

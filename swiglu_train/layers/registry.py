@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Callable
 
 import torch
@@ -48,6 +49,8 @@ def packed_chunk(
     different explicit one; otherwise ``chunk``, or the largest power of two up to 128 dividing
     ``ffn_size`` (one 128-wide GEMM tile per chunk where the size allows).
     """
+    if chunk is not None and (not isinstance(chunk, numbers.Integral) or isinstance(chunk, bool)):
+        raise TypeError(f"chunk must be a whole number of rows, got {chunk!r}")
     fixed = FIXED_CHUNKS.get(name)
     if fixed is not None:
         if chunk not in (None, fixed):
