@@ -1,6 +1,7 @@
 """The Lightning pretraining recipe on CPU: smoke runs, exact resume, data formats, bad input."""
 
 import csv
+import dataclasses
 import json
 import os
 import subprocess
@@ -151,6 +152,76 @@ def test_resume_across_layouts_with_optimizer_state_is_refused(tmp_path, corpus)
     cfg.model.mlp_impl, cfg.train.max_steps = "drop_h", 8
     with pytest.raises(ValueError, match=r"fc1 layout is \{'kind': 'packed'.*optimizer state"):
         run_pretrain(cfg, resume="last")
+
+
+@pytest.fixture(scope="module")
+def finished(tmp_path_factory, corpus) -> tuple:
+    """A 3-step drop_h run and its config: the checkpoint the resume checks are tried on."""
+    cfg = small_config(tmp_path_factory.mktemp("finished"), [str(corpus / "*.py")], "drop_h", 3)
+    with use_backend("torch"):
+        run_pretrain(cfg)
+    return cfg, Path(cfg.output_dir) / "checkpoints" / "last.ckpt"
+
+
+def test_a_fresh_run_in_another_run_s_output_dir_is_refused(finished):
+    """Its checkpoints would sit beside the earlier run's, and `--resume last` would continue
+    whichever wrote last.ckpt (the earlier one, on another corpus)."""
+    cfg, _ = finished
+    with pytest.raises(ValueError, match=r"already holds another run's checkpoints"):
+        run_pretrain(cfg)
+
+
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [
+        (b"", r"is not a readable checkpoint \(0 bytes, not a torch\.save zip"),
+        (b"hello\n", r"is not a readable checkpoint \(6 bytes"),
+        ("truncated", r"is not a readable checkpoint \(50000 bytes"),
+        ("bare", r"is not a pretrain checkpoint \(a bare state_dict"),
+    ],
+)
+def test_a_checkpoint_lightning_cannot_resume_is_named(finished, tmp_path, content, message):
+    cfg, last = finished
+    bad = tmp_path / "bad.ckpt"
+    if content == "truncated":
+        bad.write_bytes(last.read_bytes()[:50_000])
+    elif content == "bare":
+        torch.save(torch.load(last, weights_only=False)["state_dict"], bad)
+    else:
+        bad.write_bytes(content)
+    resumed = replace_output(cfg, tmp_path / "run")
+    with pytest.raises(ValueError, match=message):
+        run_pretrain(resumed, resume=str(bad))
+    assert not (tmp_path / "run" / "wandb").exists()  # refused before a W&B run was started
+
+
+def test_resume_into_another_model_shape_or_past_max_steps_is_refused(finished, tmp_path):
+    cfg, last = finished
+    wider = replace_output(cfg, tmp_path / "wider")
+    wider.model.hidden_size, wider.train.max_steps = 96, 6
+    with pytest.raises(ValueError, match=r"another shape \(hidden_size 64 -> 96\)"):
+        run_pretrain(wider, resume=str(last))
+    done = replace_output(cfg, tmp_path / "done")
+    with pytest.raises(ValueError, match=r"is at step 3 and max_steps is 3: nothing to train"):
+        run_pretrain(done, resume=str(last))
+
+
+def test_resume_says_an_optimizer_change_is_not_used(finished, tmp_path):
+    cfg, last = finished
+    changed = replace_output(cfg, tmp_path / "lr")
+    changed.optim.lr, changed.train.max_steps = 1.0, 4
+    with use_backend("torch"), pytest.warns(UserWarning, match=r"lr 0\.003 -> 1\.0"):
+        run_pretrain(changed, resume=str(last))
+
+
+def replace_output(cfg: PretrainConfig, out: Path) -> PretrainConfig:
+    """A deep copy of ``cfg`` writing to ``out``."""
+    copy = load_config(None)
+    copy.model, copy.data, copy.optim, copy.train, copy.wandb = (
+        dataclasses.replace(part) for part in (cfg.model, cfg.data, cfg.optim, cfg.train, cfg.wandb)
+    )
+    copy.output_dir = str(out)
+    return copy
 
 
 def test_auto_resolves_from_one_micro_batch_and_stamps_its_choice(tmp_path, corpus, monkeypatch):

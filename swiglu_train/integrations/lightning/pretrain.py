@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
+import zipfile
 from pathlib import Path
 from typing import Any
 
@@ -10,6 +12,7 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint, RichProgressBar
 from lightning.pytorch.loggers import CSVLogger, WandbLogger
+from lightning.pytorch.utilities import rank_zero_warn
 
 from swiglu_train.integrations.lightning.config import PretrainConfig
 from swiglu_train.integrations.lightning.data import PackedTextData
@@ -61,6 +64,7 @@ def run_pretrain(cfg: PretrainConfig, resume: str | None = None) -> dict[str, An
         cfg.model.mlp_tokens_hint = cfg.data.micro_batch_size * cfg.data.seq_length
     out = Path(cfg.output_dir)
     out.mkdir(parents=True, exist_ok=True)
+    ckpt_path = _checkpoint(resume, out, cfg)  # before W&B: a refused resume leaves no run
     pl.seed_everything(cfg.train.seed, workers=True)
     module = PretrainModule(cfg.model, cfg.optim, cfg.train.max_steps)
     data = PackedTextData(cfg.data, cfg.model.vocab_size)
@@ -99,7 +103,7 @@ def run_pretrain(cfg: PretrainConfig, resume: str | None = None) -> dict[str, An
         num_sanity_val_steps=0,
     )
     try:
-        trainer.fit(module, datamodule=data, ckpt_path=_checkpoint(resume, out))
+        trainer.fit(module, datamodule=data, ckpt_path=ckpt_path)
     finally:  # a crashed run must not stay the process's active W&B run
         wandb_logger.experiment.finish()
     if not trainer.is_global_zero:
@@ -125,10 +129,69 @@ def run_pretrain(cfg: PretrainConfig, resume: str | None = None) -> dict[str, An
     }
 
 
-def _checkpoint(resume: str | None, out: Path) -> str | None:
+# The model's shape, which a checkpoint's weights fix; mlp_impl and the tokens hint may change.
+SHAPE_KEYS = ("vocab_size", "hidden_size", "ffn_hidden_size", "num_layers", "num_heads")
+# Restored from the optimizer state on resume, whatever the config says now.
+OPTIMIZER_STATE_KEYS = ("lr", "weight_decay", "betas")
+
+
+def _checkpoint(resume: str | None, out: Path, cfg: PretrainConfig) -> str | None:
+    """The checkpoint to resume, checked before Lightning reads it; for a fresh run, a refusal
+    of an output dir that holds another run's checkpoints (its ``last`` would be ambiguous)."""
     if resume is None:
+        earlier = sorted((out / "checkpoints").glob("*.ckpt"))
+        if earlier:
+            raise ValueError(
+                f"{out} already holds another run's checkpoints ({earlier[-1].name}, ...): "
+                "continue that run with --resume last, or give this one a new --output-dir"
+            )
         return None
     path = out / "checkpoints" / "last.ckpt" if resume == "last" else Path(resume)
     if not path.is_file():
         raise FileNotFoundError(f"--resume: no checkpoint at {path}")
+    _check_resumable(path, cfg)
     return str(path)
+
+
+def _check_resumable(path: Path, cfg: PretrainConfig) -> None:
+    """Refuse, in one line, what Lightning would fail on deep inside (a damaged file, a bare
+    state_dict, another model shape) or do silently (train no step, ignore optim changes)."""
+    if not zipfile.is_zipfile(path):  # torch.save writes a zip; its index sits at the end
+        size = path.stat().st_size
+        raise ValueError(f"--resume: {path} is not a readable checkpoint ({size} bytes, not a "
+                         "torch.save zip: empty, truncated or another format)")  # fmt: skip
+    try:  # mmap: the tensors stay on disk, so a large checkpoint is not read twice
+        ckpt = torch.load(path, map_location="cpu", mmap=True, weights_only=False)
+    except Exception as e:  # torch raises EOFError, OSError, KeyError... for a damaged file
+        raise ValueError(f"--resume: {path} is not a readable checkpoint "
+                         f"({type(e).__name__}: {e or 'empty file'})") from e  # fmt: skip
+    if not isinstance(ckpt, dict) or "pytorch-lightning_version" not in ckpt:
+        raise ValueError(
+            f"--resume: {path} is not a pretrain checkpoint (a bare state_dict, as convert "
+            "--to hf writes, holds no optimizer or loop state to resume)"
+        )
+    hparams = ckpt.get("hyper_parameters", {})
+    differ = _changed(hparams.get("model", {}), dataclasses.asdict(cfg.model), SHAPE_KEYS)
+    if differ:
+        raise ValueError(f"--resume: {path} holds a model of another shape ({', '.join(differ)})")
+    step = ckpt.get("global_step", 0)
+    if step >= cfg.train.max_steps:
+        raise ValueError(f"--resume: {path} is at step {step} and max_steps is "
+                         f"{cfg.train.max_steps}: nothing to train; raise --max-steps")  # fmt: skip
+    optim = dataclasses.asdict(cfg.optim)
+    ignored = _changed(hparams.get("optim", {}), optim, OPTIMIZER_STATE_KEYS)
+    if ignored:
+        rank_zero_warn(
+            f"--resume restores lr, weight_decay and betas from {path.name}'s optimizer "
+            f"state; the config's change is not used ({', '.join(ignored)})"
+        )
+
+
+def _changed(saved: dict, now: dict, keys: tuple[str, ...]) -> list[str]:
+    """'key old -> new' for each of ``keys`` the checkpoint recorded with another value."""
+
+    def plain(v: object) -> object:  # a tuple comes back from some checkpoints as a list
+        return list(v) if isinstance(v, tuple | list) else v
+
+    return [f"{k} {saved[k]} -> {now[k]}" for k in keys
+            if k in saved and plain(saved[k]) != plain(now[k])]  # fmt: skip
