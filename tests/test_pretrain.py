@@ -322,6 +322,44 @@ def test_validation_turned_off_on_purpose_warns_nothing(tmp_path, recwarn):
     assert not [w for w in recwarn if "validation" in str(w.message)]
 
 
+@pytest.mark.parametrize(
+    ("yaml_text", "message"),
+    [
+        ('model: {hidden_size: "192"}', r":model:hidden_size must be int, got '192'"),
+        ('optim: {lr: "3e-3"}', r":optim:lr must be float, got '3e-3'"),  # YAML 1.1 reads a str
+        ("optim: {betas: 0.9}", r":optim:betas must be tuple\[float, float\], got 0\.9"),
+        ("model: {hidden_size: true}", r"hidden_size must be int, got True"),
+        ("output_dir: 5", r":output_dir must be str, got 5"),
+        ("model: [1, 2]", r":model: expected a mapping for ModelConfig"),
+        ("model: {", r": not valid YAML: "),
+        ("model: {num_heads: 0}", r"num_heads must be at least 1, got 0"),
+    ],
+)
+def test_a_config_value_of_the_wrong_type_is_named(tmp_path, yaml_text, message):
+    (tmp_path / "c.yaml").write_text(yaml_text + "\n")
+    with pytest.raises(ValueError, match=message):
+        load_config(str(tmp_path / "c.yaml"))
+
+
+@pytest.mark.parametrize(
+    ("part", "key", "value", "message"),
+    [
+        ("train", "max_steps", -1, r"train\.max_steps must be at least 1, got -1"),  # ran forever
+        ("data", "micro_batch_size", 0, r"data\.micro_batch_size must be at least 1"),
+        ("train", "accumulate_grad_batches", 0, r"accumulate_grad_batches must be at least 1"),
+        ("model", "num_layers", 0, r"model\.num_layers must be at least 1"),
+        ("data", "val_fraction", 2.0, r"data\.val_fraction < 1"),
+    ],
+)
+def test_a_value_out_of_range_is_refused_before_training(tmp_path, part, key, value, message):
+    """Checked on the final config, where command-line flags have overridden the YAML."""
+    cfg = small_config(tmp_path, None, "drop_h", 3)
+    setattr(getattr(cfg, part), key, value)
+    with pytest.raises(ValueError, match=message):
+        run_pretrain(cfg)
+    assert not (tmp_path / "drop_h" / "wandb").exists()
+
+
 def test_cli_default_corpus_summary_json(tmp_path):
     """The README command on the embedded defaults, shortened: stdlib corpus, summary JSON."""
     out = tmp_path / "summary.json"

@@ -7,6 +7,8 @@ has them too, not only a source checkout.
 from __future__ import annotations
 
 import dataclasses
+import types
+import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -72,25 +74,81 @@ def load_config(name_or_path: str | None) -> PretrainConfig:
     if name_or_path is None:
         return PretrainConfig()
     path = resolve_config_path(name_or_path)
-    raw = yaml.safe_load(path.read_text()) or {}
+    try:
+        raw = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as e:
+        raise ValueError(f"{path}: not valid YAML: {' '.join(str(e).split())}") from e
     return _build(PretrainConfig, raw, str(path))
 
 
+# Lower bounds of the numbers a run divides by, counts or loops over; a config that breaks one
+# would fail deep in torch or Lightning (a ZeroDivisionError, an endless run), if at all.
+AT_LEAST = {
+    "model": {"vocab_size": 1, "hidden_size": 1, "ffn_hidden_size": 1, "num_layers": 1,
+              "num_heads": 1, "max_seq_length": 1},
+    "data": {"seq_length": 1, "micro_batch_size": 1, "val_batches": 0, "val_fraction": 0.0},
+    "optim": {"warmup_steps": 0, "weight_decay": 0.0, "min_lr_ratio": 0.0},
+    "train": {"max_steps": 1, "accumulate_grad_batches": 1, "val_check_interval": 1,
+              "checkpoint_every": 1, "log_every_n_steps": 1},
+}  # fmt: skip
+
+
+def check_ranges(cfg: PretrainConfig) -> None:
+    """The final config (YAML and command-line flags together) against AT_LEAST."""
+    for part, bounds in AT_LEAST.items():
+        for key, low in bounds.items():
+            value = getattr(getattr(cfg, part), key)
+            if value < low:
+                raise ValueError(f"{part}.{key} must be at least {low}, got {value}")
+    if not cfg.optim.lr > 0 or not cfg.data.val_fraction < 1 or not cfg.optim.min_lr_ratio <= 1:
+        raise ValueError(
+            f"need optim.lr > 0, data.val_fraction < 1 and optim.min_lr_ratio <= 1; got "
+            f"{cfg.optim.lr}, {cfg.data.val_fraction}, {cfg.optim.min_lr_ratio}"
+        )
+
+
 def _build(cls, values: dict[str, Any], where: str):
-    """Instantiate a config dataclass from a mapping, refusing keys it does not have."""
+    """Instantiate a config dataclass from a mapping, refusing keys it does not have and values
+    not of their field's type (YAML reads "192" as a string, 3e-3 as one too)."""
     if not isinstance(values, dict):
-        raise TypeError(f"{where}: expected a mapping for {cls.__name__}, got {values!r}")
+        raise ValueError(f"{where}: expected a mapping for {cls.__name__}, got {values!r}")
     fields = {f.name: f for f in dataclasses.fields(cls)}
     unknown = sorted(set(values) - set(fields))
     if unknown:
         raise ValueError(
             f"{where}: unknown keys {unknown} for {cls.__name__}; valid: {sorted(fields)}"
         )
+    hints = typing.get_type_hints(cls)
     kwargs = {}
     for key, value in values.items():
         nested = fields[key].default_factory
         if dataclasses.is_dataclass(nested):
             kwargs[key] = _build(nested, value, f"{where}:{key}")
-        else:
-            kwargs[key] = tuple(value) if isinstance(value, list) and key == "betas" else value
+            continue
+        if not _is(value, hints[key]):
+            raise ValueError(f"{where}:{key} must be {_name(hints[key])}, got {value!r}")
+        kwargs[key] = tuple(value) if isinstance(value, list) and key == "betas" else value
     return cls(**kwargs)
+
+
+def _is(value: object, hint: object) -> bool:
+    """Whether a YAML value fits a field's annotation (an int serves a float; a bool, neither)."""
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin in (typing.Union, types.UnionType):
+        return any(_is(value, a) for a in args)
+    if origin in (tuple, list):
+        if not isinstance(value, tuple | list):
+            return False
+        items = args if origin is tuple else [args[0]] * len(value)
+        return len(items) == len(value) and all(map(_is, value, items))
+    if hint is type(None):
+        return value is None
+    if hint in (int, float):
+        number = (int,) if hint is int else (int, float)
+        return isinstance(value, number) and not isinstance(value, bool)
+    return isinstance(value, hint) if isinstance(hint, type) else True
+
+
+def _name(hint: object) -> str:
+    plain = typing.get_origin(hint) is None and hasattr(hint, "__name__")
+    return hint.__name__ if plain else str(hint).replace("typing.", "")

@@ -26,6 +26,8 @@ class ModelConfig:
     mlp_tokens_hint: int | None = None  # tokens per micro-batch, for mlp_impl="auto"
 
     def __post_init__(self) -> None:
+        if self.num_heads < 1:
+            raise ValueError(f"num_heads must be at least 1, got {self.num_heads}")
         if self.hidden_size % self.num_heads:
             raise ValueError(
                 f"hidden_size {self.hidden_size} is not divisible by num_heads {self.num_heads}"

@@ -14,7 +14,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint, RichProgressBar
 from lightning.pytorch.loggers import CSVLogger, WandbLogger
 from lightning.pytorch.utilities import rank_zero_warn
 
-from swiglu_train.integrations.lightning.config import PretrainConfig
+from swiglu_train.integrations.lightning.config import PretrainConfig, check_ranges
 from swiglu_train.integrations.lightning.data import PackedTextData
 from swiglu_train.integrations.lightning.memory_callback import MemoryProfilerCallback
 from swiglu_train.integrations.lightning.module import PretrainModule
@@ -60,6 +60,7 @@ def run_pretrain(cfg: PretrainConfig, resume: str | None = None) -> dict[str, An
     None on DDP ranks other than 0, whose losses and memory are their shard's, not the run's
     (the profiler and W&B run live on rank 0)."""
     check_impl_name(cfg.model.mlp_impl)  # an unknown impl fails here, listing the valid ones
+    check_ranges(cfg)
     if cfg.model.mlp_impl == AUTO and cfg.model.mlp_tokens_hint is None:  # one micro-batch
         cfg.model.mlp_tokens_hint = cfg.data.micro_batch_size * cfg.data.seq_length
     out = Path(cfg.output_dir)
