@@ -286,3 +286,14 @@ def test_from_hf_builds_the_canonical_fc1():
     assert torch.equal(out["m.fc1.weight"][:24], state["m.gate_proj.weight"])
     assert torch.equal(out["m.fc1.weight"][24:], state["m.up_proj.weight"])
     assert torch.equal(out["m.fc2.weight"], state["m.down_proj.weight"])
+
+
+@pytest.mark.parametrize("trust", [False, True])
+def test_a_damaged_file_is_named_as_such_not_as_unsafe(tmp_path, trust):
+    """An empty or truncated file is not a pickling question: --trust would not help."""
+    (tmp_path / "empty.ckpt").write_bytes(b"")
+    args = ["--to", "canonical", "--assume-layout", "canonical", *(["--trust"] if trust else [])]
+    result = invoke(*args, tmp_path / "empty.ckpt", tmp_path / "out.pt")
+    assert result.exit_code != 0
+    assert "is not a readable checkpoint (EOFError" in result.output
+    assert "--trust" not in result.output.replace("--trust]", "")

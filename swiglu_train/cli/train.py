@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pickle
 from pathlib import Path
 from typing import Annotated
 
@@ -188,8 +189,12 @@ def convert(
         ckpt = torch.load(src, map_location="cpu", weights_only=not trust)
     except FileNotFoundError:
         raise typer.BadParameter(f"{src} does not exist") from None
-    except Exception as e:  # weights_only refuses arbitrary pickled objects
-        raise typer.BadParameter(f"cannot load {src} safely ({e}); pass --trust if you do") from e
+    except pickle.UnpicklingError as e:  # weights_only refuses arbitrary pickled objects
+        hint = "" if trust else "; pass --trust if you trust the file"
+        raise typer.BadParameter(f"cannot load {src} safely ({e}){hint}") from e
+    except Exception as e:  # EOFError, OSError, RuntimeError...: an empty or damaged file
+        reason = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
+        raise typer.BadParameter(f"{src} is not a readable checkpoint ({reason})") from e
     if not isinstance(ckpt, dict):
         raise typer.BadParameter(f"{src} holds a {type(ckpt).__name__}, not a checkpoint dict")
     if assume_layout is None and not records_layout(ckpt):
