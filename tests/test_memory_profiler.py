@@ -121,3 +121,36 @@ def test_cuda_after_forward_differs_by_exactly_the_dropped_h():
         )  # the depth curve grows layer by layer
         after[impl] = record.after_forward_MiB
     assert (after["normal"] - after["drop_h"]) * 2**20 == layers * m * f * 2
+
+
+def test_a_step_inside_the_user_s_saved_tensors_hooks_keeps_them():
+    """torch applies only the innermost hooks: the profiler's must hand each tensor on to the
+    user's (activation offloading, say), or the measured step would silently run without it."""
+    model = nn.Sequential(*[ParMLP(D, FFN, impl="drop_h") for _ in range(2)])
+    x = torch.randn(M, D, requires_grad=True)
+    packed, unpacked = [], []
+
+    def pack(t):
+        packed.append(t.shape)
+        return t
+
+    def unpack(t):
+        unpacked.append(t.shape)
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+        record = profile(model, x)
+    assert record.saved_bytes == 2 * (M * D + M * 2 * FFN) * 4  # x and preact per layer
+    assert len(packed) >= 4 and len(unpacked) == len(packed)
+
+
+def test_two_overlapping_profilers_each_count_the_step():
+    model = nn.Sequential(*[ParMLP(D, FFN, impl="drop_h") for _ in range(2)])
+    outer, inner = MemoryProfiler(model), MemoryProfiler(model)
+    with outer.step(0) as o, inner.step(0) as i:
+        loss = model(torch.randn(M, D, requires_grad=True)).sum()
+        i.forward_done()
+        o.forward_done()
+        loss.backward()
+    expected = 2 * (M * D + M * 2 * FFN) * 4
+    assert outer.records[-1].saved_bytes == inner.records[-1].saved_bytes == expected

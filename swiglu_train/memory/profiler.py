@@ -4,6 +4,8 @@ A step is bracketed by three calls any training loop can make: :meth:`MemoryProf
 before forward, :meth:`~MemoryProfiler.forward_done` between forward and backward, and
 :meth:`~MemoryProfiler.backward_done` after backward. Saved-for-backward bytes come from
 ``saved_tensors_hooks`` and are exact on every device; allocator figures exist on CUDA only.
+Hooks already active around a step (activation offloading, another profiler) keep working:
+the profiler counts each tensor, then hands it to them.
 
 Allocator figures are deltas over what was allocated when the step began (parameters,
 optimizer state, inputs). If the loop frees the previous step's gradients between forward and
@@ -157,6 +159,13 @@ class MemoryProfiler:
         return self._active
 
 
+def _active_saved_tensors_hooks() -> tuple | None:
+    """The (pack, unpack) pair in effect now, if any. torch keeps a stack of them but applies
+    only the top one; it exposes the top privately, so without it there is nothing to chain."""
+    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+    return top(False) if top is not None else None
+
+
 class _StepState:
     """Hooks and readings of one step in progress."""
 
@@ -178,7 +187,11 @@ class _StepState:
         for name, module in tracked.items():
             self.handles.append(module.register_forward_pre_hook(self._push(name)))
             self.handles.append(module.register_forward_hook(self._pop(name), always_call=True))
-        self.hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
+        # Hooks already active (activation offloading such as save_on_cpu, or another profiler)
+        # would be shadowed by ours for the step: ours count, then hand each tensor to them.
+        self.outer = _active_saved_tensors_hooks()
+        unpack = self.outer[1] if self.outer else lambda t: t
+        self.hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, unpack)
         if self.cuda:
             torch.cuda.reset_peak_memory_stats(self.device)
             self.base = torch.cuda.memory_allocated(self.device)
@@ -193,7 +206,7 @@ class _StepState:
             self.saved[key] = nbytes
             for name in self.stack:
                 self.by_module.setdefault(name, {})[key] = nbytes
-        return t
+        return self.outer[0](t) if self.outer else t
 
     def _push(self, name: str):
         def hook(module, args):
