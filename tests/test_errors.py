@@ -102,6 +102,15 @@ def test_mismatched_devices_meta():
         ParMLP(8, 16)(torch.randn(3, 8, device="meta"))
 
 
+@pytest.mark.parametrize("impl", sorted(PORTABLE_IMPLS))
+def test_a_meta_model_gives_output_shapes(impl):
+    """Deferred init and shape tracing run a model on the meta device, as nn.Linear allows."""
+    mlp = ParMLP(8, 16, output_size=12, impl=impl, device="meta")
+    x = torch.empty(2, 5, 8, device="meta", requires_grad=True)
+    y = mlp(x)
+    assert y.shape == (2, 5, 12) and y.device.type == "meta"
+
+
 def test_non_positive_sizes():
     with pytest.raises(ValueError, match="positive"):
         ParMLP(8, 0)

@@ -23,6 +23,7 @@ from swiglu_train.layers.registry import (
     get_impl,
     packed_chunk,
 )
+from swiglu_train.ops import reference
 from swiglu_train.ops.inference import grad_needed, swiglu_mlp_inference
 
 STAMP_KEY = "_extra_state"  # a packed ParMLP's state_dict entry: {"fc1_layout": {...}}
@@ -141,6 +142,8 @@ class ParMLP(nn.Module):
         self._check_input(x)
         tensors = (x, self.fc1.weight, self.fc1.bias, self.fc2.weight, self.fc2.bias)
         device_type = x.device.type
+        if device_type == "meta":  # shapes only (deferred init, tracing): no kernel, no autocast
+            return reference.mlp(*tensors)
         if torch.is_autocast_enabled(device_type):
             dtype = torch.get_autocast_dtype(device_type)
             tensors = tuple(None if t is None else t.to(dtype) for t in tensors)
