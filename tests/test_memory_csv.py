@@ -43,3 +43,38 @@ def test_a_file_that_is_not_a_memory_csv_is_left_alone(tmp_path):
     with pytest.raises(ValueError, match=r"is not a memory CSV \(no 'step' column\)"):
         MemoryCsv(path).write(0, {"memory/saved_MiB": 1.0})
     assert path.read_text() == "loss,lr\n1.0,0.1\n"
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("step,memory/saved_MiB\n0,1.0,7\n", r"memory\.csv:2: the row's cells do not match"),
+        ("step,memory/saved_MiB\n0,1.0\n1\n", r"memory\.csv:3: the row's cells do not match"),
+        ("step,memory/saved_MiB\n0,x\n", r"memory\.csv: memory/saved_MiB = 'x' is not a number"),
+    ],
+)
+def test_a_damaged_memory_csv_is_named_with_its_row(tmp_path, text, message):
+    from swiglu_train.memory.runs import load_run
+
+    (tmp_path / "memory.csv").write_text(text)
+    with pytest.raises(ValueError, match=message):
+        load_run(tmp_path / "memory.csv")
+
+
+def test_a_csv_that_is_not_utf8_is_named(tmp_path):
+    from swiglu_train.memory.runs import load_run
+
+    (tmp_path / "memory.csv").write_bytes(b"step,memory/x\n0,\xff\n")
+    with pytest.raises(ValueError, match=r"memory\.csv is not a readable CSV"):
+        load_run(tmp_path / "memory.csv")
+
+
+def test_one_label_given_to_two_runs_is_refused(tmp_path):
+    from swiglu_train.memory.runs import load_runs
+
+    for name in ("a", "b"):
+        (tmp_path / name).mkdir()
+        MemoryCsv(tmp_path / name / "memory.csv").write(0, {"memory/saved_MiB": 1.0})
+    specs = [f"x={tmp_path / 'a' / 'memory.csv'}", f"x={tmp_path / 'b' / 'memory.csv'}"]
+    with pytest.raises(ValueError, match=r"names \['x'\] more than once"):
+        load_runs(specs)

@@ -86,6 +86,10 @@ def load_runs(specs: Iterable[str | Path]) -> list[MemoryRun]:
     for spec in specs:
         label, path = parse_spec(spec)
         loaded.append((load_run(path, label), label is not None))
+    named = Counter(run.label for run, explicit in loaded if explicit)
+    twice = sorted(label for label, n in named.items() if n > 1)
+    if twice:
+        raise ValueError(f"LABEL=PATH names {twice} more than once; give each run its own label")
     counts = Counter(run.label for run, explicit in loaded if not explicit)
     for run, explicit in loaded:
         if not explicit and counts[run.label] > 1 and run.name:
@@ -167,13 +171,22 @@ def _no_memory(source: Path, keys: Iterable[str]) -> ValueError:
 
 
 def _load_csv(path: Path) -> MemoryRun:
-    with path.open(newline="") as f:
-        reader = csv.DictReader(f)
-        rows = list(reader)
-        columns = reader.fieldnames or []
+    try:
+        with path.open(newline="", encoding="utf-8") as f:
+            reader = csv.DictReader(f)
+            rows = list(reader)
+            columns = reader.fieldnames or []
+    except (UnicodeDecodeError, csv.Error) as e:
+        raise ValueError(f"{path} is not a readable CSV: {e}") from e
     if "step" not in columns:
         raise ValueError(f"{path} has no 'step' column; expected a memory.csv (step, memory/...)")
-    steps, series = _series((int(float(r["step"])), r) for r in rows)
+    ragged = next((i for i, r in enumerate(rows, start=2) if None in r or None in r.values()), None)
+    if ragged is not None:  # DictReader files extra cells under None and pads missing ones
+        raise ValueError(f"{path}:{ragged}: the row's cells do not match the header's columns")
+    try:
+        steps, series = _series((int(float(r["step"])), r) for r in rows)
+    except ValueError as e:
+        raise ValueError(f"{path}: {e}") from e
     if not series:
         raise _no_memory(path, [c for c in columns if c != "step"])
     return MemoryRun(label=path.resolve().parent.name, config={}, steps=steps, series=series)
