@@ -150,8 +150,9 @@ def test_resume_across_layouts_with_optimizer_state_is_refused(tmp_path, corpus)
     checkpoint = torch.load(Path(cfg.output_dir) / "checkpoints" / "last.ckpt", weights_only=False)
     assert checkpoint["swiglu_train"]["fc1_layout"]["kind"] == "packed"
     cfg.model.mlp_impl, cfg.train.max_steps = "drop_h", 8
-    with pytest.raises(ValueError, match=r"fc1 layout is \{'kind': 'packed'.*optimizer state"):
+    with pytest.raises(ValueError, match=r"fc1 layout is \{'kind': 'packed'.*optimizer state") as e:
         run_pretrain(cfg, resume="last")
+    assert "swiglu-train convert --to canonical CKPT OUT" in str(e.value)
 
 
 @pytest.fixture(scope="module")

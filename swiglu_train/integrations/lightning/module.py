@@ -88,10 +88,13 @@ class PretrainModule(pl.LightningModule):
         # A checkpoint from elsewhere carries no stamp: canonical is the ecosystem's layout.
         saved = checkpoint.get(LAYOUT_KEY, {}).get("fc1_layout", CANONICAL.to_dict())
         if saved != self.fc1_layout() and checkpoint.get("optimizer_states"):
+            layout = self.fc1_layout()
+            to = f"packed --chunk {layout['chunk']}" if layout["kind"] == "packed" else "canonical"
             raise ValueError(
                 f"checkpoint fc1 layout is {saved} but the model's is {self.fc1_layout()}; "
                 "its optimizer state would be misread. Resume with an impl of the same layout "
                 "(normal/drop_h/drop_h_quack: canonical; save_factors: packed by its chunk; "
-                "save_factors_quack: packed with chunk 1); this model runs "
-                f"{self.model.layers[0].mlp.impl!r}"
+                "save_factors_quack: packed with chunk 1), or first convert the checkpoint "
+                f"to this model's layout (swiglu-train convert --to {to} CKPT OUT); this model "
+                f"runs {self.model.layers[0].mlp.impl!r}"
             )
