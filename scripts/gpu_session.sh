@@ -29,8 +29,11 @@ OUT=${OUT:-./gpu-out}
 # A fresh folder per call: a lent machine may keep /tmp from an earlier session, whose results
 # would otherwise ride along in results.tgz looking current.
 RES=${RES:-$(mktemp -d /tmp/gpu-results.XXXXXX)}
+# Run folders too: pretrain refuses a fresh run where another run's checkpoints are, and a
+# stale folder's W&B runs would be counted as this call's.
+SCRATCH=${SCRATCH:-$(mktemp -d /tmp/gpu-scratch.XXXXXX)}
 mkdir -p "$OUT" "$RES"
-export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD WANDB_MODE=offline WANDB_SILENT=true OUT RES
+export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD WANDB_MODE=offline WANDB_SILENT=true OUT RES SCRATCH
 # A step of the recipe's CPU-sized default model is launch-bound on an H200 (30 ms): time a
 # model whose GEMMs dominate instead.
 MEGATRON_GPU="--num-layers 8 --hidden-size 2048 --ffn-hidden-size 5632 --seq-length 2048 --micro-batch-size 8"
@@ -97,8 +100,8 @@ for stage in "$@"; do
       for round in $(seq "${PRETRAIN_ROUNDS:-2}"); do  # 125M tokens/s moves ±5 % run to run
         for impl in normal drop_h save_factors $(quack_impl); do
           python3 -m swiglu_train pretrain --config 125m --mlp-impl "$impl" --max-steps 40 \
-            --output-dir "/tmp/pt-$impl-$round" --summary-json "$RES/pretrain_${impl}_$round.json" \
-            > "/tmp/pt-$impl-$round.log" 2>&1 || tail -5 "/tmp/pt-$impl-$round.log"
+            --output-dir "$SCRATCH/pt-$impl-$round" --summary-json "$RES/pretrain_${impl}_$round.json" \
+            > "$SCRATCH/pt-$impl-$round.log" 2>&1 || tail -5 "$SCRATCH/pt-$impl-$round.log"
         done
       done
       python3 scripts/summarize_runs.py "$RES"/pretrain_*_[0-9]*.json --commit "$commit" \
@@ -114,7 +117,7 @@ for stage in "$@"; do
       for round in 1 2; do
         for impl in $order; do
           torchrun --nproc-per-node 1 recipes/pretrain_megatron.py --mlp-impl "$impl" \
-            $MEGATRON_GPU --max-steps 30 --output-dir /tmp/megatron-runs \
+            $MEGATRON_GPU --max-steps 30 --output-dir $SCRATCH/megatron-runs \
             --summary-json "$RES/megatron_tp1_${impl}_$round.json" 2>&1 | tail -1
         done
         order=$(echo $order | tr ' ' '\n' | tac | tr '\n' ' ')
@@ -127,9 +130,9 @@ for stage in "$@"; do
     megatron_resume)  # DistributedOptimizer dist-ckpt on CUDA: save at 3, resume, same losses
       for impl in normal save_factors; do
         run="torchrun --nproc-per-node 1 recipes/pretrain_megatron.py --mlp-impl $impl"
-        run="$run --max-steps 6 --output-dir /tmp/megatron-runs"
-        $run --save "/tmp/mck-$impl" --save-interval 3 > "$RES/resume_full_$impl.log" 2>&1
-        $run --load "/tmp/mck-$impl/iter_0000003" > "$RES/resume_from3_$impl.log" 2>&1
+        run="$run --max-steps 6 --output-dir $SCRATCH/megatron-runs"
+        $run --save "$SCRATCH/mck-$impl" --save-interval 3 > "$RES/resume_full_$impl.log" 2>&1
+        $run --load "$SCRATCH/mck-$impl/iter_0000003" > "$RES/resume_from3_$impl.log" 2>&1
         compare_losses "$RES/resume_full_$impl.log" "$RES/resume_from3_$impl.log" "$impl"
       done ;;
     megatron_tp2)  # nvidia-h200-x2: TP=2 against TP=1 on the same data; dist-ckpt TP2 -> TP1
@@ -137,7 +140,7 @@ for stage in "$@"; do
       for impl in normal drop_h save_factors; do
         for tp in 1 2; do
           torchrun --nproc-per-node "$tp" recipes/pretrain_megatron.py --mlp-impl "$impl" \
-            --tp "$tp" --cpu-init $MEGATRON_GPU --max-steps 50 --output-dir /tmp/megatron-tp \
+            --tp "$tp" --cpu-init $MEGATRON_GPU --max-steps 50 --output-dir $SCRATCH/megatron-tp \
             --summary-json "$RES/tp/megatron_tp${tp}_$impl.json" 2>&1 | tail -1
         done
       done
@@ -147,19 +150,19 @@ for stage in "$@"; do
         --json "$RES/megatron_tp2_vs_tp1_h200.json" --md "$RES/megatron_tp2_vs_tp1_h200.md" \
         --plot "$RES/megatron_tp2_vs_tp1_h200.png"
       # a packed checkpoint written at TP=2 resumes a canonical model at TP=1
-      run="recipes/pretrain_megatron.py --max-steps 6 --output-dir /tmp/megatron-runs"
-      torchrun --nproc-per-node 2 $run --tp 2 --mlp-impl save_factors --save /tmp/mck-tp2 \
+      run="recipes/pretrain_megatron.py --max-steps 6 --output-dir $SCRATCH/megatron-runs"
+      torchrun --nproc-per-node 2 $run --tp 2 --mlp-impl save_factors --save $SCRATCH/mck-tp2 \
         --save-interval 3 > "$RES/reshard_tp2_full.log" 2>&1
       torchrun --nproc-per-node 1 $run --tp 1 --mlp-impl normal \
-        --load /tmp/mck-tp2/iter_0000003 > "$RES/reshard_tp1_from3.log" 2>&1
+        --load $SCRATCH/mck-tp2/iter_0000003 > "$RES/reshard_tp1_from3.log" 2>&1
       compare_losses "$RES/reshard_tp2_full.log" "$RES/reshard_tp1_from3.log" \
         "save_factors TP2 -> normal TP1" ;;
     lightning_ddp)  # nvidia-h200-x2: DDP with the memory callback; one W&B run, one summary
       python3 -m swiglu_train pretrain --config 125m --mlp-impl drop_h --devices 2 \
-        --strategy ddp --max-steps 40 --output-dir /tmp/pt-ddp \
+        --strategy ddp --max-steps 40 --output-dir $SCRATCH/pt-ddp \
         --summary-json "$RES/pretrain_ddp_drop_h.json" > "$RES/pretrain_ddp.log" 2>&1 \
         || tail -5 "$RES/pretrain_ddp.log"
-      echo "W&B offline runs: $(ls -d /tmp/pt-ddp/wandb/offline-run-* | wc -l)" ;;
+      echo "W&B offline runs: $(ls -d $SCRATCH/pt-ddp/wandb/offline-run-* | wc -l)" ;;
     inference)  # one run per model, so a stage cut short keeps the models it finished; merge
       # with `swiglu-train bench-inference --merge ... --json --md --dispatch-table`
       mkdir -p "$RES/inference"
