@@ -97,14 +97,15 @@ def convert_checkpoint(
             "no ParMLP fc1 weights found (expected '<prefix>fc1.weight' beside "
             "'<prefix>fc2.weight' with matching sizes)"
         )
-    stray = sorted(set(_stamp_keys(state)) - {p + STAMP_KEY for p in prefixes})
+    stamps = _stamp_keys(state)
+    stray = sorted(set(stamps) - {p + STAMP_KEY for p in prefixes})
     if stray:  # e.g. Megatron's mlp._extra_state beside linear_fc1: its rows would go unread
         raise ValueError(
             f"{stray[0]} records an fc1 layout, but no '<prefix>fc1.weight' beside "
             "'<prefix>fc2.weight' sits under it; a Megatron state_dict converts by loading it "
             "into ParMLPMegatron, not with convert"
         )
-    recorded = record is not None or bool(_stamp_keys(state))
+    recorded = record is not None or bool(stamps)
     chunk = DEFAULT_CHUNK if chunk is None else chunk
     target = CANONICAL
     for prefix in prefixes:
