@@ -273,13 +273,16 @@ def save(root: str, step: int, model, optimizer) -> None:
 @contextlib.contextmanager
 def loadable(optimizer: MegatronOptimizer) -> Iterator[None]:
     """A fresh optimizer made able to load a checkpoint where Megatron runs torch's Adam (no
-    Apex or TE, as on our machines). Two megatron-core 0.16 gaps, met resuming on the H200:
+    Apex or TE, as on our machines). Three megatron-core 0.16 gaps, met resuming on the H200:
     - DistributedOptimizer.state_dict reads one common 'step' off the param states, which a
       fresh Adam lacks: it gets zero moments and step 0 (what a fresh Adam starts from; the
       load overwrites both);
     - its fully-reshardable param load copies every per-param state key from the checkpoint,
       'step' included, which that format keeps per group: the per-param steps step aside
-      while it runs and come back after (already set from the checkpoint's group step).
+      while it runs and come back after (already set from the checkpoint's group step);
+    - it hands every param the same 'step' tensor, which torch's Adam then bumps once per param
+      per step (bias correction as if at step 3 + n_params, a 0.7 % loss jump on the H200):
+      each param gets its own copy after the load.
     """
     patched = []
     for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
@@ -297,6 +300,10 @@ def loadable(optimizer: MegatronOptimizer) -> Iterator[None]:
     finally:
         for opt in patched:  # the instance attribute goes; the class's method serves again
             del opt.load_parameter_state_from_fully_reshardable
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        for state in opt.optimizer.state.values():
+            if "step" in state:
+                state["step"] = state["step"].clone()
 
 
 def _steps_aside(opt: MegatronOptimizer, load_params: Callable[[dict], None]):

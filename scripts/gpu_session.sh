@@ -14,8 +14,9 @@
 #   microbatch the largest micro-batch at ~1B, normal vs drop_h
 #   megatron   recipes/pretrain_megatron.py at TP=1 for each impl (needs the megatron wheel)
 #   megatron_resume  its DistributedOptimizer dist-ckpt: save at step 3, resume, compare losses
-#   megatron_tp2  (nvidia-h200-x2) TP=2 vs TP=1 losses and per-GPU memory (scripts/compare_tp.py),
-#              and a save_factors TP=2 dist-ckpt resumed by normal at TP=1
+#   megatron_tp2  (nvidia-h200-x2) TP=2 vs TP=1 losses and per-GPU memory (scripts/compare_tp.py)
+#   megatron_reshard (nvidia-h200-x2) a save_factors TP=2 dist-ckpt resumed by normal at TP=1,
+#              and a drop_h TP=1 one resumed by save_factors at TP=2
 #   lightning_ddp (nvidia-h200-x2) the 125M pretrain under DDP on 2 GPUs
 #   inference  swiglu-train bench-inference: gated projection and whole MLP, Qwen-2.5 x M grid
 #              ($INFERENCE_MODELS), one JSON per model to merge into the dispatch table
@@ -48,14 +49,18 @@ from swiglu_train.ops.quack_mlp import quack_available
 print(*sorted(QUACK_IMPLS) if quack_available() else [])"
 }
 pack() { tar czf "$OUT/results.tgz" -C "$RES" .; }
-compare_losses() {  # FULL.log RESUMED.log LABEL: the resumed steps' losses against the full run's
+compare_losses() {  # FULL.log RESUMED.log LABEL: the resumed steps' losses against the full run's,
+  # printed and appended to $RES/resume_checks.jsonl
   python3 - "$@" <<'PY'
-import re, sys
+import json, os, re, sys
 def losses(path):
     return {int(s): float(l) for s, l in re.findall(r"^step (\d+) loss ([\d.]+)", open(path).read(), re.M)}
 full, resumed = losses(sys.argv[1]), losses(sys.argv[2])
-diffs = {s: abs(resumed[s] - full[s]) / full[s] for s in resumed if s in full}
-print(sys.argv[3], "resumed steps", sorted(resumed), "max rel diff", max(diffs.values(), default=None))
+rel = {s: abs(resumed[s] - full[s]) / full[s] for s in sorted(resumed) if s in full}
+print(sys.argv[3], "resumed steps", sorted(resumed), "rel diff per step", {s: f"{d:.2e}" for s, d in rel.items()})
+check = {"label": sys.argv[3], "full": full, "resumed": resumed, "rel_diff": rel}
+with open(os.path.join(os.environ["RES"], "resume_checks.jsonl"), "a") as f:
+    f.write(json.dumps(check) + "\n")
 PY
 }
 if [ -n "${STAGE_SECONDS:-}" ]; then  # each stage in its own bounded run of this script
@@ -148,15 +153,22 @@ for stage in "$@"; do
         --title "Megatron TP=2 against TP=1, bf16, 50 steps, $MEGATRON_GPU" \
         --command "bash scripts/gpu_session.sh megatron_tp2" \
         --json "$RES/megatron_tp2_vs_tp1_h200.json" --md "$RES/megatron_tp2_vs_tp1_h200.md" \
-        --plot "$RES/megatron_tp2_vs_tp1_h200.png"
-      # a packed checkpoint written at TP=2 resumes a canonical model at TP=1
+        --plot "$RES/megatron_tp2_vs_tp1_h200.png" ;;
+    megatron_reshard)  # nvidia-h200-x2: a packed checkpoint written at TP=2 resumes a canonical
+      # model at TP=1 (and back: a canonical TP=1 checkpoint resumes save_factors at TP=2)
       run="recipes/pretrain_megatron.py --max-steps 6 --output-dir $SCRATCH/megatron-runs"
       torchrun --nproc-per-node 2 $run --tp 2 --mlp-impl save_factors --save $SCRATCH/mck-tp2 \
         --save-interval 3 > "$RES/reshard_tp2_full.log" 2>&1
       torchrun --nproc-per-node 1 $run --tp 1 --mlp-impl normal \
         --load $SCRATCH/mck-tp2/iter_0000003 > "$RES/reshard_tp1_from3.log" 2>&1
       compare_losses "$RES/reshard_tp2_full.log" "$RES/reshard_tp1_from3.log" \
-        "save_factors TP2 -> normal TP1" ;;
+        "save_factors TP2 -> normal TP1"
+      torchrun --nproc-per-node 1 $run --tp 1 --mlp-impl drop_h --save $SCRATCH/mck-tp1 \
+        --save-interval 3 > "$RES/reshard_tp1_full.log" 2>&1
+      torchrun --nproc-per-node 2 $run --tp 2 --mlp-impl save_factors \
+        --load $SCRATCH/mck-tp1/iter_0000003 > "$RES/reshard_tp2_from3.log" 2>&1
+      compare_losses "$RES/reshard_tp1_full.log" "$RES/reshard_tp2_from3.log" \
+        "drop_h TP1 -> save_factors TP2" ;;
     lightning_ddp)  # nvidia-h200-x2: DDP with the memory callback; one W&B run, one summary
       python3 -m swiglu_train pretrain --config 125m --mlp-impl drop_h --devices 2 \
         --strategy ddp --max-steps 40 --output-dir $SCRATCH/pt-ddp \

@@ -7,7 +7,8 @@ Megatron assumes CUDA in a few places that a CPU test still reaches:
   sequence-parallel collectives allocate on ``torch.cuda.current_device()``;
 - dist-ckpt's filesystem writer calls ``torch.cuda.synchronize()`` before writing;
 - the pipeline schedules count tokens in a ``torch.zeros(..., device="cuda")``;
-- the optimizers keep their loss scale in a ``torch.tensor(..., device="cuda")``;
+- the optimizers keep their loss scale in a ``torch.tensor(..., device="cuda")``, and the
+  grad norm (without Apex or TE) its overflow flag and result in CUDA tensors;
 - DistributedOptimizer checks parameter type names for CUDA and gathers state with ``.cuda()``
   (:func:`shim_distributed_optimizer`, installed only by the tests that build one).
 
@@ -32,6 +33,7 @@ pytest.importorskip("megatron.core", reason="needs the megatron extra")
 from megatron.core import parallel_state
 from megatron.core import utils as mcore_utils
 from megatron.core.optimizer import OptimizerConfig
+from megatron.core.optimizer import clip_grads as mcore_clip_grads
 from megatron.core.optimizer import optimizer as mcore_optimizer
 from megatron.core.optimizer.optimizer import FP32Optimizer
 from megatron.core.pipeline_parallel import schedules
@@ -63,7 +65,7 @@ class _CpuRNGStatesTracker(mcore_random.CudaRNGStatesTracker):
 
 
 class _TorchWithoutCudaFactories:
-    """The torch module as the schedules and optimizer modules see it, with the tensor
+    """The torch module as the schedules, optimizer and grad-norm modules see it, with the tensor
     factories they call with ``device="cuda"`` allocating on the CPU."""
 
     def __getattr__(self, name: str):
@@ -78,6 +80,12 @@ class _TorchWithoutCudaFactories:
         return torch.tensor(*args, **kwargs)
 
 
+def _l2_norm_on_cpu(chunk_size, noop_flag, tensor_lists, per_tensor, *args):
+    """Megatron's torch fallback for Apex's multi-tensor L2 norm, its result left on the CPU."""
+    norms = [torch.linalg.vector_norm(t.float()) for tensors in tensor_lists for t in tensors]
+    return torch.linalg.vector_norm(torch.stack(norms)).reshape(1), None
+
+
 def shim_cuda_only_calls(seed: int = 1234) -> None:
     """Install the CPU stand-ins for Megatron's CUDA-only RNG and buffer calls (per process)."""
     mcore_random._get_cuda_rng_state = lambda *args, **kwargs: torch.get_rng_state()
@@ -90,7 +98,9 @@ def shim_cuda_only_calls(seed: int = 1234) -> None:
     # Only ever called in the spawned worker processes, which never touch a GPU.
     torch.cuda.current_device = lambda: torch.device("cpu")
     torch.cuda.synchronize = lambda device=None: None
-    schedules.torch = mcore_optimizer.torch = _TorchWithoutCudaFactories()
+    without_cuda = _TorchWithoutCudaFactories()
+    schedules.torch = mcore_optimizer.torch = mcore_clip_grads.torch = without_cuda
+    mcore_clip_grads.l2_norm_impl = _l2_norm_on_cpu
 
 
 def shim_distributed_optimizer() -> None:

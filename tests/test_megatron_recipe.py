@@ -202,10 +202,25 @@ def _resume_worker(rank: int, world_size: int, port: int, root: str, impl: str) 
                 assert state["step"] == 7
         assert "load_parameter_state_from_fully_reshardable" not in vars(loaded)  # unpatched
 
+        # The next Adam step is the saving run's: Megatron hands every param one shared 'step'
+        # tensor, which torch's Adam would bump once per param (step 7 + n_params).
+        tokens = torch.randint(0, 128, (2, 32), generator=torch.Generator().manual_seed(3))
+        positions = torch.arange(32).expand(2, 32)
+        causal = torch.ones(2, 1, 32, 32, dtype=torch.bool).triu(1)
+        for ddp, opt in ((model, optimizer), (fresh_model, fresh)):
+            ddp.zero_grad_buffer()
+            opt.zero_grad()
+            ddp(tokens, positions, causal, labels=tokens).float().mean().backward()
+            ddp.finish_grad_sync()
+            opt.step()
+        assert all(state["step"] == 8 for state in loaded.optimizer.state.values())
+        for ours, theirs in zip(fresh_model.parameters(), model.parameters(), strict=True):
+            assert torch.equal(ours, theirs)
+
 
 @pytest.mark.parametrize("impl", ["drop_h", "save_factors"])
 def test_distributed_optimizer_resume_restores_weights_moments_and_step(tmp_path, impl) -> None:
     """The recipe's --load into a fresh DistributedOptimizer running torch's Adam (no Apex or
     TE: the GPU box's case, where it first failed): weights, fp32 main params, Adam moments and
-    step come back exactly, a packed fc1 (save_factors) included."""
+    step come back exactly, a packed fc1 (save_factors) included, and the next step matches."""
     spawn(_resume_worker, 1, str(tmp_path / "ckpt"), impl)
