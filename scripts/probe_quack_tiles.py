@@ -51,12 +51,14 @@ def measure(model: str, m: int, samples: int, seed: int) -> dict:
     copies = weight_copies(d, f, torch.bfloat16, device)
     x = torch.randn(m, d, device=device, dtype=torch.bfloat16)
     expected = reference.swiglu(F.linear(x.double(), copies[0].fc1.double()))
-    calls = {"cublas_fc1": lambda i: F.linear(x, copies[i].fc1)}
+    calls = {"cublas_fc1": lambda i: F.linear(x, copies[i % len(copies)].fc1)}
     for name, config in configs().items():
         h = quack_gated_h(x, copies[0].fc1, None, False, config)
         if not rel_err(h, expected) <= REL_ERR_LIMIT:
             raise AssertionError(f"{model} M={m} {name}: rel err {rel_err(h, expected):.3g}")
-        calls[name] = lambda i, c=config: quack_gated_h(x, copies[i].fc1, None, False, c)
+        calls[name] = lambda i, c=config: quack_gated_h(
+            x, copies[i % len(copies)].fc1, None, False, c
+        )
     reps = choose_reps(call_ms(lambda: calls["cublas_fc1"](0), device), len(copies))
     replays = {name: capture(call, reps, device) for name, call in calls.items()}
     cases = [Case(name, replay, lambda _: None, lambda: None) for name, replay in replays.items()]
