@@ -134,7 +134,7 @@ for stage in "$@"; do
         --json "$RES/megatron_h200_tp1.json" --md "$RES/megatron_h200_tp1.md" \
         && cat "$RES/megatron_h200_tp1.md" ;;
     megatron_resume)  # DistributedOptimizer dist-ckpt on CUDA: save at 3, resume, same losses
-      for impl in normal save_factors; do
+      for impl in ${RESUME_IMPLS:-normal save_factors}; do
         run="torchrun --nproc-per-node 1 recipes/pretrain_megatron.py --mlp-impl $impl"
         run="$run --max-steps 6 --output-dir $SCRATCH/megatron-runs"
         $run --save "$SCRATCH/mck-$impl" --save-interval 3 > "$RES/resume_full_$impl.log" 2>&1
