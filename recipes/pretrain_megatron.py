@@ -419,6 +419,7 @@ def write_summary(
     summary = {
         "mlp_impl": args.mlp_impl,
         "tp": args.tp,
+        "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
         "cpu_init": args.device == "cpu" or args.cpu_init,  # one model at every TP size
         "steps": len(losses),
         "initial_loss": losses[0],
