@@ -7,6 +7,7 @@
 #   tests      the `gpu` tests (CUDA params and GPU-only tests; CI runs the rest)
 #   quack_tiles scripts/probe_quack_tiles.py: quack's gated GEMM under each small-M config
 #   tune       scripts/tune_gated_gemm.py: the gated GEMM's configs and its ratio to cuBLAS
+#              (TUNE_SHAPES="M,K,F ..." picks the shapes)
 #   bench      scripts/bench_mlp.py at the seed shape, every variant (save_factors included)
 #   stack      swiglu-train bench-memory for every impl, with the profiler's overhead
 #   crossover  swiglu-train bench-crossover on the default grid, and impl="auto"'s table
@@ -92,6 +93,7 @@ for stage in "$@"; do
         --json "$RES/probe_quack_tiles_h200.json" --md "$RES/probe_quack_tiles_h200.md" ;;
     tune)
       python3 scripts/tune_gated_gemm.py --samples 30 --json "$RES/tune_gated_h200.json" \
+        ${TUNE_SHAPES:+--shapes $TUNE_SHAPES} \
         2>&1 | grep -v "^ " ;;
     bench)
       python3 scripts/bench_mlp.py --samples 40 --commit "$commit" --json "$RES/mlp_h200.json" \
