@@ -107,6 +107,75 @@ def test_pretrain_checkpoint_converts_by_its_record_and_records_the_new_layout(
         torch.testing.assert_close(module.model(tokens), reference.model(tokens))
 
 
+def test_converted_checkpoint_names_no_impl_of_another_layout(pretrained, tmp_path):
+    """`mlp_impl` must not name an impl whose fc1 layout the converted file no longer has;
+    several impls share each layout, so a stale name is dropped and the conversion recorded."""
+    src = pretrained["save_factors"]
+    assert load(src)["swiglu_train"]["mlp_impl"] == "save_factors"
+    ok = invoke("--to", "canonical", src, tmp_path / "c.ckpt")
+    assert ok.exit_code == 0, ok.output
+    record = load(tmp_path / "c.ckpt")["swiglu_train"]
+    assert record["fc1_layout"] == CANONICAL.to_dict()
+    assert "mlp_impl" not in record
+    assert record["converted"] == [
+        {"from_fc1_layout": PACKED.to_dict(), "to_fc1_layout": CANONICAL.to_dict(),
+         "mlp_impl": "save_factors"}
+    ]  # fmt: skip
+
+    # Back to packed: still no name (save_factors reads it, but did not save it); history grows.
+    packed = convert_checkpoint(load(tmp_path / "c.ckpt"), to="packed", chunk=16)["swiglu_train"]
+    assert "mlp_impl" not in packed
+    assert [c["to_fc1_layout"] for c in packed["converted"]] == [
+        CANONICAL.to_dict(),
+        Layout("packed", 16).to_dict(),
+    ]
+
+    # drop_h's file packed: drop_h does not read packed fc1, so its name goes too.
+    record = convert_checkpoint(load(pretrained["drop_h"]), to="packed", chunk=CHUNK)
+    assert "mlp_impl" not in record["swiglu_train"]
+    assert record["swiglu_train"]["converted"][0]["mlp_impl"] == "drop_h"
+
+
+@pytest.mark.parametrize(
+    ("impl", "to", "chunk", "converted"),
+    [
+        ("drop_h", "canonical", None, False),  # nothing moves
+        ("save_factors", "packed", CHUNK, False),
+        ("save_factors", "packed", 16, True),  # save_factors reads any chunk
+    ],
+)
+def test_impl_name_that_still_fits_the_layout_is_kept(pretrained, impl, to, chunk, converted):
+    record = convert_checkpoint(load(pretrained[impl]), to=to, chunk=chunk)["swiglu_train"]
+    assert record["mlp_impl"] == impl
+    assert ("converted" in record) == converted
+
+
+def test_a_stale_name_from_an_earlier_convert_is_dropped(pretrained):
+    """A file converted before the name was checked (canonical fc1 labelled save_factors) is
+    mended by converting it again, even where no row moves."""
+    stale = convert_checkpoint(load(pretrained["save_factors"]), to="canonical")
+    stale["swiglu_train"]["mlp_impl"] = "save_factors"
+    del stale["swiglu_train"]["converted"]
+    record = convert_checkpoint(stale, to="canonical")["swiglu_train"]
+    assert "mlp_impl" not in record
+    assert record["converted"] == [
+        {"from_fc1_layout": CANONICAL.to_dict(), "to_fc1_layout": CANONICAL.to_dict(),
+         "mlp_impl": "save_factors"}
+    ]  # fmt: skip
+
+
+def test_converted_checkpoint_resumes_with_an_impl_of_its_layout(pretrained, tmp_path):
+    """`pretrain --resume` reads the converted record (layout, no impl name) and trains on."""
+    ok = invoke("--to", "canonical", pretrained["save_factors"], tmp_path / "c.ckpt")
+    assert ok.exit_code == 0, ok.output
+    corpus = pretrained["save_factors"].parents[2] / "corpus"
+    cfg = small_config(tmp_path, [str(corpus / "*.py")], "normal", 3)
+    cfg.data.val_fraction = 0.0
+    with use_backend("torch"):
+        resumed = run_pretrain(cfg, resume=str(tmp_path / "c.ckpt"))
+    assert resumed["steps"] == 3 and resumed["mlp_impl"] == "normal"
+
+
 @pytest.mark.parametrize(
     ("impl", "assumed", "recorded"),
     [

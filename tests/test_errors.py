@@ -8,7 +8,13 @@ from conftest import device_backends
 
 from swiglu_train import MLP_IMPLS, ParMLP
 from swiglu_train.layers import PORTABLE_IMPLS
-from swiglu_train.ops import DOUBLE_BACKWARD_ERROR, SECOND_BACKWARD_ERROR, use_backend
+from swiglu_train.ops import (
+    DOUBLE_BACKWARD_ERROR,
+    SECOND_BACKWARD_ERROR,
+    SECOND_BACKWARD_ERROR_FACTORS,
+    SECOND_BACKWARD_FREED_ERROR,
+    use_backend,
+)
 from swiglu_train.ops.quack_mlp import check_quack_inputs, require_quack
 
 HAS_CUDA = torch.cuda.is_available()
@@ -40,6 +46,71 @@ def test_second_backward_through_inplace_graph_raises(device, backend):
         with pytest.raises(RuntimeError, match="inplace=False") as info:
             y.sum().backward()
     assert str(info.value) == SECOND_BACKWARD_ERROR
+
+
+SECOND_BACKWARD = {  # impl: (graph freed by the first backward, graph retained)
+    "drop_h": (SECOND_BACKWARD_FREED_ERROR, SECOND_BACKWARD_ERROR),
+    # fc2 runs outside save_factors' Function here, so its freed node raises torch's error
+    # first; save_factors_quack, which holds fc2, names this case (tests/test_quack_impl.py)
+    "save_factors": (None, SECOND_BACKWARD_ERROR_FACTORS),
+}
+
+
+def _grads(mlp: ParMLP, x: torch.Tensor) -> list[torch.Tensor]:
+    return [t.grad.clone() for t in (x, *mlp.parameters())]
+
+
+@pytest.mark.parametrize("impl", sorted(SECOND_BACKWARD))
+@pytest.mark.parametrize(("device", "backend"), device_backends())
+def test_second_backward_without_retain_graph_says_so(device, backend, impl):
+    """A plain second backward is torch's "backward through the graph a second time", but
+    torch's advice (retain_graph=True) cannot help an in-place backward: the error says that,
+    and what does help; no gradient is touched."""
+    mlp = ParMLP(8, 16, bias=True, impl=impl, device=device)
+    x = torch.randn(5, 8, device=device, requires_grad=True)
+    with use_backend(backend):
+        y = mlp(x)
+        y.sum().backward()
+        first = _grads(mlp, x)
+        with pytest.raises(RuntimeError) as info:
+            y.sum().backward()
+    expected = SECOND_BACKWARD[impl][0]
+    if expected is None:
+        assert "backward through the graph a second time" in str(info.value)
+    else:
+        assert str(info.value) == expected
+        for phrase in ("second backward through the same graph", "without retain_graph=True",
+                       "retain_graph=True alone would not help", "inplace=False"):  # fmt: skip
+            assert phrase in str(info.value)
+    for before, after in zip(first, _grads(mlp, x), strict=True):
+        assert torch.equal(before, after)
+
+
+@pytest.mark.parametrize("impl", sorted(SECOND_BACKWARD))
+@pytest.mark.parametrize(("device", "backend"), device_backends())
+def test_retain_graph_helps_only_an_out_of_place_backward(device, backend, impl):
+    """retain_graph=True keeps the saved tensors, but an in-place backward has overwritten
+    them: still refused. inplace=False is what lets it backpropagate twice, exactly; without
+    retain_graph=True it then gets torch's own error, whose advice is right there."""
+    x = torch.randn(5, 8, device=device, requires_grad=True)
+    with use_backend(backend):
+        y = ParMLP(8, 16, impl=impl, device=device)(x)
+        y.sum().backward(retain_graph=True)
+        with pytest.raises(RuntimeError) as info:
+            y.sum().backward()
+        assert str(info.value) == SECOND_BACKWARD[impl][1]
+
+        mlp = ParMLP(8, 16, bias=True, impl=impl, inplace=False, device=device)
+        x.grad = None
+        y = mlp(x)
+        y.sum().backward(retain_graph=True)
+        first = _grads(mlp, x)
+        y.sum().backward()
+        for once, twice in zip(first, _grads(mlp, x), strict=True):
+            torch.testing.assert_close(twice, 2 * once)
+        with pytest.raises(RuntimeError, match="backward through the graph a second time") as info:
+            y.sum().backward()
+    assert "ParMLP" not in str(info.value) and "retain_graph=True" in str(info.value)
 
 
 @pytest.mark.parametrize("impl", sorted(PORTABLE_IMPLS))

@@ -132,3 +132,21 @@ def test_ddp_rank_zero_alone_writes_the_csv(tmp_path):
     assert [int(r["step"]) for r in rows] == [0, 1]
     expected = expected_saved_bytes("drop_h") / 2**20
     assert all(float(r["memory/saved_MiB"]) == pytest.approx(expected) for r in rows)
+
+
+def test_outside_a_trainer_records_are_empty_and_hooks_say_why_they_cannot_run():
+    callback = MemoryProfilerCallback()
+    assert callback.records == [] and callback.max_metrics == {} and callback.csv is None
+    with pytest.raises(RuntimeError, match=r"on_train_batch_start called before setup: .*"
+                       r"pl\.Trainer\(callbacks=\[\.\.\.\]\)"):  # fmt: skip
+        callback.on_train_batch_start(None, None, torch.zeros(2), 0)
+    with pytest.raises(RuntimeError, match=r"on_before_backward called before setup"):
+        callback.on_before_backward(None, None, torch.zeros(()))
+    with pytest.raises(RuntimeError, match=r"on_after_backward called before setup"):
+        callback.on_after_backward(None, None)
+
+
+def test_records_hold_one_figure_per_micro_batch_after_fit(tmp_path):
+    callback = fit(tmp_path, "drop_h", 2, [CSVLogger(tmp_path)])
+    assert [r.step for r in callback.records] == [0, 0, 1, 1, 2, 2]
+    assert callback.records[-1].saved_bytes == expected_saved_bytes("drop_h")

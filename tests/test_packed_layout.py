@@ -135,6 +135,22 @@ def test_packed_chunk_is_fixed_by_the_kernel_or_chosen():
         packed_chunk("save_factors", 5, 96)
 
 
+def test_impls_for_layout_is_each_impl_s_own_layout():
+    """The names a checkpoint in a layout may carry: every impl is listed under the layout it
+    keeps fc1 in (as ParMLP decides it), never under the other kind; save_factors packs by
+    any chunk, save_factors_quack by 1 alone."""
+    from swiglu_train.layers.registry import MLP_IMPLS, impls_for_layout
+
+    assert impls_for_layout(CANONICAL) == ("normal", "drop_h", "drop_h_quack")
+    assert impls_for_layout(Layout("packed", 1)) == ("save_factors", "save_factors_quack")
+    assert impls_for_layout(Layout("packed", 32, tp=2)) == ("save_factors",)
+    mlp = ParMLP(16, 64, impl="normal", chunk=16)
+    for name in MLP_IMPLS:
+        own = mlp._layout_for(name)
+        other = CANONICAL if own.packed else Layout("packed", 16)
+        assert name in impls_for_layout(own) and name not in impls_for_layout(other), name
+
+
 def test_no_grad_on_a_chunk_1_fc1_computes_the_canonical_function():
     """Where quack cannot serve (here: CPU), a chunk-1 packed fc1 takes the torch path."""
     from swiglu_train.ops.inference import inference_path, swiglu_mlp_inference

@@ -215,6 +215,67 @@ def test_resume_says_an_optimizer_change_is_not_used(finished, tmp_path):
         run_pretrain(changed, resume=str(last))
 
 
+def test_checkpoint_records_the_data_settings(finished, corpus):
+    _, last = finished
+    record = torch.load(last, weights_only=False)["swiglu_train"]["data"]
+    tokens = sum(len(ids) for _, ids in load_documents([str(corpus / "*.py")]))
+    assert record == {
+        "corpus": [os.path.abspath(corpus / "*.py")],
+        "corpus_tokens": tokens,
+        "seq_length": 64,
+        "micro_batch_size": 4,
+        "accumulate_grad_batches": 1,
+        "world_size": 1,
+        "val_fraction": 0.34,
+        "data_seed": 1234,
+    }
+
+
+def test_resume_on_other_data_names_each_change_in_one_warning(finished, tmp_path, corpus):
+    """Another corpus, micro-batch and sequence length are legitimate mid-run, but not silent:
+    one warning names each change, and the run goes on with the new settings."""
+    cfg, last = finished
+    other = tmp_path / "other"
+    other.mkdir()
+    for path in corpus.glob("*.py"):  # each file twice over: another corpus
+        (other / path.name).write_bytes(path.read_bytes() * 2)
+    changed = replace_output(cfg, tmp_path / "run")
+    changed.data.data, changed.train.max_steps = [str(other / "*.py")], 4
+    changed.data.micro_batch_size, changed.data.seq_length = 2, 32
+    with use_backend("torch"), pytest.warns(UserWarning, match="other data settings") as record:
+        summary = run_pretrain(changed, resume=str(last))
+    assert summary["steps"] == 4
+    [warning] = [str(w.message) for w in record if "other data settings" in str(w.message)]
+    tokens = sum(len(ids) for _, ids in load_documents([str(corpus / "*.py")]))
+    assert f"corpus ['{os.path.abspath(corpus / '*.py')}'] -> ['{other / '*.py'}']" in warning
+    assert f"corpus_tokens {tokens} -> {2 * tokens}" in warning
+    assert "micro_batch_size 4 -> 2" in warning and "seq_length 64 -> 32" in warning
+    assert warning.count(" -> ") == 4  # nothing else changed
+
+
+def test_resume_on_the_same_data_warns_nothing_about_it(finished, tmp_path, recwarn):
+    cfg, last = finished
+    same = replace_output(cfg, tmp_path / "run")
+    same.train.max_steps = 4
+    with use_backend("torch"):
+        assert run_pretrain(same, resume=str(last))["steps"] == 4
+    assert not [w for w in recwarn if "data settings" in str(w.message)]
+
+
+def test_a_checkpoint_without_a_data_record_still_resumes(finished, tmp_path, recwarn, caplog):
+    """Written before checkpoints recorded their data: resumed, with a note and no warning."""
+    cfg, last = finished
+    old = torch.load(last, weights_only=False)
+    del old["swiglu_train"]["data"]
+    torch.save(old, tmp_path / "old.ckpt")
+    changed = replace_output(cfg, tmp_path / "run")
+    changed.data.micro_batch_size, changed.train.max_steps = 2, 4
+    with use_backend("torch"), caplog.at_level("INFO"):
+        assert run_pretrain(changed, resume=str(tmp_path / "old.ckpt"))["steps"] == 4
+    assert not [w for w in recwarn if "data settings" in str(w.message)]
+    assert "old.ckpt records no data settings (an older checkpoint)" in caplog.text
+
+
 def replace_output(cfg: PretrainConfig, out: Path) -> PretrainConfig:
     """A deep copy of ``cfg`` writing to ``out``."""
     copy = deepcopy(cfg)
@@ -413,3 +474,29 @@ def test_cli_ddp_on_two_cpu_ranks_reports_once(tmp_path, corpus):
         steps = [int(r["step"]) for r in csv.DictReader(f)]
     assert steps == [0, 1, 2, 3]  # one row per step, none from rank 1
     assert (out / "checkpoints" / "last.ckpt").is_file()
+
+
+def test_cli_ddp_prints_a_refused_layout_once_and_every_rank_stops(tmp_path, corpus):
+    """Both ranks refuse a save_factors checkpoint for drop_h alike: rank 0 says so, rank 1
+    exits without repeating it (the run returns only once both processes have ended)."""
+    data = [str(corpus / "*.py")]
+    cfg = PretrainConfig()  # the CLI's model (tiny), so that only the layout differs
+    cfg.model.mlp_impl, cfg.data.data, cfg.data.micro_batch_size = "save_factors", data, 2
+    cfg.train.max_steps, cfg.output_dir = 1, str(tmp_path / "run")
+    run_pretrain(cfg)
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # plain torch math
+    env.update(WANDB_MODE="offline", WANDB_SILENT="true")
+    args = ["pretrain", "--devices", "2", "--strategy", "ddp", "--max-steps", "2"]
+    args += ["--mlp-impl", "drop_h", "--micro-batch-size", "2", "--data", data[0]]
+    args += ["--output-dir", cfg.output_dir, "--resume", "last"]
+    done = subprocess.run(
+        [sys.executable, "-m", "swiglu_train", *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 1, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "GLOBAL_RANK: 1" in done.stderr  # rank 1 did start, and refused too
+    assert done.stderr.count("checkpoint fc1 layout is {'kind': 'packed'") == 1, done.stderr
+    assert "pretrain summary" not in done.stdout

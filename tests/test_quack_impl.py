@@ -10,6 +10,8 @@ from swiglu_train.ops import (
     DOUBLE_BACKWARD_ERROR,
     SECOND_BACKWARD_ERROR,
     SECOND_BACKWARD_ERROR_FACTORS,
+    SECOND_BACKWARD_FREED_ERROR,
+    SECOND_BACKWARD_FREED_ERROR_FACTORS,
     dispatch,
     inference,
     reference,
@@ -32,6 +34,10 @@ TWIN = {"drop_h_quack": "drop_h", "save_factors_quack": "save_factors"}
 SECOND_BACKWARD = {
     "drop_h_quack": SECOND_BACKWARD_ERROR,
     "save_factors_quack": SECOND_BACKWARD_ERROR_FACTORS,
+}
+SECOND_BACKWARD_FREED = {  # the first backward ran without retain_graph=True
+    "drop_h_quack": SECOND_BACKWARD_FREED_ERROR,
+    "save_factors_quack": SECOND_BACKWARD_FREED_ERROR_FACTORS,
 }
 
 
@@ -71,6 +77,11 @@ def test_second_backward_raises(impl):
     with pytest.raises(RuntimeError) as info:
         y.sum().backward()
     assert str(info.value) == SECOND_BACKWARD[impl]
+    y = mlp(torch.randn(64, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True))
+    y.sum().backward()
+    with pytest.raises(RuntimeError) as info:
+        y.sum().backward()
+    assert str(info.value) == SECOND_BACKWARD_FREED[impl]
 
 
 @pytest.mark.parametrize("impl", QUACK)

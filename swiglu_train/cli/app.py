@@ -17,7 +17,8 @@ from rich.progress import Progress
 DEBUG_ENV = "SWIGLU_TRAIN_DEBUG"
 # What the package raises for bad input (its TableError and DispatchTableError are ValueErrors):
 # shown as one line. A bug can raise these types too, so the line says how to see where;
-# any other exception keeps its traceback.
+# any other exception keeps its traceback. One that carries ``rank`` is raised alike by every
+# rank of a distributed run (the same checkpoint refused by each): rank 0 alone prints it.
 USER_ERRORS = (ValueError, FileNotFoundError)
 
 
@@ -34,9 +35,12 @@ class App(typer.Typer):
         except USER_ERRORS as e:
             if debugging():
                 raise
-            line = f"error: {e} ({DEBUG_ENV}=1 shows the traceback)"
-            error_console.print(line, markup=False, emoji=False, highlight=False, soft_wrap=True)
-            raise SystemExit(1) from None
+            if getattr(e, "rank", 0) == 0:
+                line = f"error: {e} ({DEBUG_ENV}=1 shows the traceback)"
+                error_console.print(
+                    line, markup=False, emoji=False, highlight=False, soft_wrap=True
+                )
+            raise SystemExit(1) from None  # every rank stops, printed or not
 
 
 app = App(

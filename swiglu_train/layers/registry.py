@@ -8,6 +8,7 @@ from collections.abc import Callable
 
 import torch
 
+from swiglu_train.layers.layout import Layout
 from swiglu_train.ops import drop_h_mlp, normal_mlp, save_factors_mlp
 from swiglu_train.ops.quack_mlp import drop_h_quack_mlp, require_quack
 from swiglu_train.ops.quack_save_factors import CHUNK as QUACK_PAIR_CHUNK
@@ -60,6 +61,19 @@ def packed_chunk(
     if chunk < 1 or ffn_size % chunk:
         raise ValueError(f"chunk={chunk} must be positive and divide {size_name} {ffn_size}")
     return chunk
+
+
+def impls_for_layout(layout: Layout) -> tuple[str, ...]:
+    """The impls that keep fc1 in ``layout``, so the only names a checkpoint in that layout
+    may carry as the impl it was saved by: canonical is every unpacked impl's, a packed
+    layout save_factors' (any chunk) and that of an impl whose kernel fixes its chunk."""
+    if not layout.packed:
+        return tuple(n for n in MLP_IMPLS if n not in PACKED_IMPLS)
+    return tuple(
+        n
+        for n in MLP_IMPLS
+        if n in PACKED_IMPLS and FIXED_CHUNKS.get(n, layout.chunk) == layout.chunk
+    )
 
 
 def get_impl(name: str) -> MLPFunction:

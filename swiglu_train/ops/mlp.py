@@ -25,6 +25,13 @@ SECOND_BACKWARD_ERROR = (
     " now holds its gradient, so a second backward through this graph (retain_graph=True) would"
     " compute garbage. Build the layer with inplace=False to backpropagate more than once."
 )
+SECOND_BACKWARD_FREED_ERROR = (
+    "ParMLP(impl='drop_h' or 'drop_h_quack'): a second backward through the same graph, whose "
+    "saved tensors the first backward freed (it ran without retain_graph=True). retain_graph=True"
+    " alone would not help: this impl's backward runs in place and overwrites the saved "
+    "preactivation with its gradient. To backpropagate more than once, build the layer with "
+    "inplace=False and pass retain_graph=True to every backward but the last."
+)
 
 
 DOUBLE_BACKWARD_ERROR = (
@@ -41,16 +48,31 @@ def refuse_double_backward() -> None:
         raise RuntimeError(DOUBLE_BACKWARD_ERROR)
 
 
-def claim_inplace_backward(ctx, error: str) -> bool:
+def saved_tensors_freed(ctx) -> bool:
+    """Whether a backward without retain_graph=True already freed ``ctx``'s saved tensors.
+
+    Read through ``_raw_saved_tensors``, which checks only that: ``saved_tensors`` would also
+    unpack them and fail on the version bump of our in-place backward, a different error.
+    """
+    try:
+        ctx._raw_saved_tensors  # noqa: B018 (raises torch's backward-twice error once freed)
+    except RuntimeError:
+        return True
+    return False
+
+
+def claim_inplace_backward(ctx, error: str, freed_error: str) -> bool:
     """Whether this backward may overwrite its saved tensors; a second backward through the
-    same graph raises ``error`` (checked before the overwritten tensors are read).
+    same graph raises (checked before the overwritten tensors are read): ``error`` when the
+    graph was retained, ``freed_error`` when it was not. Torch's own message for the latter
+    advises retain_graph=True, which cannot help a backward that overwrote what it saved.
 
     Under torch.compile it runs out of place: functionalization makes mutations copies anyway.
     """
     if not ctx.inplace or torch.compiler.is_compiling():
         return False
     if ctx.backward_ran:
-        raise RuntimeError(error)
+        raise RuntimeError(freed_error if saved_tensors_freed(ctx) else error)
     ctx.backward_ran = True
     return True
 
@@ -121,7 +143,7 @@ class _DropH(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_y: torch.Tensor):
         refuse_double_backward()
-        inplace = claim_inplace_backward(ctx, SECOND_BACKWARD_ERROR)
+        inplace = claim_inplace_backward(ctx, SECOND_BACKWARD_ERROR, SECOND_BACKWARD_FREED_ERROR)
         x, fc1_weight, fc2_weight, preact = ctx.saved_tensors
         need_x, need_w1, need_b1, need_w2, need_b2 = ctx.needs_input_grad[:5]
         grad_y = grad_y.contiguous()

@@ -25,6 +25,7 @@ import torch
 
 from swiglu_train.ops.mlp import (
     SECOND_BACKWARD_ERROR,
+    SECOND_BACKWARD_FREED_ERROR,
     claim_inplace_backward,
     drop_h_mlp,
     refuse_double_backward,
@@ -236,7 +237,7 @@ class _DropHQuack(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_y: torch.Tensor):
         refuse_double_backward()
-        inplace = claim_inplace_backward(ctx, SECOND_BACKWARD_ERROR)
+        inplace = claim_inplace_backward(ctx, SECOND_BACKWARD_ERROR, SECOND_BACKWARD_FREED_ERROR)
         x, fc1_weight, fc2_weight, preact = ctx.saved_tensors
         need_x, need_w1, need_b1, need_w2, need_b2 = ctx.needs_input_grad[:5]
         q = require_quack()

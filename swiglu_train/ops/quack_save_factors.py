@@ -24,7 +24,11 @@ import torch
 
 from swiglu_train.ops.mlp import claim_inplace_backward, refuse_double_backward
 from swiglu_train.ops.quack_mlp import check_quack_inputs, quack_gemm, require_quack
-from swiglu_train.ops.save_factors import SECOND_BACKWARD_ERROR_FACTORS, save_factors_mlp
+from swiglu_train.ops.save_factors import (
+    SECOND_BACKWARD_ERROR_FACTORS,
+    SECOND_BACKWARD_FREED_ERROR_FACTORS,
+    save_factors_mlp,
+)
 
 IMPL = "save_factors_quack"
 CHUNK = 1  # quack's pair order: gate and up of one column side by side
@@ -111,7 +115,9 @@ class _SaveFactorsQuack(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_y: torch.Tensor):
         refuse_double_backward()
-        inplace = claim_inplace_backward(ctx, SECOND_BACKWARD_ERROR_FACTORS)
+        inplace = claim_inplace_backward(
+            ctx, SECOND_BACKWARD_ERROR_FACTORS, SECOND_BACKWARD_FREED_ERROR_FACTORS
+        )
         x, fc1_weight, fc2_weight, h, factors = ctx.saved_tensors
         need_x, need_w1, need_b1, need_w2, need_b2 = ctx.needs_input_grad[:5]
         grad_y, gemm = grad_y.contiguous(), quack_gemm()

@@ -35,6 +35,13 @@ SECOND_BACKWARD_ERROR_FACTORS = (
     "factors now hold grad_preact, so a second backward through this graph (retain_graph=True) "
     "would compute garbage. Build the layer with inplace=False to backpropagate more than once."
 )
+SECOND_BACKWARD_FREED_ERROR_FACTORS = (
+    "ParMLP(impl='save_factors' or 'save_factors_quack'): a second backward through the same "
+    "graph, whose saved tensors the first backward freed (it ran without retain_graph=True). "
+    "retain_graph=True alone would not help: this impl's backward runs in place and overwrites "
+    "the saved factors with grad_preact. To backpropagate more than once, build the layer with "
+    "inplace=False and pass retain_graph=True to every backward but the last."
+)
 
 
 def _pairs(t: torch.Tensor, chunk: int) -> torch.Tensor:
@@ -106,7 +113,9 @@ class _SaveFactors(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_h: torch.Tensor):
         refuse_double_backward()
-        inplace = claim_inplace_backward(ctx, SECOND_BACKWARD_ERROR_FACTORS)
+        inplace = claim_inplace_backward(
+            ctx, SECOND_BACKWARD_ERROR_FACTORS, SECOND_BACKWARD_FREED_ERROR_FACTORS
+        )
         x, fc1_weight, factors = ctx.saved_tensors
         grad_h = grad_h.contiguous()
         grad_preact = factors if inplace else factors.clone()

@@ -20,6 +20,7 @@ from torch import nn
 from swiglu_train.layers import ParMLP
 from swiglu_train.layers.layout import CANONICAL, Layout, order
 from swiglu_train.layers.par_mlp import STAMP_KEY
+from swiglu_train.layers.registry import impls_for_layout
 from swiglu_train.packing.optimizer import permute_state
 
 CKPT_KEY = "swiglu_train"  # where Lightning checkpoints record layout and optimizer names
@@ -76,6 +77,8 @@ def convert_checkpoint(
     ``to`` is "packed" (with ``chunk``, 128 by default) or "canonical". fc1 weights whose
     layout the checkpoint does not record are read as ``assume_layout`` (canonical by default:
     the ecosystem's layout); one it records must agree with ``assume_layout`` when given.
+    A Lightning record gets the new layout, and keeps its ``mlp_impl`` only where that impl's
+    layout is the new one (:func:`_record_conversion`).
     """
     if to not in ("packed", "canonical"):
         raise ValueError(f"to must be 'packed' or 'canonical', got {to!r}")
@@ -107,7 +110,7 @@ def convert_checkpoint(
         )
     recorded = record is not None or bool(stamps)
     chunk = DEFAULT_CHUNK if chunk is None else chunk
-    target = CANONICAL
+    target, sources = CANONICAL, set()
     for prefix in prefixes:
         source = _recorded_layout(state, prefix, record, recorded)
         if source is not None and assume_layout is not None and source != assume_layout:
@@ -116,6 +119,7 @@ def convert_checkpoint(
                 "the recorded layout is used when no layout is assumed"
             )
         source = source or assume_layout or CANONICAL
+        sources.add(source)
         rows = state[prefix + "fc1.weight"].shape[0]
         target = CANONICAL if to == "canonical" else Layout("packed", chunk, source.tp)
         index = order(rows, source, target)
@@ -130,8 +134,31 @@ def convert_checkpoint(
         if report is not None:
             report.append(Converted(prefix, str(source), str(target), moved_states))
     if lightning and CKPT_KEY in out:
-        out[CKPT_KEY]["fc1_layout"] = target.to_dict()
+        source = record or (next(iter(sources)) if len(sources) == 1 else None)
+        _record_conversion(out[CKPT_KEY], source, target)
     return out
+
+
+def _record_conversion(meta: dict, source: Layout | None, target: Layout) -> None:
+    """Record fc1's new layout, and keep the saving impl's name only where it still holds.
+
+    ``mlp_impl`` names the impl that saved the checkpoint, which people and scripts read as
+    the impl its fc1 is laid out for; after a conversion it must not name one whose layout is
+    not the file's. Several impls share a layout (canonical: normal, drop_h, drop_h_quack), so
+    no single name can replace it: a stale one is dropped, and each conversion that moved fc1
+    or dropped the name is appended to ``converted`` with the impl it was saved by.
+    """
+    meta["fc1_layout"] = target.to_dict()
+    impl = meta.get("mlp_impl")
+    stale = impl is not None and impl not in impls_for_layout(target)
+    if source != target or stale:
+        meta.setdefault("converted", []).append({
+            "from_fc1_layout": None if source is None else source.to_dict(),
+            "to_fc1_layout": target.to_dict(),
+            "mlp_impl": impl,
+        })  # fmt: skip
+    if stale:
+        del meta["mlp_impl"]
 
 
 def records_layout(ckpt: dict) -> bool:

@@ -184,11 +184,13 @@ class PackedTextData(pl.LightningDataModule):
         self.cfg = cfg
         self.vocab_size = vocab_size
         self.train_rows = self.val_rows = None
+        self.corpus_tokens: int | None = None  # the whole corpus's, a cheap identity of it
 
     def setup(self, stage: str) -> None:
         if self.train_rows is not None:
             return
         documents = load_documents(self.cfg.data)
+        self.corpus_tokens = sum(len(ids) for _, ids in documents)
         train, val = split(documents, self.cfg.val_fraction)
         self.train_rows = pack(train, self.cfg.seq_length)
         self.val_rows = pack(val, self.cfg.seq_length)[

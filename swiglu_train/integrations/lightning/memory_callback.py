@@ -12,6 +12,7 @@ held at once). Only global rank 0 logs, with its own device's figures.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TypeVar
 
 import lightning.pytorch as pl
 import torch
@@ -21,6 +22,7 @@ from swiglu_train.memory import MemoryCsv, MemoryProfiler, StepMemory, model_con
 from swiglu_train.memory.wandb_run import CSV_NAME, define_memory_metrics, run_dir
 
 STEP_KEY = "trainer/global_step"
+_T = TypeVar("_T")
 
 
 class MemoryProfilerCallback(pl.Callback):
@@ -28,7 +30,8 @@ class MemoryProfilerCallback(pl.Callback):
 
     The CSV goes next to the W&B run when a ``WandbLogger`` is attached, else to
     ``trainer.log_dir`` (or ``csv_path`` if given). ``per_layer`` adds the depth curve and
-    per-impl bytes at a small cost in Python hooks.
+    per-impl bytes at a small cost in Python hooks. Its hooks are the Trainer's to call: one
+    called before the Trainer set the callback up raises a RuntimeError saying so.
     """
 
     def __init__(self, per_layer: bool = True, csv_path: str | Path | None = None) -> None:
@@ -40,6 +43,11 @@ class MemoryProfilerCallback(pl.Callback):
         self._wandb_loggers: list[WandbLogger] = []
         self.last_metrics: dict[str, float] = {}  # the latest step logged
         self.max_metrics: dict[str, float] = {}  # every key's maximum over the run
+
+    @property
+    def records(self) -> list[StepMemory]:
+        """This rank's figures, one per micro-batch, oldest first; empty before ``fit``."""
+        return self.profiler.records if self.profiler is not None else []
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         self.profiler = MemoryProfiler(pl_module, per_layer=self.per_layer)
@@ -69,14 +77,16 @@ class MemoryProfilerCallback(pl.Callback):
             shape = _batch_shape(batch)
             for logger in self._wandb_loggers:
                 logger.experiment.config.update({"micro_batch_shape": shape})
-        self.profiler.abort()  # a micro-batch that skipped backward (None loss) leaves no hooks
-        self.profiler.begin(trainer.global_step)
+        profiler = self._set_up("on_train_batch_start", self.profiler, "setup")
+        profiler.abort()  # a micro-batch that skipped backward (None loss) leaves no hooks
+        profiler.begin(trainer.global_step)
 
     def on_before_backward(self, trainer, pl_module, loss) -> None:
-        self.profiler.forward_done()
+        self._set_up("on_before_backward", self.profiler, "setup").forward_done()
 
     def on_after_backward(self, trainer, pl_module) -> None:
-        self._micro_batches.append(self.profiler.backward_done())
+        profiler = self._set_up("on_after_backward", self.profiler, "setup")
+        self._micro_batches.append(profiler.backward_done())
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx: int) -> None:
         step_done = (batch_idx + 1) % trainer.accumulate_grad_batches == 0 or trainer.is_last_batch
@@ -87,15 +97,27 @@ class MemoryProfilerCallback(pl.Callback):
         self._micro_batches.clear()
         if not trainer.is_global_zero:
             return
+        csv = self._set_up("on_train_batch_end", self.csv, "on_fit_start")
         for logger in trainer.loggers:
             logger.log_metrics(metrics, step=step)
-        self.csv.write(step, metrics)
+        csv.write(step, metrics)
         self.last_metrics = metrics
         self.max_metrics = _max_over([self.max_metrics, metrics])
 
     def on_exception(self, trainer, pl_module, exception: BaseException) -> None:
         if self.profiler is not None:
             self.profiler.abort()
+
+    def _set_up(self, hook: str, part: _T | None, made_by: str) -> _T:
+        """``part`` of the callback that the Trainer's ``made_by`` hook makes, or an error
+        that says the callback is being driven outside a Trainer (instead of an AttributeError
+        on None)."""
+        if part is None:
+            raise RuntimeError(
+                f"MemoryProfilerCallback.{hook} called before {made_by}: the callback profiles "
+                "inside a Trainer; pass it as pl.Trainer(callbacks=[...]) and call trainer.fit"
+            )
+        return part
 
 
 def _max_over(metrics: list[dict[str, float]]) -> dict[str, float]:

@@ -15,6 +15,15 @@ from swiglu_train.layers.layout import CANONICAL
 LAYOUT_KEY = "swiglu_train"
 
 
+class LayoutMismatchError(ValueError):
+    """A checkpoint's fc1 layout unlike the model's, with optimizer state. Every rank of a
+    distributed run raises it alike, so it carries ``rank``: the CLI prints rank 0's alone."""
+
+    def __init__(self, message: str, rank: int = 0) -> None:
+        super().__init__(message)
+        self.rank = rank
+
+
 @dataclass
 class OptimConfig:
     lr: float = 3e-3
@@ -38,6 +47,9 @@ class PretrainModule(pl.LightningModule):
         self.save_hyperparameters({"model": asdict(model), "optim": asdict(optim)})
         self.model_cfg, self.optim_cfg, self.max_steps = model, optim, max_steps
         self.model = LlamaDecoder(model)
+        # What fixes the batches (corpus, batch shape, world size), stamped into checkpoints so
+        # that a resume on other data can say so; run_pretrain sets it once the data is loaded.
+        self.data_record: dict | None = None
 
     def loss(self, rows: torch.Tensor) -> torch.Tensor:
         logits = self.model(rows[:, :-1])
@@ -73,7 +85,8 @@ class PretrainModule(pl.LightningModule):
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         """Stamp the fc1 layout and the optimizer's parameter names, so that neither the
-        weights nor the per-element optimizer state are ever read in the wrong layout."""
+        weights nor the per-element optimizer state are ever read in the wrong layout; and the
+        data record, so that a resume on other data or batches is named."""
         names = {p: n for n, p in self.named_parameters()}
         groups = self.trainer.optimizers[0].param_groups if self._trainer else []
         checkpoint[LAYOUT_KEY] = {
@@ -81,6 +94,8 @@ class PretrainModule(pl.LightningModule):
             "mlp_impl": self.model.layers[0].mlp.impl,  # "auto" as resolved
             "optimizer_param_names": [[names[p] for p in g["params"]] for g in groups],
         }
+        if self.data_record is not None:
+            checkpoint[LAYOUT_KEY]["data"] = self.data_record
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
         """Weights convert on load (ParMLP's own hook); optimizer moments cannot, so a
@@ -90,11 +105,12 @@ class PretrainModule(pl.LightningModule):
         if saved != self.fc1_layout() and checkpoint.get("optimizer_states"):
             layout = self.fc1_layout()
             to = f"packed --chunk {layout['chunk']}" if layout["kind"] == "packed" else "canonical"
-            raise ValueError(
+            raise LayoutMismatchError(
                 f"checkpoint fc1 layout is {saved} but the model's is {self.fc1_layout()}; "
                 "its optimizer state would be misread. Resume with an impl of the same layout "
                 "(normal/drop_h/drop_h_quack: canonical; save_factors: packed by its chunk; "
                 "save_factors_quack: packed with chunk 1), or first convert the checkpoint "
                 f"to this model's layout (swiglu-train convert --to {to} CKPT OUT); this model "
-                f"runs {self.model.layers[0].mlp.impl!r}"
+                f"runs {self.model.layers[0].mlp.impl!r}",
+                rank=self.global_rank,
             )

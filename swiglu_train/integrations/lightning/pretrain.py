@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 import time
 import zipfile
 from pathlib import Path
@@ -12,12 +13,12 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint, RichProgressBar
 from lightning.pytorch.loggers import CSVLogger, WandbLogger
-from lightning.pytorch.utilities import rank_zero_warn
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
 from swiglu_train.integrations.lightning.config import PretrainConfig, check_ranges
 from swiglu_train.integrations.lightning.data import PackedTextData
 from swiglu_train.integrations.lightning.memory_callback import MemoryProfilerCallback
-from swiglu_train.integrations.lightning.module import PretrainModule
+from swiglu_train.integrations.lightning.module import LAYOUT_KEY, PretrainModule
 from swiglu_train.layers import check_impl_name
 from swiglu_train.layers.registry import AUTO
 from swiglu_train.memory.wandb_run import wandb_mode
@@ -65,7 +66,9 @@ def run_pretrain(cfg: PretrainConfig, resume: str | None = None) -> dict[str, An
         cfg.model.mlp_tokens_hint = cfg.data.micro_batch_size * cfg.data.seq_length
     out = Path(cfg.output_dir)
     out.mkdir(parents=True, exist_ok=True)
-    ckpt_path = _checkpoint(resume, out, cfg)  # before W&B: a refused resume leaves no run
+    # Before W&B: a refused resume leaves no run. The data settings it recorded are compared
+    # once the corpus is loaded and the world size known.
+    ckpt_path, saved_data = _checkpoint(resume, out, cfg)
     pl.seed_everything(cfg.train.seed, workers=True)
     module = PretrainModule(cfg.model, cfg.optim, cfg.train.max_steps)
     data = PackedTextData(cfg.data, cfg.model.vocab_size)
@@ -103,6 +106,9 @@ def run_pretrain(cfg: PretrainConfig, resume: str | None = None) -> dict[str, An
         default_root_dir=out,
         num_sanity_val_steps=0,
     )
+    module.data_record = data_record(cfg, data, trainer.world_size)
+    if ckpt_path is not None:
+        _check_data(Path(ckpt_path), saved_data, module.data_record)
     try:
         trainer.fit(module, datamodule=data, ckpt_path=ckpt_path)
     finally:  # a crashed run must not stay the process's active W&B run
@@ -134,11 +140,42 @@ def run_pretrain(cfg: PretrainConfig, resume: str | None = None) -> dict[str, An
 SHAPE_KEYS = ("vocab_size", "hidden_size", "ffn_hidden_size", "num_layers", "num_heads")
 # Restored from the optimizer state on resume, whatever the config says now.
 OPTIMIZER_STATE_KEYS = ("lr", "weight_decay", "betas")
+# What fixes the batches a run draws (data_record); a resume may change them, with a warning.
+DATA_KEYS = (
+    "corpus",
+    "corpus_tokens",
+    "seq_length",
+    "micro_batch_size",
+    "accumulate_grad_batches",
+    "world_size",
+    "val_fraction",
+    "data_seed",
+)
 
 
-def _checkpoint(resume: str | None, out: Path, cfg: PretrainConfig) -> str | None:
-    """The checkpoint to resume, checked before Lightning reads it; for a fresh run, a refusal
-    of an output dir that holds another run's checkpoints (its ``last`` would be ambiguous)."""
+def data_record(cfg: PretrainConfig, data: PackedTextData, world_size: int) -> dict[str, Any]:
+    """DATA_KEYS as this run has them, for its checkpoints: the corpus (its sources as absolute
+    paths, and its token count, which an edited or regenerated file changes), the batch shape
+    and what places each batch (accumulation, ranks, held-out split, sampler seed)."""
+    sources = cfg.data.data
+    return {
+        "corpus": [os.path.abspath(s) for s in sources] if sources else "stdlib",
+        "corpus_tokens": data.corpus_tokens,
+        "seq_length": cfg.data.seq_length,
+        "micro_batch_size": cfg.data.micro_batch_size,
+        "accumulate_grad_batches": cfg.train.accumulate_grad_batches,
+        "world_size": world_size,
+        "val_fraction": cfg.data.val_fraction,
+        "data_seed": cfg.data.seed,
+    }
+
+
+def _checkpoint(
+    resume: str | None, out: Path, cfg: PretrainConfig
+) -> tuple[str | None, dict | None]:
+    """The checkpoint to resume, checked before Lightning reads it, and the data record it
+    holds (None: none, or no resume); for a fresh run, a refusal of an output dir that holds
+    another run's checkpoints (its ``last`` would be ambiguous)."""
     if resume is None:
         earlier = sorted((out / "checkpoints").glob("*.ckpt"))
         if earlier:
@@ -146,17 +183,17 @@ def _checkpoint(resume: str | None, out: Path, cfg: PretrainConfig) -> str | Non
                 f"{out} already holds another run's checkpoints ({earlier[-1].name}, ...): "
                 "continue that run with --resume last, or give this one a new --output-dir"
             )
-        return None
+        return None, None
     path = out / "checkpoints" / "last.ckpt" if resume == "last" else Path(resume)
     if not path.is_file():
         raise FileNotFoundError(f"--resume: no checkpoint at {path}")
-    _check_resumable(path, cfg)
-    return str(path)
+    return str(path), _check_resumable(path, cfg)
 
 
-def _check_resumable(path: Path, cfg: PretrainConfig) -> None:
+def _check_resumable(path: Path, cfg: PretrainConfig) -> dict | None:
     """Refuse, in one line, what Lightning would fail on deep inside (a damaged file, a bare
-    state_dict, another model shape) or do silently (train no step, ignore optim changes)."""
+    state_dict, another model shape) or do silently (train no step, ignore optim changes).
+    Returns the checkpoint's data record (None from a checkpoint written before it)."""
     if not zipfile.is_zipfile(path):  # torch.save writes a zip; its index sits at the end
         size = path.stat().st_size
         raise ValueError(f"--resume: {path} is not a readable checkpoint ({size} bytes, not a "
@@ -185,6 +222,22 @@ def _check_resumable(path: Path, cfg: PretrainConfig) -> None:
         rank_zero_warn(
             f"--resume restores lr, weight_decay and betas from {path.name}'s optimizer "
             f"state; the config's change is not used ({', '.join(ignored)})"
+        )
+    return ckpt.get(LAYOUT_KEY, {}).get("data")
+
+
+def _check_data(path: Path, saved: dict | None, now: dict) -> None:
+    """Warn, in one line, of each data setting the resumed run changes: legitimate, but its
+    batches from here on are not those the interrupted run would have drawn."""
+    if saved is None:
+        rank_zero_info(f"--resume: {path.name} records no data settings (an older checkpoint); "
+                       "a change of corpus or batch size is not checked")  # fmt: skip
+        return
+    changed = _changed(saved, now, DATA_KEYS)
+    if changed:
+        rank_zero_warn(
+            f"--resume continues {path.name} on other data settings ({', '.join(changed)}); "
+            "its batches from here on differ from those of an uninterrupted run"
         )
 
 
