@@ -57,9 +57,11 @@ def parse_model(name: str) -> tuple[int, int]:
     """(D, F) of a Qwen-2.5 size ("7b") or of a literal "DxF" ("896x4864")."""
     if name in QWEN_MLP:
         return QWEN_MLP[name]
-    match = re.fullmatch(r"(\d+)x(\d+)", name)
+    match = re.fullmatch(r"([1-9]\d*)x([1-9]\d*)", name)
     if not match:
-        raise ValueError(f"unknown model {name!r}: use one of {list(QWEN_MLP)} or DxF")
+        raise ValueError(
+            f"unknown model {name!r}: use one of {list(QWEN_MLP)} or DxF with D, F positive"
+        )
     return int(match[1]), int(match[2])
 
 

@@ -65,21 +65,30 @@ def _sig(value: float) -> float:
 def merge_results(parts: Sequence[dict]) -> dict:
     """One result from runs split over models (each within a device call's time limit): rows
     concatenated and the dispatch refit over all of them. Parts must come from one GPU, dtype
-    and commit, and no (table, model, M) may be measured twice: a merge never picks a sample."""
+    and commit, and no (table, model, M), nor (table, D, F, M) under two model names, may be
+    measured twice: a merge never picks a sample."""
     if not parts:
         raise ValueError("nothing to merge")
+    for i, part in enumerate(parts):
+        _check_result(part, f"run {i + 1} of {len(parts)}")
     for key, get in (("gpu", lambda p: p["gpu"]), ("dtype", lambda p: p["meta"]["dtype"]),
                      ("commit", lambda p: p["commit"])):  # fmt: skip
         values = {get(p) for p in parts}
         if len(values) > 1:
             raise ValueError(f"cannot merge runs of different {key}s: {sorted(map(str, values))}")
-    rows, seen = [], set()
+    rows, seen, models = [], set(), {}
     for part in parts:
         for r in part["rows"]:
             key = (r["table"], r["model"], r["M"])
             if key in seen:
                 raise ValueError(f"{key} is measured by more than one run")
             seen.add(key)
+            shape = (r["table"], r["K"], r["N"], r["M"])  # "0.5b" and "896x4864" are one shape
+            if models.setdefault(shape, r["model"]) != r["model"]:
+                raise ValueError(
+                    f"{r['table']} {r['K']}x{r['N']} at M={r['M']} is measured twice, as "
+                    f"{models[shape]!r} and {r['model']!r}: the refit would keep only one of them"
+                )
             rows.append(r)
     return {
         "gpu": parts[0]["gpu"],
@@ -90,6 +99,34 @@ def merge_results(parts: Sequence[dict]) -> dict:
         "dispatch": (fitted := fit_dispatch(rows)),
         "dispatch_judged_in_sample": judge_dispatch(rows, fitted),
     }
+
+
+def _check_result(part: object, where: str) -> None:
+    """A ``bench-inference --json`` result, or a ValueError naming the run and what is off
+    (a dispatch table or any other JSON passed by mistake would fail deep in the refit)."""
+    problem = None
+    if not isinstance(part, dict):
+        problem = f"expected a bench-inference --json result (an object), got {type(part).__name__}"
+    elif missing := sorted({"gpu", "commit", "meta", "rows"} - set(part)):
+        problem = f"not a bench-inference --json result: missing keys {missing}"
+    elif not isinstance(part["meta"], dict) or "dtype" not in part["meta"]:
+        problem = "its meta has no dtype"
+    elif not isinstance(part["rows"], list):
+        problem = "its rows are not a list"
+    else:
+        for j, r in enumerate(part["rows"]):
+            sizes_ok = isinstance(r, dict) and all(
+                isinstance(r.get(k), int) and not isinstance(r.get(k), bool) and r[k] >= 1
+                for k in ("M", "K", "N")
+            )
+            if not sizes_ok or r.get("table") not in iv.TABLES or "model" not in r:
+                problem = (
+                    f"rows[{j}] is not a bench row (table in {list(iv.TABLES)}, model, "
+                    "and positive M, K, N)"
+                )
+                break
+    if problem is not None:
+        raise ValueError(f"{where}: {problem}")
 
 
 def judge_dispatch(rows: Sequence[dict], fitted: dict) -> dict[str, dict]:

@@ -24,7 +24,12 @@ from swiglu_train.layers.registry import (
     packed_chunk,
 )
 from swiglu_train.ops import reference
-from swiglu_train.ops.inference import grad_needed, swiglu_mlp_inference
+from swiglu_train.ops.inference import (
+    grad_needed,
+    swiglu_mlp_inference,
+    swiglu_mlp_torch,
+    transforms_need_torch,
+)
 
 STAMP_KEY = "_extra_state"  # a packed ParMLP's state_dict entry: {"fc1_layout": {...}}
 
@@ -38,7 +43,9 @@ class ParMLP(nn.Module):
     ``save_factors_quack`` always packs with chunk 1, quack's pair order (a different chunk
     named together with it is refused; with ``auto`` or a later switch it is left aside).
     With no grad to compute (eval, generation, inference mode) every impl takes the same
-    inference path (``ops.inference``), which saves nothing for backward.
+    inference path (``ops.inference``), which saves nothing for backward. Under ``torch.func``
+    transforms (per-sample grads with vmap and grad, jacrev, jvp) and forward-mode AD, which
+    our kernels and autograd Functions do not support, it computes the same y in plain torch.
 
     ``impl="auto"`` picks a concrete impl here, once, from the crossover table of this GPU
     family at ``tokens_hint`` (tokens per micro-batch); see ``swiglu_train.layers.auto`` for
@@ -158,7 +165,9 @@ class ParMLP(nn.Module):
 
     def _apply_impl(self, x: torch.Tensor, *params: torch.Tensor | None) -> torch.Tensor:
         x2d = x.reshape(-1, x.shape[-1])
-        if grad_needed(x, *params):
+        if transforms_need_torch(x, *params):  # torch.func, forward AD: no kernel runs there
+            y = swiglu_mlp_torch(x2d, *params, chunk=self.fc1_layout.chunk)
+        elif grad_needed(x, *params):
             packed = {"chunk": self.fc1_layout.chunk} if self.fc1_layout.packed else {}
             y = self._mlp_function(x2d, *params, inplace=self.inplace, **packed)
         else:  # eval, generation: every impl computes the same y, and nothing need be saved

@@ -52,6 +52,8 @@ def packed_chunk(
     """
     if chunk is not None and (not isinstance(chunk, numbers.Integral) or isinstance(chunk, bool)):
         raise TypeError(f"chunk must be a whole number of rows, got {chunk!r}")
+    if chunk is not None:  # a plain int: a numpy one would land in the state_dict's layout
+        chunk = int(chunk)  # stamp, which torch.load(weights_only=True) refuses to unpickle
     fixed = FIXED_CHUNKS.get(name)
     if fixed is not None:
         if chunk not in (None, fixed):

@@ -75,7 +75,8 @@ class DispatchTable:
             raise fail("shapes", "expected an object of DxF -> entries")
         shapes = {}
         for name, kinds in raw["shapes"].items():
-            match = re.fullmatch(r"([1-9]\d*)x([1-9]\d*)", name)
+            # [0-9], not \d: int() reads digits of any script, so "8x1\u0666" would be 8x16 again
+            match = re.fullmatch(r"([1-9][0-9]*)x([1-9][0-9]*)", name)
             if not match or not isinstance(kinds, dict) or not set(kinds) <= set(PATHS):
                 raise fail(f"shapes.{name}", f"expected DxF -> an object with keys in {PATHS}")
             shapes[int(match[1]), int(match[2])] = {
@@ -91,7 +92,9 @@ def _choices(kind: str, by_m: object, where: str, fail) -> Choices:
     choices = []
     for m, entry in by_m.items():
         path = entry.get("path") if isinstance(entry, dict) else None
-        if not (isinstance(m, str) and m.isdigit() and int(m) >= 1) or path not in PATHS[kind]:
+        # one spelling per M: "016" (or a non-ASCII digit) would give 16 a second entry
+        spelled = isinstance(m, str) and re.fullmatch(r"[1-9][0-9]*", m)
+        if not spelled or path not in PATHS[kind]:
             raise fail(f"{where}.{m}", f"expected M >= 1 -> {{path: one of {PATHS[kind]}}}")
         fallback = entry.get("fallback", path)
         if (path == QUACK) != ("fallback" in entry) or fallback not in WITHOUT_QUACK[kind]:

@@ -17,12 +17,16 @@ apply where the table has no entry):
   "torch"      plain torch, where Triton cannot run (or under ``use_backend("torch")``), and
                on CPU beyond INTERPRETER_MAX_M rows: the interpreter runs kernels at Python
                speed (the gated GEMM takes 3.4 s for 256x64 -> 160), fit for tests, not models.
+               Also wherever forward-mode AD tracks a tangent (``torch.func.jvp``, jacfwd,
+               ``forward_ad`` dual tensors): no kernel has a forward derivative, and a custom
+               op without one would return the tangent as zero, silently.
 :func:`swiglu_gated_projection` computes h alone the same way, from the table's "gated" entries.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.autograd.forward_ad as fwAD
 import torch.nn.functional as F
 
 from swiglu_train.ops import dispatch
@@ -59,6 +63,40 @@ def _(x, fc1_weight, fc1_bias, fc2_weight, fc2_bias):
 def grad_needed(*tensors: torch.Tensor | None) -> bool:
     """Whether autograd records this call: grad mode is on and some input requires grad."""
     return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
+
+def tangents_present(*tensors: torch.Tensor | None) -> bool:
+    """Whether forward-mode AD tracks a tangent through this call (``torch.func.jvp``, jacfwd,
+    ``forward_ad`` dual tensors). Nothing requires grad there, so the no-grad path serves it,
+    and only plain torch ops carry the tangent: our kernels have no forward derivative."""
+    if fwAD._current_level < 0:  # no dual level entered: no tensor can carry a tangent
+        return False
+    return any(t is not None and fwAD.unpack_dual(t).tangent is not None for t in tensors)
+
+
+def transforms_need_torch(*tensors: torch.Tensor | None) -> bool:
+    """Whether only plain torch ops can serve this call: forward-mode AD carries a tangent
+    (:func:`tangents_present`), or a ``torch.func`` transform (grad, vmap, jacrev, ...) is
+    active, through which neither our autograd Functions (no ``setup_context``) nor our custom
+    ops (no batching rule) run. Not asked while torch.compile traces: it sees no transform."""
+    if tangents_present(*tensors):
+        return True
+    if torch.compiler.is_compiling():
+        return False
+    return torch._C._functorch.peek_interpreter_stack() is not None
+
+
+def swiglu_mlp_torch(
+    x2d: torch.Tensor,
+    fc1_weight: torch.Tensor,
+    fc1_bias: torch.Tensor | None,
+    fc2_weight: torch.Tensor,
+    fc2_bias: torch.Tensor | None,
+    chunk: int | None,
+) -> torch.Tensor:
+    """y [M, O] in plain torch ops for fc1 in any layout: differentiable every way, by autograd,
+    forward-mode AD and ``torch.func``, and saving what eager saves."""
+    return F.linear(_gated_torch(x2d, fc1_weight, fc1_bias, chunk), fc2_weight, fc2_bias)
 
 
 def inference_path(
@@ -106,6 +144,8 @@ def swiglu_gated_projection(
 ) -> torch.Tensor:
     """h [M, F] with no grad on the fastest path for this shape (:func:`projection_path`)."""
     x = x if x.stride(-1) == 1 else x.contiguous()
+    if tangents_present(x, fc1_weight, fc1_bias):
+        return _gated_torch(x, fc1_weight, fc1_bias, chunk)
     path = projection_path(x, fc1_weight, chunk)
     if path == "cublas":
         return swiglu_fwd(F.linear(x, fc1_weight, fc1_bias))
@@ -119,8 +159,17 @@ def swiglu_gated_inference(
 ) -> torch.Tensor:
     """h [M, F] with no grad: the gated GEMM where it runs, else the same math in torch."""
     f = fc1_weight.shape[0] // 2
-    if _gated_serves(x, chunk, f):
+    if _gated_serves(x, chunk, f) and not tangents_present(x, fc1_weight, fc1_bias):
         return gated_fwd(x, fc1_weight, fc1_bias, chunk or f, "none")[0]
+    return _gated_torch(x, fc1_weight, fc1_bias, chunk)
+
+
+def _gated_torch(
+    x: torch.Tensor, fc1_weight: torch.Tensor, fc1_bias: torch.Tensor | None, chunk: int | None
+) -> torch.Tensor:
+    """h [M, F] in plain torch ops (the "torch" path), for any layout; autograd and forward-mode
+    AD see through it."""
+    f = fc1_weight.shape[0] // 2
     preact = F.linear(x, fc1_weight, fc1_bias)
     chunk = chunk or f  # [gate_j | up_j] pairs; one if canonical
     pairs = preact.view(x.shape[0], f // chunk, 2, chunk)  # explicit sizes: M may be 0
@@ -140,13 +189,18 @@ def swiglu_mlp_inference(
     ``chunk`` is the packed fc1 layout's chunk, or None for the canonical [W_gate; W_up].
     """
     x2d = x2d if x2d.stride(-1) == 1 else x2d.contiguous()
-    path = inference_path(x2d, fc1_weight, fc2_weight, chunk)
+    if tangents_present(x2d, fc1_weight, fc1_bias, fc2_weight, fc2_bias):
+        path = "torch"
+    else:
+        path = inference_path(x2d, fc1_weight, fc2_weight, chunk)
     if path == "fused_mlp":
         return fused_mlp(x2d, fc1_weight, fc1_bias, fc2_weight, fc2_bias)
     if path == "cublas":
         h = swiglu_fwd(F.linear(x2d, fc1_weight, fc1_bias))
     elif path == "quack":
         h = quack_swiglu_projection(x2d, fc1_weight, fc1_bias, chunk == INTERLEAVED)
-    else:
+    elif path == "gated":
         h = swiglu_gated_inference(x2d, fc1_weight, fc1_bias, chunk)
+    else:
+        h = _gated_torch(x2d, fc1_weight, fc1_bias, chunk)
     return F.linear(h, fc2_weight, fc2_bias)
