@@ -10,9 +10,16 @@ import math
 import pytest
 import torch
 from helpers import rel_err
-from megatron_support import megatron_parallel, spawn, swiglu_config
+from megatron_support import (
+    megatron_parallel,
+    shim_distributed_optimizer,
+    spawn,
+    swiglu_config,
+)
 
 from megatron.core import parallel_state  # isort: skip
+from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig  # isort: skip
+from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer  # isort: skip
 from megatron.core.models.gpt import GPTModel  # isort: skip
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec  # isort: skip
 from megatron.core.process_groups_config import ProcessGroupCollection  # isort: skip
@@ -84,8 +91,8 @@ MLP_KINDS = (*PORTABLE_IMPLS, "activation")
 
 
 def build_ours(kind: str, config, via_spec: bool):
-    """Our MLP of ``kind``, from a spec (megatron-core 0.16-0.18) or from the builder call
-    of megatron-core >= 0.19's TransformerLayer."""
+    """Our MLP of ``kind``, from a spec (megatron-core 0.16-0.17) or from the builder call
+    of megatron-core >= 0.18's TransformerLayer."""
     cls = SwiGLUActivationMLP if kind == "activation" else ParMLPMegatron
     impl = "normal" if kind == "activation" else kind
     if via_spec:
@@ -242,11 +249,69 @@ def test_parity_with_stock_megatron(tp: int) -> None:
     spawn(_parity_worker, tp)
 
 
+def _overlap_param_gather_worker(rank: int, world_size: int, port: int) -> None:
+    """Two DP ranks, DistributedOptimizer: losses with overlap_param_gather match those without.
+
+    Megatron waits for a bucket's param all-gather in forward pre-hooks on the modules that own
+    the params, here linear_fc1 and linear_fc2, which our forward reads without calling. Small
+    buckets give the MLP weights buckets of their own: unwaited, the next step's gather
+    dispatch fails (and larger buckets can read weights mid-gather on a GPU).
+    """
+    with megatron_parallel(rank, world_size, port):
+        shim_distributed_optimizer()
+        config = swiglu_config()
+        tokens = torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(3))
+        for impl in ("drop_h", "save_factors"):
+            losses = {}
+            for overlap in (False, True):
+                model = build_gpt(config, get_gpt_layer_spec(impl), seed=0)
+                ddp_config = DistributedDataParallelConfig(
+                    use_distributed_optimizer=True,
+                    overlap_param_gather=overlap,
+                    overlap_grad_reduce=overlap,
+                    bucket_size=1000,
+                )
+                ddp = DistributedDataParallel(config=config, ddp_config=ddp_config, module=model)
+                optimizer = get_megatron_optimizer(
+                    OptimizerConfig(optimizer="adam", lr=1e-2, use_distributed_optimizer=True),
+                    [ddp],
+                )
+                losses[overlap] = []
+                for _ in range(3):
+                    ddp.zero_grad_buffer()
+                    optimizer.zero_grad()
+                    loss = gpt_loss(ddp, tokens)
+                    loss.backward()
+                    ddp.finish_grad_sync()
+                    optimizer.step()
+                    losses[overlap].append(loss.detach())
+            pairs = zip(losses[False], losses[True], strict=True)
+            for step, (plain, overlapped) in enumerate(pairs):
+                err = rel_err(overlapped, plain)
+                assert err <= PARITY, f"{impl} step {step}: overlap_param_gather off by {err:.2e}"
+
+        mlp = ParMLPMegatron(config, stock_submodules(), impl="drop_h")
+        mlp.linear_fc2.register_forward_pre_hook(lambda module, args: (args[0] * 2,))
+        with pytest.raises(RuntimeError, match="returned a new input; ParMLPMegatron runs its own"):
+            mlp(torch.randn(SEQ, BATCH, config.hidden_size))
+
+
+def test_overlap_param_gather_waits_for_mlp_weights() -> None:
+    spawn(_overlap_param_gather_worker, 2)
+
+
 def test_unknown_impl_lists_valid_ones() -> None:
     with pytest.raises(ValueError, match="valid impls: normal, drop_h, save_factors"):
         mlp_spec("fused")
     with pytest.raises(ValueError, match="valid impls: normal, drop_h"):
         ParMLPMegatron(swiglu_config(), stock_submodules(), impl="fused")
+
+
+def test_chunk_of_a_canonical_impl_is_refused_by_the_spec() -> None:
+    """A chunk only means something to a packed fc1: the spec says so, not the first layer."""
+    with pytest.raises(ValueError, match="chunk applies to packed impls only, not 'drop_h'"):
+        get_gpt_layer_spec("drop_h", chunk=8)
+    mlp_spec("save_factors", chunk=8)  # whether 8 divides F/tp is checked at construction
 
 
 def test_auto_is_refused_by_name() -> None:
@@ -299,6 +364,7 @@ def te_available() -> bool:
         ({"fp8": "e4m3"}, "FP8/FP4 runs on Transformer Engine"),
         ({"gradient_accumulation_fusion": True}, "gradient_accumulation_fusion is not supported"),
         ({"activation_func_clamp_value": 7.0}, "clamped SwiGLU"),
+        ({"gtp_weight_remat_size": 2}, "generalized tensor parallelism"),  # megatron-core 0.19
     ],
 )
 def test_unsupported_configs_are_refused(change: dict, message: str) -> None:
@@ -306,6 +372,36 @@ def test_unsupported_configs_are_refused(change: dict, message: str) -> None:
     for key, value in change.items():  # set after construction: TE-only values fail validation
         setattr(config, key, value)
     with pytest.raises(ValueError, match=message):
+        ParMLPMegatron(config, stock_submodules())
+
+
+class _PlainLinear(torch.nn.Module):
+    """A stand-in for TE's linears (not installable here), built and called as Megatron's MLP
+    builds and calls its linears; it ignores gradient_accumulation_fusion, as TE handles it."""
+
+    def __init__(self, input_size: int, output_size: int, *, config, init_method, bias, **kw):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.empty(output_size, input_size))
+        init_method(self.weight)
+        self.bias = torch.nn.Parameter(torch.zeros(output_size)) if bias else None
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        return torch.nn.functional.linear(x, self.weight), self.bias
+
+
+def test_activation_mlp_leaves_gemm_options_to_the_linears() -> None:
+    """gradient_accumulation_fusion (Megatron-LM's default with TE) concerns the GEMMs, which
+    SwiGLUActivationMLP leaves to Megatron's linears: allowed there, refused where ours run."""
+    config = swiglu_config(num_layers=1)
+    config.gradient_accumulation_fusion = True  # set after: validation wants Apex or TE
+    submodules = MLPSubmodules(linear_fc1=_PlainLinear, linear_fc2=_PlainLinear)
+    torch.manual_seed(0)
+    ours = SwiGLUActivationMLP(config, submodules)
+    torch.manual_seed(0)
+    stock = MLP(config, submodules, ffn_hidden_size=config.ffn_hidden_size)
+    x = torch.randn(SEQ, BATCH, config.hidden_size)
+    assert rel_err(ours(x)[0], stock(x)[0]) <= PARITY
+    with pytest.raises(ValueError, match="gradient_accumulation_fusion is not supported"):
         ParMLPMegatron(config, stock_submodules())
 
 

@@ -24,6 +24,7 @@ class SwiGLUActivationMLP(ParMLPMegatron):
     """``linear_fc1`` -> our SwiGLU activation (saves preact only) -> ``linear_fc2``."""
 
     DEFAULT_IMPL = "normal"
+    OWN_GEMMS = False  # Megatron's linears: their gradient_accumulation_fusion, GTP and so on
 
     @classmethod
     def validate_impl(cls, name: str) -> None:

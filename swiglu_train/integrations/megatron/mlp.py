@@ -65,8 +65,14 @@ SUPPORTED_IMPLS: tuple[str, ...] = MLP_IMPLS
 _BASE_INIT_PARAMS = frozenset(inspect.signature(MLP.__init__).parameters)
 
 
-def check_config(config: TransformerConfig, is_expert: bool = False) -> None:
-    """Refuse, with the reason, configs whose MLP math or kernels this layer cannot run."""
+def check_config(
+    config: TransformerConfig, is_expert: bool = False, own_gemms: bool = True
+) -> None:
+    """Refuse, with the reason, configs whose MLP math or kernels this layer cannot run.
+
+    ``own_gemms=False`` (SwiGLUActivationMLP: Megatron's linears run the GEMMs, ours only the
+    activation) skips the checks that concern only our GEMMs.
+    """
     problems = []
     if not config.gated_linear_unit or config.activation_func is not F.silu:
         problems.append(
@@ -80,10 +86,16 @@ def check_config(config: TransformerConfig, is_expert: bool = False) -> None:
         problems.append("activation_func_clamp_value (clamped SwiGLU) is not implemented")
     if getattr(config, "glu_linear_offset", 0.0):
         problems.append("glu_linear_offset != 0 is not implemented")
-    if config.gradient_accumulation_fusion:
+    if own_gemms and config.gradient_accumulation_fusion:
         problems.append(
             "gradient_accumulation_fusion is not supported: our backward writes weight grads "
             "to param.grad; set gradient_accumulation_fusion=False"
+        )
+    if own_gemms and getattr(config, "gtp_weight_remat_size", 1) > 1:
+        problems.append(
+            "generalized tensor parallelism (gtp_weight_remat_size > 1, megatron-core 0.19) "
+            "shards fc1/fc2 further and regathers them inside the linears, whose GEMMs this MLP "
+            "replaces; set tensor_parallel_num_weight_shards = tensor_model_parallel_size"
         )
     if getattr(config, "use_kitchen", False):
         problems.append("use_kitchen changes the fc1 layout (stride 1); not supported")
@@ -91,6 +103,13 @@ def check_config(config: TransformerConfig, is_expert: bool = False) -> None:
         problems.append("MoE experts use expert-parallel comms; use it for dense MLPs only")
     if problems:
         raise ValueError("ParMLPMegatron cannot run this config: " + "; ".join(problems))
+
+
+def check_chunk(impl: str, chunk: int | None) -> None:
+    """``chunk`` belongs to the packed layout: refuse it for a canonical impl before any weight
+    exists (whether it divides F/tp is known only once the TP size is)."""
+    if chunk is not None and impl not in PACKED_IMPLS:
+        raise ValueError(f"chunk applies to packed impls only, not {impl!r}")
 
 
 def check_impl(name: str) -> None:
@@ -117,6 +136,7 @@ class ParMLPMegatron(MLP):
     """
 
     DEFAULT_IMPL = "drop_h"
+    OWN_GEMMS = True  # runs fc1/fc2 itself (see check_config)
 
     def __init__(
         self,
@@ -134,9 +154,10 @@ class ParMLPMegatron(MLP):
         chunk: int | None = None,
     ) -> None:
         impl = self.DEFAULT_IMPL if impl is None else impl
-        check_config(config, is_expert)
+        check_config(config, is_expert, own_gemms=self.OWN_GEMMS)
         self._check_linears(submodules)
         self.validate_impl(impl)  # before any weight is allocated
+        check_chunk(impl, chunk)
         if tp_group is None:
             tp_group = _default_tp_group(pg_collection)
         optional = {"pg_collection": pg_collection, "name": name, "is_mtp_layer": is_mtp_layer}
@@ -159,8 +180,6 @@ class ParMLPMegatron(MLP):
         """Repack this rank's freshly initialised fc1 shard when ``impl`` reads it packed, so
         the module computes the same function from the same seed as the stock MLP."""
         if impl not in PACKED_IMPLS:
-            if chunk is not None:
-                raise ValueError(f"chunk applies to packed impls only, not {impl!r}")
             return CANONICAL
         layout = self._layout_for(impl, chunk)
         with torch.no_grad():
@@ -185,8 +204,8 @@ class ParMLPMegatron(MLP):
         inplace: bool = True,
         chunk: int | None = None,
     ) -> ParMLPMegatron:
-        """The MLP builder that megatron-core >= 0.19 TransformerLayers call for their mlp slot
-        (0.16-0.18 build a ModuleSpec instead); see :func:`~.specs.mlp_spec`."""
+        """The MLP builder that megatron-core >= 0.18 TransformerLayers call for their mlp slot
+        (0.16-0.17 build a ModuleSpec instead); see :func:`~.specs.mlp_spec`."""
         del layer_number  # a dense MLP does not depend on its depth
         return cls(
             config,
@@ -222,8 +241,10 @@ class ParMLPMegatron(MLP):
         """
         if per_token_scale is not None:
             raise ValueError("ParMLPMegatron does not support per_token_scale (MoE experts)")
-        self._check_input(hidden_states)
         fc1, fc2 = self.linear_fc1, self.linear_fc2
+        for linear in (fc1, fc2):
+            _run_forward_pre_hooks(linear, hidden_states)
+        self._check_input(hidden_states)
         x = self._to_tp_region(hidden_states)
         x2d, params = x.reshape(-1, x.shape[-1]), (fc1.weight, fc1.bias, fc2.weight, None)
         if grad_needed(x2d, *params):
@@ -313,6 +334,26 @@ class ParMLPMegatron(MLP):
 
     def extra_repr(self) -> str:
         return f"impl={self.impl!r}, inplace={self.inplace}, fc1_layout={self.fc1_layout}"
+
+
+def _run_forward_pre_hooks(linear: torch.nn.Module, hidden_states: torch.Tensor) -> None:
+    """Run ``linear``'s forward pre-hooks, as calling it would: our forward reads its weights
+    without calling it, and Megatron's DDP waits for those weights' all-gather in such a hook
+    (``overlap_param_gather``); skipped, a step reads stale weights or breaks its next gather.
+
+    Each hook gets the MLP's input (fc2's own input never exists outside our kernels); a hook
+    that rewrites the input cannot be honoured and is refused.
+    """
+    for hook_id, hook in linear._forward_pre_hooks.items():
+        if hook_id in linear._forward_pre_hooks_with_kwargs:
+            result = hook(linear, (hidden_states,), {})
+        else:
+            result = hook(linear, (hidden_states,))
+        if result is not None:
+            raise RuntimeError(
+                f"a forward pre-hook on {type(linear).__name__} ({hook!r}) returned a new input; "
+                "ParMLPMegatron runs its own GEMMs and never passes input through the linear"
+            )
 
 
 def _default_tp_group(pg_collection: Any | None) -> torch.distributed.ProcessGroup | None:

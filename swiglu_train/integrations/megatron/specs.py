@@ -25,13 +25,13 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_layer import TransformerLayerSubmodules
 
 from swiglu_train.integrations.megatron.activation_mlp import SwiGLUActivationMLP
-from swiglu_train.integrations.megatron.mlp import ParMLPMegatron, check_impl
+from swiglu_train.integrations.megatron.mlp import ParMLPMegatron, check_chunk, check_impl
 
 if TYPE_CHECKING:
     from megatron.core.extensions.transformer_engine_spec_provider import TESpecProvider
 
 BACKENDS = ("local", "te")
-# megatron-core >= 0.19 fills a TransformerLayer's mlp slot by calling a builder.
+# megatron-core >= 0.18 fills a TransformerLayer's mlp slot by calling a builder.
 BUILDER_API: bool = hasattr(MLP, "as_mlp_submodule")
 
 
@@ -81,11 +81,12 @@ def mlp_spec(
     """The MLP submodule alone, for any TransformerLayer-like spec (``submodules.mlp``).
 
     ``chunk``: the packed layout's chunk under ``save_factors`` (see ParMLPMegatron).
-    megatron-core < 0.19 builds that slot from a ModuleSpec; 0.19 calls a builder
+    megatron-core < 0.18 builds that slot from a ModuleSpec; 0.18+ calls a builder
     (``MLP.as_mlp_submodule`` bound to its submodules) and would drop a ModuleSpec's params.
     With ``backend="te"`` fc1 is TE's LayerNorm+Linear: the layer spec must not norm again.
     """
     module, submodules = _mlp_module(mlp_impl, backend)
+    check_chunk(mlp_impl, chunk)
     params = {"impl": mlp_impl, "inplace": inplace, "chunk": chunk}
     if BUILDER_API:
         return partial(module.as_mlp_submodule, submodules=submodules, **params)
