@@ -120,6 +120,10 @@ def _packed_refusals() -> None:
     flat = replace(factory, data=factory.data.flatten()[:8], flattened_range=slice(0, 8))
     with pytest.raises(NotImplementedError, match="flattened slice of a packed fc1"):
         flat.build()
+    chunk = model.decoder.layers[0].mlp.fc1_layout.chunk
+    pair = replace(factory, data=factory.data[: 2 * chunk])  # a slice, as FSDP shards fc1
+    with pytest.raises(NotImplementedError, match=r"of this rank's \d+ packed fc1 rows"):
+        pair.build()  # one [gate; up] pair of chunks: it would unpack as if it were all
 
 
 def test_dist_ckpt_reshards_tp2_to_tp1_across_impls(tmp_path: Path) -> None:

@@ -228,7 +228,8 @@ class ParMLPMegatron(MLP):
         is unpacked on save and repacked on load through wrapped factories (:mod:`.packed`)."""
         state = super().sharded_state_dict(prefix, sharded_offsets, metadata)
         if self.fc1_layout.packed:
-            pack_sharded_state_dict(state, prefix, self.fc1_layout, metadata)
+            rows = self.linear_fc1.weight.shape[0]
+            pack_sharded_state_dict(state, prefix, self.fc1_layout, rows, metadata)
         return state
 
     def forward(

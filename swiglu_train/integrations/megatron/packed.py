@@ -38,8 +38,13 @@ FC1_PARAMS = ("linear_fc1.weight", "linear_fc1.bias")
 BUFFER_FORMATS = frozenset({"dp_reshardable", "dp_zero_gather_scatter"})
 
 
-def packed_factory(factory: Any, layout: Layout) -> ShardedTensorFactory:
-    """The stock fc1 factory, reading and writing a local tensor packed in ``layout``."""
+def packed_factory(factory: Any, layout: Layout, rows: int) -> ShardedTensorFactory:
+    """The stock fc1 factory, reading and writing a local tensor packed in ``layout``.
+
+    ``rows`` is the local fc1's row count: the packing permutes whole rows of this rank's shard,
+    so a tensor holding part of them (a data-parallel slice, as FSDP shards it) is refused
+    rather than permuted as if it were the shard.
+    """
     if not isinstance(factory, ShardedTensorFactory):
         raise TypeError(
             f"expected Megatron's SwiGLU ShardedTensorFactory for fc1, got {type(factory)}; "
@@ -55,6 +60,12 @@ def packed_factory(factory: Any, layout: Layout) -> ShardedTensorFactory:
                 "'fully_sharded_model_space') cannot be unpacked; save with "
                 "metadata={'distrib_optim_sharding_type': 'fully_reshardable'}"
             )
+        if t.shape[0] != rows:
+            raise NotImplementedError(
+                f"{key}: {t.shape[0]} of this rank's {rows} packed fc1 rows (a data-parallel "
+                "slice, as FSDP shards it) cannot be unpacked alone; save the whole TP shard, "
+                "or use a canonical impl (normal, drop_h)"
+            )
         return build(key, relayout(t, layout, CANONICAL), replica_id, flattened_range)
 
     def merge_fn(sub_state_dict: Any) -> torch.Tensor:
@@ -64,7 +75,7 @@ def packed_factory(factory: Any, layout: Layout) -> ShardedTensorFactory:
 
 
 def pack_sharded_state_dict(
-    sharded_state_dict: dict, prefix: str, layout: Layout, metadata: Mapping | None
+    sharded_state_dict: dict, prefix: str, layout: Layout, rows: int, metadata: Mapping | None
 ) -> None:
     """Wrap the fc1 factories of a stock MLP's sharded state dict in place, and add the layout
     stamp as a non-persistent entry: the loaded state dict is then already packed, and says so
@@ -81,7 +92,7 @@ def pack_sharded_state_dict(
     for name in FC1_PARAMS:
         key = prefix + name
         if key in sharded_state_dict:
-            sharded_state_dict[key] = packed_factory(sharded_state_dict[key], layout)
+            sharded_state_dict[key] = packed_factory(sharded_state_dict[key], layout, rows)
     sharded_state_dict[prefix + STAMP_KEY] = LocalNonpersistentObject(stamp(layout))
 
 
