@@ -89,7 +89,7 @@ for stage in "$@"; do
       python3 -m pytest -q -m gpu -p no:cacheprovider $workers --durations=12 2>&1 | tee "$RES/pytest.log" | tail -15 ;;
     quack_tiles)  # the wave-fill rule's choice against every quack config, M <= 512
       python3 scripts/probe_quack_tiles.py --samples 30 --commit "$commit" \
-        --models "${QUACK_TILE_MODELS:-0.5b,7b,32b,72b}" \
+        --models "${QUACK_TILE_MODELS:-0.5b,7b,32b,72b}" --extra-tiles "${QUACK_EXTRA_TILES:-}" \
         --json "$RES/probe_quack_tiles_h200.json" --md "$RES/probe_quack_tiles_h200.md" ;;
     tune)
       python3 scripts/tune_gated_gemm.py --samples 30 --json "$RES/tune_gated_h200.json" \
