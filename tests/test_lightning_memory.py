@@ -150,3 +150,90 @@ def test_records_hold_one_figure_per_micro_batch_after_fit(tmp_path):
     callback = fit(tmp_path, "drop_h", 2, [CSVLogger(tmp_path)])
     assert [r.step for r in callback.records] == [0, 0, 1, 1, 2, 2]
     assert callback.records[-1].saved_bytes == expected_saved_bytes("drop_h")
+
+
+class SkippingModule(StackModule):
+    """Returns None (Lightning skips backward) on the batches listed in ``skip``."""
+
+    def __init__(self, skip: set[int]) -> None:
+        super().__init__("drop_h")
+        self.skip = skip
+
+    def training_step(self, batch, batch_idx):
+        loss = self.model(batch)
+        return None if batch_idx in self.skip else loss
+
+
+class TwoBackwardModule(StackModule):
+    """Manual optimization with two forward/backward pairs per training_step."""
+
+    def __init__(self) -> None:
+        super().__init__("drop_h")
+        self.automatic_optimization = False
+
+    def training_step(self, batch, batch_idx):
+        optimizer = self.optimizers()
+        for _ in range(2):
+            self.manual_backward(self.model(batch))
+        optimizer.step()
+        optimizer.zero_grad()
+
+
+def fit_module(tmp_path: Path, module: pl.LightningModule) -> MemoryProfilerCallback:
+    callback = MemoryProfilerCallback(csv_path=tmp_path / "memory.csv")
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        max_epochs=1,
+        logger=False,
+        callbacks=[callback],
+        enable_progress_bar=False,
+        enable_checkpointing=False,
+        enable_model_summary=False,
+        default_root_dir=tmp_path,
+    )
+    trainer.fit(module)
+    return callback
+
+
+def test_a_none_loss_on_the_last_batch_leaves_no_hooks_after_fit(tmp_path):
+    module = SkippingModule(skip={BATCHES - 1})
+    fit_module(tmp_path, module)
+    assert torch._C._autograd._top_saved_tensors_default_hooks(False) is None
+    assert all(not m._forward_hooks and not m._forward_pre_hooks for m in module.modules())
+    rows = read_csv(tmp_path / "memory.csv")
+    assert [int(r["step"]) for r in rows] == list(range(BATCHES - 1))  # no row for the skipped
+
+
+def test_manual_optimization_measures_each_backward(tmp_path):
+    callback = fit_module(tmp_path, TwoBackwardModule())
+    assert [r.step for r in callback.records] == [s for s in range(BATCHES) for _ in range(2)]
+    assert all(r.saved_bytes == expected_saved_bytes("drop_h") for r in callback.records)
+    assert torch._C._autograd._top_saved_tensors_default_hooks(False) is None
+    assert [int(r["step"]) for r in read_csv(tmp_path / "memory.csv")] == list(range(BATCHES))
+
+
+class ValidatedModule(StackModule):
+    def validation_step(self, batch, batch_idx):
+        return self.model(batch)
+
+    def val_dataloader(self):
+        return self.train_dataloader()
+
+
+def test_validate_after_fit_keeps_the_fit_s_records(tmp_path):
+    module = ValidatedModule("drop_h")
+    callback = MemoryProfilerCallback(csv_path=tmp_path / "memory.csv")
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        max_steps=2,
+        limit_val_batches=1,
+        logger=False,
+        callbacks=[callback],
+        enable_progress_bar=False,
+        enable_checkpointing=False,
+        enable_model_summary=False,
+        default_root_dir=tmp_path,
+    )
+    trainer.fit(module)
+    trainer.validate(module, verbose=False)
+    assert [r.step for r in callback.records] == [0, 1]

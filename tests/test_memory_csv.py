@@ -51,6 +51,7 @@ def test_a_file_that_is_not_a_memory_csv_is_left_alone(tmp_path):
         ("step,memory/saved_MiB\n0,1.0,7\n", r"memory\.csv:2: the row's cells do not match"),
         ("step,memory/saved_MiB\n0,1.0\n1\n", r"memory\.csv:3: the row's cells do not match"),
         ("step,memory/saved_MiB\n0,x\n", r"memory\.csv: memory/saved_MiB = 'x' is not a number"),
+        ("step,memory/saved_MiB\n", r"memory\.csv has a header but no rows"),
     ],
 )
 def test_a_damaged_memory_csv_is_named_with_its_row(tmp_path, text, message):

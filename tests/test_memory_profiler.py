@@ -154,3 +154,99 @@ def test_two_overlapping_profilers_each_count_the_step():
         loss.backward()
     expected = 2 * (M * D + M * 2 * FFN) * 4
     assert outer.records[-1].saved_bytes == inner.records[-1].saved_bytes == expected
+
+
+class _Experts(nn.Module):
+    """A block whose two ParMLP experts sit in a ModuleList and read one input."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.experts = nn.ModuleList(ParMLP(D, FFN, impl="drop_h") for _ in range(2))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.experts[0](x) + self.experts[1](x)
+
+
+class _MoEStack(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(_Experts() for _ in range(LAYERS))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)
+        return x.sum()
+
+
+def test_a_module_list_inside_a_block_is_not_a_layer_and_shared_inputs_count_once():
+    from swiglu_train.memory import find_layers, model_config
+
+    model = _MoEStack()
+    layers, _ = find_layers(model)
+    assert [name for name, _ in layers] == [f"layers.{i}" for i in range(LAYERS)]
+    assert model_config(model)["num_layers"] == LAYERS
+    record = profile(model, torch.randn(M, D))
+    assert [layer.name for layer in record.layers] == [f"layers.{i}" for i in range(LAYERS)]
+    per_layer = (M * D + 2 * M * 2 * FFN) * 4  # one x for both experts, a preact each
+    assert [layer.mlp_saved_bytes for layer in record.layers] == [per_layer] * LAYERS
+    assert (
+        record.impl_saved_bytes == {"drop_h": LAYERS * per_layer} == {"drop_h": record.saved_bytes}
+    )
+
+
+def test_a_list_of_lists_still_yields_the_blocks():
+    from swiglu_train.memory import find_layers
+
+    model = nn.ModuleList([nn.ModuleList([ParMLP(D, FFN)] * 1) for _ in range(2)])
+    assert [name for name, _ in find_layers(model)[0]] == ["0.0", "1.0"]
+
+
+def test_a_saved_sparse_tensor_is_measured_not_crashed():
+    """A saved sparse tensor has no storage of its own; its indices and values are counted."""
+    adjacency = torch.sparse_coo_tensor(torch.tensor([[0, 1, 2], [1, 2, 3]]), torch.ones(3), (M, M))
+    lin = nn.Linear(D, D)
+    profiler = MemoryProfiler(lin)
+    with profiler.step(0) as p:
+        loss = torch.sparse.mm(adjacency, lin(torch.randn(M, D))).sum()
+        p.forward_done()
+        loss.backward()
+    assert profiler.records[-1].saved_bytes == (2 * 3 * 8 + 3 * 4) + M * D * 4  # adj, lin out
+
+
+def test_dtensor_parameters_are_excluded_and_their_activations_counted(monkeypatch):
+    """Tensor parallelism and FSDP2 make parameters DTensors, which have no storage."""
+    import socket
+
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+
+    if dist.is_initialized():
+        pytest.skip("a process group is already up")
+    with socket.socket() as s:  # a free port; the env is restored for later DDP tests
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(port))
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    try:
+        lin = parallelize_module(nn.Linear(D, D), init_device_mesh("cpu", (1,)), ColwiseParallel())
+        record = profile(lin, torch.randn(M, D, requires_grad=True))
+    finally:
+        dist.destroy_process_group()
+    assert record.saved_bytes == M * D * 4  # x; the weight is a parameter
+
+
+def test_a_step_body_that_skips_forward_done_leaves_no_hooks():
+    model = Stack(2, D, FFN, "normal")
+    profiler = MemoryProfiler(model)
+    with pytest.raises(RuntimeError, match="before forward_done"), profiler.step(0):
+        model(torch.randn(M, D))
+    assert torch._C._autograd._top_saved_tensors_default_hooks(False) is None
+    assert all(not m._forward_hooks and not m._forward_pre_hooks for m in model.modules())
+    assert profiler.records == []
+    with profiler.step(1) as p:  # and the profiler is usable again
+        loss = model(torch.randn(M, D))
+        p.forward_done()
+        loss.backward()
+    assert [r.step for r in profiler.records] == [1]

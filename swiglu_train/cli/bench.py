@@ -244,8 +244,12 @@ def bench_memory(
             "device": device,
         }
         write_json_atomic(json_path, {"meta": meta, "results": rows, "overhead": overhead})
-        json_path.with_suffix(".md").write_text(markdown)
-        memory_stack.plot(rows).savefig(json_path.with_suffix(".png"), dpi=120)
+        # Atomic like the JSON: an interrupted run must not leave a truncated table or PNG
+        # beside a complete JSON from which they seem to come.
+        with atomic_write(json_path.with_suffix(".md")) as f:
+            f.write(markdown)
+        with atomic_write(json_path.with_suffix(".png"), "wb") as f:
+            memory_stack.plot(rows).savefig(f, format="png", dpi=120)
         console.print(f"wrote {escape(str(json_path))} (.md, .png)")
 
 

@@ -9,7 +9,7 @@ from swiglu_train.memory.profiler import (
     find_layers,
     model_config,
 )
-from swiglu_train.memory.saved import SavedTensorCounter, storage_key
+from swiglu_train.memory.saved import SavedTensorCounter, storage_key, storages
 
 __all__ = [
     "LayerMemory",
@@ -20,4 +20,5 @@ __all__ = [
     "find_layers",
     "model_config",
     "storage_key",
+    "storages",
 ]

@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from swiglu_train.layers import MLP_IMPLS, ParMLP
-from swiglu_train.memory.saved import storage_key
+from swiglu_train.memory.saved import storages
 
 MiB = 2**20
 
@@ -85,15 +85,21 @@ def is_swiglu_mlp(module: nn.Module) -> bool:
 def find_layers(
     model: nn.Module,
 ) -> tuple[list[tuple[str, nn.Module]], list[tuple[str, nn.Module]]]:
-    """(layers, mlps): the children of the model's ModuleLists (its transformer blocks), or its
-    MLPs when it has no blocks; and every ParMLP-like MLP."""
+    """(layers, mlps): the children of the model's outermost ModuleLists (its transformer
+    blocks), or its MLPs when it has no blocks; and every ParMLP-like MLP.
+
+    A ModuleList inside a block (MoE experts, attention heads) holds parts of that block, not
+    layers: counting them would add bogus points past the last block of the depth curve.
+    """
     mlps = [(n, m) for n, m in model.named_modules() if is_swiglu_mlp(m)]
-    blocks = [
-        (f"{name}.{child_name}" if name else child_name, child)
-        for name, module in model.named_modules()
-        if isinstance(module, nn.ModuleList)
-        for child_name, child in module.named_children()
-    ]
+    blocks: list[tuple[str, nn.Module]] = []
+    for name, module in model.named_modules():
+        inside_block = any(name.startswith(f"{block}.") for block, _ in blocks)
+        if not isinstance(module, nn.ModuleList) or inside_block:
+            continue
+        for child_name, child in module.named_children():
+            if not isinstance(child, nn.ModuleList):  # a list of lists: its lists' children
+                blocks.append((f"{name}.{child_name}" if name else child_name, child))
     return (blocks or list(mlps)), mlps
 
 
@@ -148,10 +154,10 @@ class MemoryProfiler:
         self.begin(step)
         try:
             yield self
+            self.backward_done()
         except BaseException:
-            self.abort()
+            self.abort()  # a body that skipped forward_done must not leave the hooks installed
             raise
-        self.backward_done()
 
     def _require_active(self, call: str) -> _StepState:
         if self._active is None:
@@ -174,7 +180,7 @@ class _StepState:
         self.device = params[0].device if params else torch.device("cpu")
         self.cuda = self.device.type == "cuda"
         self.params = params
-        self.excluded = {storage_key(p) for p in params}
+        self.excluded = {key for p in params for key, _ in storages(p)}
         self.saved: dict[tuple, int] = {}
         self.by_module: dict[str, dict[tuple, int]] = {}
         self.stack: list[str] = []
@@ -200,12 +206,11 @@ class _StepState:
         self.hooks.__enter__()
 
     def _pack(self, t: torch.Tensor) -> torch.Tensor:
-        key = storage_key(t)
-        if key not in self.excluded:
-            nbytes = t.untyped_storage().nbytes()
-            self.saved[key] = nbytes
-            for name in self.stack:
-                self.by_module.setdefault(name, {})[key] = nbytes
+        for key, nbytes in storages(t):
+            if key not in self.excluded:
+                self.saved[key] = nbytes
+                for name in self.stack:
+                    self.by_module.setdefault(name, {})[key] = nbytes
         return self.outer[0](t) if self.outer else t
 
     def _push(self, name: str):
@@ -233,9 +238,10 @@ class _StepState:
 
     def _grad_bytes(self) -> int:
         grads = {
-            storage_key(p.grad): p.grad.untyped_storage().nbytes()
+            key: nbytes
             for p in self.params
             if p.grad is not None and p.grad.device == self.device
+            for key, nbytes in storages(p.grad)
         }
         return sum(grads.values())
 
@@ -254,12 +260,20 @@ class _StepState:
         record = self.record
         record.saved_bytes = sum(self.saved.values())
         record.layers.sort(key=lambda layer: layer.index)
+        # Union the storages, not sum the bytes: MLPs fed one input (experts, parallel
+        # branches) or nested in one another (an adapter around a ParMLP) save it once.
+        by_impl: dict[str, dict[tuple, int]] = {}
+        by_owner: dict[int, dict[tuple, int]] = {}
         for name, impl in self.mlp_impl.items():
-            nbytes = sum(self.by_module.get(name, {}).values())
-            record.impl_saved_bytes[impl] = record.impl_saved_bytes.get(impl, 0) + nbytes
+            saved = self.by_module.get(name, {})
+            by_impl.setdefault(impl, {}).update(saved)
             owner = next((lay for lay in record.layers if name.startswith(f"{lay.name}.")), None)
             if owner is not None:
-                owner.mlp_saved_bytes = (owner.mlp_saved_bytes or 0) + nbytes
+                by_owner.setdefault(owner.index, {}).update(saved)
+        record.impl_saved_bytes = {impl: sum(s.values()) for impl, s in by_impl.items()}
+        for layer in record.layers:
+            if layer.index in by_owner:
+                layer.mlp_saved_bytes = sum(by_owner[layer.index].values())
         if self.cuda:
             freed_grads = self.grad_bytes - self._grad_bytes()
             now = torch.cuda.memory_allocated(self.device)

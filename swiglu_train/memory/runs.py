@@ -187,6 +187,8 @@ def _load_csv(path: Path) -> MemoryRun:
         steps, series = _series((int(float(r["step"])), r) for r in rows)
     except ValueError as e:
         raise ValueError(f"{path}: {e}") from e
+    if not rows:  # a run that died before its first step: the header names the keys
+        raise ValueError(f"{path} has a header but no rows: the run logged no step")
     if not series:
         raise _no_memory(path, [c for c in columns if c != "step"])
     return MemoryRun(label=path.resolve().parent.name, config={}, steps=steps, series=series)

@@ -7,9 +7,17 @@ Storages are counted once, however many views of them are saved.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 
 import torch
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+
+_COMPRESSED = {
+    torch.sparse_csr: ("crow_indices", "col_indices"),
+    torch.sparse_bsr: ("crow_indices", "col_indices"),
+    torch.sparse_csc: ("ccol_indices", "row_indices"),
+    torch.sparse_bsc: ("ccol_indices", "row_indices"),
+}
 
 
 class SavedTensorCounter(torch.autograd.graph.saved_tensors_hooks):
@@ -19,7 +27,7 @@ class SavedTensorCounter(torch.autograd.graph.saved_tensors_hooks):
     """
 
     def __init__(self, exclude: Iterable[torch.Tensor] = ()) -> None:
-        self._excluded = {storage_key(t) for t in exclude}
+        self._excluded = {key for t in exclude for key, _ in storages(t)}
         self._storages: dict[tuple, int] = {}
         super().__init__(self._pack, lambda t: t)
 
@@ -28,9 +36,9 @@ class SavedTensorCounter(torch.autograd.graph.saved_tensors_hooks):
         return self
 
     def _pack(self, t: torch.Tensor) -> torch.Tensor:
-        key = storage_key(t)
-        if key not in self._excluded:
-            self._storages[key] = t.untyped_storage().nbytes()
+        for key, nbytes in storages(t):
+            if key not in self._excluded:
+                self._storages[key] = nbytes
         return t
 
     @property
@@ -47,3 +55,32 @@ class SavedTensorCounter(torch.autograd.graph.saved_tensors_hooks):
 def storage_key(t: torch.Tensor) -> tuple:
     """Identity of the memory a tensor views: equal for every view of one storage."""
     return (t.device, t.untyped_storage().data_ptr())
+
+
+def storages(t: torch.Tensor) -> Iterator[tuple[tuple, int]]:
+    """(key, nbytes) of each storage behind ``t``.
+
+    Sparse tensors and wrapper subclasses (DTensor, for tensor parallelism and FSDP2) have no
+    storage of their own: their memory is that of the tensors they are made of, which are
+    walked instead, so a model using them is measured rather than crashed.
+    """
+    if t.layout == torch.sparse_coo:
+        parts = [t._indices(), t._values()]
+    elif t.layout in _COMPRESSED:
+        parts = [getattr(t, name)() for name in _COMPRESSED[t.layout]] + [t.values()]
+    elif is_traceable_wrapper_subclass(t):
+        names, _ = t.__tensor_flatten__()  # may name opaque members too (DTensor's mesh)
+        parts = [v for name in names if isinstance(v := getattr(t, name), torch.Tensor)]
+    else:
+        try:
+            storage = t.untyped_storage()
+            key = (t.device, storage.data_ptr())
+        except (NotImplementedError, RuntimeError) as e:
+            raise TypeError(
+                f"cannot count the memory of a saved {type(t).__name__} (layout {t.layout}, "
+                f"device {t.device}): it has no storage of its own and no known parts ({e})"
+            ) from e
+        yield key, storage.nbytes()
+        return
+    for part in parts:
+        yield from storages(part)

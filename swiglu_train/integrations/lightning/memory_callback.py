@@ -6,7 +6,11 @@ gradients (``zero_grad``) after ``training_step`` and before ``on_before_backwar
 profiler adds those freed bytes back so after-forward counts the forward's own allocations
 only. Under gradient accumulation the micro-batches of one optimizer step are reduced to their
 maxima (each micro-batch's graph is freed by its backward, so maxima, not sums, are what is
-held at once). Only global rank 0 logs, with its own device's figures.
+held at once). Under manual optimization each ``manual_backward`` closes a micro-batch and
+the next one begins right after it, so several forward/backward pairs in one
+``training_step`` are each measured. A micro-batch left open when its batch ends (a None
+loss skipped backward) is dropped there, so no hook outlives the batch or the fit. Only global
+rank 0 logs, with its own device's figures.
 """
 
 from __future__ import annotations
@@ -50,7 +54,8 @@ class MemoryProfilerCallback(pl.Callback):
         return self.profiler.records if self.profiler is not None else []
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        self.profiler = MemoryProfiler(pl_module, per_layer=self.per_layer)
+        if stage == "fit":  # trainer.validate/test after fit must not wipe the fit's records
+            self.profiler = MemoryProfiler(pl_module, per_layer=self.per_layer)
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if not trainer.is_global_zero:
@@ -87,8 +92,11 @@ class MemoryProfilerCallback(pl.Callback):
     def on_after_backward(self, trainer, pl_module) -> None:
         profiler = self._set_up("on_after_backward", self.profiler, "setup")
         self._micro_batches.append(profiler.backward_done())
+        if not pl_module.automatic_optimization:  # training_step may run another forward
+            profiler.begin(trainer.global_step)
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx: int) -> None:
+        self._set_up("on_train_batch_end", self.profiler, "setup").abort()
         step_done = (batch_idx + 1) % trainer.accumulate_grad_batches == 0 or trainer.is_last_batch
         if not step_done or not self._micro_batches:
             return
