@@ -247,3 +247,10 @@ def test_an_empty_batch_gives_empty_outputs_and_zero_grads(device, backend, impl
     assert y.shape == (0, 24) and x.grad.shape == (0, 16)
     for name, p in mlp.named_parameters():
         assert p.grad is not None and not p.grad.any(), name
+
+
+def test_freed_check_without_torch_s_private_attribute_reads_as_retained():
+    """``_raw_saved_tensors`` is private: a ctx without it gets the retained-graph message."""
+    from swiglu_train.ops.mlp import saved_tensors_freed
+
+    assert saved_tensors_freed(object()) is False

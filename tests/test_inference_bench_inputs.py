@@ -59,7 +59,7 @@ def test_cli_merge_of_a_bad_file_is_one_line(tmp_path):
     assert isinstance(result.exception, SystemExit)  # a usage error, not a traceback
 
 
-@pytest.mark.parametrize("name", ["0x16", "16x0", "00x16"])
+@pytest.mark.parametrize("name", ["0x16", "16x0", "00x16", "8x1\u0666"])  # \u0666: a 6
 def test_a_zero_size_model_is_refused_before_running(name):
     with pytest.raises(ValueError, match="D, F positive"):
         bench.parse_model(name)

@@ -4,6 +4,8 @@ have no forward derivative: the tangent must still come out right, never as zero
 ``torch.func.grad`` (per-sample gradients with vmap) our autograd Functions cannot run: the
 layer must still give eager's gradients."""
 
+import types
+
 import pytest
 import torch
 import torch.autograd.forward_ad as fwAD
@@ -111,3 +113,16 @@ def test_jacrev_and_forward_ad_with_trainable_weights(device, backend):
             tangent = fwAD.unpack_dual(mlp(fwAD.make_dual(x, t))).tangent
     torch.testing.assert_close(jac, torch.func.jacrev(ref)(x), rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(tangent, torch.func.jvp(ref, (x,), (t,))[1], rtol=1e-5, atol=1e-5)
+
+
+def test_without_torch_s_private_hooks_tangents_are_still_found(monkeypatch):
+    """forward_ad's level and functorch's stack are private: without the level every tensor is
+    looked at; without the stack no transform is assumed (the kernels then fail loudly)."""
+    without_level = types.SimpleNamespace(unpack_dual=fwAD.unpack_dual)
+    monkeypatch.setattr(inference, "fwAD", without_level)
+    monkeypatch.setattr(inference, "_peek_interpreter_stack", None)
+    x = torch.randn(3, 4)
+    assert not inference.tangents_present(x, None)
+    assert not inference.transforms_need_torch(x)
+    with fwAD.dual_level():
+        assert inference.tangents_present(x, fwAD.make_dual(x, x))

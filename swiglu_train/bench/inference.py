@@ -57,7 +57,8 @@ def parse_model(name: str) -> tuple[int, int]:
     """(D, F) of a Qwen-2.5 size ("7b") or of a literal "DxF" ("896x4864")."""
     if name in QWEN_MLP:
         return QWEN_MLP[name]
-    match = re.fullmatch(r"([1-9]\d*)x([1-9]\d*)", name)
+    # [0-9], not \d: int() reads digits of any script (as the dispatch table's keys say)
+    match = re.fullmatch(r"([1-9][0-9]*)x([1-9][0-9]*)", name)
     if not match:
         raise ValueError(
             f"unknown model {name!r}: use one of {list(QWEN_MLP)} or DxF with D, F positive"

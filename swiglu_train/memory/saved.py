@@ -10,7 +10,14 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator
 
 import torch
-from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+
+try:  # private; the check it makes is public protocol, so a torch without it loses nothing
+    from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+except ImportError:  # pragma: no cover
+
+    def is_traceable_wrapper_subclass(t: object) -> bool:
+        return type(t) is not torch.Tensor and hasattr(t, "__tensor_flatten__")
+
 
 _COMPRESSED = {
     torch.sparse_csr: ("crow_indices", "col_indices"),

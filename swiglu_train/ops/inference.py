@@ -69,7 +69,7 @@ def tangents_present(*tensors: torch.Tensor | None) -> bool:
     """Whether forward-mode AD tracks a tangent through this call (``torch.func.jvp``, jacfwd,
     ``forward_ad`` dual tensors). Nothing requires grad there, so the no-grad path serves it,
     and only plain torch ops carry the tangent: our kernels have no forward derivative."""
-    if fwAD._current_level < 0:  # no dual level entered: no tensor can carry a tangent
+    if _dual_level() < 0:  # no dual level entered: no tensor can carry a tangent
         return False
     return any(t is not None and fwAD.unpack_dual(t).tangent is not None for t in tensors)
 
@@ -81,9 +81,22 @@ def transforms_need_torch(*tensors: torch.Tensor | None) -> bool:
     ops (no batching rule) run. Not asked while torch.compile traces: it sees no transform."""
     if tangents_present(*tensors):
         return True
-    if torch.compiler.is_compiling():
+    if torch.compiler.is_compiling() or _peek_interpreter_stack is None:
         return False
-    return torch._C._functorch.peek_interpreter_stack() is not None
+    return _peek_interpreter_stack() is not None
+
+
+def _dual_level() -> int:
+    """forward_ad's current dual level (-1: none entered). It is private: a torch without it
+    reads as "maybe entered", and each tensor's tangent is then looked up."""
+    return getattr(fwAD, "_current_level", 0)
+
+
+# The functorch transform stack's top, private too: a torch without it runs the kernels under a
+# transform, which then fails loudly (no setup_context, no batching rule), not silently.
+_peek_interpreter_stack = getattr(
+    getattr(torch._C, "_functorch", None), "peek_interpreter_stack", None
+)
 
 
 def swiglu_mlp_torch(
