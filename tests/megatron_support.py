@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import os
 import socket
+import tempfile
 from collections.abc import Callable, Iterator
 
 import pytest
@@ -129,10 +130,17 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def megatron_parallel(rank: int, world_size: int, port: int, tp: int = 1, pp: int = 1) -> Iterator:
-    """A gloo process group with Megatron's model-parallel state, torn down on exit."""
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.distributed.init_process_group("gloo", rank=rank, world_size=world_size)
+def megatron_parallel(
+    rank: int, world_size: int, rendezvous: str, tp: int = 1, pp: int = 1
+) -> Iterator:
+    """A gloo process group with Megatron's model-parallel state, torn down on exit.
+
+    The ranks meet through a file, not a TCP port: a free port picked in the parent can be
+    taken by another test before the workers bind it.
+    """
+    torch.distributed.init_process_group(
+        "gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=world_size
+    )
     try:
         parallel_state.initialize_model_parallel(
             tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp
@@ -145,8 +153,11 @@ def megatron_parallel(rank: int, world_size: int, port: int, tp: int = 1, pp: in
 
 
 def spawn(fn: Callable, world_size: int, *args) -> None:
-    """Run ``fn(rank, world_size, port, *args)`` in ``world_size`` gloo processes."""
-    torch.multiprocessing.spawn(fn, args=(world_size, free_port(), *args), nprocs=world_size)
+    """Run ``fn(rank, world_size, rendezvous, *args)`` in ``world_size`` gloo processes, where
+    ``rendezvous`` is a fresh file path for :func:`megatron_parallel`."""
+    with tempfile.TemporaryDirectory() as folder:
+        rendezvous = os.path.join(folder, "rendezvous")
+        torch.multiprocessing.spawn(fn, args=(world_size, rendezvous, *args), nprocs=world_size)
 
 
 def swiglu_config(**overrides) -> TransformerConfig:

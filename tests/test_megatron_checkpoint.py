@@ -63,9 +63,9 @@ def fc1_moments(model, optimizer: FP32Optimizer) -> dict[str, torch.Tensor]:
     return out
 
 
-def _save_worker(rank: int, world_size: int, port: int, root: str) -> None:
+def _save_worker(rank: int, world_size: int, rendezvous: str, root: str) -> None:
     """One Adam step at TP=2, save, then record the loss after the following step."""
-    with megatron_parallel(rank, world_size, port, tp=world_size):
+    with megatron_parallel(rank, world_size, rendezvous, tp=world_size):
         for kind in KINDS:
             model = build_gpt(swiglu_config(), layer_spec(kind), seed=0)
             optimizer = make_optimizer(model)
@@ -80,8 +80,8 @@ def _save_worker(rank: int, world_size: int, port: int, root: str) -> None:
                 torch.save(next_loss, directory / "next_loss.pt")
 
 
-def _load_worker(rank: int, world_size: int, port: int, root: str) -> None:
-    with megatron_parallel(rank, world_size, port, tp=world_size):
+def _load_worker(rank: int, world_size: int, rendezvous: str, root: str) -> None:
+    with megatron_parallel(rank, world_size, rendezvous, tp=world_size):
         reference = None  # the stock run's moments, loaded into the stock MLP
         for saved in KINDS:
             directory = Path(root, saved)

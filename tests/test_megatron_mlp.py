@@ -235,8 +235,8 @@ def _gpt_parity(world_size: int) -> None:
         packed.load_state_dict(state)
 
 
-def _parity_worker(rank: int, world_size: int, port: int) -> None:
-    with megatron_parallel(rank, world_size, port, tp=world_size):
+def _parity_worker(rank: int, world_size: int, rendezvous: str) -> None:
+    with megatron_parallel(rank, world_size, rendezvous, tp=world_size):
         _mlp_parity(world_size)
         _save_factors_layout(world_size)
         _mlp_layer_parity()
@@ -249,7 +249,7 @@ def test_parity_with_stock_megatron(tp: int) -> None:
     spawn(_parity_worker, tp)
 
 
-def _overlap_param_gather_worker(rank: int, world_size: int, port: int) -> None:
+def _overlap_param_gather_worker(rank: int, world_size: int, rendezvous: str) -> None:
     """Two DP ranks, DistributedOptimizer: losses with overlap_param_gather match those without.
 
     Megatron waits for a bucket's param all-gather in forward pre-hooks on the modules that own
@@ -257,7 +257,7 @@ def _overlap_param_gather_worker(rank: int, world_size: int, port: int) -> None:
     buckets give the MLP weights buckets of their own: unwaited, the next step's gather
     dispatch fails (and larger buckets can read weights mid-gather on a GPU).
     """
-    with megatron_parallel(rank, world_size, port):
+    with megatron_parallel(rank, world_size, rendezvous):
         shim_distributed_optimizer()
         config = swiglu_config()
         tokens = torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(3))

@@ -161,8 +161,8 @@ def test_tp2_against_tp1_losses_agree_and_drop_h_saves_h_per_rank(tmp_path: Path
     assert saving["measured_MiB"] is None  # the allocator figure is CUDA's
 
 
-def _resume_worker(rank: int, world_size: int, port: int, root: str, impl: str) -> None:
-    with megatron_parallel(rank, world_size, port):
+def _resume_worker(rank: int, world_size: int, rendezvous: str, root: str, impl: str) -> None:
+    with megatron_parallel(rank, world_size, rendezvous):
         shim_distributed_optimizer()
         recipe = runpy.run_path(str(RECIPE))
         args = recipe["parse_args"]([*TINY, "--mlp-impl", impl])
