@@ -126,3 +126,26 @@ def test_without_torch_s_private_hooks_tangents_are_still_found(monkeypatch):
     assert not inference.transforms_need_torch(x)
     with fwAD.dual_level():
         assert inference.tangents_present(x, fwAD.make_dual(x, x))
+
+
+def test_inference_entry_points_carry_tangents():
+    """The Megatron adapter calls these directly (no ParMLP in front): under forward-mode AD
+    each must take plain torch ops, for h alone and for the whole MLP."""
+    torch.manual_seed(0)
+    x, t = torch.randn(5, 8), torch.randn(5, 8)
+    w1, w2 = torch.randn(32, 8), torch.randn(8, 16)
+
+    def h_ref(v):
+        return reference.swiglu(torch.nn.functional.linear(v, w1))
+
+    def y_ref(v):
+        return torch.nn.functional.linear(h_ref(v), w2)
+
+    h_tangent = torch.func.jvp(
+        lambda v: inference.swiglu_gated_projection(v, w1, None, None), (x,), (t,)
+    )[1]
+    y_tangent = torch.func.jvp(
+        lambda v: inference.swiglu_mlp_inference(v, w1, None, w2, None, None), (x,), (t,)
+    )[1]
+    torch.testing.assert_close(h_tangent, torch.func.jvp(h_ref, (x,), (t,))[1])
+    torch.testing.assert_close(y_tangent, torch.func.jvp(y_ref, (x,), (t,))[1])

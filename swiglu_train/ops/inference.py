@@ -158,21 +158,25 @@ def swiglu_gated_projection(
     """h [M, F] with no grad on the fastest path for this shape (:func:`projection_path`)."""
     x = x if x.stride(-1) == 1 else x.contiguous()
     if tangents_present(x, fc1_weight, fc1_bias):
-        return _gated_torch(x, fc1_weight, fc1_bias, chunk)
-    path = projection_path(x, fc1_weight, chunk)
+        path = "torch"
+    else:
+        path = projection_path(x, fc1_weight, chunk)
     if path == "cublas":
         return swiglu_fwd(F.linear(x, fc1_weight, fc1_bias))
     if path == "quack":
         return quack_swiglu_projection(x, fc1_weight, fc1_bias, chunk == INTERLEAVED)
-    return swiglu_gated_inference(x, fc1_weight, fc1_bias, chunk)
+    if path == "gated":
+        return swiglu_gated_inference(x, fc1_weight, fc1_bias, chunk)
+    return _gated_torch(x, fc1_weight, fc1_bias, chunk)
 
 
 def swiglu_gated_inference(
     x: torch.Tensor, fc1_weight: torch.Tensor, fc1_bias: torch.Tensor | None, chunk: int | None
 ) -> torch.Tensor:
-    """h [M, F] with no grad: the gated GEMM where it runs, else the same math in torch."""
+    """h [M, F] with no grad: the gated GEMM where it runs, else the same math in torch. The
+    "gated" path of the entry points above, which send forward-mode AD to "torch" first."""
     f = fc1_weight.shape[0] // 2
-    if _gated_serves(x, chunk, f) and not tangents_present(x, fc1_weight, fc1_bias):
+    if _gated_serves(x, chunk, f):
         return gated_fwd(x, fc1_weight, fc1_bias, chunk or f, "none")[0]
     return _gated_torch(x, fc1_weight, fc1_bias, chunk)
 
