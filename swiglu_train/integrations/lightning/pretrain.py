@@ -140,23 +140,13 @@ def run_pretrain(cfg: PretrainConfig, resume: str | None = None) -> dict[str, An
 SHAPE_KEYS = ("vocab_size", "hidden_size", "ffn_hidden_size", "num_layers", "num_heads")
 # Restored from the optimizer state on resume, whatever the config says now.
 OPTIMIZER_STATE_KEYS = ("lr", "weight_decay", "betas")
-# What fixes the batches a run draws (data_record); a resume may change them, with a warning.
-DATA_KEYS = (
-    "corpus",
-    "corpus_tokens",
-    "seq_length",
-    "micro_batch_size",
-    "accumulate_grad_batches",
-    "world_size",
-    "val_fraction",
-    "data_seed",
-)
 
 
 def data_record(cfg: PretrainConfig, data: PackedTextData, world_size: int) -> dict[str, Any]:
-    """DATA_KEYS as this run has them, for its checkpoints: the corpus (its sources as absolute
-    paths, and its token count, which an edited or regenerated file changes), the batch shape
-    and what places each batch (accumulation, ranks, held-out split, sampler seed)."""
+    """What fixes the batches a run draws, for its checkpoints (a resume may change it, with a
+    warning): the corpus (its sources as absolute paths, and its token count, which an edited
+    or regenerated file changes), the batch shape and what places each batch (accumulation,
+    ranks, held-out split, sampler seed)."""
     sources = cfg.data.data
     return {
         "corpus": [os.path.abspath(s) for s in sources] if sources else "stdlib",
@@ -233,7 +223,7 @@ def _check_data(path: Path, saved: dict | None, now: dict) -> None:
         rank_zero_info(f"--resume: {path.name} records no data settings (an older checkpoint); "
                        "a change of corpus or batch size is not checked")  # fmt: skip
         return
-    changed = _changed(saved, now, DATA_KEYS)
+    changed = _changed(saved, now, tuple(now))
     if changed:
         rank_zero_warn(
             f"--resume continues {path.name} on other data settings ({', '.join(changed)}); "
