@@ -8,6 +8,8 @@
 #   quack_tiles scripts/probe_quack_tiles.py: quack's gated GEMM under each small-M config
 #   tune       scripts/tune_gated_gemm.py: the gated GEMM's configs and its ratio to cuBLAS
 #              (TUNE_SHAPES="M,K,F ..." picks the shapes)
+#   sweep      scripts/sweep_gated_configs.py: every gated GEMM config at small-M inference
+#              shapes, CUDA-graph timed ($SWEEP_SHAPES, $SWEEP_EXTRA_TILES: "BM,BN,BK,S,W,P ...")
 #   bench      scripts/bench_mlp.py at the seed shape, every variant (save_factors included)
 #   stack      swiglu-train bench-memory for every impl, with the profiler's overhead
 #   crossover  swiglu-train bench-crossover on the default grid, and impl="auto"'s table
@@ -95,6 +97,10 @@ for stage in "$@"; do
       python3 scripts/tune_gated_gemm.py --samples 30 --json "$RES/tune_gated_h200.json" \
         ${TUNE_SHAPES:+--shapes $TUNE_SHAPES} \
         2>&1 | grep -v "^ " ;;
+    sweep)
+      python3 scripts/sweep_gated_configs.py --samples 30 --commit "$commit" \
+        ${SWEEP_SHAPES:+--shapes $SWEEP_SHAPES} ${SWEEP_EXTRA_TILES:+--extra-tiles $SWEEP_EXTRA_TILES} \
+        --json "$RES/sweep_gated_h200.json" --md "$RES/sweep_gated_h200.md" ;;
     bench)
       python3 scripts/bench_mlp.py --samples 40 --commit "$commit" --json "$RES/mlp_h200.json" \
         2>&1 | tail -30 ;;
