@@ -100,7 +100,8 @@ for stage in "$@"; do
     sweep)
       python3 scripts/sweep_gated_configs.py --samples 30 --commit "$commit" \
         ${SWEEP_SHAPES:+--shapes $SWEEP_SHAPES} ${SWEEP_EXTRA_TILES:+--extra-tiles $SWEEP_EXTRA_TILES} \
-        --json "$RES/sweep_gated_h200.json" --md "$RES/sweep_gated_h200.md" ;;
+        --json "$RES/sweep_gated_h200.json" --md "$RES/sweep_gated_h200.md" \
+        --table "$RES/gated_tiles_h200.json" ;;
     bench)
       python3 scripts/bench_mlp.py --samples 40 --commit "$commit" --json "$RES/mlp_h200.json" \
         2>&1 | tail -30 ;;

@@ -3,12 +3,14 @@
 medians), against the cuBLAS fc1 GEMM alone and the autotuner's own pick.
 
     python scripts/sweep_gated_configs.py [--shapes M,K,F ...] [--extra-tiles BM,BN,BK,S,W,P ...]
-        [--samples 30] --json OUT.json [--md OUT.md]
+        [--samples 30] --json OUT.json [--md OUT.md] [--table TILES.json]
 
 The autotuner times candidates one launch at a time with a cold L2, which at 5-10 us kernels
 is mostly launch and flush; this shows what each config costs where the dispatch table is
 judged. ``--extra-tiles`` adds candidates outside the kernel's list (BLOCK_M, BLOCK_N,
 BLOCK_K, stages, warps, persistent 0/1), so a tile can be tried before it joins the list.
+``--table`` writes the fastest config of each shape as the kernel's pinned-tile table
+(``swiglu_train.kernels.gated_tiles``); pinning is off while the sweep runs.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import torch
 import triton
 
 from swiglu_train.bench.inference import (
+    QWEN_MLP,
     call_ms,
     capture,
     choose_reps,
@@ -31,12 +34,13 @@ from swiglu_train.bench.inference import (
 from swiglu_train.bench.mlp import environment
 from swiglu_train.bench.timing import Case, paired_samples
 from swiglu_train.files import atomic_write, write_json_atomic
-from swiglu_train.kernels import gated_gemm
+from swiglu_train.kernels import gated_gemm, gated_tiles
 from swiglu_train.kernels.runtime import m_bucket
 from swiglu_train.ops import reference
 
 REL_ERR_LIMIT = 1e-2  # bf16: a few roundings of h
-SMALL_QWEN = ["1,896,4864", "16,896,4864", "128,896,4864", "1,3584,18944", "16,3584,18944"]
+SMALL_QWEN = [f"{m},{k},{f}" for k, f in QWEN_MLP.values() for m in (1, 16, 128)]
+NO_TILES = {"schema": gated_tiles.SCHEMA, "gpu": "", "commit": "", "command": "", "shapes": {}}
 
 
 def extra_config(spec: str) -> triton.Config:
@@ -47,6 +51,12 @@ def extra_config(spec: str) -> triton.Config:
         num_warps=warps,
         pre_hook=gated_gemm._set_block_shapes,
     )
+
+
+def tile(c: triton.Config) -> dict:
+    """The config as a row of the pinned-tile table."""
+    blocks = {k: c.kwargs[k] for k in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "PERSISTENT")}
+    return blocks | {"num_stages": c.num_stages, "num_warps": c.num_warps}
 
 
 def label(c: triton.Config) -> str:
@@ -74,12 +84,13 @@ def measure(m: int, k: int, f: int, samples: int, seed: int, extra: list) -> dic
 
     calls = {"cublas_fc1": lambda i: torch.nn.functional.linear(x, copies[i % len(copies)].fc1)}
     reps = choose_reps(call_ms(lambda: calls["cublas_fc1"](0), device), len(copies))
-    replays, errors = {}, {}
+    replays, errors, tiles = {}, {}, {}
     try:
         for config in candidates(m, f, copies[0].fc1, extra):
             kernel.configs = [config]  # one config: the autotuner launches it as is
             errors[label(config)] = rel_err(gated(0), expected)
             replays[label(config)] = capture(gated, reps, device)
+            tiles[label(config)] = tile(config)
     finally:
         kernel.configs = own
     kernel.cache.clear()
@@ -100,7 +111,21 @@ def measure(m: int, k: int, f: int, samples: int, seed: int, extra: list) -> dic
     return {
         "M": m, "K": k, "F": f, "ms": ms, "over_gemm_only": over, "autotuned": picked,
         "best": best, "autotuned_over_best": over["autotuned"] / over[best], "reps": reps,
+        "tiles": tiles,
     }  # fmt: skip
+
+
+def tile_table(result: dict) -> dict:
+    """The pinned-tile table: each measured shape's fastest config, with its measurements."""
+    shapes: dict[str, dict] = {}
+    for r in result["rows"]:
+        entry = r["tiles"][r["best"]] | {
+            "over_gemm_only": round(r["over_gemm_only"][r["best"]], 4),
+            "autotuned_over_best": round(r["autotuned_over_best"], 4),
+        }
+        shapes.setdefault(f"{r['K']}x{r['F']}", {})[str(r["M"])] = entry
+    keys = ("gpu", "commit", "command")
+    return {"schema": gated_tiles.SCHEMA} | {k: result[k] for k in keys} | {"shapes": shapes}
 
 
 def to_markdown(result: dict) -> str:
@@ -123,11 +148,13 @@ def main() -> None:
     parser.add_argument("--commit")
     parser.add_argument("--json", required=True)
     parser.add_argument("--md")
+    parser.add_argument("--table", help="write the fastest config per shape here")
     args = parser.parse_args()
     extra = [extra_config(s) for s in args.extra_tiles]
     rows = []
     for shape in args.shapes:
-        rows.append(measure(*map(int, shape.split(",")), args.samples, args.seed, extra))
+        with gated_tiles.use_tiles(NO_TILES):  # the configs as given, and the autotuner's own
+            rows.append(measure(*map(int, shape.split(",")), args.samples, args.seed, extra))
         r = rows[-1]
         print(f"M={r['M']} K={r['K']} F={r['F']}: best {r['best']} "
               f"{r['over_gemm_only'][r['best']]:.3f}, autotuned {r['autotuned']} "
@@ -140,6 +167,9 @@ def main() -> None:
     if args.md:
         with atomic_write(args.md) as fh:
             fh.write(to_markdown(result))
+    if args.table:
+        gated_tiles.from_dict(tile_table(result))  # what the kernel will read must validate
+        write_json_atomic(args.table, tile_table(result))
 
 
 if __name__ == "__main__":

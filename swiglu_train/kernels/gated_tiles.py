@@ -1,0 +1,134 @@
+"""Measured tiles for the gated GEMM at small M, where the autotuner's own timing misleads.
+
+Triton's autotuner times each candidate in one launch after flushing L2. At the 8-80 us calls
+of decode and short prompts that ranks configs by noise: at Qwen-0.5B, M = 16 its pick ran
+1.23x the cuBLAS fc1 GEMM where the best config ran 1.01x (benchmarks/results/
+sweep_gated_h200.json). ``scripts/sweep_gated_configs.py --table`` times every config as the
+inference benchmark does (CUDA graphs, weights streaming from HBM) and writes this table: per
+measured (K, F), per measured M, the fastest config.
+
+Lookup: the exact (K, F), since the best tile depends on how F splits into programs and how
+many stay resident per SM, so a nearby shape says little; then the entry of the smallest
+measured M at or above the call's M, none past the largest. Only the call that was measured
+is pinned: canonical fc1, no aux output, a 16-bit dtype, on sm_90 (and in the interpreter, so
+CI runs the pinned launch). Every other call autotunes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import importlib.resources
+import re
+from collections.abc import Iterator, Mapping
+from importlib.resources.abc import Traversable
+from pathlib import Path
+
+import torch
+import triton
+
+from swiglu_train.kernels.runtime import INTERPRET
+from swiglu_train.tables import check_header, read_json
+
+SCHEMA = 1
+PACKAGED_TABLE = "gated_tiles_h200.json"
+TILE_KEYS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "num_stages", "num_warps", "PERSISTENT")
+PINNED_DTYPES = (torch.bfloat16, torch.float16)
+_TABLE_KEYS = {"schema", "gpu", "commit", "command", "shapes"}
+_READER_KEYS = {"over_gemm_only", "autotuned_over_best"}  # measurements kept for readers
+
+Tiles = Mapping[tuple[int, int], tuple[tuple[int, dict], ...]]  # (K, F) -> ((M, tile), ...)
+
+
+class GatedTilesError(ValueError):
+    """A tile table off schema; the message names where and what."""
+
+
+def from_dict(raw: object, source: str = "<table>") -> Tiles:
+    """Validate a table: every tile a power-of-two shape the kernel can launch."""
+
+    def fail(where: str, problem: str) -> GatedTilesError:
+        return GatedTilesError(f"gated tile table {source}: {where}: {problem}")
+
+    raw = check_header(raw, _TABLE_KEYS, set(), SCHEMA, fail)
+    if not isinstance(raw["shapes"], dict):
+        raise fail("shapes", "expected an object of KxF -> {M: tile}")
+    tiles = {}
+    for name, by_m in raw["shapes"].items():
+        match = re.fullmatch(r"([1-9][0-9]*)x([1-9][0-9]*)", name)
+        if not match or not isinstance(by_m, dict) or not by_m:
+            raise fail(f"shapes.{name}", "expected KxF -> a non-empty object of M -> tile")
+        entries = []
+        for m, tile in by_m.items():
+            if not re.fullmatch(r"[1-9][0-9]*", m) or not _valid_tile(tile):
+                raise fail(
+                    f"shapes.{name}.{m}",
+                    f"expected M >= 1 -> {{{', '.join(TILE_KEYS)}}} (powers of two, "
+                    "PERSISTENT a bool)",
+                )
+            entries.append((int(m), {k: tile[k] for k in TILE_KEYS}))
+        tiles[int(match[1]), int(match[2])] = tuple(sorted(entries, key=lambda e: e[0]))
+    return tiles
+
+
+def _valid_tile(tile: object) -> bool:
+    if not isinstance(tile, dict) or not set(TILE_KEYS) <= set(tile) <= {*TILE_KEYS, *_READER_KEYS}:
+        return False
+    sizes = [tile[k] for k in TILE_KEYS[:-1]]
+    powers = all(type(v) is int and v > 0 and v & (v - 1) == 0 for v in sizes)
+    return powers and tile["BLOCK_N"] >= 16 and type(tile["PERSISTENT"]) is bool
+
+
+def read_table(path: Path | Traversable) -> Tiles:
+    return from_dict(read_json(path, GatedTilesError, "gated tile table"), str(path))
+
+
+@functools.cache
+def packaged_table() -> Tiles:
+    """The table shipped in this package, read on first use."""
+    return read_table(importlib.resources.files("swiglu_train.kernels").joinpath(PACKAGED_TABLE))
+
+
+_override: Tiles | None = None
+
+
+@contextlib.contextmanager
+def use_tiles(table: dict | Path) -> Iterator[Tiles]:
+    """Pin from this table (its JSON form or a file) instead of the packaged one: for tests,
+    and for trying a fresh sweep before shipping it."""
+    global _override
+    tiles = from_dict(table) if isinstance(table, dict) else read_table(Path(table))
+    previous, _override = _override, tiles
+    try:
+        yield tiles
+    finally:
+        _override = previous
+
+
+def pinned_tile(k: int, f: int, m: int) -> dict | None:
+    """The measured tile for x [m, k] @ fc1 [2f, k], or None to autotune."""
+    table = _override if _override is not None else packaged_table()
+    for measured_m, tile in table.get((k, f), ()):
+        if m <= measured_m:
+            return tile
+    return None
+
+
+@functools.cache
+def _major(device_index: int) -> int:
+    return torch.cuda.get_device_capability(device_index)[0]
+
+
+def pinned_config(x: torch.Tensor, f: int, chunk: int, aux: str) -> triton.Config | None:
+    """The launch config pinned for this call, or None where the table does not apply."""
+    measured_call = chunk == f and aux == "none" and x.dtype in PINNED_DTYPES
+    where_measured = INTERPRET or (x.is_cuda and _major(x.device.index or 0) == 9)
+    if not (measured_call and where_measured):
+        return None
+    tile = pinned_tile(x.shape[1], f, x.shape[0])
+    if tile is None:
+        return None
+    blocks = {k: tile[k] for k in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "PERSISTENT")}
+    return triton.Config(
+        {**blocks, "GROUP_M": 8}, num_stages=tile["num_stages"], num_warps=tile["num_warps"]
+    )

@@ -1,0 +1,87 @@
+"""The gated GEMM's pinned tiles: the table's checks, its lookup, and the pinned launch."""
+
+import re
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import device_backends
+
+from swiglu_train.ops import reference
+
+gated_gemm = pytest.importorskip("swiglu_train.kernels.gated_gemm")
+gated_tiles = pytest.importorskip("swiglu_train.kernels.gated_tiles")
+TRITON = [p for p in device_backends() if p.values[1] == "triton"]
+
+
+def _tile(bm=16, bn=32, bk=16, stages=2, warps=4, persistent=False, **extra) -> dict:
+    return {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "num_stages": stages,
+            "num_warps": warps, "PERSISTENT": persistent, **extra}  # fmt: skip
+
+
+def _table(shapes: dict) -> dict:
+    return {"schema": 1, "gpu": "test", "commit": "test", "command": "test", "shapes": shapes}
+
+
+def test_packaged_table_validates():
+    assert isinstance(gated_tiles.packaged_table(), dict)
+
+
+def test_lookup_takes_the_smallest_measured_m_at_or_above_and_the_exact_shape():
+    one, sixteen = _tile(bn=64), _tile(bn=32, over_gemm_only=1.01)
+    with gated_tiles.use_tiles(_table({"64x96": {"16": sixteen, "1": one}})):
+        assert gated_tiles.pinned_tile(64, 96, 1)["BLOCK_N"] == 64
+        assert gated_tiles.pinned_tile(64, 96, 2)["BLOCK_N"] == 32
+        assert gated_tiles.pinned_tile(64, 96, 16)["BLOCK_N"] == 32
+        assert gated_tiles.pinned_tile(64, 96, 17) is None  # past the largest measured M
+        assert gated_tiles.pinned_tile(64, 128, 1) is None  # a shape never measured
+        assert gated_tiles.pinned_tile(96, 64, 1) is None  # K and F are different axes
+
+
+@pytest.mark.parametrize(
+    ("shapes", "where"),
+    [
+        ({"64x96": {"016": _tile()}}, "shapes.64x96.016"),
+        ({"64x96": {"1": _tile(bn=48)}}, "shapes.64x96.1"),
+        ({"64x96": {"1": _tile(bn=8)}}, "shapes.64x96.1"),
+        ({"64x96": {"1": _tile(persistent=1)}}, "shapes.64x96.1"),
+        ({"64x96": {"1": _tile(GROUP_M=4)}}, "shapes.64x96.1"),
+        ({"64x96": {"1": {"BLOCK_M": 16}}}, "shapes.64x96.1"),
+        ({"64x96": {}}, "shapes.64x96"),
+        ({"64*96": {"1": _tile()}}, "shapes.64*96"),
+    ],
+)
+def test_a_bad_table_is_refused_naming_the_spot(shapes, where):
+    with pytest.raises(gated_tiles.GatedTilesError, match=re.escape(f"<table>: {where}: expected")):
+        gated_tiles.from_dict(_table(shapes))
+
+
+def test_a_table_of_another_schema_is_refused():
+    with pytest.raises(gated_tiles.GatedTilesError, match="schema: expected 1, got 2"):
+        gated_tiles.from_dict(_table({}) | {"schema": 2})
+
+
+@pytest.mark.parametrize(("device", "backend"), TRITON)
+def test_a_pinned_tile_is_launched_and_gives_the_same_h(device, backend, monkeypatch):
+    """The measured call (canonical fc1, no aux, 16-bit) launches the table's tile, whose h
+    is the autotuned launch's (up to the bf16 rounding of another K split); other calls at
+    that shape still autotune."""
+    m, k, f = 5, 32, 64
+    x = torch.randn(m, k, device=device, dtype=torch.bfloat16)
+    w = (torch.randn(2 * f, k, device=device) / k**0.5).to(torch.bfloat16)
+    autotuned, _ = gated_gemm.gated_gemm(x, w, None, chunk=f)
+    launched = []
+    real = gated_gemm._set_block_shapes
+    monkeypatch.setattr(
+        gated_gemm, "_set_block_shapes", lambda nargs: (launched.append(nargs), real(nargs))
+    )
+    with gated_tiles.use_tiles(_table({f"{k}x{f}": {"16": _tile(bn=32, bk=16)}})):
+        h, _ = gated_gemm.gated_gemm(x, w, None, chunk=f)
+        assert [(n["BLOCK_M"], n["BLOCK_N"], n["BLOCK_K"]) for n in launched] == [(16, 32, 16)]
+        gated_gemm.gated_gemm(x, w, None, chunk=f, aux="preact")  # the training forward
+        gated_gemm.gated_gemm(x.float(), w.float(), None, chunk=f)  # fp32: not measured
+        gated_gemm.gated_gemm(x, w, None, chunk=16)  # packed fc1: not measured
+    assert len(launched) == 1
+    torch.testing.assert_close(h, autotuned, rtol=1.6e-2, atol=1e-2)
+    expected = reference.swiglu(F.linear(x.float(), w.float()))
+    torch.testing.assert_close(h.float(), expected, rtol=2e-2, atol=2e-2)
