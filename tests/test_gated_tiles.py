@@ -27,6 +27,11 @@ def test_packaged_table_validates():
     assert isinstance(gated_tiles.packaged_table(), dict)
 
 
+def test_stages_need_not_be_a_power_of_two():
+    table = gated_tiles.from_dict(_table({"64x96": {"1": _tile(stages=3)}}))
+    assert table[64, 96][0][1]["num_stages"] == 3
+
+
 def test_lookup_takes_the_smallest_measured_m_at_or_above_and_the_exact_shape():
     one, sixteen = _tile(bn=64), _tile(bn=32, over_gemm_only=1.01)
     with gated_tiles.use_tiles(_table({"64x96": {"16": sixteen, "1": one}})):
@@ -45,6 +50,8 @@ def test_lookup_takes_the_smallest_measured_m_at_or_above_and_the_exact_shape():
         ({"64x96": {"1": _tile(bn=48)}}, "shapes.64x96.1"),
         ({"64x96": {"1": _tile(bn=8)}}, "shapes.64x96.1"),
         ({"64x96": {"1": _tile(persistent=1)}}, "shapes.64x96.1"),
+        ({"64x96": {"1": _tile(stages=0)}}, "shapes.64x96.1"),
+        ({"64x96": {"1": _tile(warps=3)}}, "shapes.64x96.1"),
         ({"64x96": {"1": _tile(GROUP_M=4)}}, "shapes.64x96.1"),
         ({"64x96": {"1": {"BLOCK_M": 16}}}, "shapes.64x96.1"),
         ({"64x96": {}}, "shapes.64x96"),

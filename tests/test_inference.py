@@ -348,8 +348,10 @@ def test_inference_path_under_torch_compile_fullgraph(device, backend, impl, m):
 @pytest.mark.parametrize(
     ("m", "fc1_rows", "tile_n"),
     [  # Qwen-2.5 0.5B, 7B, 32B and 72B on 132 SMs
-        (128, 9728, 128),
-        (128, 37888, 160),
+        (128, 9728, 96),  # 96 only at one M tile
+        (128, 37888, 96),
+        (256, 9728, 160),
+        (384, 37888, 224),
         (128, 55296, 224),
         (128, 59136, 224),
         (512, 9728, 160),

@@ -104,22 +104,28 @@ def test_bad_inputs_on_cuda(impl):
 
 
 def _memory(impl: str, m: int, d: int, f: int) -> tuple[int, int]:
-    """(bytes held after forward, peak bytes of fwd+bwd above the pre-forward baseline)."""
+    """(bytes held after forward, peak bytes of fwd+bwd above the pre-forward baseline), the
+    smaller of two steps: a library's lazy one-off allocation (a GPU run under xdist once saw
+    512 KiB appear in one step after the warm-up, depending on the tests before) lands in the
+    next step's baseline, while what the graph holds appears in every step."""
     mlp = ParMLP(d, f, impl=impl, device="cuda", dtype=torch.bfloat16)
     x = torch.randn(m, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     grad_y = torch.randn(m, d, device="cuda", dtype=torch.bfloat16)
     for _ in range(2):  # warm-up: compiles, workspaces, the grads' first allocation
         mlp(x).backward(grad_y)
-    torch.cuda.synchronize()
-    base = torch.cuda.memory_allocated()
-    torch.cuda.reset_peak_memory_stats()
-    y = mlp(x)
-    torch.cuda.synchronize()
-    held = torch.cuda.memory_allocated() - base
-    y.backward(grad_y)
-    del y
-    torch.cuda.synchronize()
-    return held, torch.cuda.max_memory_allocated() - base
+    steps = []
+    for _ in range(2):
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        y = mlp(x)
+        torch.cuda.synchronize()
+        held = torch.cuda.memory_allocated() - base
+        y.backward(grad_y)
+        del y
+        torch.cuda.synchronize()
+        steps.append((held, torch.cuda.max_memory_allocated() - base))
+    return min(s[0] for s in steps), min(s[1] for s in steps)
 
 
 @pytest.mark.parametrize("impl", QUACK)

@@ -63,8 +63,8 @@ def from_dict(raw: object, source: str = "<table>") -> Tiles:
             if not re.fullmatch(r"[1-9][0-9]*", m) or not _valid_tile(tile):
                 raise fail(
                     f"shapes.{name}.{m}",
-                    f"expected M >= 1 -> {{{', '.join(TILE_KEYS)}}} (powers of two, "
-                    "PERSISTENT a bool)",
+                    f"expected M >= 1 -> {{{', '.join(TILE_KEYS)}}} (blocks and warps powers "
+                    "of two, BLOCK_N >= 16, stages >= 1, PERSISTENT a bool)",
                 )
             entries.append((int(m), {k: tile[k] for k in TILE_KEYS}))
         tiles[int(match[1]), int(match[2])] = tuple(sorted(entries, key=lambda e: e[0]))
@@ -74,9 +74,10 @@ def from_dict(raw: object, source: str = "<table>") -> Tiles:
 def _valid_tile(tile: object) -> bool:
     if not isinstance(tile, dict) or not set(TILE_KEYS) <= set(tile) <= {*TILE_KEYS, *_READER_KEYS}:
         return False
-    sizes = [tile[k] for k in TILE_KEYS[:-1]]
-    powers = all(type(v) is int and v > 0 and v & (v - 1) == 0 for v in sizes)
-    return powers and tile["BLOCK_N"] >= 16 and type(tile["PERSISTENT"]) is bool
+    blocks = [tile[k] for k in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "num_warps")]
+    powers = all(type(v) is int and v > 0 and v & (v - 1) == 0 for v in blocks)
+    stages = type(tile["num_stages"]) is int and tile["num_stages"] >= 1
+    return powers and stages and tile["BLOCK_N"] >= 16 and type(tile["PERSISTENT"]) is bool
 
 
 def read_table(path: Path | Traversable) -> Tiles:

@@ -165,9 +165,12 @@ def quack_gated_h(
 SMALL_M = 512
 TILE_M = 128
 DEFAULT_TILE_N, DEFAULT_CLUSTER_M = 192, 2  # quack 0.6.5's SM90 default: 128x192, cluster 2x1
-# quack's SM90 gated space at tile_m = 128, and 96, outside it but built and correct (its
-# epilogue needs N % 32 == 0): at one M tile 0.5B's 2F = 9728 fills 102 SMs with it, 76 at 128
-SMALL_M_TILES_N = (96, 128, 160, 192, 224, 256)
+SMALL_M_TILES_N = (128, 160, 192, 224, 256)  # quack's SM90 gated space at tile_m = 128
+# Outside that space but built and correct (its epilogue needs N % 32 == 0): at one M tile,
+# where the N tiles alone make the grid, 0.5B's 2F = 9728 fills 102 SMs with 96-wide tiles
+# against 76 with 128. At several M tiles it lost to the space's best by up to 1.10x
+# (probe_quack_tiles_h200.json), so it is a candidate at one M tile only.
+ONE_M_TILE_N = (96,)
 CLUSTER_N = 2
 FILL_MARGIN = 1.05  # below this gain in fill, keep quack's default
 
@@ -200,7 +203,8 @@ def small_m_tile_n(m: int, fc1_rows: int, sms: int) -> int | None:
     def fill(tile_n: int, cluster_m: int, cluster_n: int) -> float:
         return wave_fill(m_tiles, -(-fc1_rows // tile_n), cluster_m, cluster_n, sms)
 
-    best = max(SMALL_M_TILES_N, key=lambda n: (fill(n, 1, CLUSTER_N), -n))
+    tiles = SMALL_M_TILES_N + (ONE_M_TILE_N if m_tiles == 1 else ())
+    best = max(tiles, key=lambda n: (fill(n, 1, CLUSTER_N), -n))
     default = fill(DEFAULT_TILE_N, DEFAULT_CLUSTER_M, 1)
     return best if fill(best, 1, CLUSTER_N) > FILL_MARGIN * default else None
 
