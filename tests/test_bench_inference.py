@@ -74,6 +74,23 @@ def test_fit_dispatch_takes_the_fastest_timed_candidate_per_shape_and_m():
         assert dispatch.choose("gated", 8, 16, 1) == "cublas"
 
 
+def test_a_near_tie_goes_to_the_path_with_fewer_launches():
+    def row(table, m, **ms):
+        return {"table": table, "K": 8, "N": 16, "M": m} | {f"{n}_ms": v for n, v in ms.items()}
+
+    rows = [
+        row("mlp", 1, fused_mlp=1.0, gated_linear=1.015),  # tied: gated + cuBLAS, 2 launches
+        row("mlp", 16, fused_mlp=1.0, gated_linear=1.03),  # past NEAR_TIE: the faster
+        row("gated", 1, cublas_act=1.0, gated_triton=1.02),  # NEAR_TIE itself still ties
+        row("gated", 16, quack_act=1.0, gated_triton=1.01),  # one launch each: the faster
+    ]
+    fitted = fit.fit_dispatch(rows)["8x16"]
+    assert fitted["mlp"]["1"] == _entry("gated", 1.015, "fused_mlp", 0.9852)
+    assert fitted["mlp"]["16"]["path"] == "fused_mlp"
+    assert fitted["gated"]["1"] == _entry("gated", 1.02, "cublas", 0.9804)
+    assert fitted["gated"]["16"]["path"] == "quack"
+
+
 def test_merge_joins_runs_split_by_model_and_refits_the_dispatch():
     def part(model, k, ms, gpu="H200", commit="abc"):
         rows = [
@@ -99,6 +116,39 @@ def test_merge_joins_runs_split_by_model_and_refits_the_dispatch():
         fit.merge_results([part("a", 8, 0.5), part("b", 16, 2.0, commit="def")])
     with pytest.raises(ValueError, match="more than one run"):
         fit.merge_results([part("a", 8, 0.5), part("a", 8, 0.7)])
+
+
+def test_judge_table_scores_a_shipped_table_on_another_run(tmp_path):
+    """Out of sample: the shipped table's picks, timed in this run, whatever this run's refit
+    would pick; rows keep their in-sample fields."""
+
+    def result(fused_ms, gpu="H200"):
+        rows = [
+            {"table": "mlp", "model": "a", "K": 8, "N": 16, "M": 1, "eager_ms": 2.0, "skipped": {}}
+            | {"eager_variant": "eager"}
+            | {"fused_mlp_ms": fused_ms, "gated_linear_ms": 1.0, "gemm_only_ms": 0.8}
+            | {"fused_mlp_speedup_vs_eager": 2.0 / fused_ms, "gated_linear_speedup_vs_eager": 2.0}
+        ]
+        meta = {"dtype": "bf16", "models": ["a"]}
+        return {"gpu": gpu, "commit": "abc", "meta": meta, "rows": rows, "command": "a"}
+
+    shipped = fit.dispatch_table(fit.merge_results([result(0.5)]), "fit run")  # fused_mlp wins
+    (tmp_path / "table.json").write_text(json.dumps(shipped))
+    (tmp_path / "run.json").write_text(json.dumps(result(1.6)))  # now fused_mlp loses
+    out = tmp_path / "out.json"
+    args = ["bench-inference", "--merge", str(tmp_path / "run.json"), "--json", str(out)]
+    cli = CliRunner().invoke(app, [*args, "--judge-table", str(tmp_path / "table.json")])
+    assert cli.exit_code == 0, cli.output
+    saved = json.loads(out.read_text())
+    outside = saved["dispatch_judged_out_of_sample"]
+    assert outside["table"].endswith("table.json") and outside["table_commit"] == "abc"
+    assert outside["judged"]["mlp"]["geomean_speedup_vs_eager"] == 1.25  # fused_mlp: 2 / 1.6
+    assert outside["judged"]["mlp"]["max_over_gemm_only"] == 2.0
+    assert saved["rows"][0]["dispatched_path"] == "gated"  # the in-sample refit's pick
+    assert "judged on this run's rows (out of sample)" in cli.output
+    (tmp_path / "table.json").write_text(json.dumps(shipped | {"gpu": "A100"}))
+    cli = CliRunner().invoke(app, [*args, "--judge-table", str(tmp_path / "table.json")])
+    assert cli.exit_code != 0 and "was fit on A100 bf16; this run is H200 bf16" in cli.output
 
 
 def test_judge_dispatch_scores_the_fitted_choice_in_sample():
@@ -176,6 +226,7 @@ def test_candidates_are_the_dispatch_paths_and_timed_variants():
     for table, candidates in iv.CANDIDATES.items():
         assert tuple(candidates) == dispatch.PATHS[table]
         assert set(candidates.values()) <= set(iv.TABLES[table]) - {"ours"}
+        assert set(iv.LAUNCHES[table]) == set(candidates)  # every path ranks on a near-tie
 
 
 def test_reps_models_and_markdown():

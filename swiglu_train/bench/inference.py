@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from swiglu_train.bench import inference_variants as iv
-from swiglu_train.bench.inference_dispatch import fit_dispatch, judge_dispatch
+from swiglu_train.bench.inference_dispatch import NEAR_TIE, fit_dispatch, judge_dispatch
 from swiglu_train.bench.mlp import DTYPES, git_commit
 from swiglu_train.bench.timing import Case, Clock, paired_samples
 from swiglu_train.ops import inference
@@ -286,7 +286,9 @@ def to_markdown(result: dict) -> str:
             reasons[key] = reasons.get(key, 0) + 1
     lines += [f"- {t}/{n} skipped at {c} shape(s): {why}" for (t, n, why), c in reasons.items()]
     if result.get("dispatch"):
-        lines += ["", "Dispatch: the fastest candidate at each M (runner-up: ms over the winner's)"]
+        lines += ["", "Dispatch: the chosen candidate at each M, the fastest or, within "
+                  f"{NEAR_TIE:.2f}x of it, the one with fewest launches (runner-up: its ms over "
+                  "the chosen one's)"]  # fmt: skip
     for shape, by_table in result.get("dispatch", {}).items():
         for table, by_m in by_table.items():
             picks = [f"{m} {e['path']}{_margin(e)}" for m, e in by_m.items()]
@@ -294,6 +296,17 @@ def to_markdown(result: dict) -> str:
     judged = result.get("dispatch_judged_in_sample", {})
     if judged:
         lines += ["", "The table's choices, judged on the rows it was fit on (in-sample):"]
+        lines += _judged_lines(judged)
+    outside = result.get("dispatch_judged_out_of_sample")
+    if outside:
+        lines += ["", f"The table {outside['table']} (fit at {outside['table_commit']}), judged "
+                  "on this run's rows (out of sample):"]  # fmt: skip
+        lines += _judged_lines(outside["judged"])
+    return "\n".join(lines) + "\n"
+
+
+def _judged_lines(judged: dict) -> list[str]:
+    lines = []
     for table, j in judged.items():
         slower = ", ".join(j["slower_than_eager_and_compile"]) or "none"
         gemm = ""
@@ -301,10 +314,10 @@ def to_markdown(result: dict) -> str:
             gemm = f" at most {j['max_over_gemm_only']:.3f}x the GEMMs alone"
             gemm += f" ({j['max_over_gemm_only_at']});"
         lines.append(
-            f"- {table}: geomean {j['geomean_speedup_vs_eager']:.3f}x over eager;{gemm} "
-            f"slower than the faster of eager and compile at: {slower}"
+            f"- {table}: {j['rows']} rows; geomean {j['geomean_speedup_vs_eager']:.3f}x over "
+            f"eager;{gemm} slower than the faster of eager and compile at: {slower}"
         )
-    return "\n".join(lines) + "\n"
+    return lines
 
 
 def _margin(entry: dict) -> str:

@@ -1,6 +1,7 @@
 """The no-grad dispatch table from inference-bench rows: fit, merged over split runs, judged.
 
-``fit_dispatch`` picks, per shape and M, the fastest candidate path (``iv.CANDIDATES``);
+``fit_dispatch`` picks, per shape and M, the fastest candidate path (``iv.CANDIDATES``), or
+among near-ties the one with the fewest kernel launches;
 ``dispatch_table`` is the file ``ops.dispatch`` reads; ``merge_results`` joins runs split by
 model (each within a device call's limit) and refits; ``judge_dispatch`` says what the table's
 choices buy over eager, ``torch.compile`` and the GEMMs alone. That judgement is in-sample
@@ -16,12 +17,19 @@ from collections.abc import Sequence
 from swiglu_train.bench import inference_variants as iv
 from swiglu_train.ops import dispatch
 
+# Candidates within this of the fastest median are tied: at 0.5B's 8-16 us calls two runs put
+# fused_mlp 1.3 % ahead of gated + cuBLAS, then 4 % behind (inference_oos_h200.json). The tie
+# goes to fewer launches, which also cost host time wherever a model runs without CUDA graphs.
+NEAR_TIE = 1.02
+
 
 def fit_dispatch(rows: Sequence[dict]) -> dict[str, dict[str, dict[str, dict]]]:
     """Per "DxF", per table, per measured M: the fastest dispatch candidate by median ms, its ms,
-    and the runner-up with ``runner_up_ratio`` = its ms over the winner's (the margin; None
-    with one candidate). Candidates that were not timed (not importable, rejected, failed) are
-    not eligible; an M where none was timed gets no entry. Ties go to the first candidate.
+    and the runner-up with ``runner_up_ratio`` = its ms over the winner's (the margin, below 1
+    where a near-tie went to the slower median; None with one candidate). Candidates within
+    NEAR_TIE of the fastest are tied, and the tie goes to the fewest kernel launches
+    (``iv.LAUNCHES``), then the first candidate. Candidates that were not timed (not
+    importable, rejected, failed) are not eligible; an M where none was timed gets no entry.
     A "quack" winner also records its ``fallback``, the fastest of the others; with no other
     timed, quack is not eligible (a machine without quack would have no path)."""
     shapes: dict[str, dict[str, dict[str, dict]]] = {}
@@ -30,7 +38,7 @@ def fit_dispatch(rows: Sequence[dict]) -> dict[str, dict[str, dict[str, dict]]]:
         timed = {path: r[f"{name}_ms"] for path, name in candidates if f"{name}_ms" in r}
         if not set(timed) - {dispatch.QUACK}:  # nothing timed, or nothing to fall back to
             continue
-        best, *others = sorted(timed, key=timed.get)
+        best, *others = _ranked(timed, iv.LAUNCHES[r["table"]])
         entry = {"path": best, "ms": _sig(timed[best]), "runner_up": None, "runner_up_ratio": None}
         if others:
             entry.update(runner_up=others[0], runner_up_ratio=_sig(timed[others[0]] / timed[best]))
@@ -39,6 +47,17 @@ def fit_dispatch(rows: Sequence[dict]) -> dict[str, dict[str, dict[str, dict]]]:
         by_table = shapes.setdefault(f"{r['K']}x{r['N']}", {})
         by_table.setdefault(r["table"], {})[str(r["M"])] = entry
     return shapes
+
+
+def _ranked(timed: dict[str, float], launches: dict[str, int]) -> list[str]:
+    """Paths best first: the near-ties of the fastest by launches, then the rest by ms."""
+    fastest = min(timed.values())
+
+    def rank(path: str) -> tuple:
+        tied = timed[path] <= NEAR_TIE * fastest
+        return (not tied, launches[path] if tied else 0, timed[path])
+
+    return sorted(timed, key=rank)
 
 
 def dispatch_table(result: dict, source: str) -> dict:
@@ -129,10 +148,10 @@ def _check_result(part: object, where: str) -> None:
         raise ValueError(f"{where}: {problem}")
 
 
-def judge_dispatch(rows: Sequence[dict], fitted: dict) -> dict[str, dict]:
+def judge_dispatch(rows: Sequence[dict], fitted: dict, annotate: bool = True) -> dict[str, dict]:
     """Per table: the fitted choice's geometric-mean speedup over eager (paired medians), its
     worst ratio to the GEMMs alone, and the shapes where it is slower than the faster of eager
-    and torch.compile (by medians). Rows gain ``dispatched_*`` fields."""
+    and torch.compile (by medians). With ``annotate`` rows gain ``dispatched_*`` fields."""
     judged: dict[str, dict] = {}
     for r in rows:
         entry = fitted.get(f"{r['K']}x{r['N']}", {}).get(r["table"], {}).get(str(r["M"]))
@@ -141,20 +160,37 @@ def judge_dispatch(rows: Sequence[dict], fitted: dict) -> dict[str, dict]:
         variant = iv.CANDIDATES[r["table"]][entry["path"]]
         ms, where = r[f"{variant}_ms"], f"{r['model']} M={r['M']}"
         baseline = min(r[k] for k in ("eager_ms", "compile_ms") if k in r)
-        r.update(dispatched_path=entry["path"], dispatched_ms=ms,
-                 dispatched_speedup_vs_eager=r[f"{variant}_speedup_vs_eager"],
-                 dispatched_over_best_baseline=ms / baseline)  # fmt: skip
+        speedup = r[f"{variant}_speedup_vs_eager"]
+        if annotate:
+            r.update(dispatched_path=entry["path"], dispatched_ms=ms,
+                     dispatched_speedup_vs_eager=speedup,
+                     dispatched_over_best_baseline=ms / baseline)  # fmt: skip
         j = judged.setdefault(r["table"], {"rows": 0, "log_speedup": 0.0, "slower": []})
         j["rows"] += 1
-        j["log_speedup"] += math.log(r["dispatched_speedup_vs_eager"])
+        j["log_speedup"] += math.log(speedup)
         if ms > baseline:
             j["slower"].append(f"{where}: {ms / baseline:.3f}x")
         if "gemm_only_ms" in r:
-            r["dispatched_over_gemm_only"] = ms / r["gemm_only_ms"]
-            if r["dispatched_over_gemm_only"] > j.get("max_over_gemm_only", 0.0):
-                j["max_over_gemm_only"] = _sig(r["dispatched_over_gemm_only"])
+            over_gemm = ms / r["gemm_only_ms"]
+            if annotate:
+                r["dispatched_over_gemm_only"] = over_gemm
+            if over_gemm > j.get("max_over_gemm_only", 0.0):
+                j["max_over_gemm_only"] = _sig(over_gemm)
                 j["max_over_gemm_only_at"] = where
     for j in judged.values():
         j["geomean_speedup_vs_eager"] = _sig(math.exp(j.pop("log_speedup") / j["rows"]))
         j["slower_than_eager_and_compile"] = j.pop("slower")
     return judged
+
+
+def judge_table(result: dict, table: dict, source: str) -> dict:
+    """A shipped dispatch table judged on another run's rows (out of sample): the table picks
+    among the candidates this run timed, at the (shape, M) it has an entry for."""
+    dispatch.DispatchTable.from_dict(table, source)
+    if table["gpu"] != result["gpu"] or table["dtype"] != result["meta"]["dtype"]:
+        raise ValueError(
+            f"{source} was fit on {table['gpu']} {table['dtype']}; this run is "
+            f"{result['gpu']} {result['meta']['dtype']}"
+        )
+    judged = judge_dispatch(result["rows"], table["shapes"], annotate=False)
+    return {"table": source, "table_commit": table["commit"], "judged": judged}

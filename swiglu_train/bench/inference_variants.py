@@ -147,6 +147,13 @@ CANDIDATES = {
         "quack": "quack_act_linear",
     },
 }
+# Kernel launches per call of each path: a near-tie goes to fewer (bench.inference_dispatch).
+# fused_mlp zeroes its fp32 workspace, runs, then casts; quack's N-clustered configs are static
+# persistent (no semaphore to zero).
+LAUNCHES = {
+    "gated": {"gated": 1, "cublas": 2, "quack": 1},
+    "mlp": {"fused_mlp": 3, "gated": 2, "cublas": 3, "quack": 2},
+}
 EAGER = {"gated": ("eager_fused", "eager_separate"), "mlp": ("eager",)}
 FLOORS = frozenset({"gemm_only"})
 FUSED_MLP_MAX_BENCH_M = 512  # beyond this the fused kernel re-reads weights per 64-row block

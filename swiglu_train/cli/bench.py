@@ -109,6 +109,10 @@ def bench_inference(
     plot_path: Annotated[
         Path | None, typer.Option("--plot", help="write the figure here (PNG; the plot extra)")
     ] = None,
+    judge_path: Annotated[
+        Path | None,
+        typer.Option("--judge-table", help="judge this dispatch table on the run (out of sample)"),
+    ] = None,
     merge: Annotated[
         list[Path] | None,
         typer.Option(help="merge these --json results (runs split by model) instead of running"),
@@ -132,7 +136,7 @@ def bench_inference(
         run_inference_bench,
         to_markdown,
     )
-    from swiglu_train.bench.inference_dispatch import dispatch_table, merge_results
+    from swiglu_train.bench.inference_dispatch import dispatch_table, judge_table, merge_results
     from swiglu_train.bench.inference_variants import TABLES
     from swiglu_train.bench.mlp import DTYPES
 
@@ -170,6 +174,12 @@ def bench_inference(
             result = run_inference_bench(cfg, progress)
         result["commit"] = commit or result["commit"]
         result["command"] = invocation()
+    if judge_path is not None:
+        try:
+            table = json.loads(judge_path.read_text())
+            result["dispatch_judged_out_of_sample"] = judge_table(result, table, str(judge_path))
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise typer.BadParameter(f"--judge-table: {e}") from e
     markdown = to_markdown(result)
     console.print(Markdown(markdown))
     if json_path is not None:
