@@ -250,3 +250,23 @@ def test_a_step_body_that_skips_forward_done_leaves_no_hooks():
         p.forward_done()
         loss.backward()
     assert [r.step for r in profiler.records] == [1]
+
+
+class MkldnnRelu(nn.Module):
+    """A Linear whose activation runs on mkldnn: relu saves its mkldnn output for backward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(D, D)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(self.lin(x).to_mkldnn()).to_dense()
+
+
+def test_a_saved_mkldnn_tensor_is_sized_from_its_shape_and_the_step_trains():
+    """mkldnn tensors have no storage to read; the step must neither crash nor lose them."""
+    model = MkldnnRelu()
+    record = profile(model, torch.randn(M, D))
+    assert model.lin.weight.grad is not None and model.lin.weight.grad.abs().sum() > 0
+    # Linear saves x, to_mkldnn its dense input; relu and to_dense save one mkldnn output.
+    assert record.saved_bytes == 3 * M * D * 4

@@ -7,6 +7,7 @@ Storages are counted once, however many views of them are saved.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterable, Iterator
 
 import torch
@@ -69,7 +70,11 @@ def storages(t: torch.Tensor) -> Iterator[tuple[tuple, int]]:
 
     Sparse tensors and wrapper subclasses (DTensor, for tensor parallelism and FSDP2) have no
     storage of their own: their memory is that of the tensors they are made of, which are
-    walked instead, so a model using them is measured rather than crashed.
+    walked instead, so a model using them is measured rather than crashed. A tensor with
+    neither (mkldnn, which ``relu`` saves on CPU; other opaque layouts) is counted as
+    ``numel * element_size`` under its own identity, a lower bound (mkldnn may pad); if even
+    that is undefined it is skipped with a warning naming its type and layout. The pack hook
+    runs inside the user's forward: profiling must never break training.
     """
     if t.layout == torch.sparse_coo:
         parts = [t._indices(), t._values()]
@@ -82,12 +87,28 @@ def storages(t: torch.Tensor) -> Iterator[tuple[tuple, int]]:
         try:
             storage = t.untyped_storage()
             key = (t.device, storage.data_ptr())
-        except (NotImplementedError, RuntimeError) as e:
-            raise TypeError(
-                f"cannot count the memory of a saved {type(t).__name__} (layout {t.layout}, "
-                f"device {t.device}): it has no storage of its own and no known parts ({e})"
-            ) from e
+        except Exception:  # any layout or subclass may refuse; see _opaque
+            yield from _opaque(t)
+            return
         yield key, storage.nbytes()
         return
     for part in parts:
         yield from storages(part)
+
+
+def _opaque(t: torch.Tensor) -> Iterator[tuple[tuple, int]]:
+    """A storage-less tensor keyed by its TensorImpl (the graph holds it, so the address is
+    not reused while counted; such layouts have no views to share it), sized from its shape."""
+    try:
+        nbytes = t.numel() * t.element_size()
+        key = (t.device, "impl", t._cdata)
+    except Exception as e:  # a saved tensor must not break the forward
+        # One warning per type and layout: Python's default filter shows a message once.
+        warnings.warn(
+            f"memory profiler: cannot size a saved {type(t).__name__} (layout {t.layout}); "
+            f"its bytes are left out of the saved-for-backward figures ({type(e).__name__})",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+        return
+    yield key, nbytes
