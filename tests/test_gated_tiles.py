@@ -70,7 +70,7 @@ def test_a_table_of_another_schema_is_refused():
 
 @pytest.mark.parametrize(("device", "backend"), TRITON)
 def test_a_pinned_tile_is_launched_and_gives_the_same_h(device, backend, monkeypatch):
-    """The measured call (canonical fc1, no aux, 16-bit) launches the table's tile, whose h
+    """The measured call (canonical fc1, no aux, no bias, 16-bit) launches the table's tile, whose h
     is the autotuned launch's (up to the bf16 rounding of another K split); other calls at
     that shape still autotune."""
     m, k, f = 5, 32, 64
@@ -88,6 +88,8 @@ def test_a_pinned_tile_is_launched_and_gives_the_same_h(device, backend, monkeyp
         gated_gemm.gated_gemm(x, w, None, chunk=f, aux="preact")  # the training forward
         gated_gemm.gated_gemm(x.float(), w.float(), None, chunk=f)  # fp32: not measured
         gated_gemm.gated_gemm(x, w, None, chunk=16)  # packed fc1: not measured
+        bias = torch.zeros(2 * f, device=device, dtype=x.dtype)
+        gated_gemm.gated_gemm(x, w, bias, chunk=f)  # a bias: another kernel, not measured
     assert len(launched) == 1
     torch.testing.assert_close(h, autotuned, rtol=1.6e-2, atol=1e-2)
     expected = reference.swiglu(F.linear(x.float(), w.float()))

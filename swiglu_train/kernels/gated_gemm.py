@@ -374,7 +374,7 @@ def gated_gemm(
         "UPCAST": INTERPRET,
         "IEEE": x.dtype == torch.float32,
     }
-    pinned = pinned_config(x, f, chunk, aux)
+    pinned = pinned_config(x, f, chunk, aux, has_bias=bias is not None, use_tma=use_tma)
     if pinned is None:
         _gated_gemm_kernel[grid](*args, **constexprs)
     else:  # the measured tile, launched as the autotuner launches its pick

@@ -10,8 +10,8 @@ measured (K, F), per measured M, the fastest config.
 Lookup: the exact (K, F), since the best tile depends on how F splits into programs and how
 many stay resident per SM, so a nearby shape says little; then the entry of the smallest
 measured M at or above the call's M, none past the largest. Only the call that was measured
-is pinned: canonical fc1, no aux output, a 16-bit dtype, on sm_90 (and in the interpreter, so
-CI runs the pinned launch). Every other call autotunes.
+is pinned: canonical fc1, no aux output, no bias, a 16-bit dtype, through TMA on sm_90 (and in
+the interpreter, which has no TMA, so CI runs the pinned launch). Every other call autotunes.
 """
 
 from __future__ import annotations
@@ -120,10 +120,14 @@ def _major(device_index: int) -> int:
     return torch.cuda.get_device_capability(device_index)[0]
 
 
-def pinned_config(x: torch.Tensor, f: int, chunk: int, aux: str) -> triton.Config | None:
-    """The launch config pinned for this call, or None where the table does not apply."""
-    measured_call = chunk == f and aux == "none" and x.dtype in PINNED_DTYPES
-    where_measured = INTERPRET or (x.is_cuda and _major(x.device.index or 0) == 9)
+def pinned_config(
+    x: torch.Tensor, f: int, chunk: int, aux: str, *, has_bias: bool, use_tma: bool
+) -> triton.Config | None:
+    """The launch config pinned for this call, or None where the table does not apply: a bias
+    or the pointer path (x unaligned for TMA) is another kernel, whose best tile was not timed."""
+    measured_call = chunk == f and aux == "none" and not has_bias and x.dtype in PINNED_DTYPES
+    on_sm90 = use_tma and x.is_cuda and _major(x.device.index or 0) == 9
+    where_measured = INTERPRET or on_sm90
     if not (measured_call and where_measured):
         return None
     tile = pinned_tile(x.shape[1], f, x.shape[0])
