@@ -30,6 +30,6 @@ def check_header(
     missing, unknown = required - set(raw), set(raw) - required - optional
     if missing or unknown:
         raise fail("top level", f"missing keys {sorted(missing)}, unknown keys {sorted(unknown)}")
-    if raw["schema"] != schema:
+    if type(raw["schema"]) is not int or raw["schema"] != schema:  # true == 1 in Python
         raise fail("schema", f"expected {schema}, got {raw['schema']!r}")
     return raw

@@ -49,6 +49,12 @@ def test_lookup_takes_the_smallest_measured_m_at_or_above_and_the_exact_shape():
         ({"64x96": {"016": _tile()}}, "shapes.64x96.016"),
         ({"64x96": {"1": _tile(bn=48)}}, "shapes.64x96.1"),
         ({"64x96": {"1": _tile(bn=8)}}, "shapes.64x96.1"),
+        ({"64x96": {"1": _tile(bk=8)}}, "shapes.64x96.1"),  # below tl.dot's K on sm_90
+        ({"64x96": {1: _tile()}}, "shapes.64x96.1"),  # a dict passed to use_tiles
+        ({(64, 96): {"1": _tile()}}, "shapes.(64, 96)"),
+        ({"64x96": {"1": _tile(over_gemm_only=1.0, note="x")}}, "shapes.64x96.1"),
+        ({"64x96": {"1": [16, 32, 16, 2, 4, False]}}, "shapes.64x96.1"),
+        ({"64x96": [_tile()]}, "shapes.64x96"),
         ({"64x96": {"1": _tile(persistent=1)}}, "shapes.64x96.1"),
         ({"64x96": {"1": _tile(stages=0)}}, "shapes.64x96.1"),
         ({"64x96": {"1": _tile(warps=3)}}, "shapes.64x96.1"),
@@ -63,9 +69,10 @@ def test_a_bad_table_is_refused_naming_the_spot(shapes, where):
         gated_tiles.from_dict(_table(shapes))
 
 
-def test_a_table_of_another_schema_is_refused():
-    with pytest.raises(gated_tiles.GatedTilesError, match="schema: expected 1, got 2"):
-        gated_tiles.from_dict(_table({}) | {"schema": 2})
+@pytest.mark.parametrize(("schema", "shown"), [(2, "2"), (True, "True"), (1.0, "1.0")])
+def test_a_table_of_another_schema_is_refused(schema, shown):
+    with pytest.raises(gated_tiles.GatedTilesError, match=f"schema: expected 1, got {shown}"):
+        gated_tiles.from_dict(_table({}) | {"schema": schema})
 
 
 @pytest.mark.parametrize(("device", "backend"), TRITON)

@@ -55,16 +55,16 @@ def from_dict(raw: object, source: str = "<table>") -> Tiles:
         raise fail("shapes", "expected an object of KxF -> {M: tile}")
     tiles = {}
     for name, by_m in raw["shapes"].items():
-        match = re.fullmatch(r"([1-9][0-9]*)x([1-9][0-9]*)", name)
+        match = isinstance(name, str) and re.fullmatch(r"([1-9][0-9]*)x([1-9][0-9]*)", name)
         if not match or not isinstance(by_m, dict) or not by_m:
             raise fail(f"shapes.{name}", "expected KxF -> a non-empty object of M -> tile")
         entries = []
         for m, tile in by_m.items():
-            if not re.fullmatch(r"[1-9][0-9]*", m) or not _valid_tile(tile):
+            if not (isinstance(m, str) and re.fullmatch(r"[1-9][0-9]*", m) and _valid_tile(tile)):
                 raise fail(
                     f"shapes.{name}.{m}",
                     f"expected M >= 1 -> {{{', '.join(TILE_KEYS)}}} (blocks and warps powers "
-                    "of two, BLOCK_N >= 16, stages >= 1, PERSISTENT a bool)",
+                    "of two, BLOCK_N and BLOCK_K >= 16, stages >= 1, PERSISTENT a bool)",
                 )
             entries.append((int(m), {k: tile[k] for k in TILE_KEYS}))
         tiles[int(match[1]), int(match[2])] = tuple(sorted(entries, key=lambda e: e[0]))
@@ -77,7 +77,8 @@ def _valid_tile(tile: object) -> bool:
     blocks = [tile[k] for k in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "num_warps")]
     powers = all(type(v) is int and v > 0 and v & (v - 1) == 0 for v in blocks)
     stages = type(tile["num_stages"]) is int and tile["num_stages"] >= 1
-    return powers and stages and tile["BLOCK_N"] >= 16 and type(tile["PERSISTENT"]) is bool
+    wide = tile["BLOCK_N"] >= 16 and tile["BLOCK_K"] >= 16  # K >= 16: sm_90's tl.dot minimum
+    return powers and stages and wide and type(tile["PERSISTENT"]) is bool
 
 
 def read_table(path: Path | Traversable) -> Tiles:
