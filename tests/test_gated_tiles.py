@@ -1,6 +1,7 @@
 """The gated GEMM's pinned tiles: the table's checks, its lookup, and the pinned launch."""
 
 import re
+import threading
 
 import pytest
 import torch
@@ -41,6 +42,40 @@ def test_lookup_takes_the_smallest_measured_m_at_or_above_and_the_exact_shape():
         assert gated_tiles.pinned_tile(64, 96, 17) is None  # past the largest measured M
         assert gated_tiles.pinned_tile(64, 128, 1) is None  # a shape never measured
         assert gated_tiles.pinned_tile(96, 64, 1) is None  # K and F are different axes
+
+
+def test_overlapping_use_tiles_in_two_threads_keep_their_own_tables():
+    """Thread a enters, b enters, a exits, b exits: b keeps its table throughout, and no table
+    stays in force after both exit (a module global restored a's table on b's exit)."""
+    a_in, a_out = threading.Event(), threading.Event()
+    seen: dict[str, object] = {}
+
+    def thread_a() -> None:
+        with gated_tiles.use_tiles(_table({"64x96": {"1": _tile(bn=64)}})):
+            a_in.set()
+            assert b_in.wait(5)
+        a_out.set()
+
+    def thread_b() -> None:
+        assert a_in.wait(5)
+        with gated_tiles.use_tiles(_table({"64x96": {"1": _tile(bn=32)}})):
+            b_in.set()
+            assert a_out.wait(5)
+            seen["b"] = gated_tiles.pinned_tile(64, 96, 1)
+
+    b_in = threading.Event()
+    threads = [threading.Thread(target=thread_a), threading.Thread(target=thread_b)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(10)
+    assert seen["b"] is not None and seen["b"]["BLOCK_N"] == 32
+    assert gated_tiles.pinned_tile(64, 96, 1) is None  # the packaged table has no 64x96
+    after = {}
+    thread = threading.Thread(target=lambda: after.update(t=gated_tiles.pinned_tile(64, 96, 1)))
+    thread.start()
+    thread.join(10)
+    assert after == {"t": None}
 
 
 @pytest.mark.parametrize(

@@ -17,6 +17,7 @@ the interpreter, which has no TMA, so CI runs the pinned launch). Every other ca
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import functools
 import importlib.resources
 import re
@@ -91,25 +92,29 @@ def packaged_table() -> Tiles:
     return read_table(importlib.resources.files("swiglu_train.kernels").joinpath(PACKAGED_TABLE))
 
 
-_override: Tiles | None = None
+# Per thread (and asyncio task): a module global let two threads' overlapping use_tiles
+# restore each other's table, leaving one in force after both had exited.
+_override: contextvars.ContextVar[Tiles | None] = contextvars.ContextVar(
+    "gated_tiles_override", default=None
+)
 
 
 @contextlib.contextmanager
 def use_tiles(table: dict | Path) -> Iterator[Tiles]:
-    """Pin from this table (its JSON form or a file) instead of the packaged one: for tests,
-    and for trying a fresh sweep before shipping it."""
-    global _override
+    """Pin from this table (its JSON form or a file) instead of the packaged one, in this
+    thread: for tests, and for trying a fresh sweep before shipping it."""
     tiles = from_dict(table) if isinstance(table, dict) else read_table(Path(table))
-    previous, _override = _override, tiles
+    token = _override.set(tiles)
     try:
         yield tiles
     finally:
-        _override = previous
+        _override.reset(token)
 
 
 def pinned_tile(k: int, f: int, m: int) -> dict | None:
     """The measured tile for x [m, k] @ fc1 [2f, k], or None to autotune."""
-    table = _override if _override is not None else packaged_table()
+    override = _override.get()
+    table = override if override is not None else packaged_table()
     for measured_m, tile in table.get((k, f), ()):
         if m <= measured_m:
             return tile
