@@ -91,6 +91,19 @@ def test_a_near_tie_goes_to_the_path_with_fewer_launches():
     assert fitted["gated"]["16"]["path"] == "quack"
 
 
+def test_quack_s_fallback_is_the_near_tie_rule_without_quack():
+    """quack ties cuBLAS (1.9 %) but not the gated GEMM (3.5 %); without quack the gated GEMM
+    ties cuBLAS (1.6 %) with fewer launches, so it, not the runner-up, is the fallback."""
+    rows = [
+        {"table": "gated", "K": 8, "N": 16, "M": 1}
+        | {"quack_act_ms": 1.0, "cublas_act_ms": 1.019, "gated_triton_ms": 1.035}
+    ]
+    entry = fit.fit_dispatch(rows)["8x16"]["gated"]["1"]
+    assert (entry["path"], entry["runner_up"], entry["fallback"]) == ("quack", "cublas", "gated")
+    alone = fit.fit_dispatch([{k: v for k, v in rows[0].items() if k != "quack_act_ms"}])
+    assert alone["8x16"]["gated"]["1"]["path"] == entry["fallback"]  # a machine without quack
+
+
 def test_merge_joins_runs_split_by_model_and_refits_the_dispatch():
     def part(model, k, ms, gpu="H200", commit="abc"):
         rows = [

@@ -197,7 +197,7 @@ def test_lookup_takes_the_nearest_shape_in_log_d_and_log_f():
 
 def test_a_quack_entry_serves_its_fallback_where_quack_cannot():
     """The table's "quack" path runs only where quack's kernel can take the call; elsewhere
-    (here: no GPU, so no quack) the entry's fallback, the fastest path without quack."""
+    (here: no GPU, so no quack) the entry's fallback, the fit's pick without quack."""
     table = dispatch_table({"32x48": {"mlp": {1: "fused_mlp", 16: "quack"}}})
     table["shapes"]["32x48"]["mlp"]["16"]["fallback"] = "cublas"
     x, w1, w2 = torch.randn(60, 32), torch.randn(96, 32), torch.randn(32, 48)

@@ -30,20 +30,22 @@ def fit_dispatch(rows: Sequence[dict]) -> dict[str, dict[str, dict[str, dict]]]:
     NEAR_TIE of the fastest are tied, and the tie goes to the fewest kernel launches
     (``iv.LAUNCHES``), then the first candidate. Candidates that were not timed (not
     importable, rejected, failed) are not eligible; an M where none was timed gets no entry.
-    A "quack" winner also records its ``fallback``, the fastest of the others; with no other
-    timed, quack is not eligible (a machine without quack would have no path)."""
+    A "quack" winner also records its ``fallback``, what this rule picks without quack (not
+    the runner-up: quack's near-ties can leave out a path that ties the fallback); with no
+    other timed, quack is not eligible (a machine without quack would have no path)."""
     shapes: dict[str, dict[str, dict[str, dict]]] = {}
     for r in sorted(rows, key=lambda r: (r["K"], r["N"], r["table"], r["M"])):
         candidates = iv.CANDIDATES[r["table"]].items()
         timed = {path: r[f"{name}_ms"] for path, name in candidates if f"{name}_ms" in r}
         if not set(timed) - {dispatch.QUACK}:  # nothing timed, or nothing to fall back to
             continue
-        best, *others = _ranked(timed, iv.LAUNCHES[r["table"]])
+        launches = iv.LAUNCHES[r["table"]]
+        best, *others = _ranked(timed, launches)
         entry = {"path": best, "ms": _sig(timed[best]), "runner_up": None, "runner_up_ratio": None}
         if others:
             entry.update(runner_up=others[0], runner_up_ratio=_sig(timed[others[0]] / timed[best]))
         if best == dispatch.QUACK:
-            entry["fallback"] = others[0]
+            entry["fallback"] = _ranked({p: timed[p] for p in others}, launches)[0]
         by_table = shapes.setdefault(f"{r['K']}x{r['N']}", {})
         by_table.setdefault(r["table"], {})[str(r["M"])] = entry
     return shapes

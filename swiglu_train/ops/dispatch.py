@@ -6,7 +6,7 @@ was fastest there (with its ms and the runner-up's margin, for readers):
   "gated"  h alone (fc1 + SwiGLU): "gated" (our Triton gated GEMM), "cublas" (cuBLAS fc1,
            then our activation kernel) or "quack" (quack's GEMM with the SwiGLU epilogue);
   "mlp"    the whole MLP: "fused_mlp", or one of those three followed by cuBLAS fc2.
-A "quack" entry also names its "fallback", the fastest path without quack, which serves where
+A "quack" entry also names its "fallback", the path the fit picks without quack, which serves where
 quack cannot (not installed, below sm_90, fp32, sizes not multiples of 8, fc1 not row-major).
 
 Lookup for (D, F, M): the nearest measured shape by Euclidean distance in (log2 D, log2 F), ties
