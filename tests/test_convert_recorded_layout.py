@@ -366,3 +366,115 @@ def test_a_damaged_file_is_named_as_such_not_as_unsafe(tmp_path, trust):
     assert result.exit_code != 0
     assert "is not a readable checkpoint (EOFError" in result.output
     assert "--trust" not in result.output.replace("--trust]", "")
+
+
+# Converting a Lightning checkpoint retargets the impl its saved init args name, so that
+# `load_from_checkpoint` builds a model that takes the new layout (see _fit_hparams_impl).
+
+
+def original_and_converted(pretrained, tmp_path, impl: str, to: str, chunk: int | None):
+    """(original path, converted path), converted through the CLI as a user would."""
+    dst = tmp_path / "converted.ckpt"
+    ok = invoke("--to", to, *(["--chunk", chunk] if chunk else []), pretrained[impl], dst)
+    assert ok.exit_code == 0, ok.output
+    return pretrained[impl], dst
+
+
+@pytest.mark.parametrize(
+    ("impl", "to", "chunk", "loads_as"),
+    [
+        ("drop_h", "packed", CHUNK, "save_factors"),  # drop_h would build canonical fc1
+        ("save_factors", "canonical", None, "drop_h"),  # save_factors would build packed fc1
+        ("save_factors", "packed", CHUNK, "save_factors"),  # still fits: kept
+        ("drop_h", "canonical", None, "drop_h"),
+    ],
+)
+def test_converted_checkpoint_loads_from_checkpoint_into_an_impl_of_its_layout(
+    pretrained, tmp_path, impl, to, chunk, loads_as
+):
+    """Before, the saved init args still named the saving impl: load_from_checkpoint built the
+    old layout and refused the file (LayoutMismatchError, suggesting a convert back)."""
+    src, dst = original_and_converted(pretrained, tmp_path, impl, to, chunk)
+    before, after = load(src)["hyper_parameters"], load(dst)["hyper_parameters"]
+    assert after["model"].pop("mlp_impl") == loads_as
+    assert before["model"].pop("mlp_impl") == impl
+    assert after == before  # all else in the init args is untouched
+
+    with use_backend("torch"):
+        original = PretrainModule.load_from_checkpoint(src)
+        converted = PretrainModule.load_from_checkpoint(dst)
+        mlp = converted.model.layers[0].mlp
+        assert mlp.impl == loads_as
+        assert mlp.fc1_layout == (PACKED if to == "packed" else CANONICAL)
+        tokens = torch.randint(0, 320, (2, 16), generator=torch.Generator().manual_seed(0))
+        loss = converted.loss(tokens)
+        torch.testing.assert_close(loss, original.loss(tokens))
+        loss.backward()
+    fc1 = [m.mlp.fc1.weight for m in converted.model.layers]
+    assert all(w.grad is not None and w.grad.abs().sum() > 0 for w in fc1)
+
+
+def test_converted_checkpoint_resumes_in_lightning_from_its_own_init_args(pretrained, tmp_path):
+    """A Lightning-native resume (model from load_from_checkpoint, fit with ckpt_path) of a
+    file converted to packed takes the same step as resuming the canonical original: weights
+    and Adam moments were permuted together and the rebuilt impl reads the new layout."""
+    from lightning.pytorch import Trainer, seed_everything
+
+    from swiglu_train.integrations.lightning.data import PackedTextData
+
+    src, dst = original_and_converted(pretrained, tmp_path, "drop_h", "packed", CHUNK)
+    corpus = src.parents[2] / "corpus"
+    cfg = small_config(tmp_path, [str(corpus / "*.py")], "drop_h", 3)
+    cfg.data.val_fraction = 0.0
+    stepped = {}
+    with use_backend("torch"):
+        for path in (src, dst):
+            seed_everything(0)
+            module = PretrainModule.load_from_checkpoint(path, max_steps=3)
+            data = PackedTextData(cfg.data, cfg.model.vocab_size)
+            trainer = Trainer(
+                max_steps=3,
+                logger=False,
+                enable_checkpointing=False,
+                enable_progress_bar=False,
+                enable_model_summary=False,
+                limit_val_batches=0,
+                use_distributed_sampler=False,
+                num_sanity_val_steps=0,
+            )
+            trainer.fit(module, datamodule=data, ckpt_path=str(path))
+            assert trainer.global_step == 3
+            stepped[path] = module
+    assert stepped[dst].model.layers[0].mlp.impl == "save_factors"
+    reference = stepped[src].state_dict()
+    for key, value in stepped[dst].state_dict().items():
+        if key.endswith("fc1.weight"):
+            value = unpacked(value, PACKED)
+        if not key.endswith("_extra_state"):
+            torch.testing.assert_close(value, reference[key], rtol=1e-5, atol=1e-7, msg=key)
+
+
+def test_auto_in_the_init_args_is_pinned_to_the_impl_it_resolved_to(pretrained):
+    """auto resolves per machine (a GPU's table, or drop_h on CPU), so it could rebuild another
+    layout than the file's; convert names the resolved impl the record keeps."""
+    ckpt = load(pretrained["save_factors"])
+    ckpt["hyper_parameters"]["model"]["mlp_impl"] = "auto"  # as a GPU run with auto saves it
+    out = convert_checkpoint(ckpt, to="packed", chunk=CHUNK)
+    assert out["hyper_parameters"]["model"]["mlp_impl"] == "save_factors"
+    out = convert_checkpoint(ckpt, to="canonical")
+    assert out["hyper_parameters"]["model"]["mlp_impl"] == "drop_h"
+
+
+def test_chunk_one_is_save_factors_quack_s_and_another_chunk_names_the_convert_back(
+    pretrained, tmp_path
+):
+    """Only save_factors_quack builds chunk 1; save_factors builds its default chunk (32 here),
+    so a file packed by 16 fits no model PretrainModule builds: the load names the convert."""
+    ckpt = load(pretrained["drop_h"])
+    out = convert_checkpoint(ckpt, to="packed", chunk=1)
+    assert out["hyper_parameters"]["model"]["mlp_impl"] == "save_factors_quack"
+
+    _, dst = original_and_converted(pretrained, tmp_path, "drop_h", "packed", 16)
+    assert load(dst)["hyper_parameters"]["model"]["mlp_impl"] == "save_factors"
+    with pytest.raises(ValueError, match=r"convert --to packed --chunk 32 CKPT OUT"):
+        PretrainModule.load_from_checkpoint(dst)

@@ -158,12 +158,23 @@ def convert(
     ] = None,
     trust: Annotated[bool, typer.Option(help="unpickle arbitrary objects (trusted files)")] = False,
 ) -> None:
-    """Convert ParMLP fc1 weights, and their optimizer state, between layouts."""
+    """Convert ParMLP fc1 weights, and their optimizer state, between layouts.
+
+    A Lightning checkpoint's hyper-parameters are made to name an impl of the new layout
+    (model.mlp_impl: kept if it builds it, else drop_h for canonical, save_factors for packed,
+    save_factors_quack for chunk 1), so that load_from_checkpoint builds a model that takes it.
+    """
     import torch
     from rich.table import Table
 
     from swiglu_train.layers.layout import CANONICAL, Layout
-    from swiglu_train.packing import convert_checkpoint, from_hf, records_layout, to_hf
+    from swiglu_train.packing import (
+        convert_checkpoint,
+        from_hf,
+        hparams_impl,
+        records_layout,
+        to_hf,
+    )
 
     if to not in ("packed", "canonical", "hf"):
         raise typer.BadParameter("--to must be packed, canonical or hf")
@@ -221,3 +232,6 @@ def convert(
         prefix = escape(r.prefix.rstrip(".")) or "(root)"
         table.add_row(prefix, r.source, r.target, str(r.optimizer_states))
     console.print(table)
+    before, after = hparams_impl(ckpt), hparams_impl(out) if to != "hf" else None
+    if after is not None and after != before:
+        console.print(f"hyper_parameters model.mlp_impl: {before} -> {after} (fits the new layout)")

@@ -7,6 +7,8 @@ records: a packed ParMLP's stamp, and our Lightning checkpoints' ``swiglu_train.
 A layout the caller assumes must agree with a recorded one: reading rows in the wrong layout
 would scramble fc1 without any error. Optimizer state is mapped through the parameter names
 the checkpoint records; without them the mapping would be a guess, so it is refused.
+A Lightning checkpoint's saved init args name the impl ``load_from_checkpoint`` builds; they
+are made to name one of the new layout, or the model built from them could not take the file.
 """
 
 from __future__ import annotations
@@ -20,10 +22,18 @@ from torch import nn
 from swiglu_train.layers import ParMLP
 from swiglu_train.layers.layout import CANONICAL, Layout, order
 from swiglu_train.layers.par_mlp import STAMP_KEY
-from swiglu_train.layers.registry import impls_for_layout
+from swiglu_train.layers.registry import (
+    IMPL_CHOICES,
+    MLP_IMPLS,
+    PACKED_IMPLS,
+    impls_for_layout,
+    packed_chunk,
+)
 from swiglu_train.packing.optimizer import permute_state
 
 CKPT_KEY = "swiglu_train"  # where Lightning checkpoints record layout and optimizer names
+HPARAMS_KEY = "hyper_parameters"  # Lightning's saved init args: PretrainModule's model.mlp_impl
+CANONICAL_IMPL = "drop_h"  # recorded for canonical fc1: ModelConfig's default, runs anywhere
 DEFAULT_CHUNK = 128
 
 
@@ -78,7 +88,9 @@ def convert_checkpoint(
     layout the checkpoint does not record are read as ``assume_layout`` (canonical by default:
     the ecosystem's layout); one it records must agree with ``assume_layout`` when given.
     A Lightning record gets the new layout, and keeps its ``mlp_impl`` only where that impl's
-    layout is the new one (:func:`_record_conversion`).
+    layout is the new one (:func:`_record_conversion`); the saved init args'
+    ``model.mlp_impl`` is made to build fc1 in the new layout (:func:`_fit_hparams_impl`), all
+    else in them is kept.
     """
     if to not in ("packed", "canonical"):
         raise ValueError(f"to must be 'packed' or 'canonical', got {to!r}")
@@ -136,7 +148,57 @@ def convert_checkpoint(
     if lightning and CKPT_KEY in out:
         source = record or (next(iter(sources)) if len(sources) == 1 else None)
         _record_conversion(out[CKPT_KEY], source, target)
+    if lightning:
+        ffn_sizes = {state[prefix + "fc1.weight"].shape[0] // 2 for prefix in prefixes}
+        _fit_hparams_impl(out, target, ffn_sizes)
     return out
+
+
+def built_layout(impl: str, ffn_size: int) -> Layout:
+    """The fc1 layout of ``ParMLP(..., impl=impl)`` built with no chunk, as PretrainModule's
+    decoder builds it: save_factors packs by its default chunk, whichever chunk a file has."""
+    if impl not in PACKED_IMPLS:
+        return CANONICAL
+    return Layout("packed", packed_chunk(impl, None, ffn_size))
+
+
+def hparams_impl(ckpt: dict) -> str | None:
+    """The impl name in a Lightning checkpoint's saved init args (``model.mlp_impl``), if any."""
+    hparams = ckpt.get(HPARAMS_KEY)
+    model = hparams.get("model") if isinstance(hparams, dict) else None  # not an old Namespace
+    impl = model.get("mlp_impl") if isinstance(model, dict) else None
+    return impl if impl in IMPL_CHOICES else None
+
+
+def _fit_hparams_impl(ckpt: dict, target: Layout, ffn_sizes: set[int]) -> None:
+    """Make the saved init args name an impl whose model holds fc1 in ``target``.
+
+    ``load_from_checkpoint`` builds the model from them, so the impl the file was saved by
+    would build the old layout and refuse the file (its optimizer state would be misread).
+    Unlike the record's label, the name cannot simply be dropped: the model needs one (and
+    ModelConfig's default is canonical). The name is kept where it builds ``target``; else
+    the record's resolved impl where that does (``auto`` is pinned: it could resolve to
+    another layout on another machine); else drop_h for canonical, save_factors for packed
+    (save_factors_quack for chunk 1, its fixed chunk). A chunk other than save_factors'
+    default (the largest power of two up to 128 dividing F) is built by no impl: the file
+    then loads after a convert to that chunk, which the load's error names.
+    """
+    old = hparams_impl(ckpt)
+    if old is None:
+        return
+
+    def builds(impl: object) -> bool:
+        return impl in MLP_IMPLS and all(built_layout(impl, f) == target for f in ffn_sizes)
+
+    recorded = ckpt.get(CKPT_KEY, {}).get("mlp_impl")  # kept only if it reads the new layout
+    if not target.packed:
+        default = CANONICAL_IMPL
+    elif target.chunk == 1 and not builds("save_factors"):
+        default = "save_factors_quack"
+    else:
+        default = "save_factors"
+    new = next(impl for impl in (old, recorded, default) if builds(impl) or impl == default)
+    ckpt[HPARAMS_KEY]["model"]["mlp_impl"] = new
 
 
 def _record_conversion(meta: dict, source: Layout | None, target: Layout) -> None:

@@ -42,9 +42,20 @@ def lr_factor(step: int, warmup: int, total: int, min_ratio: float) -> float:
 
 
 class PretrainModule(pl.LightningModule):
-    def __init__(self, model: ModelConfig, optim: OptimConfig, max_steps: int) -> None:
+    def __init__(
+        self, model: ModelConfig | dict, optim: OptimConfig | dict, max_steps: int
+    ) -> None:
+        """``model`` and ``optim`` may be dicts: ``load_from_checkpoint`` passes the saved
+        hyper-parameters back in as they were saved, and they include ``max_steps`` so that it
+        needs no argument (an older checkpoint lacks it: pass ``max_steps=``)."""
         super().__init__()
-        self.save_hyperparameters({"model": asdict(model), "optim": asdict(optim)})
+        if isinstance(model, dict):
+            model = ModelConfig(**model)
+        if isinstance(optim, dict):  # betas may come back as a list
+            optim = OptimConfig(**{**optim, "betas": tuple(optim.get("betas", OptimConfig.betas))})
+        self.save_hyperparameters(
+            {"model": asdict(model), "optim": asdict(optim), "max_steps": max_steps}
+        )
         self.model_cfg, self.optim_cfg, self.max_steps = model, optim, max_steps
         self.model = LlamaDecoder(model)
         # What fixes the batches (corpus, batch shape, world size), stamped into checkpoints so
