@@ -13,7 +13,8 @@ from lightning.pytorch.loggers import CSVLogger, WandbLogger
 from memory_models import Stack
 
 from swiglu_train.integrations.lightning import MemoryProfilerCallback
-from swiglu_train.memory import MemoryProfiler
+from swiglu_train.integrations.lightning.memory_callback import _fold_backward
+from swiglu_train.memory import MemoryProfiler, StepMemory
 
 M, D, FFN, LAYERS, BATCHES = 12, 16, 24, 3, 8
 
@@ -210,6 +211,51 @@ def test_manual_optimization_measures_each_backward(tmp_path):
     assert all(r.saved_bytes == expected_saved_bytes("drop_h") for r in callback.records)
     assert torch._C._autograd._top_saved_tensors_default_hooks(False) is None
     assert [int(r["step"]) for r in read_csv(tmp_path / "memory.csv")] == list(range(BATCHES))
+
+
+class TwoLossesOneForwardModule(StackModule):
+    """Manual optimization: one forward, two losses, each through manual_backward."""
+
+    def __init__(self) -> None:
+        super().__init__("normal")  # drop_h backpropagates in place: no retain_graph
+        self.automatic_optimization = False
+
+    def training_step(self, batch, batch_idx):
+        optimizer = self.optimizers()
+        loss = self.model(batch)
+        self.manual_backward(loss, retain_graph=True)
+        self.manual_backward(2 * loss)  # mul by a constant saves nothing: no forward of its own
+        optimizer.step()
+        optimizer.zero_grad()
+
+
+def test_manual_optimization_two_losses_of_one_forward_make_one_figure(tmp_path):
+    callback = fit_module(tmp_path, TwoLossesOneForwardModule())
+    expected = expected_saved_bytes("normal")
+    assert [(r.step, r.saved_bytes) for r in callback.records] == [
+        (s, expected) for s in range(BATCHES)
+    ]  # no empty record for the second backward
+    assert all(len(r.layers) == LAYERS and r.saved_tensors > 0 for r in callback.records)
+    assert torch._C._autograd._top_saved_tensors_default_hooks(False) is None
+    rows = read_csv(tmp_path / "memory.csv")
+    assert [int(r["step"]) for r in rows] == list(range(BATCHES))
+    assert all(float(r["memory/saved_MiB"]) == pytest.approx(expected / 2**20) for r in rows)
+
+
+def test_a_folded_backward_s_peak_is_moved_onto_the_forward_s_start():
+    """CUDA figures are relative to each record's start; the fold re-bases the second peak."""
+    forward = StepMemory(step=0, saved_bytes=100, allocated_MiB=10.0, backward_peak_MiB=5.0)
+    forward.saved_tensors = 3
+    # Began after the first backward, 4 MiB higher (grads, the retained graph); peaked 3 above.
+    again = StepMemory(step=0, saved_bytes=0, allocated_MiB=14.0, backward_peak_MiB=3.0)
+    _fold_backward(forward, again)
+    assert forward.backward_peak_MiB == 7.0 and forward.saved_bytes == 100
+    lower = StepMemory(step=0, saved_bytes=0, allocated_MiB=11.0, backward_peak_MiB=1.0)
+    _fold_backward(forward, lower)
+    assert forward.backward_peak_MiB == 7.0  # a lower second peak changes nothing
+    on_cpu = StepMemory(step=0, saved_bytes=0)
+    _fold_backward(forward, on_cpu)
+    assert forward.backward_peak_MiB == 7.0
 
 
 class ValidatedModule(StackModule):

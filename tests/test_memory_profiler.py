@@ -270,3 +270,19 @@ def test_a_saved_mkldnn_tensor_is_sized_from_its_shape_and_the_step_trains():
     assert model.lin.weight.grad is not None and model.lin.weight.grad.abs().sum() > 0
     # Linear saves x, to_mkldnn its dense input; relu and to_dense save one mkldnn output.
     assert record.saved_bytes == 3 * M * D * 4
+
+
+def test_a_step_that_only_reruns_a_retained_graph_packs_no_tensor():
+    """saved_tensors tells a backward with no forward of its own from a forward saving 0 B."""
+    model = Stack(2, D, FFN, "normal")
+    profiler = MemoryProfiler(model)
+    with profiler.step(0) as p:
+        loss = model(torch.randn(M, D))
+        p.forward_done()
+        loss.backward(retain_graph=True)
+    with profiler.step(0) as p:
+        p.forward_done()
+        loss.backward()
+    first, again = profiler.records
+    assert first.saved_tensors > 0 and first.saved_bytes > 0
+    assert again.saved_tensors == 0 and again.saved_bytes == 0

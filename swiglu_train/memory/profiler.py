@@ -51,6 +51,9 @@ class StepMemory:
     forward_peak_MiB: float | None = None
     backward_peak_MiB: float | None = None
     allocated_MiB: float | None = None  # absolute, at step start
+    # Tensors packed for backward, parameters included: 0 means the step's backward ran through
+    # a graph an earlier step built (retain_graph), so it has no forward of its own.
+    saved_tensors: int = 0
 
     @property
     def peak_MiB(self) -> float | None:
@@ -206,6 +209,7 @@ class _StepState:
         self.hooks.__enter__()
 
     def _pack(self, t: torch.Tensor) -> torch.Tensor:
+        self.record.saved_tensors += 1
         for key, nbytes in storages(t):
             if key not in self.excluded:
                 self.saved[key] = nbytes

@@ -8,9 +8,12 @@ only. Under gradient accumulation the micro-batches of one optimizer step are re
 maxima (each micro-batch's graph is freed by its backward, so maxima, not sums, are what is
 held at once). Under manual optimization each ``manual_backward`` closes a micro-batch and
 the next one begins right after it, so several forward/backward pairs in one
-``training_step`` are each measured. A micro-batch left open when its batch ends (a None
-loss skipped backward) is dropped there, so no hook outlives the batch or the fit. Only global
-rank 0 logs, with its own device's figures.
+``training_step`` are each measured; a backward that follows no forward of its own (two
+losses of one forward, the first backward with ``retain_graph=True``) is folded into the
+micro-batch of the forward whose graph it runs through, so there is one figure per forward
+and no empty one. A micro-batch left open when its batch ends (a None loss skipped backward)
+is dropped there, so no hook outlives the batch or the fit. Only global rank 0 logs, with its
+own device's figures.
 """
 
 from __future__ import annotations
@@ -44,13 +47,14 @@ class MemoryProfilerCallback(pl.Callback):
         self.profiler: MemoryProfiler | None = None
         self.csv: MemoryCsv | None = None
         self._micro_batches: list[StepMemory] = []
+        self._batch_start = 0  # index in _micro_batches of the current batch's first record
         self._wandb_loggers: list[WandbLogger] = []
         self.last_metrics: dict[str, float] = {}  # the latest step logged
         self.max_metrics: dict[str, float] = {}  # every key's maximum over the run
 
     @property
     def records(self) -> list[StepMemory]:
-        """This rank's figures, one per micro-batch, oldest first; empty before ``fit``."""
+        """This rank's figures, one per micro-batch (per forward), oldest first; none before fit."""
         return self.profiler.records if self.profiler is not None else []
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -84,6 +88,7 @@ class MemoryProfilerCallback(pl.Callback):
                 logger.experiment.config.update({"micro_batch_shape": shape})
         profiler = self._set_up("on_train_batch_start", self.profiler, "setup")
         profiler.abort()  # a micro-batch that skipped backward (None loss) leaves no hooks
+        self._batch_start = len(self._micro_batches)
         profiler.begin(trainer.global_step)
 
     def on_before_backward(self, trainer, pl_module, loss) -> None:
@@ -91,7 +96,14 @@ class MemoryProfilerCallback(pl.Callback):
 
     def on_after_backward(self, trainer, pl_module) -> None:
         profiler = self._set_up("on_after_backward", self.profiler, "setup")
-        self._micro_batches.append(profiler.backward_done())
+        record = profiler.backward_done()
+        if record.saved_tensors == 0 and len(self._micro_batches) > self._batch_start:
+            # No forward since the last backward of this batch: its graph was retained and run
+            # again. An empty record would claim a forward that saved nothing.
+            profiler.records.pop()  # backward_done appended it last
+            _fold_backward(self._micro_batches[-1], record)
+        else:
+            self._micro_batches.append(record)
         if not pl_module.automatic_optimization:  # training_step may run another forward
             profiler.begin(trainer.global_step)
 
@@ -126,6 +138,15 @@ class MemoryProfilerCallback(pl.Callback):
                 "inside a Trainer; pass it as pl.Trainer(callbacks=[...]) and call trainer.fit"
             )
         return part
+
+
+def _fold_backward(into: StepMemory, again: StepMemory) -> None:
+    """Add a second backward through ``into``'s graph to ``into``: its peak, which ``again``
+    measured over its own start, is moved onto ``into``'s start (both are absolute there)."""
+    if None in (again.backward_peak_MiB, again.allocated_MiB, into.allocated_MiB):
+        return  # off CUDA: no allocator figures to fold
+    peak = again.allocated_MiB + again.backward_peak_MiB - into.allocated_MiB
+    into.backward_peak_MiB = max(into.backward_peak_MiB or 0.0, peak)
 
 
 def _max_over(metrics: list[dict[str, float]]) -> dict[str, float]:
