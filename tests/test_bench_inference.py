@@ -164,6 +164,40 @@ def test_judge_table_scores_a_shipped_table_on_another_run(tmp_path):
     assert cli.exit_code != 0 and "was fit on A100 bf16; this run is H200 bf16" in cli.output
 
 
+def test_judge_table_takes_the_paths_dispatch_would_at_any_shape_and_m():
+    """Out of sample, each row gets what ops.dispatch serves with the table: the nearest shape
+    and M, and a quack entry's fallback where this run did not time quack;
+    a pick this run did not time is named, not judged on the other rows alone."""
+
+    def row(model, k, n, m, **ms):
+        speedups = {f"{v}_speedup_vs_eager": 2.0 / t for v, t in ms.items()}
+        base = {"table": "gated", "model": model, "K": k, "N": n, "M": m, "eager_ms": 2.0}
+        return base | {f"{v}_ms": t for v, t in ms.items()} | speedups
+
+    def result(rows):
+        return {"gpu": "H200", "commit": "abc", "meta": {"dtype": "bf16"}, "rows": rows}
+
+    fitted = fit.merge_results([result([  # quack at M=1 (falling back to gated), cuBLAS at 16
+        row("a", 8, 16, 1, quack_act=1.0, gated_triton=1.1, cublas_act=1.5),
+        row("a", 8, 16, 16, quack_act=2.0, gated_triton=3.0, cublas_act=1.0),
+    ])])  # fmt: skip
+    table = fit.dispatch_table(fitted, "fit run")
+    assert table["shapes"]["8x16"]["gated"]["1"]["fallback"] == "gated"
+    run = result(
+        [  # no quack here; M=4 and 8x32 were never measured by the table's run
+            row("b", 8, 16, 1, gated_triton=1.0, cublas_act=2.0),
+            row("b", 8, 16, 4, gated_triton=1.0, cublas_act=0.5),
+            row("c", 8, 32, 16, gated_triton=4.0, cublas_act=1.0),
+        ]
+    )
+    judged = fit.judge_table(run, table, "t.json")["judged"]["gated"]
+    assert judged["rows"] == 3  # gated (fallback), gated (nearest M is 1), cublas (nearest shape)
+    assert judged["geomean_speedup_vs_eager"] == 2.0  # 2/1, 2/1, 2/1
+    del run["rows"][2]["cublas_act_ms"]
+    with pytest.raises(ValueError, match="picks cublas for gated 8x32 at c M=16, which this run"):
+        fit.judge_table(run, table, "t.json")
+
+
 def test_judge_dispatch_scores_the_fitted_choice_in_sample():
     def row(model, m, cand, speedup, **ms):
         base = {"table": "gated", "model": model, "K": 8, "N": 16, "M": m}

@@ -160,7 +160,13 @@ def judge_dispatch(rows: Sequence[dict], fitted: dict, annotate: bool = True) ->
         if entry is None:
             continue
         variant = iv.CANDIDATES[r["table"]][entry["path"]]
-        ms, where = r[f"{variant}_ms"], f"{r['model']} M={r['M']}"
+        where = f"{r['model']} M={r['M']}"
+        if f"{variant}_ms" not in r:  # out of sample: the pick was skipped or failed in this run
+            raise ValueError(
+                f"the table picks {entry['path']} for {r['table']} {r['K']}x{r['N']} at {where}, "
+                "which this run did not time"
+            )
+        ms = r[f"{variant}_ms"]
         baseline = min(r[k] for k in ("eager_ms", "compile_ms") if k in r)
         speedup = r[f"{variant}_speedup_vs_eager"]
         if annotate:
@@ -186,13 +192,22 @@ def judge_dispatch(rows: Sequence[dict], fitted: dict, annotate: bool = True) ->
 
 
 def judge_table(result: dict, table: dict, source: str) -> dict:
-    """A shipped dispatch table judged on another run's rows (out of sample): the table picks
-    among the candidates this run timed, at the (shape, M) it has an entry for."""
-    dispatch.DispatchTable.from_dict(table, source)
+    """A shipped dispatch table judged on another run's rows (out of sample): every row takes
+    the path ``ops.dispatch`` would give it with this table (the nearest measured shape and M,
+    a quack entry's fallback where this run did not time quack), so a run at other shapes or
+    M is judged too, rather than only at (shape, M) pairs the table has an entry for."""
+    parsed = dispatch.DispatchTable.from_dict(table, source)
     if table["gpu"] != result["gpu"] or table["dtype"] != result["meta"]["dtype"]:
         raise ValueError(
             f"{source} was fit on {table['gpu']} {table['dtype']}; this run is "
             f"{result['gpu']} {result['meta']['dtype']}"
         )
-    judged = judge_dispatch(result["rows"], table["shapes"], annotate=False)
+    picks: dict[str, dict[str, dict[str, dict]]] = {}
+    with dispatch.use_table(parsed):
+        for r in result["rows"]:
+            quack = f"{iv.CANDIDATES[r['table']][dispatch.QUACK]}_ms" in r
+            path = dispatch.choose(r["table"], r["K"], r["N"], r["M"], lambda q=quack: q)
+            by_m = picks.setdefault(f"{r['K']}x{r['N']}", {}).setdefault(r["table"], {})
+            by_m[str(r["M"])] = {"path": path}
+    judged = judge_dispatch(result["rows"], picks, annotate=False)
     return {"table": source, "table_commit": table["commit"], "judged": judged}
