@@ -1,5 +1,6 @@
-"""bench-memory writes its table and plot atomically, like its JSON."""
+"""bench-memory renders its JSON, table and plot before writing any: the three stay one run."""
 
+import json
 from pathlib import Path
 
 from typer.testing import CliRunner
@@ -20,14 +21,40 @@ class _FailingFigure:
         raise OSError("No space left on device")
 
 
-def test_a_failed_plot_leaves_the_previous_png_whole(tmp_path, monkeypatch):
+ARGS = ["bench-memory", "--device", "cpu", "--dtype", "fp32", "--shape", "8,16,24,16"]
+
+
+def test_a_failed_plot_leaves_the_previous_run_s_files_untouched(tmp_path, monkeypatch):
     out = tmp_path / "stack.json"
-    previous = b"\x89PNG previous run"
-    out.with_suffix(".png").write_bytes(previous)
+    previous = {
+        out: b'{"results": "previous run"}\n',
+        out.with_suffix(".md"): b"| previous run |\n",
+        out.with_suffix(".png"): b"\x89PNG previous run",
+    }
+    for path, content in previous.items():
+        path.write_bytes(content)
     monkeypatch.setattr(memory_stack, "plot", lambda rows: _FailingFigure())
-    args = ["bench-memory", "--device", "cpu", "--dtype", "fp32", "--shape", "8,16,24,16"]
-    result = CliRunner().invoke(app, [*args, "--layers", "1", "--json", str(out)])
+    result = CliRunner().invoke(app, [*ARGS, "--layers", "1", "--json", str(out)])
     assert isinstance(result.exception, OSError)
-    assert out.with_suffix(".png").read_bytes() == previous
-    assert "| drop_h | 1 |" in out.with_suffix(".md").read_text()
+    assert {path: path.read_bytes() for path in previous} == previous  # no new JSON or table
     assert sorted(p.name for p in tmp_path.iterdir()) == ["stack.json", "stack.md", "stack.png"]
+
+
+def test_a_failed_plot_on_a_first_run_writes_nothing(tmp_path, monkeypatch):
+    monkeypatch.setattr(memory_stack, "plot", lambda rows: _FailingFigure())
+    out = tmp_path / "results" / "stack.json"
+    result = CliRunner().invoke(app, [*ARGS, "--layers", "1", "--json", str(out)])
+    assert isinstance(result.exception, OSError)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_run_writes_the_three_files_of_one_result(tmp_path):
+    out = tmp_path / "stack.json"
+    result = CliRunner().invoke(app, [*ARGS, "--layers", "1,2", "--json", str(out)])
+    assert result.exit_code == 0, result.output
+    rows = json.loads(out.read_text())["results"]
+    assert [(r["impl"], r["layers"]) for r in rows] == [
+        (impl, n) for impl in ("normal", "drop_h") for n in (1, 2)
+    ]
+    assert out.with_suffix(".md").read_text() == memory_stack.to_markdown(rows)
+    assert out.with_suffix(".png").read_bytes().startswith(b"\x89PNG\r\n\x1a\n")

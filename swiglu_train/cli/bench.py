@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import json
 from pathlib import Path
 from typing import Annotated
@@ -253,13 +254,20 @@ def bench_memory(
             "dtype": dtype,
             "device": device,
         }
-        write_json_atomic(json_path, {"meta": meta, "results": rows, "overhead": overhead})
-        # Atomic like the JSON: an interrupted run must not leave a truncated table or PNG
-        # beside a complete JSON from which they seem to come.
-        with atomic_write(json_path.with_suffix(".md")) as f:
-            f.write(markdown)
-        with atomic_write(json_path.with_suffix(".png"), "wb") as f:
-            memory_stack.plot(rows).savefig(f, format="png", dpi=120)
+        # Everything is rendered in memory before any file is touched, then each is written
+        # atomically: a failed render (the plot) leaves the previous run's three files as they
+        # were, never a new JSON and table beside an old PNG.
+        payload = {"meta": meta, "results": rows, "overhead": overhead}
+        png = io.BytesIO()
+        memory_stack.plot(rows).savefig(png, format="png", dpi=120)
+        outputs = {
+            json_path: json.dumps(payload, indent=2).encode() + b"\n",
+            json_path.with_suffix(".md"): markdown.encode(),
+            json_path.with_suffix(".png"): png.getvalue(),
+        }
+        for path, content in outputs.items():
+            with atomic_write(path, "wb") as f:
+                f.write(content)
         console.print(f"wrote {escape(str(json_path))} (.md, .png)")
 
 
