@@ -17,6 +17,7 @@ from swiglu_train.ops import (
     reference,
 )
 from swiglu_train.ops.quack_mlp import (
+    ONE_M_TILE_N,
     SMALL_M_TILES_N,
     quack_available,
     quack_swiglu_projection,
@@ -161,7 +162,7 @@ def test_no_grad_quack_path_where_the_table_names_it(m):
     reason="the small-M rule pins SM90 configs only",
 )
 @pytest.mark.parametrize("interleaved", [False, True], ids=["canonical", "interleaved"])
-@pytest.mark.parametrize("tile_n", SMALL_M_TILES_N)
+@pytest.mark.parametrize("tile_n", SMALL_M_TILES_N + ONE_M_TILE_N)  # 100 rows: one M tile
 def test_small_m_projection_at_every_n_tile(tile_n, interleaved, monkeypatch):
     """Each N tile the small-M rule can pin (pingpong up to 192, cooperative above) computes
     h with a bias: F is the narrowest that makes this GPU's SM count pick it at 100 rows."""
