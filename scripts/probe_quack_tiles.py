@@ -14,8 +14,7 @@ not timed. Whether one beats the rule's pick shows in ``rule ÷ best``.
 from __future__ import annotations
 
 import argparse
-import shlex
-import sys
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -30,9 +29,8 @@ from swiglu_train.bench.inference import (
     rel_err,
     weight_copies,
 )
-from swiglu_train.bench.mlp import environment
+from swiglu_train.bench.mlp import write_probe_result
 from swiglu_train.bench.timing import Case, paired_samples
-from swiglu_train.files import atomic_write, write_json_atomic
 from swiglu_train.ops import reference
 from swiglu_train.ops.quack_mlp import (
     SMALL_M_TILES_N,
@@ -141,14 +139,15 @@ def main() -> None:
             print(f"{model:5s} M={m:4d} rule {r['rule']:8s} best {r['best']:8s} "
                   f"rule/best {r['rule_over_best']:.3f} default/rule {r['default_over_rule']:.3f}",
                   flush=True)  # fmt: skip
-    env = environment(torch.device("cuda"), args.commit)
-    command = "python scripts/probe_quack_tiles.py " + shlex.join(sys.argv[1:])
-    result = {"gpu": env["device_name"], "commit": env["commit"], "command": command}
-    result |= {"environment": env, "samples": args.samples, "rows": rows}
-    write_json_atomic(args.json, result)
-    if args.md:
-        with atomic_write(args.md) as fh:
-            fh.write(to_markdown(result))
+    write_probe_result(
+        f"scripts/{Path(__file__).name}",
+        rows,
+        args.samples,
+        args.commit,
+        args.json,
+        args.md,
+        to_markdown,
+    )
 
 
 if __name__ == "__main__":

@@ -16,8 +16,7 @@ BLOCK_K, stages, warps, persistent 0/1), so a tile can be tried before it joins 
 from __future__ import annotations
 
 import argparse
-import shlex
-import sys
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -31,9 +30,9 @@ from swiglu_train.bench.inference import (
     rel_err,
     weight_copies,
 )
-from swiglu_train.bench.mlp import environment
+from swiglu_train.bench.mlp import write_probe_result
 from swiglu_train.bench.timing import Case, paired_samples
-from swiglu_train.files import atomic_write, write_json_atomic
+from swiglu_train.files import write_json_atomic
 from swiglu_train.kernels import gated_gemm, gated_tiles
 from swiglu_train.kernels.runtime import m_bucket
 from swiglu_train.ops import reference
@@ -159,14 +158,15 @@ def main() -> None:
         print(f"M={r['M']} K={r['K']} F={r['F']}: best {r['best']} "
               f"{r['over_gemm_only'][r['best']]:.3f}, autotuned {r['autotuned']} "
               f"{r['over_gemm_only']['autotuned']:.3f}", flush=True)  # fmt: skip
-    env = environment(torch.device("cuda"), args.commit)
-    command = "python scripts/sweep_gated_configs.py " + shlex.join(sys.argv[1:])
-    result = {"gpu": env["device_name"], "commit": env["commit"], "command": command}
-    result |= {"environment": env, "samples": args.samples, "rows": rows}
-    write_json_atomic(args.json, result)
-    if args.md:
-        with atomic_write(args.md) as fh:
-            fh.write(to_markdown(result))
+    result = write_probe_result(
+        f"scripts/{Path(__file__).name}",
+        rows,
+        args.samples,
+        args.commit,
+        args.json,
+        args.md,
+        to_markdown,
+    )
     if args.table:
         gated_tiles.from_dict(tile_table(result))  # what the kernel will read must validate
         write_json_atomic(args.table, tile_table(result))

@@ -61,3 +61,22 @@ def test_summarize_runs_pairs_rounds_and_writes_both_files(tmp_path, monkeypatch
     assert rows["drop_h"]["rounds"] == 2 and rows["drop_h"]["after_forward_MiB"] == 700.0
     assert "| drop_h | 2 | 150 | 1.000 | 700.0 | 900.0 | 5.700 → 3.000 |" in out_md.read_text()
     assert not list(tmp_path.glob("*.tmp"))
+
+
+def test_probe_result_records_where_and_how_it_was_measured(tmp_path, monkeypatch):
+    import torch
+
+    from swiglu_train.bench.mlp import write_probe_result
+
+    monkeypatch.setattr("sys.argv", ["probe.py", "--models", "7b", "--json", "out.json"])
+    rows = [{"M": 1, "ratio": 1.5}]
+    md = tmp_path / "out.md"
+    result = write_probe_result(
+        "scripts/probe.py", rows, 30, "abc1234", str(tmp_path / "out.json"), str(md),
+        lambda r: f"{len(r['rows'])} row at {r['commit']}\n", torch.device("cpu"),
+    )  # fmt: skip
+    saved = json.loads((tmp_path / "out.json").read_text())
+    assert saved == result and saved["rows"] == rows and saved["samples"] == 30
+    assert saved["command"] == "python scripts/probe.py --models 7b --json out.json"
+    assert saved["commit"] == "abc1234" and saved["gpu"] == "cpu"
+    assert md.read_text() == "1 row at abc1234\n"

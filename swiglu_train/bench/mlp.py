@@ -10,7 +10,9 @@ from __future__ import annotations
 import contextlib
 import datetime
 import importlib.metadata
+import shlex
 import subprocess
+import sys
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 
@@ -19,6 +21,7 @@ import torch
 
 from swiglu_train.bench.timing import PHASES, Case, Clock, memory_mib, paired_samples, run_once
 from swiglu_train.bench.variants import BUILDERS, LayerWeights
+from swiglu_train.files import atomic_write, write_json_atomic
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 TARGET_SHAPE = (11136, 3584, 14336, 3584)  # seed 000's [M, D, F, O]
@@ -213,6 +216,29 @@ def environment(device: torch.device, commit: str | None) -> dict:
         "versions": versions,
         "commit": commit or git_commit(),
     }
+
+
+def write_probe_result(
+    script: str,
+    rows: list[dict],
+    samples: int,
+    commit: str | None,
+    json_path: str,
+    md_path: str | None = None,
+    to_markdown: Callable[[dict], str] | None = None,
+    device: torch.device = torch.device("cuda"),  # noqa: B008 (a constant, never mutated)
+) -> dict:
+    """A GPU probe script's result: its rows with the GPU, commit, exact command and
+    environment, written atomically as JSON (and as markdown when asked)."""
+    env = environment(device, commit)
+    command = f"python {script} " + shlex.join(sys.argv[1:])
+    result = {"gpu": env["device_name"], "commit": env["commit"], "command": command}
+    result |= {"environment": env, "samples": samples, "rows": rows}
+    write_json_atomic(json_path, result)
+    if md_path and to_markdown is not None:
+        with atomic_write(md_path) as fh:
+            fh.write(to_markdown(result))
+    return result
 
 
 def _meta(cfg: BenchConfig, device: torch.device, reference_variant: str | None) -> dict:
