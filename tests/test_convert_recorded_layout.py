@@ -13,6 +13,7 @@ from typer.testing import CliRunner
 
 from swiglu_train import ParMLP
 from swiglu_train.cli import app
+from swiglu_train.integrations.lightning.model import ModelConfig
 from swiglu_train.integrations.lightning.module import PretrainModule
 from swiglu_train.integrations.lightning.pretrain import run_pretrain
 from swiglu_train.layers.layout import CANONICAL, Layout, packed_order
@@ -398,6 +399,8 @@ def test_converted_checkpoint_loads_from_checkpoint_into_an_impl_of_its_layout(
     before, after = load(src)["hyper_parameters"], load(dst)["hyper_parameters"]
     assert after["model"].pop("mlp_impl") == loads_as
     assert before["model"].pop("mlp_impl") == impl
+    assert after["model"].pop("mlp_chunk") == (CHUNK if to == "packed" else None)
+    assert before["model"].pop("mlp_chunk") is None  # pretrain's default chunk
     assert after == before  # all else in the init args is untouched
 
     with use_backend("torch"):
@@ -465,16 +468,58 @@ def test_auto_in_the_init_args_is_pinned_to_the_impl_it_resolved_to(pretrained):
     assert out["hyper_parameters"]["model"]["mlp_impl"] == "drop_h"
 
 
-def test_chunk_one_is_save_factors_quack_s_and_another_chunk_names_the_convert_back(
-    pretrained, tmp_path
-):
-    """Only save_factors_quack builds chunk 1; save_factors builds its default chunk (32 here),
-    so a file packed by 16 fits no model PretrainModule builds: the load names the convert."""
-    ckpt = load(pretrained["drop_h"])
-    out = convert_checkpoint(ckpt, to="packed", chunk=1)
-    assert out["hyper_parameters"]["model"]["mlp_impl"] == "save_factors_quack"
+@pytest.mark.parametrize("chunk", [1, 16, 80])
+def test_a_file_converted_to_any_chunk_loads_from_checkpoint_and_back(pretrained, tmp_path, chunk):
+    """convert records the chunk as model.mlp_chunk, so load_from_checkpoint builds save_factors
+    packed by it. Before, a chunk other than save_factors' default (32 here) was refused with a
+    convert back to 32, and chunk 1 named save_factors_quack, which needs quack on a GPU."""
+    src, dst = original_and_converted(pretrained, tmp_path, "drop_h", "packed", chunk)
+    model = load(dst)["hyper_parameters"]["model"]
+    assert (model["mlp_impl"], model["mlp_chunk"]) == ("save_factors", chunk)
+    tokens = torch.randint(0, 320, (2, 16), generator=torch.Generator().manual_seed(0))
+    with use_backend("torch"):
+        original = PretrainModule.load_from_checkpoint(src)
+        converted = PretrainModule.load_from_checkpoint(dst)
+        assert converted.model.layers[0].mlp.fc1_layout == Layout("packed", chunk)
+        loss = converted.loss(tokens)
+        torch.testing.assert_close(loss, original.loss(tokens))
+        loss.backward()
+    assert all(m.mlp.fc1.weight.grad.abs().sum() > 0 for m in converted.model.layers)
 
-    _, dst = original_and_converted(pretrained, tmp_path, "drop_h", "packed", 16)
-    assert load(dst)["hyper_parameters"]["model"]["mlp_impl"] == "save_factors"
-    with pytest.raises(ValueError, match=r"convert --to packed --chunk 32 CKPT OUT"):
-        PretrainModule.load_from_checkpoint(dst)
+    back = tmp_path / "back.ckpt"
+    ok = invoke("--to", "canonical", dst, back)
+    assert ok.exit_code == 0, ok.output
+    assert f"model.mlp_chunk: {chunk} -> None" in ok.output
+    model = load(back)["hyper_parameters"]["model"]
+    assert (model["mlp_impl"], model["mlp_chunk"]) == ("drop_h", None)  # the chunk is cleared
+    with use_backend("torch"):
+        canonical = PretrainModule.load_from_checkpoint(back)
+        assert canonical.model.layers[0].mlp.fc1_layout == CANONICAL
+        torch.testing.assert_close(canonical.loss(tokens), original.loss(tokens))
+
+
+def test_save_factors_quack_keeps_chunk_one_and_leaves_any_other(pretrained):
+    """save_factors_quack builds chunk 1 only: kept (with mlp_chunk 1, which its config takes)
+    for chunk 1, replaced by save_factors for another chunk (a chunk it would refuse)."""
+    ckpt = load(pretrained["save_factors"])
+    ckpt["hyper_parameters"]["model"]["mlp_impl"] = "save_factors_quack"
+    del ckpt["swiglu_train"]["mlp_impl"]
+    for chunk, impl in ((1, "save_factors_quack"), (16, "save_factors")):
+        model = convert_checkpoint(ckpt, to="packed", chunk=chunk)["hyper_parameters"]["model"]
+        assert (model["mlp_impl"], model["mlp_chunk"]) == (impl, chunk)
+        ModelConfig(**model)  # a config the pretrain recipe accepts
+
+
+def test_an_older_checkpoint_without_a_chunk_loads_and_converts_as_before(pretrained, tmp_path):
+    """Init args saved before model.mlp_chunk existed build the impl's default chunk; convert
+    adds the key only where it packs."""
+    ckpt = load(pretrained["save_factors"])
+    del ckpt["hyper_parameters"]["model"]["mlp_chunk"]
+    torch.save(ckpt, tmp_path / "old.ckpt")
+    with use_backend("torch"):
+        module = PretrainModule.load_from_checkpoint(tmp_path / "old.ckpt")
+    assert module.model_cfg.mlp_chunk is None and module.model.layers[0].mlp.fc1_layout == PACKED
+    canonical = convert_checkpoint(ckpt, to="canonical")["hyper_parameters"]["model"]
+    assert "mlp_chunk" not in canonical and canonical["mlp_impl"] == "drop_h"
+    packed = convert_checkpoint(ckpt, to="packed", chunk=16)["hyper_parameters"]["model"]
+    assert packed["mlp_chunk"] == 16

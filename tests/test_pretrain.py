@@ -18,6 +18,7 @@ from typer.testing import CliRunner
 from swiglu_train.cli import app
 from swiglu_train.integrations.lightning.config import CONFIG_DIR, PretrainConfig, load_config
 from swiglu_train.integrations.lightning.data import ByteTokenizer, PackedTextData, load_documents
+from swiglu_train.integrations.lightning.model import ModelConfig
 from swiglu_train.integrations.lightning.pretrain import run_pretrain
 from swiglu_train.ops import use_backend
 
@@ -153,6 +154,86 @@ def test_resume_across_layouts_with_optimizer_state_is_refused(tmp_path, corpus)
     with pytest.raises(ValueError, match=r"fc1 layout is \{'kind': 'packed'.*optimizer state") as e:
         run_pretrain(cfg, resume="last")
     assert "swiglu-train convert --to canonical CKPT OUT" in str(e.value)
+
+
+def test_mlp_chunk_from_yaml_and_flag_packs_fc1_and_resumes_a_converted_file(tmp_path, corpus):
+    """model.mlp_chunk (YAML) and --mlp-chunk (overriding it) pick save_factors' pack chunk;
+    a file `convert` packed by another chunk resumes with a config of that chunk, and with
+    another the layout error names the flag and config key that fit the file."""
+    (tmp_path / "c.yaml").write_text(
+        "model: {hidden_size: 64, ffn_hidden_size: 160, num_heads: 2, mlp_impl: save_factors,"
+        " mlp_chunk: 16}\ndata: {seq_length: 64, micro_batch_size: 4, val_fraction: 0.0}\n"
+        "train: {max_steps: 2, checkpoint_every: 2}\n"
+    )
+    assert load_config(str(tmp_path / "c.yaml")).model.mlp_chunk == 16
+    args = ["pretrain", "--config", tmp_path / "c.yaml", "--mlp-chunk", 40]
+    args += ["--data", corpus / "*.py", "--output-dir", tmp_path / "run"]
+    result = runner.invoke(app, list(map(str, args)))
+    assert result.exit_code == 0, result.output
+    last = tmp_path / "run" / "checkpoints" / "last.ckpt"
+    ckpt = torch.load(last, weights_only=False)
+    assert ckpt["swiglu_train"]["fc1_layout"] == {"kind": "packed", "chunk": 40, "tp": 1}
+    assert ckpt["hyper_parameters"]["model"]["mlp_chunk"] == 40
+
+    packed16 = tmp_path / "packed16.ckpt"
+    result = runner.invoke(
+        app, ["convert", "--to", "packed", "--chunk", "16", str(last), str(packed16)]
+    )
+    assert result.exit_code == 0, result.output
+    cfg = load_config(str(tmp_path / "c.yaml"))
+    cfg.data.data, cfg.train.max_steps = [str(corpus / "*.py")], 3
+    resumed = run_pretrain(replace_output(cfg, tmp_path / "resumed"), resume=str(packed16))
+    assert resumed["steps"] == 3 and resumed["mlp_impl"] == "save_factors"
+
+    cfg.model.mlp_chunk = None  # save_factors' default: 32 for F = 160
+    with pytest.raises(ValueError, match=r"fc1 layout is .*'chunk': 16.*optimizer state") as e:
+        run_pretrain(replace_output(cfg, tmp_path / "refused"), resume=str(packed16))
+    for fix in ("--mlp-impl save_factors --mlp-chunk 16", "mlp_chunk: 16}",
+                "swiglu-train convert --to packed --chunk 32 CKPT OUT"):  # fmt: skip
+        assert fix in str(e.value), (fix, str(e.value))
+
+
+@pytest.mark.parametrize(
+    ("impl", "chunk", "message"),
+    [
+        ("drop_h", 16, r"mlp_chunk=16 \(--mlp-chunk\) packs fc1, but mlp_impl 'drop_h' keeps"),
+        ("normal", 1, r"mlp_impl 'normal' keeps fc1 canonical \(unpacked\): leave mlp_chunk"),
+        ("save_factors_quack", 16, r"'save_factors_quack' always packs fc1 with chunk 1"),
+        ("save_factors", 24, r"chunk=24 must be positive and divide ffn_hidden_size 160"),
+        ("save_factors", 0, r"chunk=0 must be positive"),
+        ("auto", 24, r"must be positive and divide ffn_hidden_size 160"),
+    ],
+)
+def test_a_chunk_the_model_would_not_pack_by_is_refused(tmp_path, impl, chunk, message):
+    """From the YAML, and from a flag set after the config was built, before any training:
+    ParMLP would otherwise ignore it (canonical impls) or fail deep in the model build."""
+    cfg = small_config(tmp_path, None, impl, 3)
+    cfg.model.mlp_chunk = chunk  # as the CLI sets --mlp-chunk
+    with pytest.raises(ValueError, match=message):
+        run_pretrain(cfg)
+    assert not (tmp_path / impl / "wandb").exists()
+    (tmp_path / "c.yaml").write_text(
+        f"model: {{ffn_hidden_size: 160, mlp_impl: {impl}, mlp_chunk: {chunk}}}\n"
+    )
+    with pytest.raises(ValueError, match=message):
+        load_config(str(tmp_path / "c.yaml"))
+
+
+@pytest.mark.parametrize(
+    ("impl", "chunk"), [("save_factors_quack", 1), ("auto", 16), ("save_factors", 160)]
+)
+def test_a_chunk_the_impl_packs_by_is_taken(impl, chunk):
+    """save_factors_quack's own chunk 1 is no conflict; auto takes save_factors' chunks."""
+    ModelConfig(ffn_hidden_size=160, mlp_impl=impl, mlp_chunk=chunk)
+
+
+def test_the_mlp_chunk_flag_is_checked_against_the_impl(tmp_path):
+    result = runner.invoke(
+        app, ["pretrain", "--mlp-chunk", "16", "--output-dir", str(tmp_path / "run")]
+    )
+    assert result.exit_code != 0
+    assert "mlp_impl 'drop_h' keeps fc1 canonical" in str(result.exception)
+    assert not (tmp_path / "run" / "wandb").exists()
 
 
 @pytest.fixture(scope="module")

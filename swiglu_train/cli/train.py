@@ -74,6 +74,14 @@ def pretrain(
         str | None,
         typer.Option(help="an impl (swiglu-train impls lists them), or auto (from the table)"),
     ] = None,
+    mlp_chunk: Annotated[
+        int | None,
+        typer.Option(
+            help="save_factors' fc1 pack chunk: rows per gate/up block, dividing the ffn size "
+            "(default: the largest power of two up to 128 dividing it); refused with an impl "
+            "that does not pack, or with save_factors_quack (chunk 1) unless 1"
+        ),
+    ] = None,
     data: Annotated[
         list[str] | None,
         typer.Option(help="text files or globs, .jsonl, or a Megatron .bin/.idx prefix"),
@@ -99,6 +107,7 @@ def pretrain(
     cfg = load_config(config)
     overrides = [
         (cfg.model, "mlp_impl", mlp_impl),
+        (cfg.model, "mlp_chunk", mlp_chunk),
         (cfg.data, "data", data),
         (cfg.data, "micro_batch_size", micro_batch_size),
         (cfg.train, "max_steps", max_steps),
@@ -160,9 +169,10 @@ def convert(
 ) -> None:
     """Convert ParMLP fc1 weights, and their optimizer state, between layouts.
 
-    A Lightning checkpoint's hyper-parameters are made to name an impl of the new layout
-    (model.mlp_impl: kept if it builds it, else drop_h for canonical, save_factors for packed,
-    save_factors_quack for chunk 1), so that load_from_checkpoint builds a model that takes it.
+    A Lightning checkpoint's hyper-parameters are made to name an impl and chunk of the new
+    layout (model.mlp_impl: kept if it builds it, else drop_h for canonical, save_factors for
+    packed; model.mlp_chunk: the new chunk, cleared for canonical), so that
+    load_from_checkpoint, and pretrain --resume with those settings, build a model that takes it.
     """
     import torch
     from rich.table import Table
@@ -171,6 +181,7 @@ def convert(
     from swiglu_train.packing import (
         convert_checkpoint,
         from_hf,
+        hparams_chunk,
         hparams_impl,
         records_layout,
         to_hf,
@@ -232,6 +243,9 @@ def convert(
         prefix = escape(r.prefix.rstrip(".")) or "(root)"
         table.add_row(prefix, r.source, r.target, str(r.optimizer_states))
     console.print(table)
-    before, after = hparams_impl(ckpt), hparams_impl(out) if to != "hf" else None
-    if after is not None and after != before:
-        console.print(f"hyper_parameters model.mlp_impl: {before} -> {after} (fits the new layout)")
+    if to == "hf" or hparams_impl(out) is None:  # no saved init args to build a model from
+        return
+    for key, read in (("mlp_impl", hparams_impl), ("mlp_chunk", hparams_chunk)):
+        if read(out) != read(ckpt):
+            console.print(f"hyper_parameters model.{key}: {read(ckpt)} -> {read(out)} "
+                          "(fits the new layout)")  # fmt: skip

@@ -7,8 +7,9 @@ records: a packed ParMLP's stamp, and our Lightning checkpoints' ``swiglu_train.
 A layout the caller assumes must agree with a recorded one: reading rows in the wrong layout
 would scramble fc1 without any error. Optimizer state is mapped through the parameter names
 the checkpoint records; without them the mapping would be a guess, so it is refused.
-A Lightning checkpoint's saved init args name the impl ``load_from_checkpoint`` builds; they
-are made to name one of the new layout, or the model built from them could not take the file.
+A Lightning checkpoint's saved init args name the impl and pack chunk ``load_from_checkpoint``
+builds; they are made to name those of the new layout, or the model built from them could not
+take the file.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from swiglu_train.layers.registry import (
 from swiglu_train.packing.optimizer import permute_state
 
 CKPT_KEY = "swiglu_train"  # where Lightning checkpoints record layout and optimizer names
-HPARAMS_KEY = "hyper_parameters"  # Lightning's saved init args: PretrainModule's model.mlp_impl
+HPARAMS_KEY = "hyper_parameters"  # Lightning's saved init args: model.mlp_impl, model.mlp_chunk
 CANONICAL_IMPL = "drop_h"  # recorded for canonical fc1: ModelConfig's default, runs anywhere
 DEFAULT_CHUNK = 128
 
@@ -89,8 +90,8 @@ def convert_checkpoint(
     the ecosystem's layout); one it records must agree with ``assume_layout`` when given.
     A Lightning record gets the new layout, and keeps its ``mlp_impl`` only where that impl's
     layout is the new one (:func:`_record_conversion`); the saved init args'
-    ``model.mlp_impl`` is made to build fc1 in the new layout (:func:`_fit_hparams_impl`), all
-    else in them is kept.
+    ``model.mlp_impl`` and ``model.mlp_chunk`` are made to build fc1 in the new layout
+    (:func:`_fit_hparams_impl`), all else in them is kept.
     """
     if to not in ("packed", "canonical"):
         raise ValueError(f"to must be 'packed' or 'canonical', got {to!r}")
@@ -154,51 +155,66 @@ def convert_checkpoint(
     return out
 
 
-def built_layout(impl: str, ffn_size: int) -> Layout:
-    """The fc1 layout of ``ParMLP(..., impl=impl)`` built with no chunk, as PretrainModule's
-    decoder builds it: save_factors packs by its default chunk, whichever chunk a file has."""
+def built_layout(impl: str, ffn_size: int, chunk: int | None = None) -> Layout:
+    """The fc1 layout of ``ParMLP(..., impl=impl, chunk=chunk)``, as PretrainModule's decoder
+    builds it from ``model.mlp_impl`` and ``model.mlp_chunk`` (None: the impl's default)."""
     if impl not in PACKED_IMPLS:
         return CANONICAL
-    return Layout("packed", packed_chunk(impl, None, ffn_size))
+    return Layout("packed", packed_chunk(impl, chunk, ffn_size))
+
+
+def _hparams_model(ckpt: dict) -> dict | None:
+    """The saved init args' ``model`` dict (None: none, or an old Namespace)."""
+    hparams = ckpt.get(HPARAMS_KEY)
+    model = hparams.get("model") if isinstance(hparams, dict) else None
+    return model if isinstance(model, dict) else None
 
 
 def hparams_impl(ckpt: dict) -> str | None:
     """The impl name in a Lightning checkpoint's saved init args (``model.mlp_impl``), if any."""
-    hparams = ckpt.get(HPARAMS_KEY)
-    model = hparams.get("model") if isinstance(hparams, dict) else None  # not an old Namespace
-    impl = model.get("mlp_impl") if isinstance(model, dict) else None
+    impl = (_hparams_model(ckpt) or {}).get("mlp_impl")
     return impl if impl in IMPL_CHOICES else None
 
 
-def _fit_hparams_impl(ckpt: dict, target: Layout, ffn_sizes: set[int]) -> None:
-    """Make the saved init args name an impl whose model holds fc1 in ``target``.
+def hparams_chunk(ckpt: dict) -> int | None:
+    """The pack chunk in a Lightning checkpoint's saved init args (``model.mlp_chunk``; None
+    where unset, or in a checkpoint saved before the setting existed)."""
+    return (_hparams_model(ckpt) or {}).get("mlp_chunk")
 
-    ``load_from_checkpoint`` builds the model from them, so the impl the file was saved by
-    would build the old layout and refuse the file (its optimizer state would be misread).
-    Unlike the record's label, the name cannot simply be dropped: the model needs one (and
-    ModelConfig's default is canonical). The name is kept where it builds ``target``; else
-    the record's resolved impl where that does (``auto`` is pinned: it could resolve to
-    another layout on another machine); else drop_h for canonical, save_factors for packed
-    (save_factors_quack for chunk 1, its fixed chunk). A chunk other than save_factors'
-    default (the largest power of two up to 128 dividing F) is built by no impl: the file
-    then loads after a convert to that chunk, which the load's error names.
+
+def _fit_hparams_impl(ckpt: dict, target: Layout, ffn_sizes: set[int]) -> None:
+    """Make the saved init args name an impl and chunk whose model holds fc1 in ``target``.
+
+    ``load_from_checkpoint`` builds the model from them, so the impl and chunk the file was
+    saved by would build the old layout and refuse the file (its optimizer state would be
+    misread). Unlike the record's label, the name cannot simply be dropped: the model needs one
+    (and ModelConfig's default is canonical). ``model.mlp_chunk`` becomes the new chunk for
+    packed fc1 and None (cleared) for canonical. The name is kept where it builds ``target``
+    with that chunk; else the record's resolved impl where that does (``auto`` is pinned: it
+    could resolve to another layout on another machine); else drop_h for canonical,
+    save_factors for packed (which builds any chunk dividing F, chunk 1 included, on any
+    device).
     """
     old = hparams_impl(ckpt)
     if old is None:
         return
+    chunk = target.chunk if target.packed else None
 
     def builds(impl: object) -> bool:
-        return impl in MLP_IMPLS and all(built_layout(impl, f) == target for f in ffn_sizes)
+        if impl not in MLP_IMPLS:
+            return False
+        try:
+            return all(built_layout(impl, f, chunk) == target for f in ffn_sizes)
+        except ValueError:  # save_factors_quack's chunk is 1, whatever is asked
+            return False
 
     recorded = ckpt.get(CKPT_KEY, {}).get("mlp_impl")  # kept only if it reads the new layout
-    if not target.packed:
-        default = CANONICAL_IMPL
-    elif target.chunk == 1 and not builds("save_factors"):
-        default = "save_factors_quack"
-    else:
-        default = "save_factors"
+    default = "save_factors" if target.packed else CANONICAL_IMPL
     new = next(impl for impl in (old, recorded, default) if builds(impl) or impl == default)
-    ckpt[HPARAMS_KEY]["model"]["mlp_impl"] = new
+    model = ckpt[HPARAMS_KEY]["model"]
+    model["mlp_impl"] = new
+    if target.packed or "mlp_chunk" in model:  # an older file's init args lack it: None anyway
+        model["mlp_chunk"] = chunk
 
 
 def _record_conversion(meta: dict, source: Layout | None, target: Layout) -> None:

@@ -10,6 +10,13 @@ from torch import nn
 
 from swiglu_train.layers import ParMLP
 from swiglu_train.layers.layout import CANONICAL, order
+from swiglu_train.layers.registry import (
+    AUTO,
+    FIXED_CHUNKS,
+    IMPL_CHOICES,
+    PACKED_IMPLS,
+    packed_chunk,
+)
 
 
 @dataclass
@@ -24,6 +31,9 @@ class ModelConfig:
     norm_eps: float = 1e-5
     mlp_impl: str = "drop_h"  # or "auto": chosen per layer from the crossover table
     mlp_tokens_hint: int | None = None  # tokens per micro-batch, for mlp_impl="auto"
+    # fc1's pack chunk under save_factors (None: the largest power of two up to 128 dividing
+    # ffn_hidden_size); see check_mlp_chunk for the impls that take one
+    mlp_chunk: int | None = None
 
     def __post_init__(self) -> None:
         if self.num_heads < 1:
@@ -34,6 +44,40 @@ class ModelConfig:
             )
         if (self.hidden_size // self.num_heads) % 2:
             raise ValueError("the head dimension must be even for RoPE")
+        check_mlp_chunk(self)
+
+
+def check_mlp_chunk(cfg: ModelConfig) -> None:
+    """Refuse a chunk the model would not pack by, naming why (ParMLP would ignore it or fail
+    later with its own words, not the config's).
+
+    ``save_factors`` takes any chunk dividing ffn_hidden_size; ``auto`` too (it applies where
+    auto picks save_factors). An impl with a layout of its own takes only the chunk it uses
+    anyway: ``save_factors_quack`` 1 (quack's pair order), canonical impls none at all. An
+    unknown impl is left to check_impl_name, which lists the valid ones.
+    """
+    chunk, impl, ffn = cfg.mlp_chunk, cfg.mlp_impl, cfg.ffn_hidden_size
+    if chunk is None or impl not in IMPL_CHOICES:
+        return
+    where = f"model.mlp_chunk={chunk!r} (--mlp-chunk)"
+    if isinstance(chunk, bool) or not isinstance(chunk, int):
+        raise ValueError(f"{where} must be a whole number of rows")
+    if impl != AUTO and impl not in PACKED_IMPLS:
+        raise ValueError(
+            f"{where} packs fc1, but mlp_impl {impl!r} keeps fc1 canonical (unpacked): leave "
+            "mlp_chunk unset, or pick an impl that packs (save_factors)"
+        )
+    fixed = FIXED_CHUNKS.get(impl)
+    if fixed is not None and chunk != fixed:
+        raise ValueError(
+            f"{where}: mlp_impl {impl!r} always packs fc1 with chunk {fixed}; leave mlp_chunk "
+            f"unset, or use save_factors for chunk {chunk}"
+        )
+    if fixed is None:
+        try:
+            packed_chunk("save_factors", chunk, ffn, size_name="ffn_hidden_size")
+        except ValueError as e:
+            raise ValueError(f"{where}: {e}") from None
 
 
 def rope_tables(seq: int, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -72,7 +116,11 @@ class Block(nn.Module):
         self.attn = Attention(cfg)
         self.mlp_norm = nn.RMSNorm(cfg.hidden_size, eps=cfg.norm_eps)
         self.mlp = ParMLP(
-            cfg.hidden_size, cfg.ffn_hidden_size, impl=cfg.mlp_impl, tokens_hint=cfg.mlp_tokens_hint
+            cfg.hidden_size,
+            cfg.ffn_hidden_size,
+            impl=cfg.mlp_impl,
+            chunk=cfg.mlp_chunk,
+            tokens_hint=cfg.mlp_tokens_hint,
         )
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -117,11 +117,25 @@ class PretrainModule(pl.LightningModule):
             layout = self.fc1_layout()
             to = f"packed --chunk {layout['chunk']}" if layout["kind"] == "packed" else "canonical"
             raise LayoutMismatchError(
-                f"checkpoint fc1 layout is {saved} but the model's is {self.fc1_layout()}; "
-                "its optimizer state would be misread. Resume with an impl of the same layout "
-                "(normal/drop_h/drop_h_quack: canonical; save_factors: packed by its chunk; "
-                "save_factors_quack: packed with chunk 1), or first convert the checkpoint "
-                f"to this model's layout (swiglu-train convert --to {to} CKPT OUT); this model "
-                f"runs {self.model.layers[0].mlp.impl!r}",
+                f"checkpoint fc1 layout is {saved} but the model's is {layout}; its optimizer "
+                f"state would be misread. Resume with a model of the file's layout "
+                f"({_settings_for(saved)}), or first convert the checkpoint to this model's "
+                f"layout (swiglu-train convert --to {to} CKPT OUT); this model runs "
+                f"{self.model.layers[0].mlp.impl!r} (mlp_chunk {self.model_cfg.mlp_chunk})",
                 rank=self.global_rank,
             )
+
+
+def _settings_for(layout: dict) -> str:
+    """The pretrain flags (and config keys) that build fc1 in ``layout``, for the error."""
+    if layout.get("kind") != "packed":
+        return (
+            "canonical: --mlp-impl drop_h (or normal, drop_h_quack) and no --mlp-chunk, "
+            "in a config model: {mlp_impl: drop_h, mlp_chunk: null}"
+        )
+    chunk = layout.get("chunk")
+    quack = " (or save_factors_quack, whose chunk is 1)" if chunk == 1 else ""
+    return (
+        f"packed by {chunk}: --mlp-impl save_factors --mlp-chunk {chunk}{quack}, in a config "
+        f"model: {{mlp_impl: save_factors, mlp_chunk: {chunk}}}"
+    )

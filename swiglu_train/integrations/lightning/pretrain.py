@@ -18,6 +18,7 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from swiglu_train.integrations.lightning.config import PretrainConfig, check_ranges
 from swiglu_train.integrations.lightning.data import PackedTextData
 from swiglu_train.integrations.lightning.memory_callback import MemoryProfilerCallback
+from swiglu_train.integrations.lightning.model import check_mlp_chunk
 from swiglu_train.integrations.lightning.module import LAYOUT_KEY, PretrainModule
 from swiglu_train.layers import check_impl_name
 from swiglu_train.layers.registry import AUTO
@@ -61,6 +62,7 @@ def run_pretrain(cfg: PretrainConfig, resume: str | None = None) -> dict[str, An
     None on DDP ranks other than 0, whose losses and memory are their shard's, not the run's
     (the profiler and W&B run live on rank 0)."""
     check_impl_name(cfg.model.mlp_impl)  # an unknown impl fails here, listing the valid ones
+    check_mlp_chunk(cfg.model)  # again: command-line flags are set after the config is built
     check_ranges(cfg)
     if cfg.model.mlp_impl == AUTO and cfg.model.mlp_tokens_hint is None:  # one micro-batch
         cfg.model.mlp_tokens_hint = cfg.data.micro_batch_size * cfg.data.seq_length
@@ -136,7 +138,8 @@ def run_pretrain(cfg: PretrainConfig, resume: str | None = None) -> dict[str, An
     }
 
 
-# The model's shape, which a checkpoint's weights fix; mlp_impl and the tokens hint may change.
+# The model's shape, which a checkpoint's weights fix; mlp_impl, mlp_chunk and the tokens hint may
+# change (a layout change with optimizer state is refused on load, naming the fix).
 SHAPE_KEYS = ("vocab_size", "hidden_size", "ffn_hidden_size", "num_layers", "num_heads")
 # Restored from the optimizer state on resume, whatever the config says now.
 OPTIMIZER_STATE_KEYS = ("lr", "weight_decay", "betas")
