@@ -21,6 +21,7 @@ from swiglu_train.integrations.lightning.data import ByteTokenizer, PackedTextDa
 from swiglu_train.integrations.lightning.model import ModelConfig
 from swiglu_train.integrations.lightning.pretrain import run_pretrain
 from swiglu_train.ops import use_backend
+from swiglu_train.packing import convert_checkpoint
 
 runner = CliRunner()
 
@@ -286,6 +287,48 @@ def test_resume_into_another_model_shape_or_past_max_steps_is_refused(finished, 
     done = replace_output(cfg, tmp_path / "done")
     with pytest.raises(ValueError, match=r"is at step 3 and max_steps is 3: nothing to train"):
         run_pretrain(done, resume=str(last))
+
+
+@pytest.mark.parametrize(
+    ("packed", "flags", "fits"),
+    [  # the file's fc1 layout (None: canonical), the flags resumed with, the settings that fit
+        (None, ["--mlp-impl", "save_factors"], "--mlp-impl drop_h (or normal, drop_h_quack)"),
+        (16, ["--mlp-impl", "drop_h"], "--mlp-impl save_factors --mlp-chunk 16"),
+        (16, ["--mlp-impl", "save_factors", "--mlp-chunk", "32"], "--mlp-chunk 16, in a config"),
+        (None, ["--mlp-impl", "auto"], "and no --mlp-chunk"),  # auto picks save_factors here
+    ],
+)
+def test_a_resume_into_another_fc1_layout_is_refused_before_anything_starts(
+    finished, tmp_path, corpus, monkeypatch, capsys, packed, flags, fits
+):
+    """The layout error comes in one line, before W&B or the Trainer: the output dir is left
+    exactly as it was (no W&B run, no CSV, no checkpoint), the exit code is the CLI's 1."""
+    _, last = finished
+    impls = {"drop_h": (1.10, 9.0), "save_factors": (1.0, 9.0)}  # auto: save_factors at M=256
+    pretend_gpu(monkeypatch, crossover_table({(256, 64, 160): impls}))
+    monkeypatch.setattr(sys, "excepthook", sys.excepthook)  # Typer installs its own
+    monkeypatch.delenv("SWIGLU_TRAIN_DEBUG", raising=False)
+    run = tmp_path / "run"
+    (run / "checkpoints").mkdir(parents=True)
+    ckpt = torch.load(last, weights_only=False)
+    if packed is not None:
+        ckpt = convert_checkpoint(ckpt, to="packed", chunk=packed)
+    torch.save(ckpt, run / "checkpoints" / "last.ckpt")
+    (tmp_path / "c.yaml").write_text(
+        "model: {hidden_size: 64, ffn_hidden_size: 160, num_heads: 2}\n"
+        "data: {seq_length: 64, micro_batch_size: 4, val_fraction: 0.34}\n"
+    )
+    before = {p: p.stat().st_mtime_ns for p in run.rglob("*")}
+    args = ["pretrain", "--config", str(tmp_path / "c.yaml"), *flags, "--max-steps", "6"]
+    args += ["--data", str(corpus / "*.py"), "--output-dir", str(run), "--resume", "last"]
+    with pytest.raises(SystemExit) as exit_:
+        app(args=args, prog_name="swiglu-train")
+    assert exit_.value.code == 1
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and errors[0].startswith("error: checkpoint fc1 layout is "), errors
+    for fix in (fits, "model: {mlp_impl: ", "swiglu-train convert --to "):
+        assert fix in errors[0], (fix, errors[0])
+    assert {p: p.stat().st_mtime_ns for p in run.rglob("*")} == before
 
 
 def test_resume_says_an_optimizer_change_is_not_used(finished, tmp_path):
@@ -557,14 +600,15 @@ def test_cli_ddp_on_two_cpu_ranks_reports_once(tmp_path, corpus):
     assert (out / "checkpoints" / "last.ckpt").is_file()
 
 
-def test_cli_ddp_prints_a_refused_layout_once_and_every_rank_stops(tmp_path, corpus):
-    """Both ranks refuse a save_factors checkpoint for drop_h alike: rank 0 says so, rank 1
-    exits without repeating it (the run returns only once both processes have ended)."""
+def test_cli_ddp_refuses_a_layout_once_before_launching_a_rank(tmp_path, corpus):
+    """A save_factors checkpoint resumed by drop_h on two ranks: rank 0 refuses it before the
+    Trainer launches rank 1, so the error is printed once and no W&B run is added."""
     data = [str(corpus / "*.py")]
     cfg = PretrainConfig()  # the CLI's model (tiny), so that only the layout differs
     cfg.model.mlp_impl, cfg.data.data, cfg.data.micro_batch_size = "save_factors", data, 2
     cfg.train.max_steps, cfg.output_dir = 1, str(tmp_path / "run")
     run_pretrain(cfg)
+    runs = sorted((tmp_path / "run" / "wandb").glob("offline-run-*"))
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # plain torch math
     env.update(WANDB_MODE="offline", WANDB_SILENT="true")
     args = ["pretrain", "--devices", "2", "--strategy", "ddp", "--max-steps", "2"]
@@ -578,6 +622,7 @@ def test_cli_ddp_prints_a_refused_layout_once_and_every_rank_stops(tmp_path, cor
         timeout=600,
     )
     assert done.returncode == 1, done.stdout[-3000:] + done.stderr[-3000:]
-    assert "GLOBAL_RANK: 1" in done.stderr  # rank 1 did start, and refused too
+    assert "GLOBAL_RANK: 1" not in done.stderr  # refused before the Trainer launched rank 1
     assert done.stderr.count("checkpoint fc1 layout is {'kind': 'packed'") == 1, done.stderr
     assert "pretrain summary" not in done.stdout
+    assert sorted((tmp_path / "run" / "wandb").glob("offline-run-*")) == runs

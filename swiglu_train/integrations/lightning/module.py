@@ -111,6 +111,14 @@ class PretrainModule(pl.LightningModule):
     def on_load_checkpoint(self, checkpoint: dict) -> None:
         """Weights convert on load (ParMLP's own hook); optimizer moments cannot, so a
         layout change with optimizer state is refused rather than silently misread."""
+        self.check_layout(checkpoint)
+
+    def check_layout(self, checkpoint: dict, rank: int | None = None) -> None:
+        """Raise LayoutMismatchError, naming the flags, config keys and convert command that
+        fit, where ``checkpoint`` (a Lightning checkpoint, or any dict with its
+        ``swiglu_train`` record and ``optimizer_states``) holds fc1 in another layout than this
+        model and optimizer state that would be misread. on_load_checkpoint calls it, and
+        run_pretrain before W&B and the Trainer start; ``rank`` defaults to the trainer's."""
         # A checkpoint from elsewhere carries no stamp: canonical is the ecosystem's layout.
         saved = checkpoint.get(LAYOUT_KEY, {}).get("fc1_layout", CANONICAL.to_dict())
         if saved != self.fc1_layout() and checkpoint.get("optimizer_states"):
@@ -122,7 +130,7 @@ class PretrainModule(pl.LightningModule):
                 f"({_settings_for(saved)}), or first convert the checkpoint to this model's "
                 f"layout (swiglu-train convert --to {to} CKPT OUT); this model runs "
                 f"{self.model.layers[0].mlp.impl!r} (mlp_chunk {self.model_cfg.mlp_chunk})",
-                rank=self.global_rank,
+                rank=self.global_rank if rank is None else rank,
             )
 
 

@@ -13,7 +13,7 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint, RichProgressBar
 from lightning.pytorch.loggers import CSVLogger, WandbLogger
-from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_only, rank_zero_warn
 
 from swiglu_train.integrations.lightning.config import PretrainConfig, check_ranges
 from swiglu_train.integrations.lightning.data import PackedTextData
@@ -67,14 +67,21 @@ def run_pretrain(cfg: PretrainConfig, resume: str | None = None) -> dict[str, An
     if cfg.model.mlp_impl == AUTO and cfg.model.mlp_tokens_hint is None:  # one micro-batch
         cfg.model.mlp_tokens_hint = cfg.data.micro_batch_size * cfg.data.seq_length
     out = Path(cfg.output_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    # Before W&B: a refused resume leaves no run. The data settings it recorded are compared
-    # once the corpus is loaded and the world size known.
-    ckpt_path, saved_data = _checkpoint(resume, out, cfg)
+    # Before W&B and the output dir: a refused resume leaves no run and writes nothing. Its fc1
+    # layout is checked once the model is built, the data settings it recorded once the corpus
+    # is loaded and the world size known.
+    ckpt_path, resumed = _checkpoint(resume, out, cfg)
     pl.seed_everything(cfg.train.seed, workers=True)
     module = PretrainModule(cfg.model, cfg.optim, cfg.train.max_steps)
+    if resumed is not None:
+        # The module's own check (Lightning runs it again on load), against the model as built:
+        # "auto" resolves in each ParMLP from the table, this machine's GPU and the tokens hint,
+        # so the layout it picks is known here, not from the config. A DDP rank Lightning
+        # launches later runs this too: the error carries the process's rank (0 prints it).
+        module.check_layout(resumed, rank=rank_zero_only.rank)
     data = PackedTextData(cfg.data, cfg.model.vocab_size)
     data.setup("fit")  # here, so a corpus too small to validate on turns validation off
+    out.mkdir(parents=True, exist_ok=True)
     memory = MemoryProfilerCallback(per_layer=True)
     history = LossAndThroughput()
     wandb_logger = WandbLogger(
@@ -110,7 +117,7 @@ def run_pretrain(cfg: PretrainConfig, resume: str | None = None) -> dict[str, An
     )
     module.data_record = data_record(cfg, data, trainer.world_size)
     if ckpt_path is not None:
-        _check_data(Path(ckpt_path), saved_data, module.data_record)
+        _check_data(Path(ckpt_path), resumed[LAYOUT_KEY].get("data"), module.data_record)
     try:
         trainer.fit(module, datamodule=data, ckpt_path=ckpt_path)
     finally:  # a crashed run must not stay the process's active W&B run
@@ -139,7 +146,8 @@ def run_pretrain(cfg: PretrainConfig, resume: str | None = None) -> dict[str, An
 
 
 # The model's shape, which a checkpoint's weights fix; mlp_impl, mlp_chunk and the tokens hint may
-# change (a layout change with optimizer state is refused on load, naming the fix).
+# change (a layout change with optimizer state is refused before start and on load, naming the
+# fix).
 SHAPE_KEYS = ("vocab_size", "hidden_size", "ffn_hidden_size", "num_layers", "num_heads")
 # Restored from the optimizer state on resume, whatever the config says now.
 OPTIMIZER_STATE_KEYS = ("lr", "weight_decay", "betas")
@@ -166,9 +174,10 @@ def data_record(cfg: PretrainConfig, data: PackedTextData, world_size: int) -> d
 def _checkpoint(
     resume: str | None, out: Path, cfg: PretrainConfig
 ) -> tuple[str | None, dict | None]:
-    """The checkpoint to resume, checked before Lightning reads it, and the data record it
-    holds (None: none, or no resume); for a fresh run, a refusal of an output dir that holds
-    another run's checkpoints (its ``last`` would be ambiguous)."""
+    """The checkpoint to resume, checked before Lightning reads it, and what of it the checks
+    after the model build read (see _check_resumable; None: no resume); for a fresh run, a
+    refusal of an output dir that holds another run's checkpoints (its ``last`` would be
+    ambiguous)."""
     if resume is None:
         earlier = sorted((out / "checkpoints").glob("*.ckpt"))
         if earlier:
@@ -183,10 +192,12 @@ def _checkpoint(
     return str(path), _check_resumable(path, cfg)
 
 
-def _check_resumable(path: Path, cfg: PretrainConfig) -> dict | None:
+def _check_resumable(path: Path, cfg: PretrainConfig) -> dict:
     """Refuse, in one line, what Lightning would fail on deep inside (a damaged file, a bare
     state_dict, another model shape) or do silently (train no step, ignore optim changes).
-    Returns the checkpoint's data record (None from a checkpoint written before it)."""
+    Returns its ``swiglu_train`` record (fc1 layout, data settings; empty in a checkpoint from
+    elsewhere) and whether it holds optimizer state: all that PretrainModule.check_layout and
+    _check_data read, so that the checkpoint itself is not kept open meanwhile."""
     if not zipfile.is_zipfile(path):  # torch.save writes a zip; its index sits at the end
         size = path.stat().st_size
         raise ValueError(f"--resume: {path} is not a readable checkpoint ({size} bytes, not a "
@@ -216,7 +227,10 @@ def _check_resumable(path: Path, cfg: PretrainConfig) -> dict | None:
             f"--resume restores lr, weight_decay and betas from {path.name}'s optimizer "
             f"state; the config's change is not used ({', '.join(ignored)})"
         )
-    return ckpt.get(LAYOUT_KEY, {}).get("data")
+    return {
+        LAYOUT_KEY: ckpt.get(LAYOUT_KEY, {}),
+        "optimizer_states": bool(ckpt.get("optimizer_states")),
+    }
 
 
 def _check_data(path: Path, saved: dict | None, now: dict) -> None:
