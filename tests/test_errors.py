@@ -131,7 +131,7 @@ def test_double_backward_is_refused_not_silently_wrong(device, backend, impl):
 
 def test_wrong_dtype_names_both_dtypes():
     mlp = ParMLP(8, 16, dtype=torch.bfloat16)
-    with pytest.raises(TypeError, match=r"input is torch\.float32.*parameters are torch\.bfloat16"):
+    with pytest.raises(TypeError, match=r"input is torch\.float32.*fc1\.weight is torch\.bfloat16"):
         mlp(torch.randn(3, 8))
 
 
@@ -163,14 +163,35 @@ def test_scalar_input():
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a second device type")
 @pytest.mark.gpu
 def test_mismatched_devices():
-    with pytest.raises(ValueError, match=r"input is on cpu but its parameters are on cuda"):
+    with pytest.raises(ValueError, match=r"input is on cpu but its fc1\.weight is on cuda"):
         ParMLP(8, 16, device="cuda")(torch.randn(3, 8))
 
 
 def test_mismatched_devices_meta():
     """A device mismatch is caught before any kernel runs, without needing a GPU."""
-    with pytest.raises(ValueError, match=r"input is on meta but its parameters are on cpu"):
+    with pytest.raises(ValueError, match=r"input is on meta but its fc1\.weight is on cpu"):
         ParMLP(8, 16)(torch.randn(3, 8, device="meta"))
+
+
+@pytest.mark.parametrize("impl", sorted(PORTABLE_IMPLS))
+def test_a_partly_materialized_model_names_the_parameter_left_on_meta(impl):
+    """fc2 left on meta after deferred init used to return uninitialised memory as y."""
+    mlp = ParMLP(8, 16, bias=True, impl=impl)
+    mlp.fc2.to("meta")
+    with pytest.raises(ValueError, match=r"input is on cpu but its fc2\.weight is on meta"):
+        mlp(torch.randn(3, 8))
+
+
+@pytest.mark.parametrize("impl", sorted(PORTABLE_IMPLS))
+def test_a_partly_cast_model_names_the_parameter_of_another_dtype(impl):
+    mlp = ParMLP(8, 16, bias=True, impl=impl)
+    mlp.fc2.bias.data = mlp.fc2.bias.data.half()
+    for grad in (True, False):
+        with (
+            torch.set_grad_enabled(grad),
+            pytest.raises(TypeError, match=r"fc2\.bias is torch\.float16"),
+        ):
+            mlp(torch.randn(3, 8))
 
 
 @pytest.mark.parametrize("impl", sorted(PORTABLE_IMPLS))

@@ -156,12 +156,20 @@ class ParMLP(nn.Module):
             tensors = tuple(None if t is None else t.to(dtype) for t in tensors)
             with torch.autocast(device_type, enabled=False):
                 return self._apply_impl(*tensors)
-        if x.dtype != self.fc1.weight.dtype:
-            raise TypeError(
-                f"ParMLP input is {x.dtype} but its parameters are {self.fc1.weight.dtype}; "
-                "cast one of them, or run under torch.autocast"
-            )
+        for name, p in self._params():
+            if p.dtype != x.dtype:
+                raise TypeError(
+                    f"ParMLP input is {x.dtype} but its {name} is {p.dtype}; "
+                    "cast one of them, or run under torch.autocast"
+                )
         return self._apply_impl(*tensors)
+
+    def _params(self) -> list[tuple[str, torch.Tensor]]:
+        """The four tensors forward reads, by name (a module converted in part, ``mlp.fc2.half()``
+        or an fc2 left on meta, must be named, not reach a kernel or GEMM of mixed inputs)."""
+        pairs = [("fc1.weight", self.fc1.weight), ("fc1.bias", self.fc1.bias)]
+        pairs += [("fc2.weight", self.fc2.weight), ("fc2.bias", self.fc2.bias)]
+        return [(name, p) for name, p in pairs if p is not None]
 
     def _apply_impl(self, x: torch.Tensor, *params: torch.Tensor | None) -> torch.Tensor:
         x2d = x.reshape(-1, x.shape[-1])
@@ -184,10 +192,9 @@ class ParMLP(nn.Module):
                 f"ParMLP(hidden_size={self.hidden_size}) got an input of shape {tuple(x.shape)}; "
                 f"its last dim must be {self.hidden_size}"
             )
-        if x.device != self.fc1.weight.device:
-            raise ValueError(
-                f"ParMLP input is on {x.device} but its parameters are on {self.fc1.weight.device}"
-            )
+        for name, p in self._params():
+            if p.device != x.device:
+                raise ValueError(f"ParMLP input is on {x.device} but its {name} is on {p.device}")
 
     def extra_repr(self) -> str:
         chosen = " (auto)" if self.auto_reason is not None else ""
