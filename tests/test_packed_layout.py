@@ -181,3 +181,15 @@ def test_par_mlp_chunk_is_save_factors_and_left_aside_by_fixed_chunk_impls(monke
     assert torch.equal(mlp.fc1.weight, relayout(canonical, CANONICAL, Layout("packed", 1)))
     mlp.set_impl("save_factors")
     assert mlp.fc1_layout == Layout("packed", 8)
+
+
+@pytest.mark.parametrize(
+    ("source", "target"), [("normal", "save_factors"), ("save_factors", "normal")]
+)
+def test_a_state_dict_of_another_size_gets_torch_s_size_mismatch(source, target):
+    """Not an error about chunks dividing the ffn size, which hid what was wrong."""
+    state = ParMLP(16, 24, impl=source, chunk=8).state_dict()
+    mlp = ParMLP(16, 32, impl=target, chunk=16)
+    for strict in (True, False):
+        with pytest.raises(RuntimeError, match=r"size mismatch for fc1\.weight"):
+            mlp.load_state_dict(state, strict=strict)

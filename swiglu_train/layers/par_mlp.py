@@ -216,8 +216,13 @@ def _convert_on_load(module: ParMLP, state_dict: dict, prefix: str, *args) -> No
         raise ValueError(f"{prefix}{STAMP_KEY}: unrecognised ParMLP stamp {stamp!r}")
     else:
         source = Layout.from_dict(stamp["fc1_layout"])
-    for name in ("fc1.weight", "fc1.bias"):
-        key = prefix + name
-        if key in state_dict and source != module.fc1_layout:
-            index = order(state_dict[key].shape[0], source, module.fc1_layout)
-            state_dict[key] = state_dict[key].index_select(0, index.to(state_dict[key].device))
+    if source == module.fc1_layout:
+        return
+    rows = module.fc1.out_features
+    for key in (prefix + "fc1.weight", prefix + "fc1.bias"):
+        value = state_dict.get(key)
+        # one of another size is left to torch's "size mismatch for fc1.weight", which names
+        # the problem; permuting it would fail first, on a chunk that does not divide it
+        if isinstance(value, torch.Tensor) and value.shape[:1] == (rows,):
+            index = order(rows, source, module.fc1_layout)
+            state_dict[key] = value.index_select(0, index.to(value.device))
