@@ -234,3 +234,52 @@ def test_convert_report_keeps_brackets_in_paths(tmp_path):
     )
     assert result.exit_code == 0, result.output
     assert "run[quack]" in result.output  # unescaped, Rich takes [quack] for a style tag
+
+
+def adam_checkpoint(model: torch.nn.Module, groups: list[list[str]]) -> dict:
+    """A Lightning-style checkpoint of ``model`` after two Adam steps, one optimizer per entry
+    of ``groups`` (parameter names), recording the first optimizer's names as PretrainModule
+    does."""
+    params = dict(model.named_parameters())
+    optimizers = [torch.optim.Adam([params[n] for n in names], lr=1e-2) for names in groups]
+    for _ in range(2):
+        model(torch.randn(5, 16)).backward()
+        for opt in optimizers:
+            opt.step()
+    return {
+        "state_dict": model.state_dict(),
+        "optimizer_states": [opt.state_dict() for opt in optimizers],
+        "swiglu_train": {
+            "fc1_layout": {"kind": "canonical", "chunk": None, "tp": 1},
+            "optimizer_param_names": [groups[0]],
+        },
+    }
+
+
+@pytest.mark.parametrize(
+    ("groups", "names", "message"),
+    [
+        # names of the first of two optimizers: the second's ids would be read by them
+        (
+            [["layers.0.fc1.weight", "layers.0.fc2.weight"],
+             ["layers.1.fc1.weight", "layers.1.fc2.weight"]],
+            None,
+            "has 2 optimizer states but swiglu_train.optimizer_param_names names the "
+            "parameters of one optimizer",
+        ),
+        # no names at all for an optimizer with state: its fc1 moments were left unpermuted
+        (
+            [["layers.0.fc1.weight", "layers.1.fc1.weight"]],
+            [],
+            r"has groups of \[\] names, but optimizer_states\[0\]'s param groups hold \[2\]",
+        ),
+    ],
+    ids=["two-optimizers", "empty-names"],
+)  # fmt: skip
+def test_optimizer_state_the_names_do_not_cover_is_refused(groups, names, message):
+    torch.manual_seed(0)
+    ckpt = adam_checkpoint(TwoLayers(bias=False), groups)
+    if names is not None:
+        ckpt["swiglu_train"]["optimizer_param_names"] = names
+    with pytest.raises(ValueError, match=message):
+        convert_checkpoint(ckpt, to="packed", chunk=4)

@@ -102,11 +102,8 @@ def convert_checkpoint(
     state = out["state_dict"] if lightning else out
     record = _lightning_record(out) if lightning else None
     names = out.get(CKPT_KEY, {}).get("optimizer_param_names")
-    if lightning and out.get("optimizer_states") and names is None:
-        raise ValueError(
-            "checkpoint has optimizer_states but no recorded parameter names "
-            f"({CKPT_KEY}.optimizer_param_names); mapping them would be a guess"
-        )
+    if lightning and out.get("optimizer_states"):
+        _check_optimizer_names(out["optimizer_states"], names)
     prefixes = _mlp_prefixes(state)
     if not prefixes:
         raise ValueError(
@@ -295,19 +292,47 @@ def _mlp_prefixes(state: dict) -> list[str]:
     return prefixes
 
 
-def _move_optimizer_state(ckpt: dict, names: list[list[str]] | None, key: str, index) -> int:
-    """Permute the state of parameter ``key`` in every optimizer; returns how many moved.
+def _check_optimizer_names(optimizer_states: list, names: object) -> None:
+    """Refuse optimizer state whose parameters the recorded names do not name one to one.
 
-    Optimizer state_dicts key state by integer ids listed per param group; the recorded names
-    per group pair with those ids one to one.
+    Optimizer state_dicts key state by integer ids listed per param group, and our record
+    names the parameters of one optimizer, group by group. Pairing them any other way (the
+    names of one optimizer read against another's ids, or no names at all) would permute some
+    state and leave the rest scrambled, without an error.
+    """
+    where = f"{CKPT_KEY}.optimizer_param_names"
+    if names is None:
+        raise ValueError(
+            f"checkpoint has optimizer_states but no recorded parameter names ({where}); "
+            "mapping them would be a guess"
+        )
+    if len(optimizer_states) != 1:
+        raise ValueError(
+            f"checkpoint has {len(optimizer_states)} optimizer states but {where} names the "
+            "parameters of one optimizer; which names go with which state would be a guess"
+        )
+    opt = optimizer_states[0]
+    if not isinstance(opt, dict) or not isinstance(opt.get("param_groups"), list):
+        raise ValueError("optimizer_states[0] is not an optimizer state_dict (no param_groups)")
+    sizes = [len(group["params"]) for group in opt["param_groups"]]
+    groups = isinstance(names, list) and all(isinstance(g, list) for g in names)
+    named = [len(g) for g in names] if groups else names
+    if not groups or named != sizes:
+        raise ValueError(
+            f"{where} has groups of {named} names, but optimizer_states[0]'s param groups hold "
+            f"{sizes} parameters; mapping them would be a guess"
+        )
+
+
+def _move_optimizer_state(ckpt: dict, names: list[list[str]] | None, key: str, index) -> int:
+    """Permute the state of parameter ``key`` in the optimizer; returns how many moved.
+
+    The recorded names per group pair with the state ids one to one
+    (:func:`_check_optimizer_names`).
     """
     moved = 0
-    for opt in ckpt.get("optimizer_states", []) if names else []:
-        if len(names) != len(opt["param_groups"]):
-            raise ValueError("recorded optimizer parameter names do not match its param groups")
+    for opt in ckpt.get("optimizer_states") or []:
         for group_names, group in zip(names, opt["param_groups"], strict=True):
-            if len(group_names) != len(group["params"]):
-                raise ValueError("recorded optimizer parameter names do not match a group")
             for name, param_id in zip(group_names, group["params"], strict=True):
                 if name == key and param_id in opt["state"]:
                     shape = ckpt["state_dict"][key].shape
