@@ -193,3 +193,29 @@ def test_a_state_dict_of_another_size_gets_torch_s_size_mismatch(source, target)
     for strict in (True, False):
         with pytest.raises(RuntimeError, match=r"size mismatch for fc1\.weight"):
             mlp.load_state_dict(state, strict=strict)
+
+
+@pytest.mark.parametrize(
+    ("impl", "other"), [("normal", "save_factors"), ("save_factors", "drop_h")]
+)
+def test_a_parametrized_fc1_is_never_relaid_out_silently(impl, other):
+    """weight_norm's fc1 is computed: set_impl's copy into it was lost, and a state_dict of
+    ``fc1.parametrizations.weight.original*`` keys loaded unconverted, both changing y."""
+    from torch.nn.utils.parametrizations import weight_norm
+
+    mlp = ParMLP(16, 32, bias=True, impl=impl, chunk=8)
+    weight_norm(mlp.fc1, dim=0)
+    x = torch.randn(5, 16)
+    expected = mlp(x).detach()
+    with pytest.raises(ValueError, match=r"fc1 is parametrized .* cannot be moved"):
+        mlp.set_impl(other)
+    assert mlp.impl == impl
+    torch.testing.assert_close(mlp(x), expected)
+    target = ParMLP(16, 32, bias=True, impl=other, chunk=8)
+    weight_norm(target.fc1, dim=0)
+    with pytest.raises(ValueError, match=r"fc1 is parametrized .* cannot be moved"):
+        target.load_state_dict(mlp.state_dict())
+    same = ParMLP(16, 32, bias=True, impl=impl, chunk=8)  # same layout: loads as before
+    weight_norm(same.fc1, dim=0)
+    same.load_state_dict(mlp.state_dict())
+    torch.testing.assert_close(same(x), expected)

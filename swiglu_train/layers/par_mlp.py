@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from torch.nn.utils import parametrize
 
 from swiglu_train.kernels.runtime import SUPPORTED_DTYPES
 from swiglu_train.layers.auto import resolve_auto
@@ -129,7 +130,9 @@ class ParMLP(nn.Module):
         """The row index switching to ``name`` would apply to fc1 (None: same layout), changing
         nothing: callers check a whole model's switch before making any of it."""
         get_impl(name)  # an unknown name is refused here, not half-way through a switch
-        return order(self.fc1.out_features, self.fc1_layout, self._layout_for(name))
+        target = self._layout_for(name)
+        _refuse_parametrized_relayout(self, self.fc1_layout, target)
+        return order(self.fc1.out_features, self.fc1_layout, target)
 
     def _layout_for(self, name: str) -> Layout:
         if name not in PACKED_IMPLS:
@@ -218,6 +221,8 @@ def _convert_on_load(module: ParMLP, state_dict: dict, prefix: str, *args) -> No
         source = Layout.from_dict(stamp["fc1_layout"])
     if source == module.fc1_layout:
         return
+    if any(key.startswith(prefix + "fc1.") for key in state_dict):  # fc1 is loaded at all
+        _refuse_parametrized_relayout(module, source, module.fc1_layout)
     rows = module.fc1.out_features
     for key in (prefix + "fc1.weight", prefix + "fc1.bias"):
         value = state_dict.get(key)
@@ -226,3 +231,16 @@ def _convert_on_load(module: ParMLP, state_dict: dict, prefix: str, *args) -> No
         if isinstance(value, torch.Tensor) and value.shape[:1] == (rows,):
             index = order(rows, source, module.fc1_layout)
             state_dict[key] = value.index_select(0, index.to(value.device))
+
+
+def _refuse_parametrized_relayout(module: ParMLP, source: Layout, target: Layout) -> None:
+    """A parametrized fc1 (``torch.nn.utils.parametrize``: weight_norm, spectral_norm, ...) is
+    computed from originals that need not map row to row, so its rows cannot be permuted: a
+    copy into the computed weight is lost, and its state_dict keys are not ``fc1.weight``.
+    Either would leave fc1 in one layout while the module reads another, silently."""
+    if source != target and parametrize.is_parametrized(module.fc1):
+        raise ValueError(
+            f"ParMLP fc1 is parametrized (torch.nn.utils.parametrize), so it cannot be moved "
+            f"from {source} to {target}: switch impl or load the state_dict before registering "
+            "the parametrization, or remove it first (parametrize.remove_parametrizations)"
+        )
