@@ -283,3 +283,19 @@ def test_optimizer_state_the_names_do_not_cover_is_refused(groups, names, messag
         ckpt["swiglu_train"]["optimizer_param_names"] = names
     with pytest.raises(ValueError, match=message):
         convert_checkpoint(ckpt, to="packed", chunk=4)
+
+
+def test_a_chunk_that_does_not_divide_f_names_the_file_layer_and_sizes(tmp_path):
+    from typer.testing import CliRunner
+
+    from swiglu_train.cli import app
+
+    torch.save(TwoLayers().state_dict(), tmp_path / "in.pt")
+    args = ["convert", "--to", "packed", "--chunk", "16", "--assume-layout", "canonical"]
+    result = CliRunner().invoke(
+        app, [*args, str(tmp_path / "in.pt"), str(tmp_path / "out.pt")], env={"COLUMNS": "400"}
+    )
+    assert result.exit_code != 0 and not (tmp_path / "out.pt").exists()
+    message = " ".join(result.output.replace("│", "").split())
+    assert f"{tmp_path / 'in.pt'}: layers.0.fc1.weight [48 rows] cannot go canonical -> " in message
+    assert "ffn size 24 is not divisible by chunk=16" in message

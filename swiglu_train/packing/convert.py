@@ -132,7 +132,11 @@ def convert_checkpoint(
         sources.add(source)
         rows = state[prefix + "fc1.weight"].shape[0]
         target = CANONICAL if to == "canonical" else Layout("packed", chunk, source.tp)
-        index = order(rows, source, target)
+        try:
+            index = order(rows, source, target)
+        except ValueError as e:  # layout.py's message names the sizes, not the layer
+            raise ValueError(f"{prefix}fc1.weight [{rows} rows] cannot go {source} -> {target}: "
+                             f"{e}") from e  # fmt: skip
         moved_states = 0
         if index is not None:
             for key in ("fc1.weight", "fc1.bias"):
