@@ -299,3 +299,15 @@ def test_a_chunk_that_does_not_divide_f_names_the_file_layer_and_sizes(tmp_path)
     message = " ".join(result.output.replace("│", "").split())
     assert f"{tmp_path / 'in.pt'}: layers.0.fc1.weight [48 rows] cannot go canonical -> " in message
     assert "ffn size 24 is not divisible by chunk=16" in message
+
+
+def test_per_row_state_hidden_in_a_list_is_refused():
+    """A history of moments kept in a list (L-BFGS's, say) would keep the old row order."""
+    torch.manual_seed(0)
+    ckpt = adam_checkpoint(TwoLayers(bias=False), [["layers.0.fc1.weight"]])
+    state = ckpt["optimizer_states"][0]["state"][0]
+    state["history"] = [state["exp_avg"].clone()]
+    with pytest.raises(
+        ValueError, match=r"layers\.0\.fc1\.weight: optimizer state 'history' is a list holding"
+    ):
+        convert_checkpoint(ckpt, to="packed", chunk=4)

@@ -14,6 +14,12 @@ def permute_state(state: dict, param_shape: torch.Size, index: torch.Tensor, whe
     """A copy of one parameter's optimizer state with per-element tensors re-ordered."""
     out = {}
     for key, value in state.items():
+        if not isinstance(value, torch.Tensor) and _holds_rows(value):
+            raise ValueError(
+                f"{where}: optimizer state {key!r} is a {type(value).__name__} holding "
+                "non-scalar tensors; they cannot be told apart from per-row state, so it "
+                "cannot follow a layout change"
+            )
         if not isinstance(value, torch.Tensor) or value.dim() == 0:
             out[key] = value
         elif value.shape == param_shape:
@@ -25,3 +31,13 @@ def permute_state(state: dict, param_shape: torch.Size, index: torch.Tensor, whe
                 "layout change"
             )
     return out
+
+
+def _holds_rows(value: object) -> bool:
+    """Whether a list, tuple or dict holds a non-scalar tensor: per-row state (a history of
+    moments, say) hidden there would keep the old row order without an error."""
+    if isinstance(value, torch.Tensor):
+        return value.dim() > 0
+    if isinstance(value, dict):
+        value = list(value.values())
+    return isinstance(value, (list, tuple)) and any(_holds_rows(v) for v in value)
