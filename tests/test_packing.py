@@ -311,3 +311,19 @@ def test_per_row_state_hidden_in_a_list_is_refused():
         ValueError, match=r"layers\.0\.fc1\.weight: optimizer state 'history' is a list holding"
     ):
         convert_checkpoint(ckpt, to="packed", chunk=4)
+
+
+def test_an_output_path_that_is_a_directory_is_one_line(tmp_path):
+    from typer.testing import CliRunner
+
+    from swiglu_train.cli import app
+
+    torch.save(TwoLayers().state_dict(), tmp_path / "in.pt")
+    (tmp_path / "out").mkdir()
+    args = ["convert", "--to", "packed", "--chunk", "4", "--assume-layout", "canonical"]
+    result = CliRunner().invoke(
+        app, [*args, str(tmp_path / "in.pt"), str(tmp_path / "out")], env={"COLUMNS": "400"}
+    )
+    assert result.exit_code == 2, result.exception
+    assert f"{tmp_path / 'out'} is a directory" in result.output
+    assert list((tmp_path / "out").iterdir()) == [] and len(list(tmp_path.iterdir())) == 2

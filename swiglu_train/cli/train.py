@@ -207,6 +207,8 @@ def convert(
         raise typer.BadParameter(
             f"--assume-layout {assume_layout!r}: use canonical, packed:C or hf"
         )
+    if dst.is_dir():  # os.replace would fail only after the whole conversion, with a traceback
+        raise typer.BadParameter(f"{dst} is a directory; give the output file's path")
     try:
         ckpt = torch.load(src, map_location="cpu", weights_only=not trust)
     except FileNotFoundError:
