@@ -327,3 +327,19 @@ def test_an_output_path_that_is_a_directory_is_one_line(tmp_path):
     assert result.exit_code == 2, result.exception
     assert f"{tmp_path / 'out'} is a directory" in result.output
     assert list((tmp_path / "out").iterdir()) == [] and len(list(tmp_path.iterdir())) == 2
+
+
+def test_fc1_tied_to_an_entry_convert_does_not_move_is_refused(tmp_path):
+    """A twin tied to fc1 would keep the old rows, and whichever loads last wins."""
+    model = TwoLayers(bias=False)
+    model.tied = torch.nn.Linear(16, 48, bias=False)
+    model.tied.weight = model.layers[0].fc1.weight
+    torch.save(model.state_dict(), tmp_path / "tied.pt")
+    with pytest.raises(ValueError, match=r"layers\.0\.fc1\.weight shares its memory with tied"):
+        convert_checkpoint(torch.load(tmp_path / "tied.pt"), to="packed", chunk=4)
+    shared = torch.nn.Module()  # one ParMLP in two places: both fc1 move alike, round trip
+    shared.layers = torch.nn.ModuleList([model.layers[1], model.layers[1]])
+    torch.save(shared.state_dict(), tmp_path / "shared.pt")
+    state = torch.load(tmp_path / "shared.pt")
+    back = convert_checkpoint(convert_checkpoint(state, to="packed", chunk=4), to="canonical")
+    assert all(torch.equal(back[k], state[k]) for k in state)

@@ -110,6 +110,7 @@ def convert_checkpoint(
             "no ParMLP fc1 weights found (expected '<prefix>fc1.weight' beside "
             "'<prefix>fc2.weight' with matching sizes)"
         )
+    _check_ties(state, prefixes)
     stamps = _stamp_keys(state)
     stray = sorted(set(stamps) - {p + STAMP_KEY for p in prefixes})
     if stray:  # e.g. Megatron's mlp._extra_state beside linear_fc1: its rows would go unread
@@ -294,6 +295,35 @@ def _mlp_prefixes(state: dict) -> list[str]:
         if fc2 is not None and value.dim() == 2 and value.shape[0] == 2 * fc2.shape[1]:
             prefixes.append(prefix)
     return prefixes
+
+
+def _check_ties(state: dict, prefixes: list[str]) -> None:
+    """Refuse an fc1 weight or bias whose memory another entry that is not moved shares.
+
+    Only fc1 rows are re-ordered: a tied twin elsewhere (an embedding, another module's weight)
+    would keep the old order, and loading both into the one parameter keeps whichever comes
+    last, so fc1 could load scrambled without an error. fc1s tied to each other (one ParMLP
+    shared by several layers) move alike; tensors that merely share a buffer without
+    overlapping (Megatron's contiguous parameter buffer) are independent.
+    """
+    moved = {p + k for p in prefixes for k in ("fc1.weight", "fc1.bias") if p + k in state}
+    spans = {k: _span(v) for k, v in state.items() if isinstance(v, torch.Tensor) and v.numel()}
+    for key in sorted(moved & spans.keys()):
+        storage, start, end = spans[key]
+        for other, (storage2, start2, end2) in spans.items():
+            if other not in moved and storage2 == storage and start < end2 and start2 < end:
+                raise ValueError(
+                    f"{key} shares its memory with {other}, which is not an fc1 convert moves; "
+                    "re-ordering fc1's rows would untie them, so fc1 could load scrambled"
+                )
+
+
+def _span(tensor: torch.Tensor) -> tuple[int, int, int]:
+    """The storage and the byte range ``tensor`` reads from it."""
+    size = tensor.element_size()
+    start = tensor.storage_offset() * size
+    last = sum((n - 1) * stride for n, stride in zip(tensor.shape, tensor.stride(), strict=True))
+    return tensor.untyped_storage().data_ptr(), start, start + (last + 1) * size
 
 
 def _check_optimizer_names(optimizer_states: list, names: object) -> None:
