@@ -13,6 +13,11 @@ from dataclasses import dataclass
 
 import torch
 
+try:
+    from torch.distributed.tensor import DTensor, distribute_tensor
+except ImportError:  # a torch built without distributed: no tensor is a DTensor
+    DTensor = distribute_tensor = None
+
 
 @dataclass(frozen=True)
 class Layout:
@@ -86,7 +91,18 @@ def order(rows: int, source: Layout, target: Layout) -> torch.Tensor | None:
     return index
 
 
+def permute_rows(tensor: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """``tensor[index]`` along dim 0, for a DTensor too (FSDP2's sharded parameters and
+    state_dicts): a pair may cross shards, so the rows are gathered, permuted and sharded again
+    as they were."""
+    index = index.to(tensor.device)
+    if DTensor is None or not isinstance(tensor, DTensor):
+        return tensor.index_select(0, index)
+    full = tensor.full_tensor().index_select(0, index)  # every rank holds the same full rows
+    return distribute_tensor(full, tensor.device_mesh, tensor.placements, src_data_rank=None)
+
+
 def relayout(tensor: torch.Tensor, source: Layout, target: Layout) -> torch.Tensor:
     """An fc1 weight, bias or per-element state moved from one layout to another (a copy)."""
     index = order(tensor.shape[0], source, target)
-    return tensor.clone() if index is None else tensor.index_select(0, index.to(tensor.device))
+    return tensor.clone() if index is None else permute_rows(tensor, index)

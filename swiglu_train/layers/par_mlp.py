@@ -15,7 +15,7 @@ from torch.nn.utils import parametrize
 
 from swiglu_train.kernels.runtime import SUPPORTED_DTYPES
 from swiglu_train.layers.auto import resolve_auto
-from swiglu_train.layers.layout import CANONICAL, Layout, order
+from swiglu_train.layers.layout import CANONICAL, Layout, order, permute_rows
 from swiglu_train.layers.registry import (
     AUTO,
     FIXED_CHUNKS,
@@ -121,7 +121,7 @@ class ParMLP(nn.Module):
             with torch.no_grad():
                 for p in (self.fc1.weight, self.fc1.bias):
                     if p is not None:
-                        p.copy_(p.index_select(0, index.to(p.device)))
+                        p.copy_(permute_rows(p, index))
         self._mlp_function, self._impl, self.fc1_layout = function, name, target
         self.auto_reason: str | None = None  # a named impl is no longer auto's choice
         return index
@@ -230,7 +230,7 @@ def _convert_on_load(module: ParMLP, state_dict: dict, prefix: str, *args) -> No
         # the problem; permuting it would fail first, on a chunk that does not divide it
         if isinstance(value, torch.Tensor) and value.shape[:1] == (rows,):
             index = order(rows, source, module.fc1_layout)
-            state_dict[key] = value.index_select(0, index.to(value.device))
+            state_dict[key] = permute_rows(value, index)
 
 
 def _refuse_parametrized_relayout(module: ParMLP, source: Layout, target: Layout) -> None:

@@ -1,0 +1,61 @@
+"""ParMLP under FSDP2 (fully_shard) on a 1-rank gloo group: its fc1 is a DTensor there."""
+
+import copy
+import socket
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from swiglu_train import ParMLP
+
+fsdp = pytest.importorskip("torch.distributed.fsdp")
+checkpoint = pytest.importorskip("torch.distributed.checkpoint.state_dict")
+
+
+@pytest.fixture
+def process_group(monkeypatch):
+    if dist.is_initialized():
+        pytest.skip("a process group is already up")
+    with socket.socket() as s:  # a free port
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(port))
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize(
+    ("impl", "other"), [("normal", "save_factors"), ("save_factors", "drop_h")]
+)
+def test_sharded_fc1_is_relaid_out_on_switch_and_load(process_group, impl, other):
+    """index_select on a DTensor with a plain index raised "mixed torch.Tensor and DTensor";
+    a full canonical checkpoint loaded through DCP into a packed FSDP2 model is the common case."""
+    reference = ParMLP(16, 32, bias=True, impl=impl, chunk=8)
+    x = torch.randn(5, 16)
+    expected = reference(x).detach()
+
+    switched = fsdp.fully_shard(copy.deepcopy(reference))
+    switched.set_impl(other)
+    assert type(switched.fc1.weight).__name__ == "DTensor" and switched.impl == other
+    torch.testing.assert_close(switched(x), expected)
+
+    with torch.device("meta"):  # deferred init, as FSDP2 recipes build models
+        loaded = ParMLP(16, 32, bias=True, impl=other, chunk=8)
+    fsdp.fully_shard(loaded)
+    loaded.to_empty(device="cpu")
+    loaded.load_state_dict(fsdp.fully_shard(copy.deepcopy(reference)).state_dict())
+    torch.testing.assert_close(loaded(x), expected)
+
+    full = fsdp.fully_shard(ParMLP(16, 32, bias=True, impl=other, chunk=8))
+    options = checkpoint.StateDictOptions(full_state_dict=True)
+    checkpoint.set_model_state_dict(full, reference.state_dict(), options=options)
+    torch.testing.assert_close(full(x), expected)
+    state = checkpoint.get_model_state_dict(full, options=options)  # and back, full
+    back = ParMLP(16, 32, bias=True, impl=impl, chunk=8)
+    back.load_state_dict(state)
+    torch.testing.assert_close(back(x), expected)
