@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import torch
 
+from swiglu_train.layers.layout import permute_rows
+
 
 def permute_state(state: dict, param_shape: torch.Size, index: torch.Tensor, where: str) -> dict:
     """A copy of one parameter's optimizer state with per-element tensors re-ordered."""
@@ -23,7 +25,7 @@ def permute_state(state: dict, param_shape: torch.Size, index: torch.Tensor, whe
         if not isinstance(value, torch.Tensor) or value.dim() == 0:
             out[key] = value
         elif value.shape == param_shape:
-            out[key] = value.index_select(0, index.to(value.device))
+            out[key] = permute_rows(value, index)  # FSDP2 keeps state as DTensors too
         else:
             raise ValueError(
                 f"{where}: optimizer state {key!r} has shape {tuple(value.shape)}, not the "
