@@ -389,11 +389,14 @@ class _PlainLinear(torch.nn.Module):
         return torch.nn.functional.linear(x, self.weight), self.bias
 
 
-def test_activation_mlp_leaves_gemm_options_to_the_linears() -> None:
-    """gradient_accumulation_fusion (Megatron-LM's default with TE) concerns the GEMMs, which
-    SwiGLUActivationMLP leaves to Megatron's linears: allowed there, refused where ours run."""
+@pytest.mark.parametrize("option", ["gradient_accumulation_fusion", "fp8"])
+def test_activation_mlp_leaves_gemm_options_to_the_linears(option: str) -> None:
+    """gradient_accumulation_fusion (Megatron-LM's default with TE) and FP8 concern the GEMMs,
+    which SwiGLUActivationMLP leaves to Megatron's (TE's) linears: allowed there, refused where
+    ours run."""
     config = swiglu_config(num_layers=1)
-    config.gradient_accumulation_fusion = True  # set after: validation wants Apex or TE
+    # Set after construction: validation wants Apex or TE.
+    setattr(config, option, "e4m3" if option == "fp8" else True)
     submodules = MLPSubmodules(linear_fc1=_PlainLinear, linear_fc2=_PlainLinear)
     torch.manual_seed(0)
     ours = SwiGLUActivationMLP(config, submodules)
@@ -401,7 +404,8 @@ def test_activation_mlp_leaves_gemm_options_to_the_linears() -> None:
     stock = MLP(config, submodules, ffn_hidden_size=config.ffn_hidden_size)
     x = torch.randn(SEQ, BATCH, config.hidden_size)
     assert rel_err(ours(x)[0], stock(x)[0]) <= PARITY
-    with pytest.raises(ValueError, match="gradient_accumulation_fusion is not supported"):
+    refusal = {"fp8": r"FP8/FP4 .* backend='te'"}.get(option, f"{option} is not supported")
+    with pytest.raises(ValueError, match=refusal):
         ParMLPMegatron(config, stock_submodules())
 
 

@@ -71,15 +71,19 @@ def check_config(
     """Refuse, with the reason, configs whose MLP math or kernels this layer cannot run.
 
     ``own_gemms=False`` (SwiGLUActivationMLP: Megatron's linears run the GEMMs, ours only the
-    activation) skips the checks that concern only our GEMMs.
+    activation) skips the checks that concern only our GEMMs: FP8/FP4 among them, which TE's
+    linears quantize themselves (the activation between them runs in bf16, as Megatron's does).
     """
     problems = []
     if not config.gated_linear_unit or config.activation_func is not F.silu:
         problems.append(
             "it computes SwiGLU only: set gated_linear_unit=True, activation_func=F.silu"
         )
-    if getattr(config, "fp8", None) or getattr(config, "fp4", None):
-        problems.append("FP8/FP4 runs on Transformer Engine GEMMs; unset config.fp8/fp4")
+    if own_gemms and (getattr(config, "fp8", None) or getattr(config, "fp4", None)):
+        problems.append(
+            "FP8/FP4 runs on Transformer Engine GEMMs, which this MLP replaces; unset "
+            "config.fp8/fp4, or use get_gpt_layer_spec('normal', backend='te')"
+        )
     if getattr(config, "use_te_activation_func", False):
         problems.append("use_te_activation_func would bypass our activation; set it False")
     if getattr(config, "activation_func_clamp_value", None) is not None:
