@@ -84,3 +84,17 @@ def test_a_bug_is_not_taken_for_an_input_error(entry, monkeypatch):
     monkeypatch.setattr(config, "load_config", broken)
     with pytest.raises(RuntimeError, match="a bug"):
         entry("pretrain", "--config", "tiny")
+
+
+@pytest.mark.parametrize("devices", ["0", "abc", "-3"])
+def test_devices_lightning_refuses_are_one_line(entry, tmp_path, devices):
+    """They failed inside the Trainer: a MisconfigurationException or TypeError traceback."""
+    code, err = entry("pretrain", "--devices", devices, "--output-dir", str(tmp_path / "run"))
+    assert code == 1 and err.startswith("error: train.devices must be auto or a count of at least")
+    assert err.count("\n") == 1 and not (tmp_path / "run").exists()
+
+
+def test_devices_in_a_config_are_checked_too(entry, tmp_path):
+    (tmp_path / "c.yaml").write_text(f"train: {{devices: 0}}\noutput_dir: {tmp_path / 'run'}\n")
+    code, err = entry("pretrain", "--config", str(tmp_path / "c.yaml"))
+    assert code == 1 and "train.devices must be auto or a count of at least 1" in err

@@ -100,11 +100,27 @@ def check_ranges(cfg: PretrainConfig) -> None:
             value = getattr(getattr(cfg, part), key)
             if value < low:
                 raise ValueError(f"{part}.{key} must be at least {low}, got {value}")
+    check_devices(cfg.train.devices)
     if not cfg.optim.lr > 0 or not cfg.data.val_fraction < 1 or not cfg.optim.min_lr_ratio <= 1:
         raise ValueError(
             f"need optim.lr > 0, data.val_fraction < 1 and optim.min_lr_ratio <= 1; got "
             f"{cfg.optim.lr}, {cfg.data.val_fraction}, {cfg.optim.min_lr_ratio}"
         )
+
+
+def check_devices(devices: int | str) -> None:
+    """train.devices as Lightning takes it: 0, "abc" or, without CUDA, -1 or GPU ids fail inside
+    the Trainer with a MisconfigurationException or TypeError traceback."""
+    import torch
+
+    if devices == "auto" or (isinstance(devices, int) and devices >= 1):
+        return
+    if torch.cuda.is_available():
+        ids = str(devices).split(",")
+        if str(devices).strip() == "-1" or all(i.strip().isdigit() for i in ids):
+            return
+    gpu = ", -1 (all GPUs) or GPU ids like 0,1" if torch.cuda.is_available() else ""
+    raise ValueError(f"train.devices must be auto or a count of at least 1{gpu}; got {devices!r}")
 
 
 def _build(cls, values: dict[str, Any], where: str):
