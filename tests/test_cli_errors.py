@@ -86,6 +86,87 @@ def test_a_bug_is_not_taken_for_an_input_error(entry, monkeypatch):
         entry("pretrain", "--config", "tiny")
 
 
+def invoke(*args: str):
+    return runner.invoke(app, list(args), env={"COLUMNS": "400"})
+
+
+TINY = ("--device", "cpu", "--dtype", "fp32", "--shape", "8,16,24,16")
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ("bench-memory", *TINY, "--layers", "0"),
+        ("bench-memory", *TINY, "--layers", "2,a"),
+        ("bench-memory", *TINY, "--layers", ","),
+        ("bench-memory", *TINY, "--mlp-impl", ","),
+        ("bench-memory", *TINY, "--overhead-samples", "-1"),
+        ("bench-memory", "--device", "cpu", "--shape", "8,16,24,x"),
+        ("bench", *TINY, "--variants", "eager", "--stack-layers", "-1", "--samples", "1"),
+        ("bench", *TINY, "--variants", ",", "--samples", "1"),
+    ],
+)
+def test_a_number_or_list_out_of_range_names_its_option(args):
+    """These ran and printed an empty or meaningless table (layers -1), or said only
+    "invalid literal for int()" without naming the option."""
+    result = invoke(*args)
+    option = next(a for a in args[::-1] if a.startswith("--") and a not in ("--samples",))
+    assert result.exit_code == 2, result.output
+    assert f"Invalid value for '{option}'" in result.output and "Traceback" not in result.output
+
+
+@pytest.mark.parametrize(("command", "siblings"), [("bench", ".md"), ("bench-memory", ".png")])
+def test_a_json_path_the_table_beside_it_would_replace_is_refused(tmp_path, command, siblings):
+    out = tmp_path / f"result{siblings}"
+    extra = ("--variants", "eager", "--samples", "1", "--stack-layers", "0")
+    result = invoke(command, *TINY, *(extra if command == "bench" else ()), "--json", str(out))
+    assert result.exit_code == 2, result.output
+    assert "would replace it; give a .json path" in result.output
+    assert not out.exists()
+
+
+def test_outputs_that_cannot_be_written_are_refused_before_the_work(tmp_path):
+    """A file where a directory goes (or the reverse) failed with an OSError traceback once the
+    run, training included, was over."""
+    blocker = tmp_path / "blocker"
+    blocker.write_text("a file\n")
+    ckpt = tmp_path / "in.pt"
+    torch.save({"fc1.weight": torch.zeros(8, 4)}, ckpt)
+    cases = [
+        (("pretrain", "--max-steps", "1", "--output-dir", str(blocker)), "is a file, not a dir"),
+        (
+            ("pretrain", "--max-steps", "1", "--micro-batch-size", "1", "--output-dir",
+             str(tmp_path / "run"), "--summary-json", str(tmp_path)),
+            "is a directory; give a file's path",
+        ),
+        (
+            ("convert", "--to", "canonical", "--assume-layout", "canonical", str(ckpt),
+             str(blocker / "out.pt")),
+            f"{blocker} is a file, so {blocker / 'out.pt'} cannot be written",
+        ),
+        (
+            ("compare-memory", str(tmp_path / "memory.csv"), "--out", str(blocker / "m.png")),
+            f"{blocker} is a file, so",
+        ),
+        (("bench-memory", *TINY, "--layers", "1", "--json", str(blocker / "s.json")), "is a file"),
+        (
+            ("bench-inference", "--device", "cpu", "--models", "16x24", "--m", "1",
+             "--samples", "1", "--plot", str(tmp_path)),
+            "is a directory",
+        ),
+        (
+            ("bench-inference", "--device", "cpu", "--models", "16x24", "--m", "1",
+             "--samples", "1", "--judge-table", str(tmp_path / "nosuch.json")),
+            "nosuch.json is not a file",  # was read only after the benchmark
+        ),
+    ]  # fmt: skip
+    for args, message in cases:
+        result = invoke(*args)
+        assert result.exit_code == 2, (args, result.output, result.exception)
+        assert message in result.output, (args, result.output)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["blocker", "in.pt"]
+
+
 @pytest.mark.parametrize("devices", ["0", "abc", "-3"])
 def test_devices_lightning_refuses_are_one_line(entry, tmp_path, devices):
     """They failed inside the Trainer: a MisconfigurationException or TypeError traceback."""
@@ -98,3 +179,25 @@ def test_devices_in_a_config_are_checked_too(entry, tmp_path):
     (tmp_path / "c.yaml").write_text(f"train: {{devices: 0}}\noutput_dir: {tmp_path / 'run'}\n")
     code, err = entry("pretrain", "--config", str(tmp_path / "c.yaml"))
     assert code == 1 and "train.devices must be auto or a count of at least 1" in err
+
+
+class Opaque:
+    """A pickled object weights_only refuses."""
+
+
+def test_a_file_that_is_not_a_checkpoint_is_named_without_torch_s_paragraphs(tmp_path):
+    """torch's weights_only refusal is a dozen lines with ANSI codes, and for a text file its
+    '--trust' hint was wrong: no pickle was refused."""
+    (tmp_path / "notes.txt").write_text("hello\n" * 10)
+    args = ["convert", "--to", "canonical", "--assume-layout", "canonical"]
+    result = invoke(*args, str(tmp_path / "notes.txt"), str(tmp_path / "out.pt"))
+    assert result.exit_code == 2 and "notes.txt is not a torch checkpoint" in result.output
+    assert "--trust" not in result.output.replace("--trust]", "")
+
+    torch.save({"x": Opaque()}, tmp_path / "obj.pt")
+    result = invoke(*args, str(tmp_path / "obj.pt"), str(tmp_path / "out.pt"))
+    assert result.exit_code == 2
+    assert "cannot load" in result.output and "Unsupported global: GLOBAL" in result.output
+    assert "pass --trust if you trust the file" in result.output
+    assert "\x1b[" not in result.output and "Please" not in result.output
+    assert not (tmp_path / "out.pt").exists()

@@ -57,10 +57,50 @@ def main() -> None:
 
 
 def parse_shape(value: str) -> tuple[int, int, int, int]:
-    parts = [int(v) for v in value.split(",")]
+    try:
+        parts = [int(v) for v in value.split(",")]
+    except ValueError:
+        parts = []
     if len(parts) != 4 or min(parts) < 1:
-        raise typer.BadParameter("expected four positive integers M,D,F,O")
+        raise typer.BadParameter(
+            f"expected four positive integers M,D,F,O; got {value!r}", param_hint="'--shape'"
+        )
     return tuple(parts)  # type: ignore[return-value]
+
+
+def parse_ints(value: str, option: str, low: int = 1) -> list[int]:
+    """A comma-separated list of integers >= ``low``, refused whole and named by its option: an
+    empty list or a zero would otherwise run and print an empty or meaningless table."""
+    try:
+        numbers = [int(v) for v in value.split(",") if v.strip()]
+    except ValueError:
+        numbers = []
+    if not numbers or min(numbers) < low:
+        raise typer.BadParameter(
+            f"expected integers >= {low}, comma-separated; got {value!r}", param_hint=option
+        )
+    return numbers
+
+
+def check_output(path: Path | str | None, option: str, directory: bool = False) -> None:
+    """Refuse an output path that cannot be written before the work that produces it.
+
+    A directory where a file goes, or a file where a directory goes or above one, fails only
+    when the output is written, after the whole run, with an OSError traceback.
+    """
+    if path is None:
+        return
+    path = Path(path)
+    if path.exists() and path.is_dir() != directory:
+        what = "a directory; give a file's path" if path.is_dir() else "a file, not a directory"
+        raise typer.BadParameter(f"{path} is {what}", param_hint=option)
+    for parent in path.parents:
+        if parent.exists():
+            if not parent.is_dir():
+                raise typer.BadParameter(
+                    f"{parent} is a file, so {path} cannot be written", param_hint=option
+                )
+            return
 
 
 def require_device(device: str) -> str:

@@ -13,13 +13,30 @@ from rich.markup import escape
 
 from swiglu_train.cli.app import (
     app,
+    check_output,
     console,
     invocation,
+    parse_ints,
     parse_shape,
     progress_bars,
     require_device,
 )
 from swiglu_train.files import atomic_write, write_json_atomic
+
+
+def check_results_path(json_path: Path | None, siblings: tuple[str, ...]) -> None:
+    """--json and the files written beside it (its name with these suffixes) must be writable and
+    distinct: ``--json r.md`` would have the table overwrite the JSON."""
+    if json_path is None:
+        return
+    if json_path.suffix in siblings:
+        raise typer.BadParameter(
+            f"{json_path}: the {'/'.join(siblings)} written beside it would replace it; "
+            "give a .json path",
+            param_hint="'--json'",
+        )
+    for path in (json_path, *(json_path.with_suffix(suffix) for suffix in siblings)):
+        check_output(path, "'--json'")
 
 
 @app.command()
@@ -41,7 +58,9 @@ def bench(
     ),
     samples: Annotated[int, typer.Option(min=1, help="paired samples (use >= 30)")] = 40,
     warmup: Annotated[int, typer.Option(min=1)] = 3,
-    stack_layers: Annotated[int, typer.Option(help="layers in the stack table; 0 skips")] = 4,
+    stack_layers: Annotated[
+        int, typer.Option(min=0, help="layers in the stack table; 0 skips")
+    ] = 4,
     device: Annotated[str, typer.Option(help="cuda, or cpu for a smoke run")] = "cuda",
     seed: int = 0,
     commit: Annotated[str | None, typer.Option(help="commit to record if git is absent")] = None,
@@ -53,11 +72,17 @@ def bench(
 
     names = [v for v in variants.split(",") if v]
     unknown = sorted(set(names) - set(BUILDERS))
-    if unknown:
-        raise typer.BadParameter(f"unknown variants {unknown}; choose from {list(BUILDERS)}")
+    if unknown or not names:
+        raise typer.BadParameter(
+            f"unknown variants {unknown}; choose from {list(BUILDERS)}"
+            if unknown
+            else f"no variants given; choose from {list(BUILDERS)}",
+            param_hint="'--variants'",
+        )
     if dtype not in DTYPES:
         raise typer.BadParameter(f"dtype must be one of {list(DTYPES)}")
     require_device(device)
+    check_results_path(json_path, (".md",))
     if samples < 30:
         console.print(f"[yellow]{samples} samples: results are not claimable (need >= 30)")
     cfg = BenchConfig(
@@ -80,7 +105,8 @@ def bench(
         console.print(f"[yellow]skipped {name}: {escape(reason)}")
     if json_path is not None:
         write_json_atomic(json_path, result)
-        json_path.with_suffix(".md").write_text(markdown)
+        with atomic_write(json_path.with_suffix(".md")) as f:
+            f.write(markdown)
         console.print(f"wrote {escape(str(json_path))}")
 
 
@@ -162,6 +188,15 @@ def bench_inference(
         raise typer.BadParameter(f"dtype must be one of {list(DTYPES)}")
     if not merge:  # merging reads result files: it runs anywhere
         require_device(device)
+    if judge_path is not None and not judge_path.is_file():  # read after the run
+        raise typer.BadParameter(f"{judge_path} is not a file", param_hint="'--judge-table'")
+    for path, option in (
+        (json_path, "'--json'"),
+        (md_path, "'--md'"),
+        (dispatch_path, "'--dispatch-table'"),
+        (plot_path, "'--plot'"),
+    ):
+        check_output(path, option)
     if samples < 30:
         console.print(f"[yellow]{samples} samples: results are not claimable (need >= 30)")
     if merge:
@@ -210,7 +245,8 @@ def bench_memory(
     device: Annotated[str, typer.Option(help="cpu (saved bytes only) or cuda")] = "cuda",
     dtype: Annotated[str, typer.Option(help="bf16, fp16 or fp32")] = "bf16",
     overhead_samples: Annotated[
-        int, typer.Option(help="also time the profiler's own cost over this many paired steps")
+        int,
+        typer.Option(min=0, help="also time the profiler's own cost over this many paired steps"),
     ] = 0,
     json_path: Annotated[Path | None, typer.Option("--json", help="write results here")] = None,
 ) -> None:
@@ -220,12 +256,15 @@ def bench_memory(
     from swiglu_train.layers import get_impl
 
     impls = [i for i in mlp_impl.split(",") if i]
+    if not impls:
+        raise typer.BadParameter("no impls given", param_hint="'--mlp-impl'")
     for impl in impls:
         get_impl(impl)  # a clear error listing the valid impls
     if dtype not in DTYPES:
         raise typer.BadParameter(f"dtype must be one of {list(DTYPES)}")
     require_device(device)
-    depths = [int(v) for v in layers.split(",") if v]
+    depths = parse_ints(layers, "'--layers'")
+    check_results_path(json_path, (".md", ".png"))
     dims, torch_dtype = parse_shape(shape), DTYPES[dtype]
     rows = []
     with progress_bars() as progress:
@@ -317,6 +356,8 @@ def bench_crossover(
     if table is not None and not (commit or git_commit()):
         raise typer.BadParameter("--table records the commit measured; pass --commit (no git)")
     require_device(device)
+    check_results_path(json_path, (".md",))
+    check_output(table, "'--table'")
     if samples < 30:
         console.print(f"[yellow]{samples} samples: results are not claimable (need >= 30)")
     cfg = CrossoverConfig(grid_m, grid_shapes, samples, warmup, dtype, device, seed, commit)
@@ -327,7 +368,8 @@ def bench_crossover(
     console.print(Markdown(markdown))
     if json_path is not None:
         write_json_atomic(json_path, result)
-        json_path.with_suffix(".md").write_text(markdown)
+        with atomic_write(json_path.with_suffix(".md")) as f:
+            f.write(markdown)
         console.print(f"wrote {escape(str(json_path))} (.md)")
     if table is not None:
         write_json_atomic(table, lookup_table(result))

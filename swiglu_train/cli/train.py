@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import pickle
+import re
+import zipfile
 from pathlib import Path
 from typing import Annotated
 
@@ -11,9 +13,35 @@ from rich.markup import escape
 
 from swiglu_train.cli.app import (
     app,
+    check_output,
     console,
 )
 from swiglu_train.files import atomic_write, write_json_atomic
+
+
+def is_torch_file(path: Path) -> bool:
+    """Whether ``path`` is what torch.save writes: a zip archive, or a legacy pickle."""
+    with open(path, "rb") as f:
+        return zipfile.is_zipfile(f) or (f.seek(0) == 0 and f.read(1) == b"\x80")
+
+
+def load_error(src: Path, e: Exception, trust: bool) -> str:
+    """Why torch.load refused ``src``, in one line."""
+    if src.is_file() and src.stat().st_size and not is_torch_file(src):
+        # A text file, say: torch says UnpicklingError (--trust would not help) or KeyError: 101
+        return f"{src} is not a torch checkpoint (neither a torch.save zip nor a pickle)"
+    if isinstance(e, pickle.UnpicklingError):  # weights_only refuses arbitrary pickled objects
+        hint = "" if trust else "; pass --trust if you trust the file"
+        return f"cannot load {src} safely ({unpickler_reason(e)}){hint}"
+    reason = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__  # EOFError, OSError...
+    return f"{src} is not a readable checkpoint ({reason})"
+
+
+def unpickler_reason(e: Exception) -> str:
+    """What torch's weights_only refusal names (its message is paragraphs, with ANSI codes)."""
+    found = re.search(r"WeightsUnpickler error:\s*(.+?)(?:\. Please|\n|$)", str(e))
+    text = found.group(1) if found else str(e).split("\n", 1)[0]
+    return re.sub(r"\x1b\[[0-9;]*m", "", text).strip() or type(e).__name__
 
 
 @app.command()
@@ -41,6 +69,8 @@ def compare_memory(
             parse_entity_project(wandb_workspace)
         except ValueError as e:
             raise typer.BadParameter(str(e), param_hint="--wandb-workspace") from e
+    check_output(out, "'--out'")
+    check_output(out.with_suffix(".html"), "'--out'")
     try:
         loaded = load_runs(runs)
     except (FileNotFoundError, ValueError) as e:
@@ -122,6 +152,8 @@ def pretrain(
     for section, key, value in overrides:
         if value is not None:
             setattr(section, key, value)
+    check_output(cfg.output_dir, "'--output-dir' (or output_dir in the config)", directory=True)
+    check_output(summary_json, "'--summary-json'")
     summary = run_pretrain(cfg, resume=resume)
     if summary is None:  # a DDP rank other than 0: rank 0 reports the run
         return
@@ -207,18 +239,13 @@ def convert(
         raise typer.BadParameter(
             f"--assume-layout {assume_layout!r}: use canonical, packed:C or hf"
         )
-    if dst.is_dir():  # os.replace would fail only after the whole conversion, with a traceback
-        raise typer.BadParameter(f"{dst} is a directory; give the output file's path")
+    check_output(dst, "DST")  # os.replace would fail only after the whole conversion
     try:
         ckpt = torch.load(src, map_location="cpu", weights_only=not trust)
     except FileNotFoundError:
         raise typer.BadParameter(f"{src} does not exist") from None
-    except pickle.UnpicklingError as e:  # weights_only refuses arbitrary pickled objects
-        hint = "" if trust else "; pass --trust if you trust the file"
-        raise typer.BadParameter(f"cannot load {src} safely ({e}){hint}") from e
-    except Exception as e:  # EOFError, OSError, RuntimeError...: an empty or damaged file
-        reason = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
-        raise typer.BadParameter(f"{src} is not a readable checkpoint ({reason})") from e
+    except Exception as e:  # not a checkpoint, a refused pickle, an empty or damaged file
+        raise typer.BadParameter(load_error(src, e, trust)) from e
     if not isinstance(ckpt, dict):
         raise typer.BadParameter(f"{src} holds a {type(ckpt).__name__}, not a checkpoint dict")
     if assume_layout is None and not records_layout(ckpt):
