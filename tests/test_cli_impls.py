@@ -45,3 +45,14 @@ def test_a_quack_install_hint_keeps_its_brackets(monkeypatch):
     monkeypatch.setattr(quack_mlp, "quack_unavailable_reason", lambda: hint)
     result = runner.invoke(app, ["impls"], env={"COLUMNS": "200"})  # the reason on one line
     assert result.exit_code == 0 and f"no: {hint}" in result.output
+
+
+@pytest.mark.parametrize("option", ["--hidden-size", "--ffn-hidden-size", "--tokens"])
+def test_a_size_below_one_is_refused_naming_the_option(option):
+    """A negative or zero D, F or M used to print auto's pick for a shape that cannot exist."""
+    args = dict(zip(SHAPE[::2], SHAPE[1::2], strict=True)) | {option: "0"}
+    argv = ["impls", *[v for kv in args.items() for v in kv]]
+    result = runner.invoke(app, argv, env={"COLUMNS": "300"})  # the message on one line
+    assert result.exit_code == 2
+    assert f"Invalid value for '{option}'" in result.output
+    assert "greater than or equal to" in result.output

@@ -22,9 +22,13 @@ SAVED = {  # besides x and the weights, from forward to backward
 
 @app.command()
 def impls(
-    hidden_size: Annotated[int | None, typer.Option(help="D, to ask what auto picks")] = None,
-    ffn_hidden_size: Annotated[int | None, typer.Option(help="F, to ask what auto picks")] = None,
-    tokens: Annotated[int | None, typer.Option(help="tokens per micro-batch (M)")] = None,
+    hidden_size: Annotated[
+        int | None, typer.Option(min=1, help="D, to ask what auto picks")
+    ] = None,
+    ffn_hidden_size: Annotated[
+        int | None, typer.Option(min=1, help="F, to ask what auto picks")
+    ] = None,
+    tokens: Annotated[int | None, typer.Option(min=1, help="tokens per micro-batch (M)")] = None,
 ) -> None:
     """Which impls run on this machine, what each saves, and auto's pick for a shape."""
     import torch
