@@ -106,8 +106,9 @@ def test_edge_of_range_is_exactly_one_step():
     assert "fallback" in resolve(511, 2048, 5632, H200, table()).reason
 
 
-@pytest.mark.parametrize("hint", [0, -5, True])
+@pytest.mark.parametrize("hint", [0, -5, True, 2048.5, "2048"])
 def test_bad_tokens_hint(hint):
+    """A fraction of a token or a string (from a YAML or CLI) is named, not compared or used."""
     with pytest.raises(ValueError, match="tokens_hint must be a positive token count"):
         resolve(hint, 2048, 5632, H200, table())
 

@@ -26,6 +26,7 @@ import functools
 import importlib.resources
 import itertools
 import math
+import numbers
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -180,7 +181,8 @@ def resolve(
     ``device_name`` is None off CUDA; ``table`` is the table found for that device, or None
     (a table of another GPU family counts as none).
     """
-    if tokens_hint is not None and (isinstance(tokens_hint, bool) or tokens_hint < 1):
+    integral = isinstance(tokens_hint, numbers.Integral) and not isinstance(tokens_hint, bool)
+    if tokens_hint is not None and (not integral or tokens_hint < 1):
         raise ValueError(f"tokens_hint must be a positive token count, got {tokens_hint!r}")
 
     def fallback(why: str) -> Resolution:
