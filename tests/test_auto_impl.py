@@ -68,6 +68,16 @@ def test_impls_this_machine_cannot_run_are_left_out(monkeypatch, quack_here):
     assert resolve(4096, 4096, 11004, H200, odd_ffn).impl == "normal"
 
 
+def test_quack_impls_need_an_aligned_output_size_too(monkeypatch):
+    """quack's kernels refuse an fc2 output size that is not a multiple of 8 at forward, so
+    auto must not pick them for such a layer (the table has no O: it measured O = D)."""
+    monkeypatch.setattr(auto, "quack_available", lambda: True)
+    impls = {"normal": (1.05, 990.0), "drop_h": (1.07, 686.0), "drop_h_quack": (1.01, 686.0)}
+    grid = table({(4096, 4096, 11008): impls})
+    assert resolve(4096, 4096, 11008, H200, grid, output_size=4096).impl == "drop_h_quack"
+    assert resolve(4096, 4096, 11008, H200, grid, output_size=4100).impl == "normal"
+
+
 def test_choose_explains_a_memory_tie_break():
     stats = {"normal": ImplStats(10.0, 1.0, 990.0), "drop_h": ImplStats(10.05, 1.005, 685.0)}
     impl, why = choose(stats)

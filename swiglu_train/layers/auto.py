@@ -10,8 +10,8 @@ optimizer holds its parameters.
 The rule, at the table point nearest in log-space to (tokens_hint, D, F): take the fastest
 impl (by the paired median ratio to the six-GEMM floor), and among impls within
 ``TIE_TOLERANCE`` of it the one with the least after-forward memory. Impls this machine cannot
-run (the quack impls without quack, below sm_90, or with D or F not a multiple of 8) are left
-out first.
+run (the quack impls without quack, below sm_90, or with D, F or the output size not a multiple
+of 8) are left out first.
 
 The fallback is ``drop_h``: it is never slower than ``normal`` by more than noise and saves
 M·F·2 bytes per layer (h is recomputed instead of saved), while ``save_factors`` is a layout
@@ -35,7 +35,7 @@ from importlib.resources.abc import Traversable
 import torch
 
 from swiglu_train.layers.registry import MLP_IMPLS, QUACK_IMPLS
-from swiglu_train.ops.quack_mlp import quack_available, quack_sizes_ok
+from swiglu_train.ops.quack_mlp import ALIGN, quack_available
 from swiglu_train.tables import check_header, read_json
 
 FALLBACK = "drop_h"
@@ -175,11 +175,14 @@ def resolve(
     ffn_hidden_size: int,
     device_name: str | None,
     table: CrossoverTable | None,
+    *,
+    output_size: int | None = None,
 ) -> Resolution:
     """The concrete impl for ``auto`` (see the module docstring for the rule and fallback).
 
     ``device_name`` is None off CUDA; ``table`` is the table found for that device, or None
-    (a table of another GPU family counts as none).
+    (a table of another GPU family counts as none). ``output_size`` (fc2's, default D) is not
+    a table dimension, but quack's kernels need it aligned like D and F.
     """
     integral = isinstance(tokens_hint, numbers.Integral) and not isinstance(tokens_hint, bool)
     if tokens_hint is not None and (not integral or tokens_hint < 1):
@@ -204,10 +207,11 @@ def resolve(
                 f"{dim}={q} is more than one grid step (x{2**step:.2f}) from the nearest "
                 f"measured point ({where}) on {table.device_name}"
             )
-    quack = quack_sizes_ok(hidden_size, ffn_hidden_size) and quack_available()
+    sizes = (hidden_size, ffn_hidden_size, hidden_size if output_size is None else output_size)
+    quack = all(n % ALIGN == 0 for n in sizes) and quack_available()
     runnable = {n: v for n, v in point.impls.items() if n not in QUACK_IMPLS or quack}
     if not runnable:
-        return fallback(f"none of the impls measured at {where} can run here (quack missing)")
+        return fallback(f"none of the impls measured at {where} can run here (quack cannot)")
     impl, why = choose(runnable)
     return Resolution(
         impl,
@@ -262,8 +266,10 @@ def resolve_auto(
     hidden_size: int,
     ffn_hidden_size: int,
     device: torch.device | str | None,
+    *,
+    output_size: int | None = None,
 ) -> Resolution:
     """``resolve`` with this machine's device and this package's table for its family."""
     name = target_device_name(device)
     table = packaged_table(gpu_family(name)) if name is not None else None
-    return resolve(tokens_hint, hidden_size, ffn_hidden_size, name, table)
+    return resolve(tokens_hint, hidden_size, ffn_hidden_size, name, table, output_size=output_size)
