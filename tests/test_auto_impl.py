@@ -44,6 +44,7 @@ def test_nearest_point_in_log_space(m, d, f, expected, where):
     resolution = resolve(m, d, f, H200, table())
     assert resolution.impl == expected
     assert where in resolution.reason and "commit abc1234" in resolution.reason
+    assert "NVIDIA H200 in bf16," in resolution.reason  # a fp32 or fp16 model sees what it got
 
 
 @pytest.mark.parametrize(("drop_h_ratio", "expected"), [(1.0099, "drop_h"), (1.0101, "normal")])

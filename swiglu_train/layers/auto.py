@@ -216,7 +216,7 @@ def resolve(
     return Resolution(
         impl,
         f"{impl}: {why} at the nearest measured point ({where}) on "
-        f"{table.device_name}, commit {table.commit}",
+        f"{table.device_name} in {table.dtype}, commit {table.commit}",
     )
 
 
