@@ -228,6 +228,16 @@ def test_auto_resolving_to_save_factors_builds_the_packed_layout(monkeypatch):
     assert mlp.auto_reason is None  # a named impl is no longer auto's choice
 
 
+def test_a_layer_whose_output_quack_cannot_take_gets_no_quack_impl(monkeypatch):
+    """ParMLP passes its fc2 output size to auto: quack refuses O % 8 != 0 at forward (before,
+    auto picked drop_h_quack here, which needs quack even to build)."""
+    monkeypatch.setattr(auto, "quack_available", lambda: True)
+    quack_fastest = {"normal": (1.05, 990.0), "drop_h_quack": (1.01, 686.0)}
+    pretend_gpu(monkeypatch, crossover_table({(64, 16, 40): quack_fastest}))
+    mlp = ParMLP(16, 40, output_size=20, impl="auto", tokens_hint=64, device="meta")
+    assert mlp.impl == "normal"
+
+
 def test_auto_resolving_to_normal_is_canonical(monkeypatch):
     pretend_gpu(monkeypatch, crossover_table({(64, 16, 40): FAST_NORMAL}))
     mlp = ParMLP(16, 40, impl="auto", tokens_hint=80)

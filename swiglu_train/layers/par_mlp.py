@@ -81,7 +81,9 @@ class ParMLP(nn.Module):
             packed_chunk("save_factors", chunk, ffn_hidden_size)
         auto = None
         if impl == AUTO:  # now, before any optimizer can hold fc1 in the layout this decides
-            auto = resolve_auto(tokens_hint, hidden_size, ffn_hidden_size, device)
+            auto = resolve_auto(
+                tokens_hint, hidden_size, ffn_hidden_size, device, output_size=output_size
+            )
         factory = {"device": device, "dtype": dtype}
         self.fc1 = nn.Linear(hidden_size, 2 * ffn_hidden_size, bias=bias, **factory)
         self.fc2 = nn.Linear(ffn_hidden_size, output_size, bias=bias, **factory)
