@@ -131,6 +131,26 @@ def test_resume_after_a_crash_repeats_the_uninterrupted_losses(tmp_path, corpus,
         assert loss == full["losses"][step], step  # bitwise: same batches, same state
 
 
+def test_accumulation_counts_steps_and_the_final_step_is_checkpointed(tmp_path, corpus):
+    """With accumulate_grad_batches 2: validation every val_check_interval optimizer steps (as
+    checkpoint_every and max_steps count), not micro-batches, so never mid-accumulation;
+    last.ckpt holds the final step even when max_steps is no multiple of checkpoint_every,
+    so a finished run is refused; resuming a step checkpoint repeats the losses bitwise."""
+    cfg = small_config(tmp_path, [str(corpus / "*.py")], "drop_h", 7)
+    cfg.train.accumulate_grad_batches = 2
+    cfg.train.val_check_interval = cfg.train.checkpoint_every = 3
+    full = run_pretrain(cfg)
+    with open(Path(cfg.output_dir) / "csv" / "version_0" / "metrics.csv") as f:
+        validated = [int(r["step"]) for r in csv.DictReader(f) if r["val/loss"]]
+    assert validated == [2, 5]  # after steps 3 and 6, the losses' step numbering
+    checkpoints = Path(cfg.output_dir) / "checkpoints"
+    assert torch.load(checkpoints / "last.ckpt", weights_only=False)["global_step"] == 7
+    with pytest.raises(ValueError, match="is at step 7 and max_steps is 7"):
+        run_pretrain(cfg, resume="last")
+    resumed = run_pretrain(cfg, resume=str(checkpoints / "epoch=0-step=3.ckpt"))
+    assert resumed["losses"] == {str(s): full["losses"][str(s)] for s in range(3, 7)}
+
+
 def test_resume_with_the_other_impl_continues_the_same_function(tmp_path, corpus):
     data = [str(corpus / "*.py")]
     cfg = small_config(tmp_path, data, "normal", 5)

@@ -51,6 +51,16 @@ class LossAndThroughput(pl.Callback):
         self.tokens_per_s = self._tokens / (time.perf_counter() - self._start)
 
 
+class StepCheckpoint(ModelCheckpoint):
+    """Every ``every_n_train_steps`` steps, and ``last.ckpt`` also when training ends between
+    two of them: else the final steps' weights are lost, and ``--resume last`` of a finished
+    run trains those steps again instead of being refused."""
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if not self._should_skip_saving_checkpoint(trainer):
+            self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))
+
+
 def resolve_precision(precision: str) -> str:
     if precision != "auto":
         return precision
@@ -92,7 +102,7 @@ def run_pretrain(cfg: PretrainConfig, resume: str | None = None) -> dict[str, An
         mode=wandb_mode(),
         config=cfg.to_dict(),
     )
-    checkpoints = ModelCheckpoint(
+    checkpoints = StepCheckpoint(
         dirpath=out / "checkpoints",
         every_n_train_steps=cfg.train.checkpoint_every,
         save_last=True,
@@ -105,7 +115,8 @@ def run_pretrain(cfg: PretrainConfig, resume: str | None = None) -> dict[str, An
         strategy=cfg.train.strategy,
         accumulate_grad_batches=cfg.train.accumulate_grad_batches,
         gradient_clip_val=cfg.train.gradient_clip_val,
-        val_check_interval=cfg.train.val_check_interval,
+        # Lightning counts micro-batches; the config, like max_steps, counts optimizer steps.
+        val_check_interval=cfg.train.val_check_interval * cfg.train.accumulate_grad_batches,
         limit_val_batches=None if data.has_validation else 0,
         check_val_every_n_epoch=None,
         log_every_n_steps=cfg.train.log_every_n_steps,
