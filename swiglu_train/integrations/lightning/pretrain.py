@@ -91,6 +91,12 @@ def run_pretrain(cfg: PretrainConfig, resume: str | None = None) -> dict[str, An
         module.check_layout(resumed, rank=rank_zero_only.rank)
     data = PackedTextData(cfg.data, cfg.model.vocab_size)
     data.setup("fit")  # here, so a corpus too small to validate on turns validation off
+    if data.has_validation and cfg.train.val_check_interval > cfg.train.max_steps:
+        rank_zero_warn(  # Lightning validates on the interval only, never at the end of fit
+            f"train.val_check_interval={cfg.train.val_check_interval} is more than "
+            f"max_steps={cfg.train.max_steps}: this run never validates and its summary's "
+            "val_loss is None; lower val_check_interval to validate"
+        )
     out.mkdir(parents=True, exist_ok=True)
     memory = MemoryProfilerCallback(per_layer=True)
     history = LossAndThroughput()
