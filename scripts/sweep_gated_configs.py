@@ -168,8 +168,9 @@ def main() -> None:
         to_markdown,
     )
     if args.table:
-        gated_tiles.from_dict(tile_table(result))  # what the kernel will read must validate
-        write_json_atomic(args.table, tile_table(result))
+        table = tile_table(result)
+        gated_tiles.from_dict(table)  # what the kernel will read must validate
+        write_json_atomic(args.table, table)
 
 
 if __name__ == "__main__":

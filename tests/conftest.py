@@ -37,3 +37,20 @@ def device_backends() -> list:
 @pytest.fixture(autouse=True)
 def _seed() -> None:
     torch.manual_seed(0)
+
+
+@pytest.fixture
+def one_rank_gloo(tmp_path):
+    """A 1-rank gloo process group for DTensor code (FSDP2, tensor parallel) on CPU; it meets
+    through a file, so no port is picked that a parallel test could take first."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        pytest.skip("a process group is already up")
+    dist.init_process_group(
+        "gloo", init_method=f"file://{tmp_path / 'rendezvous'}", rank=0, world_size=1
+    )
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()

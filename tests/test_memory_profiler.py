@@ -213,27 +213,13 @@ def test_a_saved_sparse_tensor_is_measured_not_crashed():
     assert profiler.records[-1].saved_bytes == (2 * 3 * 8 + 3 * 4) + M * D * 4  # adj, lin out
 
 
-def test_dtensor_parameters_are_excluded_and_their_activations_counted(monkeypatch):
+def test_dtensor_parameters_are_excluded_and_their_activations_counted(one_rank_gloo):
     """Tensor parallelism and FSDP2 make parameters DTensors, which have no storage."""
-    import socket
-
-    import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
 
-    if dist.is_initialized():
-        pytest.skip("a process group is already up")
-    with socket.socket() as s:  # a free port; the env is restored for later DDP tests
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
-    monkeypatch.setenv("MASTER_PORT", str(port))
-    dist.init_process_group("gloo", rank=0, world_size=1)
-    try:
-        lin = parallelize_module(nn.Linear(D, D), init_device_mesh("cpu", (1,)), ColwiseParallel())
-        record = profile(lin, torch.randn(M, D, requires_grad=True))
-    finally:
-        dist.destroy_process_group()
+    lin = parallelize_module(nn.Linear(D, D), init_device_mesh("cpu", (1,)), ColwiseParallel())
+    record = profile(lin, torch.randn(M, D, requires_grad=True))
     assert record.saved_bytes == M * D * 4  # x; the weight is a parameter
 
 

@@ -1,11 +1,9 @@
 """ParMLP under FSDP2 (fully_shard) on a 1-rank gloo group: its fc1 is a DTensor there."""
 
 import copy
-import socket
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from swiglu_train import ParMLP
 
@@ -13,26 +11,10 @@ fsdp = pytest.importorskip("torch.distributed.fsdp")
 checkpoint = pytest.importorskip("torch.distributed.checkpoint.state_dict")
 
 
-@pytest.fixture
-def process_group(monkeypatch):
-    if dist.is_initialized():
-        pytest.skip("a process group is already up")
-    with socket.socket() as s:  # a free port
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
-    monkeypatch.setenv("MASTER_PORT", str(port))
-    dist.init_process_group("gloo", rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
-
-
 @pytest.mark.parametrize(
     ("impl", "other"), [("normal", "save_factors"), ("save_factors", "drop_h")]
 )
-def test_sharded_fc1_is_relaid_out_on_switch_and_load(process_group, impl, other):
+def test_sharded_fc1_is_relaid_out_on_switch_and_load(one_rank_gloo, impl, other):
     """index_select on a DTensor with a plain index raised "mixed torch.Tensor and DTensor";
     a full canonical checkpoint loaded through DCP into a packed FSDP2 model is the common case."""
     reference = ParMLP(16, 32, bias=True, impl=impl, chunk=8)
@@ -61,7 +43,7 @@ def test_sharded_fc1_is_relaid_out_on_switch_and_load(process_group, impl, other
     torch.testing.assert_close(back(x), expected)
 
 
-def test_switch_impl_moves_sharded_optimizer_state_with_fc1(process_group):
+def test_switch_impl_moves_sharded_optimizer_state_with_fc1(one_rank_gloo):
     """FSDP2's optimizer state is a DTensor like its parameter: switch_impl must permute Adam's
     moments with fc1's rows there too (index_select with a plain index raised before)."""
     from swiglu_train.layers.layout import CANONICAL, Layout, order
