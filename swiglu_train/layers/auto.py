@@ -177,12 +177,15 @@ def resolve(
     table: CrossoverTable | None,
     *,
     output_size: int | None = None,
+    quack: bool | None = None,
 ) -> Resolution:
     """The concrete impl for ``auto`` (see the module docstring for the rule and fallback).
 
     ``device_name`` is None off CUDA; ``table`` is the table found for that device, or None
     (a table of another GPU family counts as none). ``output_size`` (fc2's, default D) is not
-    a table dimension, but quack's kernels need it aligned like D and F.
+    a table dimension, but quack's kernels need it aligned like D and F. ``quack`` says
+    whether quack runs on that device (None: ask this machine); the model-grid benchmark
+    judges auto's choices for the GPU it measured from a CPU machine.
     """
     integral = isinstance(tokens_hint, numbers.Integral) and not isinstance(tokens_hint, bool)
     if tokens_hint is not None and (not integral or tokens_hint < 1):
@@ -208,8 +211,9 @@ def resolve(
                 f"measured point ({where}) on {table.device_name}"
             )
     sizes = (hidden_size, ffn_hidden_size, hidden_size if output_size is None else output_size)
-    quack = all(n % ALIGN == 0 for n in sizes) and quack_available()
-    runnable = {n: v for n, v in point.impls.items() if n not in QUACK_IMPLS or quack}
+    quack_runs = quack_available() if quack is None else quack
+    quack_fits = all(n % ALIGN == 0 for n in sizes) and quack_runs
+    runnable = {n: v for n, v in point.impls.items() if n not in QUACK_IMPLS or quack_fits}
     if not runnable:
         return fallback(f"none of the impls measured at {where} can run here (quack cannot)")
     impl, why = choose(runnable)
