@@ -19,6 +19,10 @@ except ImportError:  # a torch built without distributed: no tensor is a DTensor
     DTensor = distribute_tensor = None
 
 
+KINDS = ("canonical", "packed")
+STAMP_FIELD = "fc1_layout"  # a ParMLP stamp is {"fc1_layout": Layout.to_dict()}
+
+
 @dataclass(frozen=True)
 class Layout:
     kind: str = "canonical"  # "canonical" or "packed"
@@ -26,14 +30,9 @@ class Layout:
     tp: int = 1
 
     def __post_init__(self) -> None:
-        if self.kind not in ("canonical", "packed"):
-            raise ValueError(f"unknown fc1 layout kind {self.kind!r}; use 'canonical' or 'packed'")
-        if self.kind == "packed" and (self.chunk is None or self.chunk < 1):
-            raise ValueError(f"a packed layout needs a positive chunk, got {self.chunk!r}")
-        if self.kind == "canonical" and self.chunk is not None:
-            raise ValueError("a canonical layout has no chunk")
-        if self.tp < 1:
-            raise ValueError(f"tp must be >= 1, got {self.tp}")
+        problem = _field_problem(self.kind, self.chunk, self.tp)
+        if problem is not None:
+            raise ValueError(problem)
 
     @property
     def packed(self) -> bool:
@@ -43,14 +42,70 @@ class Layout:
         return {"kind": self.kind, "chunk": self.chunk, "tp": self.tp}
 
     @classmethod
-    def from_dict(cls, stamp: object) -> Layout:
-        """Read a stamp; anything that is not exactly a layout stamp is refused."""
+    def from_dict(cls, stamp: object, where: str = "fc1 layout") -> Layout:
+        """Read what :meth:`to_dict` wrote; anything else is refused, naming ``where`` (the
+        key it was read from), the field and the value."""
         if not isinstance(stamp, dict) or set(stamp) != {"kind", "chunk", "tp"}:
-            raise ValueError(f"unrecognised fc1 layout stamp {stamp!r}")
+            raise ValueError(
+                f"{where}: unrecognised fc1 layout stamp {stamp!r}; expected a dict of "
+                "exactly kind, chunk and tp"
+            )
+        problem = _field_problem(stamp["kind"], stamp["chunk"], stamp["tp"])
+        if problem is not None:
+            raise ValueError(f"{where}: {problem}")
         return cls(**stamp)
 
     def __str__(self) -> str:
         return "canonical" if not self.packed else f"packed(chunk={self.chunk}, tp={self.tp})"
+
+
+def _count(value: object) -> bool:
+    """A positive int as the writer stores it: not a bool (True == 1), a float, a str or a
+    numpy integer (which torch.load(weights_only=True) would not even unpickle)."""
+    return type(value) is int and value >= 1
+
+
+def _shown(value: object) -> str:
+    """The value, with its type where its repr hides it (True, 32.0, numpy's 16)."""
+    plain = type(value) in (int, str, type(None))
+    return repr(value) if plain else f"{value!r} ({type(value).__name__})"
+
+
+def _field_problem(kind: object, chunk: object, tp: object) -> str | None:
+    """What is wrong with these layout fields, naming the field and the value; None if nothing.
+
+    Only what :meth:`Layout.to_dict` writes is accepted: a stamp read any looser (a chunk of
+    True taken as 1) would reorder fc1's rows in a layout it was never written in.
+    """
+    if type(kind) is not str or kind not in KINDS:
+        return f"unknown fc1 layout kind {_shown(kind)} (field 'kind'); use 'canonical' or 'packed'"
+    if kind == "packed" and not _count(chunk):
+        return (
+            f"field 'chunk' is {_shown(chunk)}: a packed layout needs a positive chunk, an int "
+            "number of rows"
+        )
+    if kind == "canonical" and chunk is not None:
+        return f"field 'chunk' is {_shown(chunk)}: a canonical layout has no chunk (None)"
+    if not _count(tp):
+        return f"field 'tp' is {_shown(tp)}: the tensor-parallel size is a positive int"
+    return None
+
+
+def stamp(layout: Layout) -> dict:
+    """A ParMLP layout stamp: ``{"fc1_layout": {"kind", "chunk", "tp"}}``."""
+    return {STAMP_FIELD: layout.to_dict()}
+
+
+def read_stamp(raw: object, key: str) -> Layout:
+    """The layout a ParMLP stamp found under state_dict ``key`` records; the one reader of
+    stamps (ParMLP's load, convert_checkpoint and the Megatron adapter), so that none reads
+    a stamp another would refuse."""
+    if not isinstance(raw, dict) or set(raw) != {STAMP_FIELD}:
+        raise ValueError(
+            f"{key}: unrecognised fc1 layout stamp {raw!r}; expected "
+            "{'fc1_layout': {'kind': ..., 'chunk': ..., 'tp': ...}}"
+        )
+    return Layout.from_dict(raw[STAMP_FIELD], f"{key} {STAMP_FIELD}")
 
 
 CANONICAL = Layout()

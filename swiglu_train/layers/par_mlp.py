@@ -4,18 +4,24 @@ Parameters have the same names and shapes for every impl (``fc1.weight`` [2F, D]
 ``fc2.weight`` [O, F], optional biases), so a model can switch impl and keep computing the
 same function. fc1 is in the canonical [W_gate; W_up] layout, except under packed impls
 (``save_factors``), where it is packed in chunks; a packed state_dict carries a layout stamp
-and any state_dict is converted on load to the layout of the module it is loaded into.
+and any state_dict is converted on load to the layout of the module it is loaded into. A load
+is all or nothing: every ParMLP's stamp and shapes are checked before any parameter of the
+model is written (``layers.loading``).
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import torch
 from torch import nn
 from torch.nn.utils import parametrize
+from torch.overrides import is_tensor_like
 
 from swiglu_train.kernels.runtime import SUPPORTED_DTYPES
 from swiglu_train.layers.auto import resolve_auto
-from swiglu_train.layers.layout import CANONICAL, Layout, order, permute_rows
+from swiglu_train.layers.layout import CANONICAL, Layout, order, permute_rows, read_stamp, stamp
+from swiglu_train.layers.loading import CheckedLoad
 from swiglu_train.layers.registry import (
     AUTO,
     FIXED_CHUNKS,
@@ -35,7 +41,7 @@ from swiglu_train.ops.inference import (
 STAMP_KEY = "_extra_state"  # a packed ParMLP's state_dict entry: {"fc1_layout": {...}}
 
 
-class ParMLP(nn.Module):
+class ParMLP(nn.Module, CheckedLoad):
     """y = fc2(silu(x W_gateᵀ) * (x W_upᵀ)), with the autograd behaviour of ``impl``.
 
     ``inplace=False`` lets a ``drop_h`` or ``save_factors`` graph be backpropagated more than
@@ -201,6 +207,36 @@ class ParMLP(nn.Module):
             if p.device != x.device:
                 raise ValueError(f"ParMLP input is on {x.device} but its {name} is on {p.device}")
 
+    def check_state_dict(self, state_dict: Mapping, prefix: str = "") -> Layout:
+        """The fc1 layout of this module's entries in ``state_dict`` (keys under ``prefix``),
+        checked as a load would use them, changing nothing: a stamp its writer would not have
+        written, a parameter that is no tensor or of another shape, a layout fc1 cannot be
+        moved from. Missing keys are left to torch's strict check."""
+        key = prefix + STAMP_KEY
+        source = read_stamp(state_dict[key], key) if key in state_dict else CANONICAL
+        for name, param in self._params():
+            value = state_dict.get(prefix + name)
+            if value is None:
+                continue
+            if not is_tensor_like(value):
+                raise RuntimeError(
+                    f"{prefix}{name}: expected a tensor in the state_dict, got "
+                    f"{type(value).__name__}"
+                )
+            if value.shape != param.shape:  # torch's words, before anything is written
+                raise RuntimeError(
+                    f"size mismatch for {prefix}{name}: copying a param with shape "
+                    f"{tuple(value.shape)} from checkpoint, the shape in current model is "
+                    f"{tuple(param.shape)}"
+                )
+        if source != self.fc1_layout and any(k.startswith(prefix + "fc1.") for k in state_dict):
+            _refuse_parametrized_relayout(self, source, self.fc1_layout)
+            try:
+                order(self.fc1.out_features, source, self.fc1_layout)
+            except ValueError as e:
+                raise ValueError(f"{key}: fc1 cannot be read as {source}: {e}") from e
+        return source
+
     def extra_repr(self) -> str:
         chosen = " (auto)" if self.auto_reason is not None else ""
         return f"impl={self.impl!r}{chosen}, inplace={self.inplace}, fc1_layout={self.fc1_layout}"
@@ -209,30 +245,19 @@ class ParMLP(nn.Module):
 def _stamp_layout(module: ParMLP, state_dict: dict, prefix: str, local_metadata) -> None:
     """Packed state carries its layout; canonical state, the ecosystem's standard, carries none."""
     if module.fc1_layout.packed:
-        state_dict[prefix + STAMP_KEY] = {"fc1_layout": module.fc1_layout.to_dict()}
+        state_dict[prefix + STAMP_KEY] = stamp(module.fc1_layout)
 
 
 def _convert_on_load(module: ParMLP, state_dict: dict, prefix: str, *args) -> None:
     """Move incoming fc1 weight and bias into this module's layout (never guessing)."""
-    stamp = state_dict.pop(prefix + STAMP_KEY, None)
-    if stamp is None:
-        source = CANONICAL
-    elif not isinstance(stamp, dict) or set(stamp) != {"fc1_layout"}:
-        raise ValueError(f"{prefix}{STAMP_KEY}: unrecognised ParMLP stamp {stamp!r}")
-    else:
-        source = Layout.from_dict(stamp["fc1_layout"])
-    if source == module.fc1_layout:
+    source = module.check_state_dict(state_dict, prefix)
+    state_dict.pop(prefix + STAMP_KEY, None)
+    keys = [k for k in (prefix + "fc1.weight", prefix + "fc1.bias") if k in state_dict]
+    if source == module.fc1_layout or not keys:
         return
-    if any(key.startswith(prefix + "fc1.") for key in state_dict):  # fc1 is loaded at all
-        _refuse_parametrized_relayout(module, source, module.fc1_layout)
-    rows = module.fc1.out_features
-    for key in (prefix + "fc1.weight", prefix + "fc1.bias"):
-        value = state_dict.get(key)
-        # one of another size is left to torch's "size mismatch for fc1.weight", which names
-        # the problem; permuting it would fail first, on a chunk that does not divide it
-        if isinstance(value, torch.Tensor) and value.shape[:1] == (rows,):
-            index = order(rows, source, module.fc1_layout)
-            state_dict[key] = permute_rows(value, index)
+    index = order(module.fc1.out_features, source, module.fc1_layout)
+    for key in keys:
+        state_dict[key] = permute_rows(state_dict[key], index)
 
 
 def _refuse_parametrized_relayout(module: ParMLP, source: Layout, target: Layout) -> None:

@@ -15,13 +15,14 @@ take the file.
 from __future__ import annotations
 
 import copy
+import numbers
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from swiglu_train.layers import ParMLP
-from swiglu_train.layers.layout import CANONICAL, Layout, order
+from swiglu_train.layers.layout import CANONICAL, STAMP_FIELD, Layout, order, read_stamp, stamp
 from swiglu_train.layers.par_mlp import STAMP_KEY
 from swiglu_train.layers.registry import (
     IMPL_CHOICES,
@@ -104,8 +105,10 @@ def convert_checkpoint(
     """
     if to not in ("packed", "canonical"):
         raise ValueError(f"to must be 'packed' or 'canonical', got {to!r}")
-    if chunk is not None and chunk < 1:
-        raise ValueError(f"chunk must be a positive number of rows, got {chunk}")
+    if chunk is not None:  # a numpy integer is stamped as the int the stamp reader takes
+        if not isinstance(chunk, numbers.Integral) or isinstance(chunk, bool) or chunk < 1:
+            raise ValueError(f"chunk must be a positive number of rows, got {chunk!r}")
+        chunk = int(chunk)
     lightning = "state_dict" in ckpt
     out = copy.deepcopy(ckpt)
     state = out["state_dict"] if lightning else out
@@ -154,7 +157,7 @@ def convert_checkpoint(
                     state[prefix + key] = state[prefix + key].index_select(0, index)
                     moved_states += _move_optimizer_state(out, names, prefix + key, index)
         if target.packed:
-            state[prefix + STAMP_KEY] = {"fc1_layout": target.to_dict()}
+            state[prefix + STAMP_KEY] = stamp(target)
         if report is not None:
             report.append(Converted(prefix, str(source), str(target), moved_states))
     if lightning and CKPT_KEY in out:
@@ -262,14 +265,14 @@ def _stamp_keys(state: dict) -> list[str]:
     """Keys of ParMLP layout stamps; other modules' ``_extra_state`` (TE's, say) are not."""
     return [
         k for k, v in state.items()
-        if k.endswith(STAMP_KEY) and isinstance(v, dict) and "fc1_layout" in v
+        if k.endswith(STAMP_KEY) and isinstance(v, dict) and STAMP_FIELD in v
     ]  # fmt: skip
 
 
 def _lightning_record(ckpt: dict) -> Layout | None:
     """The fc1 layout our PretrainModule records: its model's ParMLPs all share one."""
     recorded = ckpt.get(CKPT_KEY, {}).get("fc1_layout")
-    return None if recorded is None else Layout.from_dict(recorded)
+    return None if recorded is None else Layout.from_dict(recorded, f"{CKPT_KEY}.fc1_layout")
 
 
 def _recorded_layout(
@@ -282,10 +285,9 @@ def _recorded_layout(
     Where stamp and record disagree, trusting either one could scramble fc1, so the
     checkpoint is refused.
     """
-    stamp = state.pop(prefix + STAMP_KEY, None)
-    if stamp is not None and (not isinstance(stamp, dict) or set(stamp) != {"fc1_layout"}):
-        raise ValueError(f"{prefix}{STAMP_KEY}: unrecognised ParMLP stamp {stamp!r}")
-    stamped = None if stamp is None else Layout.from_dict(stamp["fc1_layout"])
+    key = prefix + STAMP_KEY
+    raw = state.pop(key, None)
+    stamped = None if raw is None else read_stamp(raw, key)
     if record is not None and (stamped or CANONICAL) != record:
         raise ValueError(
             f"{prefix}fc1 is stamped {stamped or 'canonical (no stamp)'} but the checkpoint "

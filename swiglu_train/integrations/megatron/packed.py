@@ -30,7 +30,7 @@ from typing import Any
 import torch
 from megatron.core.dist_checkpointing.mapping import LocalNonpersistentObject, ShardedTensorFactory
 
-from swiglu_train.layers.layout import CANONICAL, Layout, order, relayout
+from swiglu_train.layers.layout import CANONICAL, Layout, order, read_stamp, relayout
 from swiglu_train.layers.par_mlp import STAMP_KEY
 
 FC1_PARAMS = ("linear_fc1.weight", "linear_fc1.bias")
@@ -113,12 +113,7 @@ def convert_on_load(module: Any, state_dict: dict, prefix: str, *args: Any) -> N
     Unstamped state is canonical (stock Megatron's); a stamp must be one this code wrote.
     """
     raw = state_dict.pop(prefix + STAMP_KEY, None)
-    if raw is None:
-        source = CANONICAL
-    elif isinstance(raw, dict) and set(raw) == {"fc1_layout"}:
-        source = Layout.from_dict(raw["fc1_layout"])
-    else:
-        raise ValueError(f"{prefix}{STAMP_KEY}: unrecognised fc1 layout stamp {raw!r}")
+    source = CANONICAL if raw is None else read_stamp(raw, prefix + STAMP_KEY)
     if source == module.fc1_layout:
         return
     for name in FC1_PARAMS:
