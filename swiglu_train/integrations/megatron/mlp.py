@@ -17,6 +17,13 @@ checkpoints canonical (dist-ckpt writes the global [W_gate; W_up] exactly as the
 does) and converts plain state dicts on load, so checkpoints stay interchangeable with the
 stock MLP and across impls and TP sizes.
 
+Process groups: the TP group is the model's, never a guess. A TransformerLayer hands its
+``pg_collection.tp`` to the stock ``MLP`` only (0.16-0.17 test ``spec.module == MLP``; 0.18+ call
+``as_mlp_submodule`` with the collection, rewrapping a ModuleSpec of ``MLP``), so our classes
+compare equal to ``MLP`` (:class:`MLPDispatch`) and take the stock path on every version. Built
+with no group at all, the MLP takes ``parallel_state``'s global TP group as the stock MLP does,
+and is refused where there is none (:func:`resolve_tp_group`).
+
 Known gap: with sequence parallelism our Function saves the all-gathered input [s, b, h],
 where the stock ColumnParallelLinear saves its [s/tp, b, h] shard and gathers it again in
 backward.
@@ -130,13 +137,32 @@ def check_impl(name: str) -> None:
     get_impl(name)
 
 
-class ParMLPMegatron(MLP):
+class MLPDispatch(type(MLP)):
+    """Metaclass under which our MLP classes compare equal to Megatron's ``MLP``.
+
+    megatron-core 0.16-0.17's TransformerLayer passes its model's TP group to the mlp submodule
+    only when ``spec.module == MLP``; any other class is built on no group (and logged as
+    "Unknown MLP type ... Using default kwargs"), so a model with its own ProcessGroupCollection
+    got an MLP on the global group, or none. 0.18+ rewrap a ModuleSpec whose module is in
+    ``(MLP, TEFusedMLP)`` into ``module.as_mlp_submodule`` with the collection. Equal to ``MLP``,
+    a ModuleSpec of our class takes the stock MLP's path, groups included, on every version.
+    Hashing and ``isinstance``/``issubclass`` stay those of a plain class.
+    """
+
+    def __eq__(cls, other: object) -> bool:
+        return other is MLP or super().__eq__(other)
+
+    __hash__ = type.__hash__
+
+
+class ParMLPMegatron(MLP, metaclass=MLPDispatch):
     """Drop-in for ``megatron.core.transformer.mlp.MLP`` (local backend) running ``impl``.
 
     ``bias_activation_fusion`` is ignored: our impl replaces that path whatever its value.
     ``inplace=False`` lets a ``drop_h`` or ``save_factors`` graph be backpropagated twice.
     ``chunk`` is the packed layout's chunk under ``save_factors``; it must divide this rank's
     ffn size F/tp (default: ``gcd(F/tp, 128)``). ``save_factors_quack`` packs with chunk 1.
+    The TP group comes from ``pg_collection`` or ``tp_group`` (see :func:`resolve_tp_group`).
     """
 
     DEFAULT_IMPL = "drop_h"
@@ -162,8 +188,7 @@ class ParMLPMegatron(MLP):
         self._check_linears(submodules)
         self.validate_impl(impl)  # before any weight is allocated
         check_chunk(impl, chunk)
-        if tp_group is None:
-            tp_group = _default_tp_group(pg_collection)
+        tp_group = resolve_tp_group(tp_group, pg_collection, type(self).__name__, self.OWN_GEMMS)
         optional = {"pg_collection": pg_collection, "name": name, "is_mtp_layer": is_mtp_layer}
         super().__init__(
             config=config,
@@ -208,8 +233,9 @@ class ParMLPMegatron(MLP):
         inplace: bool = True,
         chunk: int | None = None,
     ) -> ParMLPMegatron:
-        """The MLP builder that megatron-core >= 0.18 TransformerLayers call for their mlp slot
-        (0.16-0.17 build a ModuleSpec instead); see :func:`~.specs.mlp_spec`."""
+        """The MLP builder that megatron-core >= 0.18 TransformerLayers call for their mlp slot,
+        with the model's ``pg_collection`` (0.16-0.17 build a ModuleSpec instead and pass its
+        ``tp``); see :func:`~.specs.mlp_spec`."""
         del layer_number  # a dense MLP does not depend on its depth
         return cls(
             config,
@@ -361,11 +387,43 @@ def _run_forward_pre_hooks(linear: torch.nn.Module, hidden_states: torch.Tensor)
             )
 
 
-def _default_tp_group(pg_collection: Any | None) -> torch.distributed.ProcessGroup | None:
-    """The TP group when the caller passed none (TransformerLayer passes ``tp_group`` only to
-    the exact stock ``MLP`` class, never to a subclass): the collection's, else the global."""
-    if pg_collection is not None and hasattr(pg_collection, "tp"):
+def resolve_tp_group(
+    tp_group: torch.distributed.ProcessGroup | None,
+    pg_collection: Any | None,
+    owner: str,
+    needs_group: bool = True,
+) -> torch.distributed.ProcessGroup | None:
+    """The TP group this MLP shards and reduces over: the one it was given, never a guess.
+
+    Given a ``pg_collection`` (megatron-core 0.18+ TransformerLayers pass the model's) or a
+    ``tp_group`` (0.16-0.17 pass ``pg_collection.tp``), that group; both must agree. Given
+    neither, ``parallel_state``'s global TP group, as the stock MLP takes. With no
+    ``parallel_state`` either, the model may well have groups of its own that did not reach us:
+    refused rather than built unsharded or on the wrong ranks. Only a single process without
+    torch.distributed and Megatron's own linears (``needs_group=False``) runs without a group.
+    """
+    if pg_collection is not None:
+        if getattr(pg_collection, "tp", None) is None:
+            raise ValueError(f"{owner}: pg_collection has no tp group; set pg_collection.tp")
+        if tp_group is not None and tp_group is not pg_collection.tp:
+            raise ValueError(
+                f"{owner}: tp_group (ranks {_ranks(tp_group)}) and pg_collection.tp (ranks "
+                f"{_ranks(pg_collection.tp)}) are different groups; pass one of them"
+            )
         return pg_collection.tp
+    if tp_group is not None:
+        return tp_group
     if parallel_state.model_parallel_is_initialized():
         return parallel_state.get_tensor_model_parallel_group()
+    if needs_group or torch.distributed.is_initialized():
+        raise ValueError(
+            f"{owner} got no TP process group and megatron.core.parallel_state is not "
+            "initialized, so it cannot know which ranks share its weights: pass tp_group= or "
+            "pg_collection= (TransformerLayer and GPTModel(pg_collection=...) pass the model's), "
+            "or call parallel_state.initialize_model_parallel for the global groups"
+        )
     return None
+
+
+def _ranks(group: torch.distributed.ProcessGroup) -> list[int]:
+    return torch.distributed.get_process_group_ranks(group)

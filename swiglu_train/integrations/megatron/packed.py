@@ -120,5 +120,17 @@ def convert_on_load(module: Any, state_dict: dict, prefix: str, *args: Any) -> N
         key = prefix + name
         if key in state_dict:
             tensor = state_dict[key]
+            _check_shape(key, tensor, getattr(module.linear_fc1, name.partition(".")[2]))
             index = order(tensor.shape[0], source, module.fc1_layout)
             state_dict[key] = tensor.index_select(0, index.to(tensor.device))
+
+
+def _check_shape(key: str, tensor: torch.Tensor, param: torch.Tensor | None) -> None:
+    """Refuse an incoming fc1 tensor whose shape is not this rank's before permuting its rows
+    (a wrong size surfaced as a chunk that does not divide it, or permuted the wrong rows)."""
+    if param is not None and tensor.shape != param.shape:
+        raise ValueError(
+            f"{key}: the state_dict holds shape {tuple(tensor.shape)}, this module's parameter "
+            f"is {tuple(param.shape)} (this rank's shard: check ffn_hidden_size, hidden_size "
+            "and the TP size the state_dict was saved at)"
+        )

@@ -81,8 +81,9 @@ def mlp_spec(
     """The MLP submodule alone, for any TransformerLayer-like spec (``submodules.mlp``).
 
     ``chunk``: the packed layout's chunk under ``save_factors`` (see ParMLPMegatron).
-    megatron-core < 0.18 builds that slot from a ModuleSpec; 0.18+ calls a builder
-    (``MLP.as_mlp_submodule`` bound to its submodules) and would drop a ModuleSpec's params.
+    megatron-core < 0.18 builds that slot from a ModuleSpec (which TransformerLayer passes the
+    model's TP group to, as our class compares equal to ``MLP``); 0.18+ calls a builder
+    (``MLP.as_mlp_submodule`` bound to its submodules) with the model's ``pg_collection``.
     With ``backend="te"`` fc1 is TE's LayerNorm+Linear: the layer spec must not norm again.
     """
     module, submodules = _mlp_module(mlp_impl, backend)
