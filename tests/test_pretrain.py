@@ -13,13 +13,23 @@ import numpy as np
 import pytest
 import torch
 from helpers import crossover_table, pretend_gpu
+from lightning.fabric.utilities.types import _Stateful
 from typer.testing import CliRunner
 
 from swiglu_train.cli import app
 from swiglu_train.integrations.lightning.config import CONFIG_DIR, PretrainConfig, load_config
-from swiglu_train.integrations.lightning.data import ByteTokenizer, PackedTextData, load_documents
+from swiglu_train.integrations.lightning.data import (
+    ByteTokenizer,
+    PackedTextData,
+    Rows,
+    StepLoader,
+    StepSampler,
+    load_documents,
+)
 from swiglu_train.integrations.lightning.model import ModelConfig
 from swiglu_train.integrations.lightning.pretrain import run_pretrain
+from swiglu_train.integrations.lightning.resume import StepProgressBar
+from swiglu_train.memory.runs import load_runs
 from swiglu_train.ops import use_backend
 from swiglu_train.packing import convert_checkpoint
 
@@ -106,7 +116,38 @@ class Crash(Exception):
     pass
 
 
-def test_resume_after_a_crash_repeats_the_uninterrupted_losses(tmp_path, corpus, monkeypatch):
+@pytest.fixture
+def bars(monkeypatch) -> list[StepProgressBar]:
+    """Each run's progress bar, kept to read what it computed (its rich task's values)."""
+    kept = []
+    setup = StepProgressBar.setup
+
+    def keep(self, *args, **kwargs):
+        kept.append(self)
+        return setup(self, *args, **kwargs)
+
+    monkeypatch.setattr(StepProgressBar, "setup", keep)
+    return kept
+
+
+def train_task(bar: StepProgressBar):
+    """The rich task of the bar's training progress: total, completed, description."""
+    return next(t for t in bar.progress.tasks if t.id == bar.train_progress_bar_id)
+
+
+def read_rows(path: Path, column: str) -> dict[int, str]:
+    """step -> ``column`` of a CSV's rows that have it."""
+    with open(path) as f:
+        return {int(r["step"]): r[column] for r in csv.DictReader(f) if r[column]}
+
+
+def test_resume_after_a_crash_repeats_the_uninterrupted_losses(
+    tmp_path, corpus, monkeypatch, recwarn, bars
+):
+    """The resumed run continues one run: the same losses bitwise, its loader's position
+    restored through Lightning's stateful-loader protocol (so Lightning does not warn of an
+    unresumable loader), a progress bar over the whole run, one W&B run id (offline, one run
+    directory per segment, which compare-memory joins into one series) and one CSV log."""
     data = [str(corpus / "*.py")]
     full = run_pretrain(small_config(tmp_path / "full", data, "drop_h", 12))
 
@@ -124,14 +165,56 @@ def test_resume_after_a_crash_repeats_the_uninterrupted_losses(tmp_path, corpus,
     with pytest.raises(Crash):
         run_pretrain(cfg)
     monkeypatch.setattr(pretrain_module.LossAndThroughput, "on_train_batch_end", original)
+    out = Path(cfg.output_dir)
+    loader_state = torch.load(out / "checkpoints" / "last.ckpt", weights_only=False)["loops"]
+    assert loader_state["fit_loop"]["state_dict"]["combined_loader"] == [{"next_batch": 5}]
+    recwarn.clear()
     resumed = run_pretrain(cfg, resume="last")
+    assert not [w for w in recwarn if "not resumable" in str(w.message)]
     assert resumed["steps"] == 12
     assert list(resumed["losses"]) == [str(s) for s in range(5, 12)]
     for step, loss in resumed["losses"].items():
         assert loss == full["losses"][step], step  # bitwise: same batches, same state
 
+    for bar in bars:  # the uninterrupted run, the crashed one (at 8 of 12), the resumed one
+        assert train_task(bar).total == 12 and bar.total_train_batches == 12
+        assert train_task(bar).description.strip() == "Training"
+    # The crash comes in the 8th batch's end, before the bar (a later callback) counts it.
+    assert [train_task(bar).completed for bar in bars] == [12, 7, 12]
 
-def test_accumulation_counts_steps_and_the_final_step_is_checkpointed(tmp_path, corpus):
+    run_id = json.loads((out / "run.json").read_text())["wandb_run_id"]
+    segments = sorted((out / "wandb").glob("offline-run-*"))
+    assert len(segments) == 2 and all(p.name.endswith(f"-{run_id}") for p in segments)
+    [run] = load_runs(segments)  # in either order
+    assert load_runs(segments[::-1])[0].series == run.series
+    assert run.label == "drop_h" and run.run_id == run_id and run.steps == list(range(12))
+    [whole] = load_runs([next((tmp_path / "full" / "drop_h" / "wandb").glob("offline-run-*"))])
+    assert run.series == whole.series
+    assert [p.name for p in (out / "csv").iterdir()] == ["version_0"]
+    for name, column in (("csv/version_0/metrics.csv", "train/loss"),
+                         ("memory.csv", "memory/saved_MiB")):  # fmt: skip
+        rows = read_rows(out / name, column)
+        assert rows == read_rows(tmp_path / "full" / "drop_h" / name, column)
+        assert sorted(rows) == list(range(12)), name  # each step once, none lost or doubled
+
+
+def test_the_training_loader_restores_its_position_from_its_state():
+    """StepLoader is what Lightning calls stateful: it saves the trainer's position, not the
+    sampler's (which runs ahead by the prefetched batch), and a loaded state moves it there."""
+    rows = Rows(torch.arange(80).view(40, 2))
+    uninterrupted = StepLoader(rows, StepSampler(40, 4, seed=7), done=lambda: 6)
+    assert isinstance(uninterrupted, _Stateful)
+    assert uninterrupted.state_dict() == {"next_batch": 6}
+    batches = iter(uninterrupted)
+    expected = [next(batches) for _ in range(13)][6:]  # past one epoch of 10 batches
+    resumed = StepLoader(rows, StepSampler(40, 4, seed=7), done=lambda: 0)
+    resumed.load_state_dict({"next_batch": 6})
+    batches = iter(resumed)
+    for want in expected:
+        assert torch.equal(next(batches), want)
+
+
+def test_accumulation_counts_steps_and_the_final_step_is_checkpointed(tmp_path, corpus, bars):
     """With accumulate_grad_batches 2: validation every val_check_interval optimizer steps (as
     checkpoint_every and max_steps count), not micro-batches, so never mid-accumulation;
     last.ckpt holds the final step even when max_steps is no multiple of checkpoint_every,
@@ -149,6 +232,8 @@ def test_accumulation_counts_steps_and_the_final_step_is_checkpointed(tmp_path, 
         run_pretrain(cfg, resume="last")
     resumed = run_pretrain(cfg, resume=str(checkpoints / "epoch=0-step=3.ckpt"))
     assert resumed["losses"] == {str(s): full["losses"][str(s)] for s in range(3, 7)}
+    # The bar counts micro-batches, the resumed one on from the 6 of step 3.
+    assert [(train_task(b).completed, train_task(b).total) for b in bars] == [(14, 14)] * 2
 
 
 def test_resume_with_the_other_impl_continues_the_same_function(tmp_path, corpus):
@@ -418,6 +503,37 @@ def test_a_checkpoint_without_a_data_record_still_resumes(finished, tmp_path, re
         assert run_pretrain(changed, resume=str(tmp_path / "old.ckpt"))["steps"] == 4
     assert not [w for w in recwarn if "data settings" in str(w.message)]
     assert "old.ckpt records no data settings (an older checkpoint)" in caplog.text
+
+
+def test_a_resume_into_another_output_dir_logs_to_a_run_of_its_own(finished, tmp_path, caplog):
+    """The run a dir records (run.json) is the one its resumes continue; a checkpoint resumed
+    into a new dir (a branch) gets its own W&B run and CSV log, and says so."""
+    cfg, last = finished
+    first = json.loads((Path(cfg.output_dir) / "run.json").read_text())
+    branch = replace_output(cfg, tmp_path / "branch")
+    branch.train.max_steps = 4
+    with use_backend("torch"), caplog.at_level("INFO"):
+        run_pretrain(branch, resume=str(last))
+    assert "records no run (run.json); this run logs to a new W&B run and CSV version" in (
+        caplog.text
+    )
+    own = json.loads((tmp_path / "branch" / "run.json").read_text())
+    assert own["wandb_run_id"] != first["wandb_run_id"] and own["csv_version"] == 0
+    [segment] = (tmp_path / "branch" / "wandb").glob("offline-run-*")
+    assert segment.name.endswith(f"-{own['wandb_run_id']}")
+
+
+def test_a_damaged_run_record_is_named_before_the_run(finished, tmp_path):
+    cfg, last = finished
+    run = tmp_path / "run"
+    (run / "checkpoints").mkdir(parents=True)
+    (run / "checkpoints" / "last.ckpt").write_bytes(last.read_bytes())
+    (run / "run.json").write_text('{"wandb_run_id": 5}')
+    resumed = replace_output(cfg, run)
+    resumed.train.max_steps = 4
+    with pytest.raises(ValueError, match=r"run\.json is not a run record .*delete it to log"):
+        run_pretrain(resumed, resume="last")
+    assert not (run / "wandb").exists() and not (run / "csv").exists()
 
 
 def replace_output(cfg: PretrainConfig, out: Path) -> PretrainConfig:

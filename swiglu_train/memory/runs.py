@@ -38,6 +38,8 @@ class MemoryRun:
     run_id: str | None = None
     name: str | None = None
     step_key: str = "step"  # the logged key the steps come from
+    start_time: str | None = None  # a W&B run's, ISO 8601: orders a resumed run's segments
+    source: Path | None = None  # the file read
 
     @property
     def impl(self) -> str | None:
@@ -66,6 +68,7 @@ def load_run(path: str | Path, label: str | None = None) -> MemoryRun:
     if not path.exists():
         raise FileNotFoundError(f"run not found: {path}")
     run = _load_csv(path) if path.suffix == ".csv" else _load_wandb(_wandb_file(path))
+    run.source = run.source.resolve()
     if label:
         run.label = label
     return run
@@ -81,11 +84,14 @@ def parse_spec(spec: str | Path) -> tuple[str | None, Path]:
 
 
 def load_runs(specs: Iterable[str | Path]) -> list[MemoryRun]:
-    """Load each spec; runs that would share an impl label get their run name appended."""
+    """Load each spec; the segments of a resumed W&B run (run directories of one run id, one
+    per resume offline) join into one run; runs that would share an impl label get their run
+    name appended."""
     loaded = []
     for spec in specs:
         label, path = parse_spec(spec)
         loaded.append((load_run(path, label), label is not None))
+    loaded = _join_resumed(loaded)
     named = Counter(run.label for run, explicit in loaded if explicit)
     twice = sorted(label for label, n in named.items() if n > 1)
     if twice:
@@ -95,6 +101,65 @@ def load_runs(specs: Iterable[str | Path]) -> list[MemoryRun]:
         if not explicit and counts[run.label] > 1 and run.name:
             run.label = f"{run.label} ({run.name})"
     return [run for run, _ in loaded]
+
+
+def _join_resumed(loaded: list[tuple[MemoryRun, bool]]) -> list[tuple[MemoryRun, bool]]:
+    """Each run id read from more than one file becomes one run, where its first segment was
+    listed (the same file listed twice stays two runs, as any run listed twice does)."""
+    files: dict[str, set[Path]] = {}
+    for run, _ in loaded:
+        if run.run_id:
+            files.setdefault(run.run_id, set()).add(run.source)
+    joined, done = [], set()
+    for run, explicit in loaded:
+        if not run.run_id or len(files[run.run_id]) == 1:
+            joined.append((run, explicit))
+        elif run.run_id not in done:
+            done.add(run.run_id)
+            group = [(r, e) for r, e in loaded if r.run_id == run.run_id]
+            labels = sorted({r.label for r, e in group if e})
+            if len(labels) > 1:
+                raise ValueError(
+                    f"{labels} label segments of one resumed W&B run ({run.run_id}); label it once"
+                )
+            segments = list({r.source: r for r, _ in group}.values())
+            merged = join_segments(segments)
+            merged.label = labels[0] if labels else merged.label
+            joined.append((merged, bool(labels)))
+    return joined
+
+
+def join_segments(segments: list[MemoryRun]) -> MemoryRun:
+    """One series from the segments of a resumed run, oldest first by start time: each
+    replaces the steps from its first one on (the resumed run logged them again)."""
+    segments = sorted(segments, key=lambda r: (r.start_time or "", str(r.source)))
+    keys = {r.step_key for r in segments}
+    if len(keys) > 1:
+        raise ValueError(
+            f"the segments of W&B run {segments[0].run_id} count steps by different keys "
+            f"({', '.join(sorted(keys))}); pass them apart"
+        )
+    rows: dict[int, dict[str, float | None]] = {}
+    config: dict[str, Any] = {}
+    for run in segments:
+        rows = {step: row for step, row in rows.items() if step < run.steps[0]}
+        for i, step in enumerate(run.steps):
+            rows[step] = {key: values[i] for key, values in run.series.items()}
+        config.update(run.config)
+    steps = sorted(rows)
+    names = sorted({k for run in segments for k in run.series})
+    last = segments[-1]
+    return MemoryRun(
+        label=config.get("mlp_impl") or last.label,
+        config=config,
+        steps=steps,
+        series={k: [rows[s].get(k) for s in steps] for k in names},
+        run_id=last.run_id,
+        name=last.name,
+        step_key=last.step_key,
+        start_time=segments[0].start_time,
+        source=segments[0].source,
+    )
 
 
 def layer_values(
@@ -191,7 +256,8 @@ def _load_csv(path: Path) -> MemoryRun:
         raise ValueError(f"{path} has a header but no rows: the run logged no step")
     if not series:
         raise _no_memory(path, [c for c in columns if c != "step"])
-    return MemoryRun(label=path.resolve().parent.name, config={}, steps=steps, series=series)
+    label = path.resolve().parent.name
+    return MemoryRun(label=label, config={}, steps=steps, series=series, source=path)
 
 
 def _wandb_file(path: Path) -> Path:
@@ -257,4 +323,6 @@ def _load_wandb(log: Path) -> MemoryRun:
         run_id=run_id,
         name=name,
         step_key=step_key,
+        start_time=meta.get("start_time"),
+        source=log,
     )

@@ -10,7 +10,7 @@ from __future__ import annotations
 import glob
 import json
 import sysconfig
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -167,6 +167,27 @@ class StepSampler(Sampler[list[int]]):
         return 2**62  # unbounded: training length is set by max_steps
 
 
+class StepLoader(DataLoader):
+    """The training loader: a StepSampler's batches, and its position through Lightning's
+    stateful-loader protocol (``state_dict`` / ``load_state_dict``), which Lightning saves in
+    each checkpoint and restores on resume. Without it Lightning warns that a mid-epoch resume
+    (every resume here: the run is one endless epoch) may draw other batches.
+
+    The position saved is ``done()``, the micro-batches the trainer has trained on, not the
+    sampler's count: Lightning's fetcher draws a batch ahead of the one being trained on.
+    """
+
+    def __init__(self, rows: Dataset, sampler: StepSampler, done: Callable[[], int]) -> None:
+        super().__init__(rows, batch_sampler=sampler)
+        self._done = done
+
+    def state_dict(self) -> dict[str, int]:
+        return {"next_batch": self._done()}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.batch_sampler.start_batch = state["next_batch"]
+
+
 class Rows(Dataset):
     def __init__(self, rows: torch.Tensor) -> None:
         self.rows = rows
@@ -218,19 +239,24 @@ class PackedTextData(pl.LightningDataModule):
                 f"corpus {what} has token id {largest} >= vocab_size {self.vocab_size}"
             )
 
-    def train_dataloader(self) -> DataLoader:
-        # The loop state is restored before dataloaders are built, so a resumed run starts at
-        # the batch the interrupted one would have drawn next.
+    def train_dataloader(self) -> StepLoader:
         trainer = self.trainer
+
+        def done() -> int:  # checkpoints are saved at optimizer steps
+            return trainer.global_step * trainer.accumulate_grad_batches
+
+        # Lightning restores the loop state before it builds the loaders and the loader's own
+        # state after: a checkpoint that records no loader state (written before StepLoader)
+        # resumes at the same batch from the restored step.
         sampler = StepSampler(
             len(self.train_rows),
             self.cfg.micro_batch_size,
             self.cfg.seed,
-            start_batch=trainer.global_step * trainer.accumulate_grad_batches,
+            start_batch=done(),
             rank=trainer.global_rank,
             world=trainer.world_size,
         )
-        return DataLoader(Rows(self.train_rows), batch_sampler=sampler)
+        return StepLoader(Rows(self.train_rows), sampler, done)
 
     @property
     def has_validation(self) -> bool:

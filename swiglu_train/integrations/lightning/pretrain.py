@@ -11,8 +11,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
-from lightning.pytorch.callbacks import ModelCheckpoint, RichProgressBar
-from lightning.pytorch.loggers import CSVLogger, WandbLogger
+from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_only, rank_zero_warn
 
 from swiglu_train.integrations.lightning.config import PretrainConfig, check_ranges
@@ -20,9 +19,10 @@ from swiglu_train.integrations.lightning.data import PackedTextData
 from swiglu_train.integrations.lightning.memory_callback import MemoryProfilerCallback
 from swiglu_train.integrations.lightning.model import check_mlp_chunk
 from swiglu_train.integrations.lightning.module import LAYOUT_KEY, PretrainModule
+from swiglu_train.integrations.lightning.resume import StepProgressBar, run_loggers
 from swiglu_train.layers import check_impl_name
 from swiglu_train.layers.registry import AUTO
-from swiglu_train.memory.wandb_run import wandb_mode
+from swiglu_train.memory.wandb_run import CSV_NAME
 
 
 class LossAndThroughput(pl.Callback):
@@ -98,16 +98,12 @@ def run_pretrain(cfg: PretrainConfig, resume: str | None = None) -> dict[str, An
             "val_loss is None; lower val_check_interval to validate"
         )
     out.mkdir(parents=True, exist_ok=True)
-    memory = MemoryProfilerCallback(per_layer=True)
+    # In the output dir, not the W&B run's: each resume adds a W&B run directory (offline),
+    # while this one file holds the whole run (MemoryCsv keeps the rows before a resume).
+    memory = MemoryProfilerCallback(per_layer=True, csv_path=out / CSV_NAME)
     history = LossAndThroughput()
-    wandb_logger = WandbLogger(
-        project=cfg.wandb.project,
-        group=cfg.wandb.group,
-        name=cfg.wandb.name or cfg.model.mlp_impl,
-        save_dir=str(out),
-        mode=wandb_mode(),
-        config=cfg.to_dict(),
-    )
+    resume_step = None if resumed is None else resumed["global_step"]
+    wandb_logger, csv_logger = run_loggers(cfg, out, resume_step)
     checkpoints = StepCheckpoint(
         dirpath=out / "checkpoints",
         every_n_train_steps=cfg.train.checkpoint_every,
@@ -126,8 +122,8 @@ def run_pretrain(cfg: PretrainConfig, resume: str | None = None) -> dict[str, An
         limit_val_batches=None if data.has_validation else 0,
         check_val_every_n_epoch=None,
         log_every_n_steps=cfg.train.log_every_n_steps,
-        logger=[wandb_logger, CSVLogger(out, name="csv")],
-        callbacks=[memory, history, checkpoints, RichProgressBar()],
+        logger=[wandb_logger, csv_logger],
+        callbacks=[memory, history, checkpoints, StepProgressBar()],
         use_distributed_sampler=False,  # the step sampler shards by rank itself
         default_root_dir=out,
         num_sanity_val_steps=0,
@@ -213,8 +209,9 @@ def _check_resumable(path: Path, cfg: PretrainConfig) -> dict:
     """Refuse, in one line, what Lightning would fail on deep inside (a damaged file, a bare
     state_dict, another model shape) or do silently (train no step, ignore optim changes).
     Returns its ``swiglu_train`` record (fc1 layout, data settings; empty in a checkpoint from
-    elsewhere) and whether it holds optimizer state: all that PretrainModule.check_layout and
-    _check_data read, so that the checkpoint itself is not kept open meanwhile."""
+    elsewhere), whether it holds optimizer state and its step: all that
+    PretrainModule.check_layout, _check_data and run_loggers read, so that the checkpoint
+    itself is not kept open meanwhile."""
     if not zipfile.is_zipfile(path):  # torch.save writes a zip; its index sits at the end
         size = path.stat().st_size
         raise ValueError(f"--resume: {path} is not a readable checkpoint ({size} bytes, not a "
@@ -247,6 +244,7 @@ def _check_resumable(path: Path, cfg: PretrainConfig) -> dict:
     return {
         LAYOUT_KEY: ckpt.get(LAYOUT_KEY, {}),
         "optimizer_states": bool(ckpt.get("optimizer_states")),
+        "global_step": step,
     }
 
 
