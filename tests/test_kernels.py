@@ -102,13 +102,13 @@ def test_empty_batch(device):
     assert h.shape == (0, 4)
 
 
-def test_config_pruning_keeps_every_config_at_training_shapes():
-    shapes = [(1, 16384, 16), (1, 2048, 8), (8, 256, 4), (32, 128, 4)]
-    configs = [
-        kernels.triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w) for m, n, w in shapes
-    ]
-    assert kernels.prune_configs(configs, {"M": 11136, "F": 14336}) == configs
-    small = kernels.prune_configs(configs, {"M": 37, "F": 40})
-    assert [(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"]) for c in small] == [(32, 128)]
-    tiny = kernels.prune_configs(configs, {"M": 1, "F": 3000})
-    assert [(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"]) for c in tiny] == [(1, 2048)]
+def test_tile_rule_fills_the_element_budget_without_overshooting_f():
+    fwd, bwd = kernels.FWD_TILE, kernels.BWD_TILE
+    assert kernels.tile(11136, 14336, fwd, interpret=False) == (1, 1024, 4)
+    assert kernels.tile(11136, 14336, bwd, interpret=False) == (1, 4096, 8)
+    # narrow F (Qwen2.5-0.5B's 4864 is wide; a 896-wide shard is not): rows fill the budget
+    assert kernels.tile(8000, 896, bwd, interpret=False) == (4, 1024, 8)
+    assert kernels.tile(8000, 300, fwd, interpret=False) == (2, 512, 4)
+    assert kernels.tile(1, 300, bwd, interpret=False) == (1, 512, 8)  # no rows past M
+    assert kernels.tile(0, 300, bwd, interpret=False) == (1, 512, 8)
+    assert kernels.tile(11136, 14336, bwd, interpret=True) == (16, 32, 1)

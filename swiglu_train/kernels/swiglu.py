@@ -13,46 +13,31 @@ import torch
 import triton
 import triton.language as tl
 
-from swiglu_train.kernels.runtime import INTERPRET, SUPPORTED_DTYPES, m_bucket
+from swiglu_train.kernels.runtime import INTERPRET, SUPPORTED_DTYPES
+
+# The tile is a bandwidth rule, not an autotuner's pick. These kernels are memory-bound; what
+# sets their speed is the bytes each thread keeps in flight. Measured on the H200 over six
+# [M, F] training shapes and 23 tiles (benchmarks/results/activation_bandwidth_h200.json), the
+# best tile per shape varied, but 1024-element programs of 4 warps for the forward (one 16-byte
+# bf16 vector per operand per thread) and 4096-element programs of 8 warps for the backward
+# kernels (two) came within 1.5 % of the best at every shape, where Triton's autotuner, timing
+# each candidate once, lost up to 35 %.
+FWD_TILE = (1024, 4)  # (elements per program, warps)
+BWD_TILE = (4096, 8)
+INTERPRET_TILE = (16, 32)  # (BLOCK_M, BLOCK_N): small, so CPU tests cross tile edges
 
 
-def _configs() -> list[triton.Config]:
-    if INTERPRET:  # no CUDA events to time candidates; small tiles so tests cross tile edges
-        return [triton.Config({"BLOCK_M": 16, "BLOCK_N": 32})]
-    shapes = [  # (BLOCK_M, BLOCK_N, num_warps); wide rows keep more bytes in flight per SM
-        (1, 16384, 16),
-        (1, 8192, 16),
-        (1, 4096, 8),
-        (1, 4096, 16),
-        (2, 4096, 16),
-        (1, 1024, 4),
-        (1, 2048, 8),
-        (2, 1024, 4),
-        (2, 2048, 8),
-        (4, 512, 4),
-        (4, 1024, 4),
-        (4, 1024, 8),
-        (8, 256, 4),
-        (8, 512, 4),
-        (8, 512, 8),
-        (16, 256, 8),
-        (32, 128, 4),
-    ]
-    return [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w) for bm, bn, w in shapes]
-
-
-def prune_configs(configs: list[triton.Config], named_args: dict, **_) -> list[triton.Config]:
-    """Drop tiles wider or taller than the problem: they add masked lanes and compile time only.
-
-    At training shapes (F and M in the thousands) every config survives.
-    """
-    n_cap = max(triton.next_power_of_2(named_args["F"]), min(c.kwargs["BLOCK_N"] for c in configs))
-    m_cap = triton.next_power_of_2(named_args["M"])
-    kept = [c for c in configs if c.kwargs["BLOCK_N"] <= n_cap and c.kwargs["BLOCK_M"] <= m_cap]
-    return kept or [min(configs, key=lambda c: c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"])]
-
-
-_PRUNE = {"early_config_prune": prune_configs}
+def tile(
+    M: int, F: int, rule: tuple[int, int], interpret: bool = INTERPRET
+) -> tuple[int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps): as many columns of a row as the rule's element budget
+    allows (a power of two, at most F's next one, so narrow F wastes few lanes), then rows."""
+    if interpret:
+        return (*INTERPRET_TILE, 1)
+    elements, warps = rule
+    block_n = min(elements, triton.next_power_of_2(F))
+    block_m = min(elements // block_n, triton.next_power_of_2(max(M, 1)))
+    return block_m, block_n, warps
 
 
 @triton.jit
@@ -74,7 +59,6 @@ def _silu_times_up(gate, up, DTYPE: tl.constexpr):
     return silu.to(DTYPE).to(tl.float32) * up
 
 
-@triton.autotune(configs=_configs(), key=["F", "M_BUCKET"], prune_configs_by=_PRUNE)
 @triton.jit
 def _swiglu_fwd_kernel(
     preact_ptr,
@@ -83,7 +67,6 @@ def _swiglu_fwd_kernel(
     F,
     stride_preact,
     stride_h,
-    M_BUCKET,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
@@ -95,7 +78,6 @@ def _swiglu_fwd_kernel(
     tl.store(h_ptr + rows * stride_h + cols, h.to(h_ptr.dtype.element_ty), mask=mask)
 
 
-@triton.autotune(configs=_configs(), key=["F", "M_BUCKET", "WRITE_H"], prune_configs_by=_PRUNE)
 @triton.jit
 def _swiglu_bwd_kernel(
     preact_ptr,
@@ -108,7 +90,6 @@ def _swiglu_bwd_kernel(
     stride_grad_h,
     stride_grad_preact,
     stride_h,
-    M_BUCKET,
     WRITE_H: tl.constexpr,
     INPLACE: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -144,7 +125,6 @@ def _swiglu_bwd_kernel(
     tl.store(out_ptrs + F, grad_up.to(out_dtype), mask=mask)
 
 
-@triton.autotune(configs=_configs(), key=["F", "CHUNK", "M_BUCKET"], prune_configs_by=_PRUNE)
 @triton.jit
 def _swiglu_factors_kernel(
     preact_ptr,
@@ -153,7 +133,6 @@ def _swiglu_factors_kernel(
     F,
     stride_preact,
     stride_h,
-    M_BUCKET,
     CHUNK: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -191,8 +170,11 @@ def _check_like(name: str, t: torch.Tensor, ref: torch.Tensor, shape: tuple[int,
         raise TypeError(f"{name} is {t.dtype} on {t.device}, expected {ref.dtype} on {ref.device}")
 
 
-def _grid(M: int, F: int):
-    return lambda meta: (triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(F, meta["BLOCK_N"]),)
+def _launch(kernel, M: int, F: int, rule: tuple[int, int], *args, **constexprs) -> None:
+    """One launch over a 1D grid of [BLOCK_M, BLOCK_N] tiles of the [M, F] output."""
+    block_m, block_n, warps = tile(M, F, rule)
+    grid = (triton.cdiv(M, block_m) * triton.cdiv(F, block_n),)
+    kernel[grid](*args, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps, **constexprs)
 
 
 def swiglu_forward(preact: torch.Tensor, h: torch.Tensor) -> None:
@@ -201,10 +183,7 @@ def swiglu_forward(preact: torch.Tensor, h: torch.Tensor) -> None:
     _check_like("h", h, preact, (M, F))
     if M == 0:
         return
-    _swiglu_fwd_kernel[_grid(M, F)](preact, h, M, F, preact.stride(0), h.stride(0), m_bucket(M))
-
-
-_tuned_inplace_keys: set[tuple] = set()
+    _launch(_swiglu_fwd_kernel, M, F, FWD_TILE, preact, h, M, F, preact.stride(0), h.stride(0))
 
 
 def swiglu_backward(
@@ -215,9 +194,8 @@ def swiglu_backward(
 ) -> None:
     """Write grad_preact and, when h is given, the recomputed h.
 
-    Passing grad_preact=preact and h=grad_h runs in place. An in-place first call for a tuning
-    key tunes once on scratch outputs, because autotuning reruns the kernel and would otherwise
-    read its own outputs as inputs.
+    Passing grad_preact=preact and h=grad_h runs in place: each element is read before it is
+    overwritten, through the same pointer.
     """
     M, F = _check_preact(preact)
     _check_like("grad_h", grad_h, preact, (M, F))
@@ -232,48 +210,25 @@ def swiglu_backward(
     if h is None and inplace:
         raise ValueError("in-place backward is only defined together with h over grad_h")
     write_h = h is not None
-    key = (F, m_bucket(M), write_h, preact.dtype, preact.device)
-    if inplace and not INTERPRET and key not in _tuned_inplace_keys:
-        swiglu_backward(preact, grad_h, torch.empty_like(preact), torch.empty_like(grad_h))
-        _tuned_inplace_keys.add(key)
     h_arg = h if write_h else grad_h  # unused pointer when WRITE_H is False
-    _swiglu_bwd_kernel[_grid(M, F)](
-        preact,
-        grad_h,
-        grad_preact,
-        h_arg,
-        M,
-        F,
-        preact.stride(0),
-        grad_h.stride(0),
-        grad_preact.stride(0),
-        h_arg.stride(0),
-        m_bucket(M),
-        WRITE_H=write_h,
-        INPLACE=inplace,
-    )
-
-
-_tuned_factors_keys: set[tuple] = set()
+    _launch(
+        _swiglu_bwd_kernel, M, F, BWD_TILE,
+        preact, grad_h, grad_preact, h_arg, M, F,
+        preact.stride(0), grad_h.stride(0), grad_preact.stride(0), h_arg.stride(0),
+        WRITE_H=write_h, INPLACE=inplace,
+    )  # fmt: skip
 
 
 def swiglu_factors_(preact: torch.Tensor, h: torch.Tensor, chunk: int) -> None:
     """Write h into the given [M, F] buffer and overwrite the packed (chunk C) [M, 2F] preact
-    with the backward factors, [up·silu'(gate) | silu(gate)] per chunk.
-
-    The first call for a tuning key tunes on scratch copies: autotuning reruns the kernel,
-    which would otherwise read factors as a preactivation.
-    """
+    with the backward factors, [up·silu'(gate) | silu(gate)] per chunk."""
     M, F = _check_preact(preact)
     _check_like("h", h, preact, (M, F))
     if chunk < 1 or F % chunk:
         raise ValueError(f"chunk must divide F = {F}, got {chunk}")
     if M == 0:
         return
-    key = (F, chunk, m_bucket(M), preact.dtype, preact.device)
-    if not INTERPRET and key not in _tuned_factors_keys:
-        _tuned_factors_keys.add(key)  # before the call, which then runs (and tunes) plainly
-        swiglu_factors_(preact.clone(), torch.empty_like(h), chunk)
-    _swiglu_factors_kernel[_grid(M, F)](
-        preact, h, M, F, preact.stride(0), h.stride(0), m_bucket(M), CHUNK=chunk
-    )
+    _launch(
+        _swiglu_factors_kernel, M, F, BWD_TILE, preact, h, M, F, preact.stride(0), h.stride(0),
+        CHUNK=chunk,
+    )  # fmt: skip

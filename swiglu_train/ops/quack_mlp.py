@@ -51,7 +51,9 @@ def require_quack():
 
 def quack_gemm() -> functools.partial:
     """quack's plain GEMM as the quack impls call it: untuned (no per-shape autotune stall),
-    static persistent schedule (measured faster than the dynamic one at training sizes)."""
+    static persistent schedule. quack's own MLP runs its backward GEMMs on the dynamic one; the
+    static one was faster on every backward GEMM at six training shapes, by 0.7-16 %
+    (benchmarks/results/probe_quack_schedulers_h200.json)."""
     return functools.partial(require_quack().gemm, tuned=False)
 
 
