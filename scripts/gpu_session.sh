@@ -23,6 +23,10 @@
 #   lightning_ddp (nvidia-h200-x2) the 125M pretrain under DDP on 2 GPUs
 #   inference  swiglu-train bench-inference: gated projection and whole MLP, Qwen-2.5 x M grid
 #              ($INFERENCE_MODELS), one JSON per model to merge into the dispatch table
+#   grid       swiglu-train bench-grid: every impl and peer, and auto's pick, at public models'
+#              MLP shapes x M; one chunk per call ($GRID_CHUNK=I/N, default 1/1; $GRID_MODELS and
+#              $GRID_M pick a subset). Merge the chunks' JSON with
+#              `swiglu-train bench-grid --merge A B --json --md --plot` (the auto evaluation).
 # Every stage writes under $RES; on exit it is packed into $OUT/results.tgz, since the device
 # tool returns at most 8 files, and re-packed after every stage, so a call killed at its limit
 # still returns what finished. STAGE_SECONDS=N bounds each stage, so one overrun cannot cost
@@ -192,6 +196,13 @@ for stage in "$@"; do
         python3 scripts/bench_inference.py --models "$model" --samples 30 --commit "$commit" \
           --json "$RES/inference/$model.json" --md "$RES/inference/$model.md" 2>&1 | tail -40
       done ;;
+    grid)  # the JSON is rewritten after every point: a chunk stopped at its bound keeps those
+      chunk=${GRID_CHUNK:-1/1} && tag=${chunk/\//of}
+      mkdir -p "$RES/grid"
+      python3 -m swiglu_train bench-grid --commit "$commit" --chunk "$chunk" \
+        ${GRID_MODELS:+--models $GRID_MODELS} ${GRID_M:+--m $GRID_M} \
+        --json "$RES/grid/grid_h200_$tag.json" --md "$RES/grid/grid_h200_$tag.md" \
+        --plot "$RES/grid/grid_h200_$tag.png" 2>&1 | grep -v "^ " | tail -60 ;;
     *) echo "unknown stage $stage"; exit 2 ;;
   esac
 done

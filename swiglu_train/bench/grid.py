@@ -1,0 +1,356 @@
+"""The model-grid benchmark: the paired MLP harness over the MLP shapes of public models.
+
+At each point (M, D, F), one layer (O = D) of every impl and peer runs against the six-GEMM
+floor of the same shape with ``bench/mlp.py``'s ``measure_layer`` (paired samples in random
+order, medians, allocator readings), and ``impl="auto"``'s pick there is recorded: the impl
+``ParMLP(impl="auto", tokens_hint=M)`` resolves to on this GPU. A grid too long for one device
+call runs in chunks (``--chunk I/N``, balanced by estimated time) that ``merge_results`` joins;
+``grid_auto`` judges auto's picks on the whole.
+"""
+
+from __future__ import annotations
+
+import gc
+import itertools
+import json
+import math
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from swiglu_train.bench.grid_auto import evaluate_auto
+from swiglu_train.bench.grid_models import GridShape
+from swiglu_train.bench.mlp import PEAK_DEFINITION, BenchConfig, environment, measure_layer
+from swiglu_train.layers.auto import gpu_family, packaged_table, resolve_auto, table_filename
+from swiglu_train.ops.quack_mlp import quack_available
+
+# Every impl and every peer (quack's mlp_func untuned, Liger in-place, torch.compile, FLA);
+# a peer that does not import or run here is skipped on record.
+GRID_VARIANTS = (
+    *("normal", "drop_h", "save_factors", "drop_h_quack", "save_factors_quack"),
+    *("quack", "liger", "compile", "fla"),
+)
+DEFAULT_M = (4096, 8000, 16384)  # 8000 tokens: no multiple of 128
+RATIO_DEFINITION = (
+    "median over paired samples of (variant's fwd+bwd step time / the six-GEMM floor's in the "
+    "same sample); one layer, O = D"
+)
+# A planning estimate for the H200 in bf16, to split the grid into device calls: the floor runs
+# its 18·M·D·F FLOPs at ~650 TFLOP/s (630-720 in crossover_h200.json), the variants average
+# ~1.08x it, and each point pays a fixed cost for autotuning, compiling its shape
+# (torch.compile included) and the allocator readings; the crossover run spent ~10 s a point
+# beyond its timed steps with 5 impls. Each point's measured elapsed_s is recorded beside it.
+FLOOR_FLOPS_PER_S = 650e12
+MEAN_RATIO = 1.08
+POINT_OVERHEAD_S = 15.0
+EXTRA_STEPS = 2  # the correctness step and the memory reading, besides warm-up and samples
+# Keys every chunk of one merged grid must share: a merge never mixes GPUs, dtypes, code, or
+# auto tables (auto's picks were resolved from the one the run shipped).
+SAME_KEYS = (
+    *("device_name", "dtype", "commit", "samples", "warmup", "versions"),
+    *("variants", "quack_available", "auto_table"),
+)
+Progress = Callable[[str, int], Callable[[], None]]
+Dims = tuple[int, int, int]  # (M, D, F)
+
+
+@dataclass(frozen=True)
+class GridPoint:
+    m: int
+    shape: GridShape
+
+    @property
+    def dims(self) -> Dims:
+        return self.m, self.shape.d, self.shape.f
+
+
+@dataclass
+class GridConfig:
+    shapes: Sequence[GridShape]
+    m: Sequence[int] = DEFAULT_M
+    variants: Sequence[str] = GRID_VARIANTS
+    samples: int = 30
+    warmup: int = 2
+    dtype: str = "bf16"
+    device: str = "cuda"
+    seed: int = 0
+    commit: str | None = None
+    chunk: tuple[int, int] = (1, 1)  # (I, N): the I-th of N chunks
+    command: str | None = None  # the command line, recorded with every (partial) result
+
+    def all_points(self) -> list[GridPoint]:
+        """Shape-major, smallest D·F first: a chunk cut short keeps the most points."""
+        return [GridPoint(m, shape) for shape in self.shapes for m in self.m]
+
+    def chunks(self) -> list[list[GridPoint]]:
+        return split_chunks(self.all_points(), self.chunk[1], self.estimate_s)
+
+    def points(self) -> list[GridPoint]:
+        return self.chunks()[self.chunk[0] - 1]
+
+    def estimate_s(self, point: GridPoint) -> float:
+        """Seconds this point is expected to take on an H200 in bf16 (see FLOOR_FLOPS_PER_S)."""
+        m, d, f = point.dims
+        step_s = 18 * m * d * f / FLOOR_FLOPS_PER_S
+        runs = self.warmup + self.samples + EXTRA_STEPS
+        return POINT_OVERHEAD_S + (1 + len(self.variants) * MEAN_RATIO) * runs * step_s
+
+    def bench_config(self, point: GridPoint) -> BenchConfig:
+        m, d, f = point.dims
+        return BenchConfig(
+            shape=(m, d, f, d),
+            dtype=self.dtype,
+            variants=tuple(self.variants),
+            samples=self.samples,
+            warmup=self.warmup,
+            stack_layers=0,
+            device=self.device,
+            seed=self.seed,
+        )
+
+
+def parse_chunk(value: str) -> tuple[int, int]:
+    """``"2/3"`` -> (2, 3); a ValueError names what is wrong."""
+    parts = value.split("/")
+    if len(parts) != 2 or not all(p.strip().isdigit() for p in parts):
+        raise ValueError(f"--chunk {value!r}: expected I/N, e.g. 1/2")
+    index, count = (int(p) for p in parts)
+    if not 1 <= index <= count:
+        raise ValueError(f"--chunk {value!r}: I must be between 1 and N")
+    return index, count
+
+
+def split_chunks(
+    points: Sequence[GridPoint], count: int, cost: Callable[[GridPoint], float]
+) -> list[list[GridPoint]]:
+    """``points`` cut, in order, into ``count`` non-empty runs whose largest estimated cost is
+    as small as it can be (the device call's limit binds the longest chunk)."""
+    n = len(points)
+    if not 1 <= count <= n:
+        raise ValueError(f"--chunk: {n} grid points cannot be split into {count} chunks")
+    prefix = list(itertools.accumulate((cost(p) for p in points), initial=0.0))
+    # worst[k][i]: the least possible largest chunk over the first i points in k chunks
+    worst = [[math.inf] * (n + 1) for _ in range(count + 1)]
+    cut = [[0] * (n + 1) for _ in range(count + 1)]
+    worst[0][0] = 0.0
+    for k in range(1, count + 1):
+        for i in range(k, n + 1):
+            for j in range(k - 1, i):
+                value = max(worst[k - 1][j], prefix[i] - prefix[j])
+                if value < worst[k][i]:
+                    worst[k][i], cut[k][i] = value, j
+    bounds, i = [], n
+    for k in range(count, 0, -1):
+        bounds.append((cut[k][i], i))
+        i = cut[k][i]
+    return [list(points[j:i]) for j, i in reversed(bounds)]
+
+
+def run_grid(
+    cfg: GridConfig, progress: Progress, on_point: Callable[[dict], None] = lambda _: None
+) -> dict:
+    """Measure the chunk's points; ``on_point(result so far)`` after each (the CLI writes the
+    JSON there, so a call killed at its limit keeps what finished). A point or variant that
+    fails (out of memory, a peer that cannot run) is skipped on record."""
+    device = torch.device(cfg.device)
+    start = time.perf_counter()
+    points = cfg.points()
+    result = {"meta": _meta(cfg, device, points), "points": [], "rows": [], "skipped_points": []}
+    tick = progress("grid points", len(points))
+    for point in points:
+        began = time.perf_counter()
+        m, d, f = point.dims
+
+        def labelled(label: str, total: int, m=m, d=d, f=f) -> Callable[[], None]:
+            return progress(f"M={m} D={d} F={f}: {label}", total)
+
+        try:
+            measured, skipped, reference = measure_layer(cfg.bench_config(point), labelled)
+        except torch.OutOfMemoryError as e:
+            measured, skipped, reference = [], {}, None
+            result["skipped_points"].append(
+                {"M": m, "D": d, "F": f, "reason": f"OutOfMemoryError: {e}".splitlines()[0]}
+            )
+        _release(device)
+        tick()
+        if measured:
+            result["rows"] += point_rows(point, measured)
+            auto = resolve_auto(m, d, f, cfg.device, output_size=d)  # what ParMLP resolves
+            record = {"M": m, "D": d, "F": f, "models": list(point.shape.models)}
+            record |= {"families": list(point.shape.families), "auto": vars(auto)}
+            record |= {"skipped": skipped, "rel_err_reference": reference}
+            record |= {"elapsed_s": round(time.perf_counter() - began, 1)}
+            record |= {"estimated_s": round(cfg.estimate_s(point), 1)}
+            result["points"].append(record)
+        result["meta"]["elapsed_s"] = round(time.perf_counter() - start, 1)
+        on_point(result)
+    result["meta"]["complete"] = True
+    result["auto_eval"] = evaluate_auto(result)
+    return result
+
+
+def point_rows(point: GridPoint, measured: Sequence[dict]) -> list[dict]:
+    """One row per variant from ``measure_layer``'s rows (the floor's first)."""
+    m, d, f = point.dims
+    floor = measured[0]
+    return [
+        {
+            "M": m,
+            "D": d,
+            "F": f,
+            "variant": r["variant"],
+            "ms": r["full_ms"],
+            "ratio_to_floor": r["full_over_floor"],
+            "fwd_ms": r["fwd_ms"],
+            "bwd_ms": r["bwd_ms"],
+            "full_p20_ms": r["full_p20_ms"],
+            "full_p80_ms": r["full_p80_ms"],
+            "floor_ms": floor["full_ms"],
+            "after_forward_MiB": r["after_forward_MiB"],
+            "peak_MiB": r["peak_MiB"],
+            "rel_err_vs_reference": r["rel_err_vs_reference"],
+        }
+        for r in measured[1:]
+    ]
+
+
+def _meta(cfg: GridConfig, device: torch.device, points: Sequence[GridPoint]) -> dict:
+    env = environment(device, cfg.commit)
+    cuda = device.type == "cuda"
+    family = gpu_family(env["device_name"]) if cuda else None
+    return {
+        **env,
+        "gpu_family": family,
+        "dtype": cfg.dtype,
+        "samples": cfg.samples,
+        "warmup": cfg.warmup,
+        "seed": cfg.seed,
+        "m": list(cfg.m),
+        "variants": list(cfg.variants),
+        "shapes": [
+            {"D": s.d, "F": s.f, "models": list(s.models), "families": list(s.families)}
+            for s in cfg.shapes
+        ],
+        "command": cfg.command,
+        "chunk": f"{cfg.chunk[0]}/{cfg.chunk[1]}",
+        "planned_points": [list(p.dims) for p in points],
+        "estimated_s": round(sum(cfg.estimate_s(p) for p in points)),
+        "quack_available": cuda and quack_available(),
+        "auto_table": _table_summary(family),
+        "ratio_definition": RATIO_DEFINITION,
+        "peak_definition": PEAK_DEFINITION,
+        "complete": False,
+        "elapsed_s": 0.0,
+    }
+
+
+def _table_summary(family: str | None) -> dict | None:
+    """Which crossover table auto read here, and its points (for the in-sample flags)."""
+    table = packaged_table(family) if family else None
+    if table is None:
+        return None
+    return {
+        "file": table_filename(family),
+        "commit": table.commit,
+        "device_name": table.device_name,
+        "dtype": table.dtype,
+        "points": [list(p.dims) for p in table.points],
+    }
+
+
+def _release(device: torch.device) -> None:
+    """Free the point's weights and compiled graphs before the next shape: each point compiles
+    its own static shape (dynamo would otherwise recompile the same code with dynamic sizes,
+    and fall back to eager past its recompile limit) from an empty allocator cache."""
+    torch._dynamo.reset()
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def merge_results(parts: Mapping[str, dict]) -> dict:
+    """One result from chunks (``source -> result``) of one grid: they must share the GPU,
+    dtype, commit, versions, variants and auto table, and no point may be in two of them."""
+    if not parts:
+        raise ValueError("nothing to merge")
+    for source, part in parts.items():
+        _check_part(part, source)
+    for key in SAME_KEYS:
+        values = {
+            source: json.dumps(p["meta"].get(key), sort_keys=True) for source, p in parts.items()
+        }
+        if len(set(values.values())) > 1:
+            seen = "; ".join(f"{s}: {v}" for s, v in values.items())
+            raise ValueError(f"cannot merge chunks measured with a different {key} ({seen})")
+    owner: dict[Dims, str] = {}
+    for source, part in parts.items():
+        for p in (*part["points"], *part["skipped_points"]):
+            dims = (p["M"], p["D"], p["F"])
+            if dims in owner:
+                raise ValueError(
+                    f"point M={dims[0]} D={dims[1]} F={dims[2]} is measured in both "
+                    f"{owner[dims]} and {source}: a merge never picks between samples"
+                )
+            owner[dims] = source
+
+    def order(p: dict) -> tuple:
+        return _order(p["M"], p["D"], p["F"])
+
+    chunks = list(parts.values())
+    planned = [tuple(p) for c in chunks for p in c["meta"]["planned_points"]]
+    shapes = {(s["D"], s["F"]): s for c in chunks for s in c["meta"]["shapes"]}
+    meta = {
+        **chunks[0]["meta"],
+        "command": " && ".join(str(c["meta"].get("command")) for c in chunks),
+        "chunk": "merged",
+        "chunks": [
+            {
+                "source": source,
+                **{k: c["meta"].get(k) for k in ("chunk", "command", "date", "elapsed_s")},
+                "complete": c["meta"]["complete"],
+            }
+            for source, c in parts.items()
+        ],
+        "m": sorted({m for c in chunks for m in c["meta"]["m"]}),
+        "shapes": sorted(shapes.values(), key=lambda s: _order(0, s["D"], s["F"])),
+        "planned_points": [list(p) for p in sorted(set(planned), key=lambda p: _order(*p))],
+        "estimated_s": sum(c["meta"]["estimated_s"] for c in chunks),
+        "elapsed_s": round(sum(c["meta"]["elapsed_s"] for c in chunks), 1),
+        "complete": all(c["meta"]["complete"] for c in chunks),
+    }
+    merged = {
+        "meta": meta,
+        "points": sorted((p for c in chunks for p in c["points"]), key=order),
+        "rows": sorted((r for c in chunks for r in c["rows"]), key=order),
+        "skipped_points": sorted((p for c in chunks for p in c["skipped_points"]), key=order),
+    }
+    merged["auto_eval"] = evaluate_auto(merged)
+    return merged
+
+
+def _order(m: int, d: int, f: int) -> tuple:
+    """The grid's order: shape-major, smallest D·F first (as ``grid_shapes``), then M."""
+    return d * f, d, f, m
+
+
+def missing_points(result: dict) -> list[Dims]:
+    """Planned points with no record: a chunk stopped before them (its limit, a crash)."""
+    done = {(p["M"], p["D"], p["F"]) for p in (*result["points"], *result["skipped_points"])}
+    return [tuple(p) for p in result["meta"]["planned_points"] if tuple(p) not in done]
+
+
+def _check_part(part: object, source: str) -> None:
+    """A ``bench-grid --json`` result, or a ValueError naming the file and what is off."""
+    if not isinstance(part, dict):
+        raise ValueError(
+            f"{source}: expected a bench-grid --json result, got {type(part).__name__}"
+        )
+    missing = sorted({"meta", "points", "rows", "skipped_points"} - set(part))
+    if missing:
+        raise ValueError(f"{source}: not a bench-grid --json result: missing keys {missing}")
+    needed = {*SAME_KEYS, "planned_points", "shapes", "m", "complete", "elapsed_s", "estimated_s"}
+    missing = sorted(needed - set(part["meta"]))
+    if missing:
+        raise ValueError(f"{source}: not a bench-grid --json result: meta lacks {missing}")

@@ -1,0 +1,397 @@
+"""The model-grid benchmark: the model list, chunking, a real CPU run, merge, auto's evaluation.
+
+The evaluation of impl="auto" needs allocator readings, which only CUDA has: it is tested on a
+real CPU grid run whose device name, memory readings and shipped-table record are then set as
+an H200 run would have them (``as_h200``); every ratio stays the measured one.
+"""
+
+import copy
+import json
+import re
+
+import pytest
+from matplotlib.figure import Figure
+from typer.testing import CliRunner
+
+from swiglu_train.bench import grid_auto
+from swiglu_train.bench.grid import (
+    GridConfig,
+    GridPoint,
+    merge_results,
+    missing_points,
+    parse_chunk,
+    run_grid,
+    split_chunks,
+)
+from swiglu_train.bench.grid_models import (
+    MODELS,
+    GridShape,
+    Model,
+    grid_shapes,
+    select_models,
+    shapes_for,
+)
+from swiglu_train.bench.grid_plot import plot_grid
+from swiglu_train.bench.grid_report import to_markdown
+from swiglu_train.cli import app
+from swiglu_train.layers.auto import CrossoverTable, ImplStats, resolve
+
+runner = CliRunner()
+IMPLS = ("normal", "drop_h", "save_factors")
+# after-forward MiB an H200 run would read (x + preact for drop_h, + h for the others)
+MEMORY = {"normal": 3.0, "drop_h": 2.0, "save_factors": 3.0}
+# families a and b share (16, 40); b also has (24, 48); c alone has (32, 64)
+TINY = (
+    Model("a-1", "a", "org/a-1", 16, 40),
+    Model("b-1", "b", "org/b-1", 16, 40),
+    Model("b-2", "b", "org/b-2", 24, 48),
+    Model("c-1", "c", "org/c-1", 32, 64),
+)
+
+
+def quiet(label, total):
+    return lambda: None
+
+
+@pytest.fixture(scope="module")
+def tiny_run() -> dict:
+    """A real grid run on CPU: 3 shapes x 2 M, our three portable impls and Liger (absent)."""
+    cfg = GridConfig(
+        grid_shapes(TINY), m=(24, 40), variants=(*IMPLS, "liger"), samples=3, warmup=1,
+        dtype="fp32", device="cpu",
+    )  # fmt: skip
+    return run_grid(cfg, quiet)
+
+
+def as_h200(result: dict, table_points=((24, 16, 40),)) -> dict:
+    """The CPU run with what only an H200 run records: device, memory, the table auto read."""
+    out = copy.deepcopy(result)
+    meta = out["meta"]
+    meta |= {"device_name": "NVIDIA H200", "gpu_family": "H200", "quack_available": False}
+    meta["auto_table"] = {
+        "file": "crossover_h200.json",
+        "commit": "abc1234",
+        "device_name": "NVIDIA H200",
+        "dtype": "bf16",
+        "points": [list(p) for p in table_points],
+    }
+    for r in out["rows"]:
+        r["after_forward_MiB"], r["peak_MiB"] = MEMORY[r["variant"]], 2 * MEMORY[r["variant"]]
+    out["auto_eval"] = grid_auto.evaluate_auto(out)
+    return out
+
+
+def ratios(result: dict, m: int, d: int, f: int) -> dict[str, float]:
+    return {
+        r["variant"]: r["ratio_to_floor"]
+        for r in result["rows"]
+        if (r["M"], r["D"], r["F"]) == (m, d, f)
+    }
+
+
+# the model list
+
+
+def test_the_model_list_is_valid():
+    shapes = grid_shapes()
+    assert len(shapes) >= 12
+    pairs = [(s.d, s.f) for s in shapes]
+    assert len(set(pairs)) == len(pairs)
+    for m in MODELS:
+        for size in (m.d, m.f):
+            assert isinstance(size, int) and not isinstance(size, bool) and size > 0
+        assert m.family and "/" in m.repo and "gemma" not in m.name.lower()
+    assert len({m.name for m in MODELS}) == len(MODELS)
+    for m in MODELS:  # each model is on exactly the grid shape of its sizes
+        [shape] = [s for s in shapes if m.name in s.models]
+        assert (shape.d, shape.f) == (m.d, m.f) and m.family in shape.families
+    products = [d * f for d, f in pairs]
+    assert products == sorted(products)
+
+
+def test_models_sharing_a_shape_are_one_point_naming_all():
+    by_pair = {(s.d, s.f): s for s in grid_shapes()}
+    assert by_pair[(4096, 14336)].models == ("llama3-8b", "mistral-7b")
+    assert by_pair[(4096, 11008)].families == ("llama2", "yi", "olmo2")
+    assert by_pair[(8192, 28672)].models == ("llama2-70b", "llama3-70b")
+
+
+def test_select_models_and_explicit_shapes():
+    picked = select_models(["mistral-7b", "llama2-7b", "llama3-8b"])
+    assert [(s.d, s.f) for s in picked] == [(4096, 11008), (4096, 14336)]
+    assert picked[1].models == ("llama3-8b", "mistral-7b")  # every model of the shape
+    with pytest.raises(ValueError, match=r"unknown models \['gemma-7b'\]; choose from qwen2.5"):
+        select_models(["gemma-7b"])
+    listed, custom = shapes_for([(4096, 11008), (16, 40), (16, 40)])
+    assert listed.models == ("llama2-7b", "yi-6b", "olmo2-7b")
+    assert custom == GridShape(16, 40, ("16x40",), ("16x40",))
+
+
+# chunks
+
+
+def test_split_chunks_is_an_ordered_partition_with_the_least_largest_chunk():
+    shape = GridShape(8, 8, ("x",), ("x",))
+    points = [GridPoint(m, shape) for m in (1, 2, 3, 4, 5, 6)]
+    costs = {1: 5.0, 2: 1.0, 3: 1.0, 4: 1.0, 5: 4.0, 6: 2.0}
+    chunks = split_chunks(points, 3, lambda p: costs[p.m])
+    assert [[p.m for p in c] for c in chunks] == [[1], [2, 3, 4], [5, 6]]  # largest: 6
+    assert split_chunks(points, 1, lambda p: 1.0) == [points]
+    with pytest.raises(ValueError, match="6 grid points cannot be split into 7 chunks"):
+        split_chunks(points, 7, lambda p: 1.0)
+
+
+def test_default_grid_in_two_chunks():
+    cfg = GridConfig(grid_shapes(), chunk=(1, 2))
+    first, second = cfg.chunks()
+    assert first + second == cfg.all_points() and len(cfg.all_points()) == 3 * len(grid_shapes())
+    assert 8000 in cfg.m and 8000 % 128  # an M that is no multiple of 128
+    assert cfg.points() == first and sum(map(cfg.estimate_s, second)) < 540
+
+
+@pytest.mark.parametrize(
+    ("value", "error"), [("2", "expected I/N"), ("3/2", "between 1 and N"), ("0/1", "between")]
+)
+def test_parse_chunk_errors(value, error):
+    with pytest.raises(ValueError, match=error):
+        parse_chunk(value)
+    assert parse_chunk("2/3") == (2, 3)
+
+
+# a real run on CPU
+
+
+def test_cpu_run_records_every_point_variant_and_auto_pick(tiny_run):
+    result = tiny_run
+    dims = [(p["M"], p["D"], p["F"]) for p in result["points"]]
+    assert dims == [(m, d, f) for d, f in [(16, 40), (24, 48), (32, 64)] for m in (24, 40)]
+    assert result["meta"]["complete"] and result["skipped_points"] == []
+    assert missing_points(result) == []
+    for m, d, f in dims:
+        assert set(ratios(result, m, d, f)) == set(IMPLS)
+    assert all(r["ratio_to_floor"] > 0 and r["rel_err_vs_reference"] < 1e-5 for r in result["rows"])
+    first = result["points"][0]
+    assert first["models"] == ["a-1", "b-1"] and first["families"] == ["a", "b"]
+    assert first["skipped"]["liger"].startswith("not importable")
+    assert first["auto"]["impl"] == "drop_h" and "not on a CUDA device" in first["auto"]["reason"]
+    assert result["auto_eval"] == {
+        "skipped": "needs a CUDA run: the rule breaks ties by allocator readings"
+    }
+
+
+def test_markdown_and_plot_of_a_cpu_run(tiny_run):
+    text = to_markdown(tiny_run)
+    assert "### M = 24" in text and "### M = 40" in text
+    line = next(x for x in text.splitlines() if x.startswith("| a-1, b-1 | 16 | 40 |"))
+    measured = ratios(tiny_run, 24, 16, 40)
+    assert f"**{min(measured.values()):.3f}**" in line
+    assert line.endswith(f"| drop_h {measured['drop_h']:.3f} |")
+    assert "No allocator readings" in text
+    assert "- liger at every point: not importable" in text
+    fig = plot_grid(tiny_run)
+    assert isinstance(fig, Figure)
+    axes = [ax for ax in fig.axes if ax.get_title()]
+    assert [ax.get_title() for ax in axes] == ["M = 24 tokens", "M = 40 tokens"]
+    labels = {line.get_label() for ax in axes for line in ax.get_lines()}
+    assert {*IMPLS, "auto's pick"} <= labels and "liger" not in labels
+    assert axes[0].get_ylabel().startswith("step ÷ six-GEMM floor")
+    assert axes[-1].get_xticklabels()[0].get_text() == "16x40\na-1 +1"
+
+
+# auto's evaluation
+
+
+def test_judge_the_tolerance_and_the_memory_rule():
+    stats = {
+        "normal": ImplStats(10.5, 1.05, 990.0),
+        "drop_h": ImplStats(10.58, 1.058, 685.0),
+        "save_factors": ImplStats(10.2, 1.02, 700.0),
+    }
+    slow = grid_auto.judge("drop_h", stats)
+    assert slow["fastest"] == "save_factors" and slow["rule_pick"] == "save_factors"
+    assert slow["pick_over_fastest"] == pytest.approx(1.058 / 1.02)
+    assert not slow["within_tolerance"] and not slow["pick_is_rule"]
+    tie = grid_auto.judge("normal", {k: stats[k] for k in ("normal", "drop_h")})
+    assert tie["within_tolerance"] and tie["rule_pick"] == "drop_h"  # 1.058 <= 1.05 * 1.01
+    assert tie["rule_after_forward_MiB"] == 685.0 and not tie["pick_is_rule"]
+    absent = grid_auto.judge("drop_h_quack", stats)
+    assert absent["pick_ratio"] is None and not absent["within_tolerance"]
+
+
+def test_shipped_table_picks_are_judged_and_flagged_in_sample(tiny_run):
+    evaluation = as_h200(tiny_run)["auto_eval"]
+    shipped = evaluation["shipped"]
+    assert len(shipped) == 6
+    for e in shipped:
+        measured = ratios(tiny_run, e["M"], e["D"], e["F"])
+        fastest = min(measured, key=measured.get)
+        assert e["pick"] == "drop_h" and e["fastest"] == fastest
+        assert e["pick_over_fastest"] == pytest.approx(measured["drop_h"] / measured[fastest])
+        assert e["within_tolerance"] == (measured["drop_h"] <= measured[fastest] * 1.01)
+        assert e["shape_in_table"] == ((e["D"], e["F"]) == (16, 40))
+        assert e["point_in_table"] == ((e["M"], e["D"], e["F"]) == (24, 16, 40))
+    out = evaluation["shipped_out_of_sample_summary"]
+    assert out["picks"] == 4
+    assert out["within_tolerance"] == sum(e["within_tolerance"] for e in shipped[2:])
+
+
+def test_leave_one_family_out_tables_hold_out_every_shape_of_the_family(tiny_run):
+    result = as_h200(tiny_run)
+    tables = {f: grid_auto.lofo_table(result, f) for f in ("a", "b", "c")}
+    shapes = {f: {(p.D, p.F) for p in t.points} for f, t in tables.items()}
+    assert shapes == {"a": {(24, 48), (32, 64)}, "b": {(32, 64)}, "c": {(16, 40), (24, 48)}}
+    evaluation = {e["family"]: e for e in result["auto_eval"]["lofo"]}
+    judged = {f: [(p["M"], p["D"], p["F"]) for p in e["points"]] for f, e in evaluation.items()}
+    assert judged == {
+        "a": [(24, 16, 40), (40, 16, 40)],
+        "b": [(24, 16, 40), (40, 16, 40), (24, 24, 48), (40, 24, 48)],
+        "c": [(24, 32, 64), (40, 32, 64)],
+    }
+    for family, e in evaluation.items():
+        assert e["table_shapes"] == sorted(shapes[family])
+        for p in e["points"]:
+            m, d, f = p["M"], p["D"], p["F"]
+            auto = resolve(m, d, f, "NVIDIA H200", tables[family], output_size=d)
+            assert p["pick"] == auto.impl and p["reason"] == auto.reason
+            assert (p["D"], p["F"]) not in shapes[family]  # out of sample
+    assert result["auto_eval"]["lofo_summary"]["picks"] == 8
+
+
+def test_a_family_with_every_shape_has_no_table_to_fit(tiny_run):
+    result = as_h200(tiny_run)
+    for p in result["points"]:
+        p["families"] = [*p["families"], "all"]
+    assert grid_auto.lofo_table(result, "all") is None
+    [entry] = [e for e in grid_auto.evaluate_auto(result)["lofo"] if e["family"] == "all"]
+    assert entry["skipped"] == "no other shape to fit a table from" and "points" not in entry
+
+
+def test_the_evaluation_keeps_quack_impls_that_ran_on_the_gpu():
+    """Judged on a CPU machine, a table's quack impl stays eligible when the run had quack."""
+    impls = {
+        "normal": {"ms": 1.1, "ratio_to_floor": 1.05, "after_forward_MiB": 300.0},
+        "drop_h_quack": {"ms": 1.0, "ratio_to_floor": 1.0, "after_forward_MiB": 200.0},
+    }
+    table = CrossoverTable.from_dict(
+        {"schema": 1, "gpu_family": "H200", "device_name": "NVIDIA H200", "commit": "abc",
+         "dtype": "bf16", "points": [{"M": 4096, "D": 4096, "F": 11008, "impls": impls}]}
+    )  # fmt: skip
+    picks = {q: resolve(4096, 4096, 11008, "NVIDIA H200", table, quack=q).impl for q in (1, 0)}
+    assert picks == {1: "drop_h_quack", 0: "normal"}
+
+
+def test_markdown_of_the_evaluation(tiny_run):
+    result = as_h200(tiny_run)
+    text = to_markdown(result)
+    assert "**Shipped table** (crossover_h200.json, commit abc1234): " in text
+    e = result["auto_eval"]["shipped"][0]
+    verdict = "yes" if e["within_tolerance"] else "**no**"
+    row = (
+        f"| 24 | 16 | 40 | a-1, b-1 | yes (in sample) | drop_h | {e['fastest']} "
+        f"| {e['pick_over_fastest']:.3f} | {verdict} | {e['rule_pick']} |"
+    )
+    assert row in text.splitlines()
+    assert any(x.startswith("| b | 40 | 24 | 48 | ") for x in text.splitlines())
+    assert "| a-1, b-1 | 24 | 16 | 40 | 3 / 6 | 2 / 4 | 3 / 6 | — |" in text.splitlines()
+
+
+# the command and merge
+
+
+def cli_chunk(tmp_path, monkeypatch, chunk: str, name: str) -> dict:
+    out = tmp_path / f"{name}.json"
+    args = ["bench-grid", "--device", "cpu", "--dtype", "fp32", "--shapes", "16x40,32x64"]
+    args += ["--m", "24", "--variants", "normal,drop_h", "--samples", "2", "--warmup", "1"]
+    args += ["--chunk", chunk, "--json", str(out)]
+    monkeypatch.setattr("sys.argv", ["swiglu-train", *args])  # what the result records
+    result = runner.invoke(app, args)
+    assert result.exit_code == 0, result.output
+    return json.loads(out.read_text())
+
+
+@pytest.fixture(scope="module")
+def chunks(tmp_path_factory):
+    path = tmp_path_factory.mktemp("grid")
+    with pytest.MonkeyPatch.context() as mp:
+        return path, [cli_chunk(path, mp, c, n) for c, n in (("1/2", "a"), ("2/2", "b"))]
+
+
+def test_cli_chunks_and_merge(chunks, tmp_path):
+    path, (a, b) = chunks
+    assert [(p["D"], p["F"]) for p in a["points"]] == [(16, 40)]
+    assert [(p["D"], p["F"]) for p in b["points"]] == [(32, 64)]
+    assert a["meta"]["chunk"] == "1/2"
+    assert a["meta"]["command"].endswith(f"--chunk 1/2 --json {path / 'a.json'}")
+    out = tmp_path / "merged.json"
+    args = ["bench-grid", "--merge", str(path / "a.json"), str(path / "b.json")]
+    args += ["--json", str(out), "--md", str(tmp_path / "m.md"), "--plot", str(tmp_path / "m.png")]
+    result = runner.invoke(app, args)
+    assert result.exit_code == 0, result.output
+    merged = json.loads(out.read_text())
+    assert [(p["M"], p["D"], p["F"]) for p in merged["points"]] == [(24, 16, 40), (24, 32, 64)]
+    assert len(merged["rows"]) == 4 and merged["meta"]["complete"]
+    assert [c["chunk"] for c in merged["meta"]["chunks"]] == ["1/2", "2/2"]
+    assert merged["meta"]["command"] == f"{a['meta']['command']} && {b['meta']['command']}"
+    assert "| 16x40 | 16 | 40 |" in (tmp_path / "m.md").read_text()
+    assert (tmp_path / "m.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "error"),
+    [
+        ("dtype", "bf16", "different dtype"),
+        ("device_name", "NVIDIA H200", "different device_name"),
+        ("commit", "0000000", "different commit"),
+    ],
+)
+def test_merge_refuses_chunks_of_different_runs(chunks, key, value, error):
+    _, (a, b) = chunks
+    other = copy.deepcopy(b)
+    other["meta"][key] = value
+    with pytest.raises(ValueError, match=error) as e:
+        merge_results({"a.json": a, "b.json": other})
+    assert "a.json:" in str(e.value) and "b.json:" in str(e.value)
+
+
+def test_merge_refuses_a_point_twice_and_other_files(chunks, tmp_path):
+    path, (a, _) = chunks
+    with pytest.raises(ValueError, match=r"M=24 D=16 F=40 is measured in both a\.json and c\.json"):
+        merge_results({"a.json": a, "c.json": a})
+    bogus = tmp_path / "x.json"
+    bogus.write_text(json.dumps({"rows": []}))
+    result = runner.invoke(app, ["bench-grid", "--merge", str(path / "a.json"), str(bogus)])
+    assert result.exit_code == 2
+    assert "not a bench-grid --json result: missing keys ['meta', 'points', 'skipped_points']" in (
+        re.sub(r"\s+", " ", result.output)
+    )
+
+
+def test_merge_lists_points_a_chunk_never_reached(chunks):
+    _, (a, b) = chunks
+    cut = copy.deepcopy(b)
+    cut["points"], cut["rows"], cut["meta"]["complete"] = [], [], False
+    merged = merge_results({"a.json": a, "b.json": cut})
+    assert not merged["meta"]["complete"] and missing_points(merged) == [(24, 32, 64)]
+    assert "- M=24 D=32 F=64: not measured (its chunk stopped before it)" in to_markdown(merged)
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--models", "gemma-7b"], "unknown models ['gemma-7b']"),
+        (["--models", "llama2-7b", "--shapes", "16x40"], "give --models or --shapes, not both"),
+        (["--chunk", "3/2"], "I must be between 1 and N"),
+        (["--shapes", "16x40", "--m", "24", "--chunk", "1/2"], "cannot be split into 2 chunks"),
+        (["--variants", "normal,nope"], "unknown variants ['nope']"),
+    ],
+)
+def test_cli_rejects_bad_arguments(args, message):
+    result = runner.invoke(app, ["bench-grid", "--device", "cpu", *args])
+    assert result.exit_code == 2 and message in re.sub(r"\s+", " ", result.output)
+
+
+def test_cli_dry_run_prints_the_plan_without_running():
+    result = runner.invoke(app, ["bench-grid", "--dry-run", "--chunk", "2/2", "--m", "8000"])
+    assert result.exit_code == 0, result.output
+    assert re.search(r"chunk 2/2: \d+ points, ~\d+ s <- this chunk", result.output)
+    assert "M=8000 D=8192 F=28672 (llama2-70b, llama3-70b)" in result.output
