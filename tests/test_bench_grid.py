@@ -10,6 +10,7 @@ import json
 import re
 
 import pytest
+import torch
 from matplotlib.figure import Figure
 from typer.testing import CliRunner
 
@@ -395,3 +396,11 @@ def test_cli_dry_run_prints_the_plan_without_running():
     assert result.exit_code == 0, result.output
     assert re.search(r"chunk 2/2: \d+ points, ~\d+ s <- this chunk", result.output)
     assert "M=8000 D=8192 F=28672 (llama2-70b, llama3-70b)" in result.output
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the answer without CUDA")
+def test_cli_without_cuda_says_so_before_running(tmp_path):
+    out = tmp_path / "grid.json"
+    result = runner.invoke(app, ["bench-grid", "--json", str(out)])
+    assert result.exit_code == 2 and "CUDA is not available" in result.output
+    assert not out.exists()
