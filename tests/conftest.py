@@ -39,6 +39,18 @@ def _seed() -> None:
     torch.manual_seed(0)
 
 
+@pytest.fixture(autouse=True)
+def _cli_width(monkeypatch) -> None:
+    """Pin the CLI consoles to one wide size. Rich takes the width from COLUMNS (fixed at import
+    when it is set) or from the terminal pytest runs in, and a table cell that a test reads must
+    not wrap or be cut at one user's width. Plain lines and errors never wrap at any width
+    (tests/test_cli_errors.py checks that at 20 columns)."""
+    from swiglu_train.cli.app import console, error_console
+
+    for c in (console, error_console):
+        monkeypatch.setattr(c, "size", (400, 50))
+
+
 @pytest.fixture
 def one_rank_gloo(tmp_path):
     """A 1-rank gloo process group for DTensor code (FSDP2, tensor parallel) on CPU; it meets

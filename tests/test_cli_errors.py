@@ -30,14 +30,30 @@ def entry(monkeypatch, capsys):
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the answer without CUDA")
 @pytest.mark.parametrize("command", ["bench", "bench-memory", "bench-crossover", "bench-inference"])
 def test_bench_without_cuda_says_so_in_one_line(command):
-    result = runner.invoke(app, [command], env={"COLUMNS": "200"})
+    result = runner.invoke(app, [command])
     assert result.exit_code == 2, result.output
     assert NO_CUDA in result.output and "Traceback" not in result.output
 
 
 def test_bench_rejects_a_device_torch_does_not_know():
-    result = runner.invoke(app, ["bench", "--device", "gpu0"], env={"COLUMNS": "200"})
+    result = runner.invoke(app, ["bench", "--device", "gpu0"])
     assert result.exit_code == 2 and "'gpu0' is not a torch device" in result.output
+
+
+def test_a_usage_error_is_one_line_at_any_width(monkeypatch, tmp_path):
+    """Typer's boxed panel wrapped the message at the terminal's width, so whether a test found
+    a sentence hung on COLUMNS and on the length of pytest's temporary path."""
+    from swiglu_train.cli.app import error_console
+
+    monkeypatch.setattr(error_console, "size", (20, 25))
+    table = tmp_path / ("a-long-directory-name-" * 4) / "table.json"
+    args = ["bench-inference", "--merge", "run.json", "--judge-table", str(table)]
+    result = runner.invoke(app, args, prog_name="swiglu-train")
+    assert result.exit_code == 2
+    assert result.output.splitlines() == [
+        f"error: Invalid value for '--judge-table': {table} is not a file "
+        "(see swiglu-train bench-inference --help)"
+    ]
 
 
 def test_a_missing_config_is_one_line(entry):
@@ -87,7 +103,7 @@ def test_a_bug_is_not_taken_for_an_input_error(entry, monkeypatch):
 
 
 def invoke(*args: str):
-    return runner.invoke(app, list(args), env={"COLUMNS": "400"})
+    return runner.invoke(app, list(args))
 
 
 TINY = ("--device", "cpu", "--dtype", "fp32", "--shape", "8,16,24,16")

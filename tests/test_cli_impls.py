@@ -12,7 +12,7 @@ SHAPE = ["--hidden-size", "4096", "--ffn-hidden-size", "11008", "--tokens", "409
 
 
 def run(*args: str) -> str:
-    result = runner.invoke(app, ["impls", *args], terminal_width=200)
+    result = runner.invoke(app, ["impls", *args])
     assert result.exit_code == 0, result.output
     return result.output
 
@@ -43,7 +43,7 @@ def test_a_quack_install_hint_keeps_its_brackets(monkeypatch):
 
     hint = "quack-kernels is not installed (pip install 'swiglu-train[quack]')"
     monkeypatch.setattr(quack_mlp, "quack_unavailable_reason", lambda: hint)
-    result = runner.invoke(app, ["impls"], env={"COLUMNS": "200"})  # the reason on one line
+    result = runner.invoke(app, ["impls"])
     assert result.exit_code == 0 and f"no: {hint}" in result.output
 
 
@@ -52,7 +52,7 @@ def test_a_size_below_one_is_refused_naming_the_option(option):
     """A negative or zero D, F or M used to print auto's pick for a shape that cannot exist."""
     args = dict(zip(SHAPE[::2], SHAPE[1::2], strict=True)) | {option: "0"}
     argv = ["impls", *[v for kv in args.items() for v in kv]]
-    result = runner.invoke(app, argv, env={"COLUMNS": "300"})  # the message on one line
+    result = runner.invoke(app, argv)
     assert result.exit_code == 2
     assert f"Invalid value for '{option}'" in result.output
     assert "greater than or equal to" in result.output

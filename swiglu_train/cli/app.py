@@ -13,6 +13,7 @@ from typing import Any
 import typer
 from rich.console import Console
 from rich.progress import Progress
+from typer.core import TyperGroup
 
 DEBUG_ENV = "SWIGLU_TRAIN_DEBUG"
 # What the package raises for bad input (its TableError and DispatchTableError are ValueErrors):
@@ -26,6 +27,43 @@ def debugging() -> bool:
     return os.environ.get(DEBUG_ENV, "").strip().lower() not in ("", "0", "false", "no", "off")
 
 
+# click's base exception, reached through Typer's public BadParameter: Typer 0.29+ vendors its
+# own copy of click, so the ``click`` package's class is not the one raised.
+CLICK_EXCEPTION = next(c for c in typer.BadParameter.__mro__ if c.__name__ == "ClickException")
+
+
+def print_error(message: str) -> None:
+    """One ``error:`` line on stderr, never wrapped and printed as typed: a message split at the
+    terminal's width reads differently at every width, and Rich would take [x] for markup."""
+    error_console.print(
+        f"error: {message}", markup=False, emoji=False, highlight=False, soft_wrap=True
+    )
+
+
+class OneLineUsageErrors(TyperGroup):
+    """Typer's command group, printing a usage error (a bad option value, a missing argument) as
+    one line instead of Typer's boxed panel, whose text wraps at the terminal's width."""
+
+    def main(self, *args: Any, standalone_mode: bool = True, **kwargs: Any) -> Any:
+        if not standalone_mode:
+            return super().main(*args, standalone_mode=False, **kwargs)
+        try:
+            result = super().main(*args, standalone_mode=False, **kwargs)
+        except CLICK_EXCEPTION as e:
+            if type(e).__name__ == "NoArgsIsHelpError":  # its message is the help text
+                e.show()
+            else:
+                ctx = getattr(e, "ctx", None)
+                where = f" (see {ctx.command_path} --help)" if ctx else ""
+                print_error(f"{e.format_message()}{where}")
+            sys.exit(e.exit_code)
+        except typer.Abort:
+            print_error("aborted")
+            sys.exit(1)
+        # Without standalone mode click returns typer.Exit's code, or the command's return value.
+        sys.exit(result if isinstance(result, int) else 0)
+
+
 class App(typer.Typer):
     """A Typer app whose entry point reports input errors in one line instead of a traceback."""
 
@@ -36,19 +74,18 @@ class App(typer.Typer):
             if debugging():
                 raise
             if getattr(e, "rank", 0) == 0:
-                line = f"error: {e} ({DEBUG_ENV}=1 shows the traceback)"
-                error_console.print(
-                    line, markup=False, emoji=False, highlight=False, soft_wrap=True
-                )
+                print_error(f"{e} ({DEBUG_ENV}=1 shows the traceback)")
             raise SystemExit(1) from None  # every rank stops, printed or not
 
 
 app = App(
+    cls=OneLineUsageErrors,
     help="SwiGLU MLP layers that give pretraining its activation memory back.\n\n"
-    f"Input errors print one line; set {DEBUG_ENV}=1 to see their traceback."
+    f"Input errors print one line; set {DEBUG_ENV}=1 to see their traceback.",
 )
-console = Console()
-error_console = Console(stderr=True)
+# soft_wrap: a printed line is never broken at the terminal's width (tables still fit it).
+console = Console(soft_wrap=True)
+error_console = Console(stderr=True, soft_wrap=True)
 
 
 @app.callback()
