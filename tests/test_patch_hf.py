@@ -44,6 +44,10 @@ def test_patched_model_computes_and_saves_as_the_original(family, impl):
     assert isinstance(patched.model.layers[1].mlp, PatchedSwiGLU)
     # checkpoints: the same keys, order, shapes and values, packed rows unpacked
     assert_state_equal(patched.state_dict(), reference.state_dict())
+    host, mlp = reference.model.layers[0].mlp, patched.model.layers[0].mlp
+    for name, linear in host.named_children():  # mlp.gate_proj.weight reads as before
+        if isinstance(linear, torch.nn.Linear):
+            assert torch.equal(getattr(mlp, name).weight, linear.weight), name
 
     ids = torch.randint(0, 64, TOKENS)
     logits, embed_grad = run_step(patched, patched.get_input_embeddings(), ids)

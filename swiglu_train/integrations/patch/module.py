@@ -86,34 +86,72 @@ class PatchedSwiGLU(ParMLP):
         self.train(host.training)
         return self
 
+    def host_tensor(self, name: str, kind: str) -> torch.Tensor | None:
+        """The host's ``{name}.{kind}`` (``gate_proj.weight``, ...) as its state_dict holds it:
+        fc1's canonical rows split back (a view where fc1 is canonical, a copy where packed),
+        or fc2's; None for a bias the layer does not have."""
+        spec = self.spec
+        if name == spec.down:
+            p = getattr(self.fc2, kind)
+            return None if p is None else p.detach()
+        p = getattr(self.fc1, kind)
+        if p is None:
+            return None
+        rows = p.detach()
+        index = order(rows.shape[0], self.fc1_layout, CANONICAL)  # canonical = rows[index]
+        half = rows.shape[0] // 2
+        start, stop = (0, 2 * half) if name == spec.fused else (0, half)
+        if name == spec.up:
+            start, stop = half, 2 * half
+        if index is None:
+            return rows if (start, stop) == (0, rows.shape[0]) else _row_slice(rows, start, stop)
+        return permute_rows(rows, index[start:stop])
+
+    def __getattr__(self, name: str):
+        """``mlp.gate_proj`` (any host linear's name) reads as the host's linear did, for code
+        that reads weights by module path, torch.distributed.checkpoint's among them."""
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            spec = self.__dict__.get("spec")
+            if spec is None or name not in spec.linears:
+                raise
+            return HostLinearView(self, name)
+
     def extra_repr(self) -> str:
         return f"patched {self.spec.library} {self.host_class}, {super().extra_repr()}"
 
 
+class HostLinearView:
+    """What ``mlp.gate_proj`` reads as on a patched MLP: the host linear's ``weight`` and
+    ``bias`` as its state_dict presents them. Read-only: a packed fc1's rows are copies, so a
+    write would not reach the model; write through ``load_state_dict`` instead."""
+
+    def __init__(self, mlp: PatchedSwiGLU, name: str) -> None:
+        self._mlp, self._name = mlp, name
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return self._mlp.host_tensor(self._name, "weight")
+
+    @property
+    def bias(self) -> torch.Tensor | None:
+        return self._mlp.host_tensor(self._name, "bias")
+
+    def __repr__(self) -> str:
+        return f"HostLinearView({self._mlp.host_class}.{self._name}, read-only)"
+
+
 def _to_host_keys(module: PatchedSwiGLU, state_dict: dict, prefix: str, local_metadata) -> None:
     """fc1/fc2 entries -> the host's keys, in the host's order, canonical rows split back."""
-    spec = module.spec
     state_dict.pop(prefix + STAMP_KEY, None)  # the host has no layout: its rows are canonical
-    fc1 = {kind: state_dict.pop(f"{prefix}fc1.{kind}", None) for kind in KINDS}
-    fc2 = {kind: state_dict.pop(f"{prefix}fc2.{kind}", None) for kind in KINDS}
-    values: dict[str, torch.Tensor] = {}
-    for kind in KINDS:
-        if fc1[kind] is not None:
-            rows = fc1[kind]
-            index = order(rows.shape[0], module.fc1_layout, CANONICAL)
-            rows = rows if index is None else permute_rows(rows, index)
-            if spec.fused is not None:
-                values[f"{spec.fused}.{kind}"] = rows
-            else:
-                half = rows.shape[0] // 2
-                values[f"{spec.gate}.{kind}"] = _row_slice(rows, 0, half)
-                values[f"{spec.up}.{kind}"] = _row_slice(rows, half, 2 * half)
-        if fc2[kind] is not None:
-            values[f"{spec.down}.{kind}"] = fc2[kind]
-    for name in spec.order:
+    for key in [f"{prefix}{part}.{kind}" for part in ("fc1", "fc2") for kind in KINDS]:
+        state_dict.pop(key, None)
+    for name in module.spec.linears:
         for kind in KINDS:
-            if f"{name}.{kind}" in values:
-                state_dict[f"{prefix}{name}.{kind}"] = values[f"{name}.{kind}"]
+            value = module.host_tensor(name, kind)
+            if value is not None:
+                state_dict[f"{prefix}{name}.{kind}"] = value
 
 
 def _from_host_keys(
@@ -151,11 +189,12 @@ def _from_host_keys(
             continue
         rows = _cat_rows(parts)
         index = order(rows.shape[0], CANONICAL, module.fc1_layout)
-        state_dict[f"{prefix}fc1.{kind}"] = rows if index is None else permute_rows(rows, index)
+        rows = rows if index is None else permute_rows(rows, index)
+        state_dict[f"{prefix}fc1.{kind}"] = _like(rows, target)
     for kind in KINDS:
-        key = f"{prefix}{spec.down}.{kind}"
-        if key in state_dict and getattr(module.fc2, kind) is not None:
-            state_dict[f"{prefix}fc2.{kind}"] = state_dict.pop(key)
+        key, target = f"{prefix}{spec.down}.{kind}", getattr(module.fc2, kind)
+        if key in state_dict and target is not None:
+            state_dict[f"{prefix}fc2.{kind}"] = _like(state_dict.pop(key), target)
 
 
 def _row_slice(t: torch.Tensor, start: int, stop: int) -> torch.Tensor:
@@ -175,6 +214,14 @@ def _cat_rows(parts: list[torch.Tensor]) -> torch.Tensor:
     if not _is_dtensor(first):
         return full
     return distribute_tensor(full, first.device_mesh, first.placements, src_data_rank=None)
+
+
+def _like(value: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """A full ``value`` sharded like a DTensor ``target`` (a full state_dict loaded into FSDP2,
+    as torch.distributed.checkpoint does for the keys it knows: it does not know the host's)."""
+    if _is_dtensor(target) and not _is_dtensor(value):
+        return distribute_tensor(value, target.device_mesh, target.placements, src_data_rank=None)
+    return value
 
 
 def _is_dtensor(t: torch.Tensor) -> bool:
