@@ -206,14 +206,23 @@ def _row_slice(t: torch.Tensor, start: int, stop: int) -> torch.Tensor:
 
 
 def _cat_rows(parts: list[torch.Tensor]) -> torch.Tensor:
-    """The parts stacked along rows; DTensors (FSDP2) come back sharded like the first."""
+    """The parts stacked along rows; DTensors (FSDP2) come back sharded like the first.
+
+    Copied part by part rather than by ``torch.cat``: a lazily loaded checkpoint's tensors
+    (Lightning's ``lazy_load``, which LitGPT uses) take ops of one tensor, not of a list."""
     if len(parts) == 1:
         return parts[0]
-    full = torch.cat([p.full_tensor() if _is_dtensor(p) else p for p in parts])
     first = parts[0]
-    if not _is_dtensor(first):
-        return full
-    return distribute_tensor(full, first.device_mesh, first.placements, src_data_rank=None)
+    if _is_dtensor(first):
+        full = torch.cat([p.full_tensor() if _is_dtensor(p) else p for p in parts])
+        return distribute_tensor(full, first.device_mesh, first.placements, src_data_rank=None)
+    rows = sum(p.shape[0] for p in parts)
+    out = torch.empty((rows, *first.shape[1:]), dtype=first.dtype, device=first.device)
+    start = 0
+    for p in parts:
+        out[start : start + p.shape[0]].copy_(p)
+        start += p.shape[0]
+    return out
 
 
 def _like(value: torch.Tensor, target: torch.Tensor) -> torch.Tensor:

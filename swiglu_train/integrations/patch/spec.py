@@ -55,6 +55,8 @@ class HostSpec:
 
     def mismatch(self, module: nn.Module) -> str | None:
         """Why ``module``, whose children fit, is not this SwiGLU MLP; None when it is."""
+        if any(DTensor is not None and isinstance(p, DTensor) for p in module.parameters()):
+            return "its weights are DTensors (already sharded): patch before fully_shard or TP"
         if "forward" in vars(module):
             return "its forward was replaced on the instance (a hook or another patch)"
         hooks = _hooks(module)
@@ -143,8 +145,6 @@ def not_plain_linear(linear: nn.Module) -> str | None:
     if hooks:
         return f"has {hooks}, which a replacement would drop"
     for kind, p in (("weight", linear.weight), ("bias", linear.bias)):
-        if p is not None and DTensor is not None and isinstance(p, DTensor):
-            return f"{kind} is a DTensor (already sharded): patch before fully_shard or TP"
         if p is not None and type(p.data) is not torch.Tensor:
             return f"{kind} is a {type(p.data).__name__}, not a plain tensor"
     if linear.weight.dtype not in SUPPORTED_DTYPES:
