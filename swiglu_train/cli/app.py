@@ -16,15 +16,26 @@ from rich.progress import Progress
 from typer.core import TyperGroup
 
 DEBUG_ENV = "SWIGLU_TRAIN_DEBUG"
-# What the package raises for bad input (its TableError and DispatchTableError are ValueErrors):
-# shown as one line. A bug can raise these types too, so the line says how to see where;
-# any other exception keeps its traceback. One that carries ``rank`` is raised alike by every
-# rank of a distributed run (the same checkpoint refused by each): rank 0 alone prints it.
-USER_ERRORS = (ValueError, FileNotFoundError)
+# What the package raises for bad input (its TableError and DispatchTableError are ValueErrors),
+# and what the system raises for a file that cannot be read or written (OSError: a missing
+# input, a read-only directory, a full disk): shown as one line. A bug can raise these types
+# too, so the line says how to see where; any other exception keeps its traceback. One that
+# carries ``rank`` is raised alike by every rank of a distributed run (the same checkpoint
+# refused by each): rank 0 alone prints it.
+USER_ERRORS = (ValueError, OSError)
 
 
 def debugging() -> bool:
     return os.environ.get(DEBUG_ENV, "").strip().lower() not in ("", "0", "false", "no", "off")
+
+
+def error_text(e: Exception) -> str:
+    """The error in one line; an OSError as the system names it, path first ("out.pt: No space
+    left on device"), rather than "[Errno 28] No space left on device: 'out.pt'"."""
+    if isinstance(e, OSError) and e.filename is not None and e.strerror:
+        paths = " -> ".join(str(p) for p in (e.filename, e.filename2) if p is not None)
+        return f"{paths}: {e.strerror}"
+    return str(e) or type(e).__name__
 
 
 # click's base exception, reached through Typer's public BadParameter: Typer 0.29+ vendors its
@@ -74,7 +85,7 @@ class App(typer.Typer):
             if debugging():
                 raise
             if getattr(e, "rank", 0) == 0:
-                print_error(f"{e} ({DEBUG_ENV}=1 shows the traceback)")
+                print_error(f"{error_text(e)} ({DEBUG_ENV}=1 shows the traceback)")
             raise SystemExit(1) from None  # every rank stops, printed or not
 
 

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-import pickle
-import re
-import zipfile
+import contextlib
+import errno
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Annotated
 
@@ -16,32 +16,24 @@ from swiglu_train.cli.app import (
     check_output,
     console,
 )
+from swiglu_train.cli.torch_files import damaged, load_error
 from swiglu_train.files import atomic_write, write_json_atomic
 
-
-def is_torch_file(path: Path) -> bool:
-    """Whether ``path`` is what torch.save writes: a zip archive, or a legacy pickle."""
-    with open(path, "rb") as f:
-        return zipfile.is_zipfile(f) or (f.seek(0) == 0 and f.read(1) == b"\x80")
+# Errors of a write: one that names no file is taken to be a write under the run's output_dir.
+WRITE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS})
 
 
-def load_error(src: Path, e: Exception, trust: bool) -> str:
-    """Why torch.load refused ``src``, in one line."""
-    if src.is_file() and src.stat().st_size and not is_torch_file(src):
-        # A text file, say: torch says UnpicklingError (--trust would not help) or KeyError: 101
-        return f"{src} is not a torch checkpoint (neither a torch.save zip nor a pickle)"
-    if isinstance(e, pickle.UnpicklingError):  # weights_only refuses arbitrary pickled objects
-        hint = "" if trust else "; pass --trust if you trust the file"
-        return f"cannot load {src} safely ({unpickler_reason(e)}){hint}"
-    reason = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__  # EOFError, OSError...
-    return f"{src} is not a readable checkpoint ({reason})"
-
-
-def unpickler_reason(e: Exception) -> str:
-    """What torch's weights_only refusal names (its message is paragraphs, with ANSI codes)."""
-    found = re.search(r"WeightsUnpickler error:\s*(.+?)(?:\. Please|\n|$)", str(e))
-    text = found.group(1) if found else str(e).split("\n", 1)[0]
-    return re.sub(r"\x1b\[[0-9;]*m", "", text).strip() or type(e).__name__
+@contextlib.contextmanager
+def naming_output_dir(path: str | Path) -> Iterator[None]:
+    """Raise a write error that names no file again, naming the run's output directory, where
+    the run writes its checkpoints, CSVs and W&B files: Lightning writes checkpoints through
+    fsspec, whose ENOSPC names none, and the CLI's one line would not say where."""
+    try:
+        yield
+    except OSError as e:
+        if e.filename is not None or e.errno not in WRITE_ERRNOS:
+            raise
+        raise OSError(e.errno, e.strerror, str(path)) from e
 
 
 @app.command()
@@ -154,7 +146,8 @@ def pretrain(
             setattr(section, key, value)
     check_output(cfg.output_dir, "'--output-dir' (or output_dir in the config)", directory=True)
     check_output(summary_json, "'--summary-json'")
-    summary = run_pretrain(cfg, resume=resume)
+    with naming_output_dir(cfg.output_dir):
+        summary = run_pretrain(cfg, resume=resume)
     if summary is None:  # a DDP rank other than 0: rank 0 reports the run
         return
     table = Table(title=f"pretrain summary ({summary['mlp_impl']})")
@@ -244,6 +237,11 @@ def convert(
         ckpt = torch.load(src, map_location="cpu", weights_only=not trust)
     except FileNotFoundError:
         raise typer.BadParameter(f"{src} does not exist") from None
+    except OSError as e:  # unreadable (a directory, permissions), or torch seeking past the
+        damage = damaged(src, e)  # end of a file cut short (EINVAL)
+        if damage is None:  # the CLI's one line, naming the file
+            raise OSError(e.errno, e.strerror or str(e), e.filename or str(src)) from e
+        raise typer.BadParameter(damage) from e
     except Exception as e:  # not a checkpoint, a refused pickle, an empty or damaged file
         raise typer.BadParameter(load_error(src, e, trust)) from e
     if not isinstance(ckpt, dict):
