@@ -2,7 +2,7 @@
 
 For each [M, F] it times (CUDA events, median of --samples calls on data far past L2):
   copy      torch's device-to-device copy of a 4 GiB buffer: the ceiling the others are read
-            against (the same for every shape);
+            against (the same for every shape); copy_same, one of the forward's bytes;
   ours      the package kernels as they launch (the tile rule of kernels/swiglu.py);
   ours[c]   the forward and recompute-backward kernels under other tiles (BLOCK_M, BLOCK_N,
             warps), to check the rule against the best tile at each shape;
@@ -26,17 +26,20 @@ from swiglu_train.kernels import swiglu
 SHAPES = ((11136, 14336), (8192, 14336), (8000, 11008), (4096, 8192), (16384, 18944), (8192, 28672))
 
 
-def time_ms(fn, samples: int) -> float:
+def time_ms(fn, samples: int, batch: int = 10) -> float:
+    """Median per-call ms over ``samples`` batches of ``batch`` back-to-back calls: the host
+    queues ahead of the GPU, as in training, so launch latency is not counted."""
     for _ in range(3):
         fn()
     times = []
     for _ in range(samples):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        fn()
+        for _ in range(batch):
+            fn()
         end.record()
         end.synchronize()
-        times.append(start.elapsed_time(end))
+        times.append(start.elapsed_time(end) / batch)
     return statistics.median(times)
 
 
@@ -94,6 +97,9 @@ def probe_shape(m: int, f: int, samples: int) -> list[dict]:
     bwd_noh_bytes, factors_bytes = 5 * m * f * el, 5 * m * f * el
     ms, moved = copy_ms(samples)
     row("copy", "torch", ms, moved)
+    src = torch.empty(fwd_bytes // 2 // el, device=dev, dtype=dt)
+    dst = torch.empty_like(src)
+    row("copy_same", "torch", time_ms(lambda: dst.copy_(src), samples), fwd_bytes)
 
     row("fwd", "ours", time_ms(lambda: swiglu.swiglu_forward(preact, h), samples), fwd_bytes)
     row(
