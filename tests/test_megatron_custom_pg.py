@@ -30,7 +30,11 @@ from megatron.core.process_groups_config import ProcessGroupCollection  # isort:
 from megatron.core.transformer.mlp import MLP  # isort: skip
 from megatron.core.transformer.spec_utils import ModuleSpec  # isort: skip
 
-from swiglu_train.integrations.megatron import ParMLPMegatron, get_gpt_layer_spec
+from swiglu_train.integrations.megatron import (
+    ParMLPMegatron,
+    SwiGLUActivationMLP,
+    get_gpt_layer_spec,
+)
 from swiglu_train.integrations.megatron.specs import BUILDER_API
 from swiglu_train.layers import PORTABLE_IMPLS
 from swiglu_train.layers.registry import PACKED_IMPLS
@@ -80,11 +84,13 @@ def build_gpt(config, spec, seed: int, pg: ProcessGroupCollection) -> GPTModel:
     )
 
 
-def gpt_loss(model: GPTModel, tokens: torch.Tensor) -> torch.Tensor:
+def gpt_forward(model: GPTModel, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(logits [b, s, vocab], whole on every rank; their next-token loss)."""
     positions = torch.arange(tokens.shape[1]).expand_as(tokens)
     mask = torch.ones(tokens.shape[1], tokens.shape[1], dtype=torch.bool).triu(1)[None, None]
-    logits = model(tokens, positions, mask)  # [b, s, vocab], whole on every rank
-    return F.cross_entropy(logits.flatten(0, 1).float(), tokens.roll(-1, 1).flatten())
+    logits = model(tokens, positions, mask)
+    loss = F.cross_entropy(logits.flatten(0, 1).float(), tokens.roll(-1, 1).flatten())
+    return logits, loss
 
 
 def _check_model_groups(model, pg: ProcessGroupCollection, tp: int, label: str) -> None:
@@ -103,7 +109,7 @@ def _setup(model_tp: int, global_tp: int | None, log: _Records) -> None:
     config = swiglu_config(tensor_model_parallel_size=model_tp)
     stock = build_gpt(config, get_gpt_layer_local_spec(normalization="RMSNorm"), 0, pg)
     tokens = torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(3))
-    stock_loss = gpt_loss(stock, tokens)
+    stock_logits, stock_loss = gpt_forward(stock, tokens)
     stock_loss.backward()
     stock_shapes = {n: p.shape for n, p in stock.named_parameters()}
     for impl in PORTABLE_IMPLS:
@@ -115,51 +121,58 @@ def _setup(model_tp: int, global_tp: int | None, log: _Records) -> None:
         assert {n: p.shape for n, p in ours.named_parameters()} == stock_shapes, case
         if impl not in PACKED_IMPLS:  # a packed state_dict is refused by stock, by design
             with torch.no_grad():
-                fresh = gpt_loss(ours, tokens)
+                fresh = gpt_forward(ours, tokens)[1]
             reloaded = build_gpt(config, get_gpt_layer_local_spec(normalization="RMSNorm"), 2, pg)
             reloaded.load_state_dict(ours.state_dict())  # strict
             with torch.no_grad():
-                err = rel_err(gpt_loss(reloaded, tokens), fresh)
+                err = rel_err(gpt_forward(reloaded, tokens)[1], fresh)
             assert err <= PARITY, f"{case}: stock loading our state_dict is off by {err:.2e}"
         ours.load_state_dict(stock.state_dict())
-        loss = gpt_loss(ours, tokens)
+        logits, loss = gpt_forward(ours, tokens)
         loss.backward()
         assert_parity(
-            {"loss": loss.detach(), **grads(ours)},
-            {"loss": stock_loss.detach(), **grads(stock)},
+            {"logits": logits.detach(), "loss": loss.detach(), **grads(ours)},
+            {"logits": stock_logits.detach(), "loss": stock_loss.detach(), **grads(stock)},
             case,
         )
 
 
 def _user_module_spec(log: _Records) -> None:
-    """A layer spec naming our class in a ModuleSpec, as a user's own spec does: built with the
+    """A layer spec naming our classes in a ModuleSpec, as a user's own spec does: built with the
     model's group on every version. 0.18+ rewrap it into ``as_mlp_submodule`` and log that (the
     check that the log capture works); 0.16-0.17 build it as the stock MLP, without a warning."""
     layer = get_gpt_layer_local_spec(normalization="RMSNorm")
-    layer.submodules.mlp = ModuleSpec(
-        module=ParMLPMegatron, params={"impl": "drop_h"}, submodules=stock_submodules()
-    )
-    log.messages.clear()
-    with global_groups(None):
-        pg = collection(2)
-        model = build_gpt(swiglu_config(tensor_model_parallel_size=2), layer, 0, pg)
-        _check_model_groups(model, pg, 2, "user ModuleSpec")
-    ours_logged = list(log.messages)
+    logged = {}
+    for cls, impl in ((ParMLPMegatron, "drop_h"), (SwiGLUActivationMLP, "normal")):
+        layer.submodules.mlp = ModuleSpec(
+            module=cls, params={"impl": impl}, submodules=stock_submodules()
+        )
+        log.messages.clear()
+        with global_groups(None):
+            pg = collection(2)
+            model = build_gpt(swiglu_config(tensor_model_parallel_size=2), layer, 0, pg)
+            _check_model_groups(model, pg, 2, f"user ModuleSpec of {cls.__name__}")
+            assert type(model.decoder.layers[0].mlp) is cls
+        logged[cls] = list(log.messages)
     if not BUILDER_API:
 
         class Unrecognised(MLP):
             """Any other MLP subclass, which 0.16-0.17 build on no group, with a warning."""
 
         layer.submodules.mlp = ModuleSpec(module=Unrecognised, submodules=stock_submodules())
+        log.messages.clear()
         with global_groups(1):  # the group it falls back to
             build_gpt(swiglu_config(num_layers=1), layer, 0, collection(1))
+        logged[Unrecognised] = list(log.messages)
     if dist.get_rank() != 0:  # Megatron logs on rank 0 only
         return
-    if BUILDER_API:
-        assert any("Rewrapping ModuleSpec" in m for m in ours_logged), ours_logged
-    else:
-        assert ours_logged == [], ours_logged
-        assert any("Unknown MLP type" in m for m in log.messages), log.messages
+    for cls in (ParMLPMegatron, SwiGLUActivationMLP):
+        if BUILDER_API:
+            assert any("Rewrapping ModuleSpec" in m for m in logged[cls]), logged
+        else:
+            assert logged[cls] == [], logged
+    if not BUILDER_API:
+        assert any("Unknown MLP type" in m for m in logged[Unrecognised]), logged
 
 
 @contextlib.contextmanager
