@@ -10,6 +10,7 @@ call runs in chunks (``--chunk I/N``, balanced by estimated time) that ``merge_r
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import itertools
 import json
@@ -158,16 +159,12 @@ def run_grid(
     start = time.perf_counter()
     points = cfg.points()
     result = {"meta": _meta(cfg, device, points), "points": [], "rows": [], "skipped_points": []}
-    tick = progress("grid points", len(points))
+    tick = progress("grid points", len(points))  # one bar: a point's own bars would pile up
     for point in points:
         began = time.perf_counter()
         m, d, f = point.dims
-
-        def labelled(label: str, total: int, m=m, d=d, f=f) -> Callable[[], None]:
-            return progress(f"M={m} D={d} F={f}: {label}", total)
-
         try:
-            measured, skipped, reference = measure_layer(cfg.bench_config(point), labelled)
+            measured, skipped, reference = measure_layer(cfg.bench_config(point), _quiet)
         except torch.OutOfMemoryError as e:
             measured, skipped, reference = [], {}, None
             result["skipped_points"].append(
@@ -178,12 +175,20 @@ def run_grid(
         if measured:
             result["rows"] += point_rows(point, measured)
             auto = resolve_auto(m, d, f, cfg.device, output_size=d)  # what ParMLP resolves
-            record = {"M": m, "D": d, "F": f, "models": list(point.shape.models)}
-            record |= {"families": list(point.shape.families), "auto": vars(auto)}
-            record |= {"skipped": skipped, "rel_err_reference": reference}
-            record |= {"elapsed_s": round(time.perf_counter() - began, 1)}
-            record |= {"estimated_s": round(cfg.estimate_s(point), 1)}
-            result["points"].append(record)
+            result["points"].append(
+                {
+                    "M": m,
+                    "D": d,
+                    "F": f,
+                    "models": list(point.shape.models),
+                    "families": list(point.shape.families),
+                    "auto": dataclasses.asdict(auto),
+                    "skipped": skipped,
+                    "rel_err_reference": reference,
+                    "elapsed_s": round(time.perf_counter() - began, 1),
+                    "estimated_s": round(cfg.estimate_s(point), 1),
+                }
+            )
         result["meta"]["elapsed_s"] = round(time.perf_counter() - start, 1)
         on_point(result)
     result["meta"]["complete"] = True
@@ -258,6 +263,10 @@ def _table_summary(family: str | None) -> dict | None:
         "dtype": table.dtype,
         "points": [list(p.dims) for p in table.points],
     }
+
+
+def _quiet(label: str, total: int) -> Callable[[], None]:
+    return lambda: None
 
 
 def _release(device: torch.device) -> None:
