@@ -118,6 +118,12 @@ def pretrain(
     wandb_name: Annotated[str | None, typer.Option()] = None,
     output_dir: Annotated[str | None, typer.Option(help="checkpoints, W&B run, CSVs")] = None,
     resume: Annotated[str | None, typer.Option(help="a .ckpt path, or 'last'")] = None,
+    init_from: Annotated[
+        str | None,
+        typer.Option(
+            help="start a new run from a checkpoint's weights (import-hf's, say), in its shape"
+        ),
+    ] = None,
     summary_json: Annotated[Path | None, typer.Option(help="write the run summary here")] = None,
 ) -> None:
     """Pretrain a Llama-style model with ParMLP on local text (the stdlib by default)."""
@@ -147,7 +153,7 @@ def pretrain(
     check_output(cfg.output_dir, "'--output-dir' (or output_dir in the config)", directory=True)
     check_output(summary_json, "'--summary-json'")
     with naming_output_dir(cfg.output_dir):
-        summary = run_pretrain(cfg, resume=resume)
+        summary = run_pretrain(cfg, resume=resume, init_from=init_from)
     if summary is None:  # a DDP rank other than 0: rank 0 reports the run
         return
     table = Table(title=f"pretrain summary ({summary['mlp_impl']})")
@@ -178,7 +184,11 @@ def convert(
     ],
     dst: Annotated[Path, typer.Argument(help="output path (written atomically)")],
     to: Annotated[
-        str, typer.Option(help="packed, canonical, or hf (gate/up/down_proj, weights only)")
+        str,
+        typer.Option(
+            help="packed, canonical, or hf (MLP keys as gate/up/down_proj, weights only; "
+            "export-hf writes a pretrain checkpoint's whole model for transformers)"
+        ),
     ],
     chunk: Annotated[
         int | None, typer.Option(help="chunk of the packed layout (default 128)")
@@ -270,6 +280,10 @@ def convert(
         prefix = escape(r.prefix.rstrip(".")) or "(root)"
         table.add_row(prefix, r.source, r.target, str(r.optimizer_states))
     console.print(table)
+    if to == "hf" and hparams_impl(ckpt) is not None:  # a pretrain checkpoint: a whole model
+        whole = f"swiglu-train export-hf {src} DIR"
+        console.print(f"{escape(str(dst))} renames the MLP keys only; `{escape(whole)}` writes "
+                      "the whole model for transformers")  # fmt: skip
     if to == "hf" or hparams_impl(out) is None:  # no saved init args to build a model from
         return
     for key, read in (("mlp_impl", hparams_impl), ("mlp_chunk", hparams_chunk)):

@@ -67,10 +67,20 @@ def resolve_precision(precision: str) -> str:
     return "bf16-mixed" if torch.cuda.is_available() else "32-true"
 
 
-def run_pretrain(cfg: PretrainConfig, resume: str | None = None) -> dict[str, Any] | None:
+def run_pretrain(
+    cfg: PretrainConfig, resume: str | None = None, init_from: str | None = None
+) -> dict[str, Any] | None:
     """Train, and return the summary (losses, throughput and the profiler's memory figures);
     None on DDP ranks other than 0, whose losses and memory are their shard's, not the run's
-    (the profiler and W&B run live on rank 0)."""
+    (the profiler and W&B run live on rank 0).
+
+    ``resume`` continues a run from its checkpoint (weights, optimizer, loop and loader
+    state); ``init_from`` starts a new run from a checkpoint's weights alone (one that
+    import-hf wrote, say), with the model shape they fix."""
+    if resume is not None and init_from is not None:
+        raise ValueError("--resume continues a run and --init-from starts a new one from a "
+                         "checkpoint's weights; pass one of them")  # fmt: skip
+    weights = None if init_from is None else _initial_weights(Path(init_from), cfg)
     check_impl_name(cfg.model.mlp_impl)  # an unknown impl fails here, listing the valid ones
     check_mlp_chunk(cfg.model)  # again: command-line flags are set after the config is built
     check_ranges(cfg)
@@ -83,6 +93,8 @@ def run_pretrain(cfg: PretrainConfig, resume: str | None = None) -> dict[str, An
     ckpt_path, resumed = _checkpoint(resume, out, cfg)
     pl.seed_everything(cfg.train.seed, workers=True)
     module = PretrainModule(cfg.model, cfg.optim, cfg.train.max_steps)
+    if weights is not None:  # ParMLP's load hook packs or unpacks fc1 for its impl
+        module.load_state_dict(weights)
     if resumed is not None:
         # The module's own check (Lightning runs it again on load), against the model as built:
         # "auto" resolves in each ParMLP from the table, this machine's GPU and the tokens hint,
@@ -162,6 +174,9 @@ def run_pretrain(cfg: PretrainConfig, resume: str | None = None) -> dict[str, An
 # change (a layout change with optimizer state is refused before start and on load, naming the
 # fix).
 SHAPE_KEYS = ("vocab_size", "hidden_size", "ffn_hidden_size", "num_layers", "num_heads")
+# What else of the model's config a checkpoint's weights were trained with: --init-from takes
+# these with the shape.
+ARCH_KEYS = (*SHAPE_KEYS, "max_seq_length", "rope_theta", "norm_eps")
 # Restored from the optimizer state on resume, whatever the config says now.
 OPTIMIZER_STATE_KEYS = ("lr", "weight_decay", "betas")
 
@@ -200,8 +215,6 @@ def _checkpoint(
             )
         return None, None
     path = out / "checkpoints" / "last.ckpt" if resume == "last" else Path(resume)
-    if not path.is_file():
-        raise FileNotFoundError(f"--resume: no checkpoint at {path}")
     return str(path), _check_resumable(path, cfg)
 
 
@@ -212,19 +225,16 @@ def _check_resumable(path: Path, cfg: PretrainConfig) -> dict:
     elsewhere), whether it holds optimizer state and its step: all that
     PretrainModule.check_layout, _check_data and run_loggers read, so that the checkpoint
     itself is not kept open meanwhile."""
-    if not zipfile.is_zipfile(path):  # torch.save writes a zip; its index sits at the end
-        size = path.stat().st_size
-        raise ValueError(f"--resume: {path} is not a readable checkpoint ({size} bytes, not a "
-                         "torch.save zip: empty, truncated or another format)")  # fmt: skip
-    try:  # mmap: the tensors stay on disk, so a large checkpoint is not read twice
-        ckpt = torch.load(path, map_location="cpu", mmap=True, weights_only=False)
-    except Exception as e:  # torch raises EOFError, OSError, KeyError... for a damaged file
-        raise ValueError(f"--resume: {path} is not a readable checkpoint "
-                         f"({type(e).__name__}: {e or 'empty file'})") from e  # fmt: skip
+    ckpt = _read_checkpoint(path, "--resume")
     if not isinstance(ckpt, dict) or "pytorch-lightning_version" not in ckpt:
         raise ValueError(
             f"--resume: {path} is not a pretrain checkpoint (a bare state_dict, as convert "
             "--to hf writes, holds no optimizer or loop state to resume)"
+        )
+    if "optimizer_states" not in ckpt:
+        raise ValueError(
+            f"--resume: {path} holds weights only (no optimizer or loop state, as import-hf "
+            "writes); start a new run from them with --init-from"
         )
     hparams = ckpt.get("hyper_parameters", {})
     differ = _changed(hparams.get("model", {}), dataclasses.asdict(cfg.model), SHAPE_KEYS)
@@ -246,6 +256,40 @@ def _check_resumable(path: Path, cfg: PretrainConfig) -> dict:
         "optimizer_states": bool(ckpt.get("optimizer_states")),
         "global_step": step,
     }
+
+
+def _read_checkpoint(path: Path, flag: str) -> object:
+    """``torch.load`` of a file the user named, refused in one line if it is none."""
+    if not path.is_file():
+        raise FileNotFoundError(f"{flag}: no checkpoint at {path}")
+    if not zipfile.is_zipfile(path):  # torch.save writes a zip; its index sits at the end
+        size = path.stat().st_size
+        raise ValueError(f"{flag}: {path} is not a readable checkpoint ({size} bytes, not a "
+                         "torch.save zip: empty, truncated or another format)")  # fmt: skip
+    try:  # mmap: the tensors stay on disk, so a large checkpoint is not read twice
+        return torch.load(path, map_location="cpu", mmap=True, weights_only=False)
+    except Exception as e:  # torch raises EOFError, OSError, KeyError... for a damaged file
+        raise ValueError(f"{flag}: {path} is not a readable checkpoint "
+                         f"({type(e).__name__}: {e or 'empty file'})") from e  # fmt: skip
+
+
+def _initial_weights(path: Path, cfg: PretrainConfig) -> dict:
+    """A checkpoint's weights, for a new run; its model shape (ARCH_KEYS) replaces the
+    config's, each change named."""
+    ckpt = _read_checkpoint(path, "--init-from")
+    saved = ckpt.get("hyper_parameters", {}).get("model") if isinstance(ckpt, dict) else None
+    if not isinstance(saved, dict) or not isinstance(ckpt.get("state_dict"), dict):
+        raise ValueError(
+            f"--init-from: {path} is not a pretrain checkpoint (no state_dict with "
+            "hyper_parameters.model): pass what pretrain or import-hf wrote"
+        )
+    changed = _changed(dataclasses.asdict(cfg.model), saved, ARCH_KEYS)
+    for key in ARCH_KEYS:
+        if key in saved:
+            setattr(cfg.model, key, saved[key])
+    if changed:
+        rank_zero_info(f"--init-from: the model takes {path.name}'s shape ({', '.join(changed)})")
+    return ckpt["state_dict"]
 
 
 def _check_data(path: Path, saved: dict | None, now: dict) -> None:

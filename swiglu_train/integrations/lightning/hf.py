@@ -1,0 +1,225 @@
+"""The pretrain decoder as a Hugging Face ``LlamaForCausalLM`` directory, and back.
+
+Our :class:`LlamaDecoder` computes HF Llama's function, so every weight maps one to one:
+
+- ``embed`` / ``head`` are ``model.embed_tokens`` / ``lm_head`` (ours are never tied);
+- ``attn.qkv`` rows are ``[q; k; v]`` with each head's rows together, as ``q_proj``,
+  ``k_proj`` and ``v_proj`` stack them; RoPE rotates (first half, second half) pairs of each
+  head with HF's default inverse frequencies, as HF's ``rotate_half`` does, so no row is
+  permuted (only Meta's original interleaved checkpoints need that);
+- ``attn_norm`` / ``mlp_norm`` / ``norm`` are ``input_layernorm`` /
+  ``post_attention_layernorm`` / ``model.norm``, with the eps as ``rms_norm_eps``;
+- a ParMLP's canonical fc1 ``[gate; up]`` is ``gate_proj`` / ``up_proj`` and fc2 is
+  ``down_proj``; a packed fc1 is unpacked first, by the layout the checkpoint records.
+
+What HF Llama can be and our decoder cannot (grouped-query attention, biases, scaled RoPE,
+another activation, a head size of its own, attention dropout) is refused by name.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import lightning
+import torch
+
+from swiglu_train.files import atomic_directory
+from swiglu_train.integrations.lightning.config import TrainConfig
+from swiglu_train.integrations.lightning.data import EOD
+from swiglu_train.integrations.lightning.model import ModelConfig
+from swiglu_train.integrations.lightning.module import LAYOUT_KEY, OptimConfig, PretrainModule
+from swiglu_train.layers.layout import CANONICAL
+from swiglu_train.packing import from_hf, to_hf
+
+PREFIX = "model."  # PretrainModule's attribute holding the decoder
+# Our decoder's keys (after ParMLP's are renamed gate/up/down_proj) -> HF's; per layer, the
+# qkv rows split in three.
+TOP = {"embed.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight",
+       "head.weight": "lm_head.weight"}  # fmt: skip
+LAYER = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "attn.out.weight": "self_attn.o_proj.weight",
+    "mlp_norm.weight": "post_attention_layernorm.weight",
+    "mlp.gate_proj.weight": "mlp.gate_proj.weight",
+    "mlp.up_proj.weight": "mlp.up_proj.weight",
+    "mlp.down_proj.weight": "mlp.down_proj.weight",
+}
+QKV = ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight")
+
+
+def _transformers():
+    try:
+        import transformers
+    except ImportError as e:
+        raise ImportError(
+            "Hugging Face export and import need transformers and safetensors; "
+            "install swiglu-train[hf]"
+        ) from e
+    return transformers
+
+
+def model_config(ckpt: dict, where: str) -> ModelConfig:
+    """The decoder's config a pretrain checkpoint was saved with (its saved init args)."""
+    saved = ckpt.get("hyper_parameters", {}).get("model") if isinstance(ckpt, dict) else None
+    if not isinstance(saved, dict) or "state_dict" not in ckpt:
+        raise ValueError(
+            f"{where} is not a pretrain checkpoint (no hyper_parameters.model beside its "
+            "state_dict): the whole model is exported from what `swiglu-train pretrain` or "
+            "import-hf writes"
+        )
+    return ModelConfig(**saved)
+
+
+def hf_config(cfg: ModelConfig, dtype: torch.dtype):
+    """The LlamaConfig of our decoder; eos is the recipe's end-of-document id."""
+    return _transformers().LlamaConfig(
+        vocab_size=cfg.vocab_size,
+        hidden_size=cfg.hidden_size,
+        intermediate_size=cfg.ffn_hidden_size,
+        num_hidden_layers=cfg.num_layers,
+        num_attention_heads=cfg.num_heads,
+        num_key_value_heads=cfg.num_heads,
+        head_dim=cfg.hidden_size // cfg.num_heads,
+        hidden_act="silu",
+        max_position_embeddings=cfg.max_seq_length,
+        rms_norm_eps=cfg.norm_eps,
+        rope_parameters={"rope_type": "default", "rope_theta": cfg.rope_theta},
+        attention_bias=False,
+        mlp_bias=False,
+        tie_word_embeddings=False,
+        bos_token_id=None,
+        eos_token_id=EOD if cfg.vocab_size > EOD else None,
+        dtype=str(dtype).removeprefix("torch."),
+    )
+
+
+def to_hf_state(ckpt: dict, cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """A pretrain checkpoint's weights under HF Llama's names, fc1 unpacked."""
+    mlp_renamed = to_hf(ckpt)  # canonical by the recorded layout, then gate/up/down_proj
+    ours = {k.removeprefix(PREFIX): v for k, v in mlp_renamed.items() if k.startswith(PREFIX)}
+    stray = sorted(set(mlp_renamed) - {PREFIX + k for k in ours})
+    hf = {TOP[k]: ours.pop(k) for k in list(ours) if k in TOP}
+    for i in range(cfg.num_layers):
+        ours_at, hf_at = f"layers.{i}.", f"model.layers.{i}."
+        for name, hf_name in LAYER.items():
+            if ours_at + name in ours:
+                hf[hf_at + hf_name] = ours.pop(ours_at + name)
+        if ours_at + "attn.qkv.weight" in ours:
+            qkv = ours.pop(ours_at + "attn.qkv.weight").chunk(3)
+            hf.update({hf_at + n: w.contiguous() for n, w in zip(QKV, qkv, strict=True)})
+    stray += sorted(PREFIX + k for k in ours)
+    if stray:  # a decoder of another structure: no HF name to give these
+        raise ValueError(f"no HF Llama name for {', '.join(stray[:5])}")
+    return hf
+
+
+def export_hf(ckpt: dict, out: Path, where: str) -> dict[str, Any]:
+    """Write ``out`` (config.json, model.safetensors, generation_config.json) from a pretrain
+    checkpoint, through transformers' own model: every weight is loaded strictly (by name and
+    shape) into a ``LlamaForCausalLM`` before ``save_pretrained`` writes it. Returns the
+    config written, as a dict."""
+    transformers = _transformers()
+    cfg = model_config(ckpt, where)
+    state = to_hf_state(ckpt, cfg)
+    dtype = state["model.embed_tokens.weight"].dtype
+    config = hf_config(cfg, dtype)
+    with torch.device("meta"):  # no memory: load_state_dict(assign=True) brings the weights
+        model = transformers.LlamaForCausalLM(config)
+    try:
+        model.load_state_dict(state, strict=True, assign=True)
+    except RuntimeError as e:  # a missing key or another shape than the config's
+        raise ValueError(f"{where} does not fit HF Llama: {' '.join(str(e).split())}") from e
+    with atomic_directory(out) as tmp:
+        model.save_pretrained(tmp)
+    return config.to_dict()
+
+
+def check_mappable(config: Any, where: str) -> None:
+    """Refuse an HF config whose model our decoder cannot compute exactly, naming why."""
+    if getattr(config, "model_type", None) != "llama":
+        raise ValueError(f"{where} holds a {config.model_type!r} model; import-hf takes Llama "
+                         "(model_type 'llama', LlamaForCausalLM)")  # fmt: skip
+    heads, kv = config.num_attention_heads, config.num_key_value_heads
+    rope = config.rope_parameters or {}
+    problems = [
+        (kv != heads, f"grouped-query attention (num_key_value_heads {kv} < "
+                      f"num_attention_heads {heads}); our attention has a K/V head per head"),
+        (config.head_dim * heads != config.hidden_size,
+         f"head_dim {config.head_dim} x {heads} heads != hidden_size {config.hidden_size}"),
+        (config.attention_bias, "attention biases (attention_bias true)"),
+        (config.mlp_bias, "MLP biases (mlp_bias true)"),
+        (config.hidden_act != "silu", f"hidden_act {config.hidden_act!r} (SwiGLU needs silu)"),
+        (rope.get("rope_type", "default") != "default",
+         f"RoPE scaling {rope.get('rope_type')!r} (our RoPE is the default, unscaled)"),
+        (config.attention_dropout, f"attention_dropout {config.attention_dropout}"),
+    ]  # fmt: skip
+    found = [why for bad, why in problems if bad]
+    if found:
+        raise ValueError(f"{where} cannot be our decoder exactly: {'; '.join(found)}")
+
+
+def import_hf(source: Path, max_steps: int = TrainConfig.max_steps) -> tuple[dict, list[str]]:
+    """A pretrain checkpoint (weights, config and fc1 layout; no optimizer or loop state) from
+    an HF Llama directory, for ``pretrain --init-from`` and ``load_from_checkpoint``; and notes
+    on what was adapted (tied embeddings copied into the head)."""
+    transformers = _transformers()
+    where = str(source)
+    try:
+        config = transformers.AutoConfig.from_pretrained(source)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{where} is not a Hugging Face model directory: {e}") from e
+    check_mappable(config, where)
+    model, info = transformers.LlamaForCausalLM.from_pretrained(
+        source, dtype="auto", output_loading_info=True
+    )
+    tied = bool(config.tie_word_embeddings)
+    missing = [k for k in info["missing_keys"] if not (tied and k == "lm_head.weight")]
+    if missing or info["mismatched_keys"]:
+        raise ValueError(f"{where}: its weights do not fill the model its config describes "
+                         f"(missing {missing}, mismatched {info['mismatched_keys']})")  # fmt: skip
+    cfg = ModelConfig(
+        vocab_size=config.vocab_size,
+        hidden_size=config.hidden_size,
+        ffn_hidden_size=config.intermediate_size,
+        num_layers=config.num_hidden_layers,
+        num_heads=config.num_attention_heads,
+        max_seq_length=config.max_position_embeddings,
+        rope_theta=float((config.rope_parameters or {}).get("rope_theta", 10000.0)),
+        norm_eps=config.rms_norm_eps,
+        mlp_impl="drop_h",  # canonical fc1; any impl's ParMLP loads it, packing on load
+    )
+    state = from_hf_state(model.state_dict(), cfg)
+    with torch.device("meta"):  # strict by name and shape, without memory for a second copy
+        module = PretrainModule(cfg, OptimConfig(), max_steps)
+    module.load_state_dict(state, strict=True, assign=True)
+    tie = "tie_word_embeddings: the head starts as a copy of the embedding and trains apart"
+    notes = [tie] if tied else []
+    ckpt = {
+        "state_dict": state,
+        "hyper_parameters": dict(module.hparams),
+        "pytorch-lightning_version": lightning.__version__,
+        LAYOUT_KEY: {
+            "fc1_layout": CANONICAL.to_dict(),
+            "mlp_impl": cfg.mlp_impl,
+            "imported_from": str(source.resolve()),
+        },
+    }
+    return ckpt, notes
+
+
+def from_hf_state(hf: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """HF Llama weights under PretrainModule's names; gate/up/down_proj become a canonical
+    ParMLP (fc1 = [gate; up]) through the packing tools' ``from_hf``."""
+    hf = dict(hf)
+    if "lm_head.weight" not in hf:  # a tied head may be saved once, as the embedding
+        hf["lm_head.weight"] = hf["model.embed_tokens.weight"]
+    state = {PREFIX + ours: hf.pop(name) for ours, name in TOP.items()}
+    state[PREFIX + "head.weight"] = state[PREFIX + "head.weight"].clone()  # untied if tied
+    for i in range(cfg.num_layers):
+        ours_at, hf_at = f"{PREFIX}layers.{i}.", f"model.layers.{i}."
+        state.update({ours_at + n: hf.pop(hf_at + hf_n) for n, hf_n in LAYER.items()})
+        state[ours_at + "attn.qkv.weight"] = torch.cat([hf.pop(hf_at + n) for n in QKV])
+    if hf:
+        raise ValueError(f"no place in our decoder for HF weights {sorted(hf)[:5]}")
+    return from_hf(state)
