@@ -1,0 +1,114 @@
+"""The install: extras that leave the user's torch alone, CI's own pins, and a test extra that
+brings every package the suite imports (a fresh clone's CI has nothing else)."""
+
+import ast
+import re
+import sys
+import tomllib
+from importlib.metadata import PackageNotFoundError, packages_distributions, requires
+from pathlib import Path
+
+from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
+
+from swiglu_train.extras import EXTRAS
+
+ROOT = Path(__file__).resolve().parents[1]
+PROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+CI = (ROOT / ".ci" / "run").read_text()
+# Imported by GPU-only tests, and installable only on the GPU box (DESIGN.md).
+GPU_ONLY = {"quack", "transformer_engine", "cutlass"}
+TORCH_STACK = {"torch", "triton", "numpy"}
+
+
+def requirements(extra: str | None = None) -> list[Requirement]:
+    group = PROJECT["dependencies"] if extra is None else PROJECT["optional-dependencies"][extra]
+    return [Requirement(r) for r in group]
+
+
+def closure(roots: list[Requirement]) -> set[str]:
+    """Every distribution these requirements bring: ours through pyproject, others through the
+    metadata of what is installed (the environment CI builds from the same requirements)."""
+    seen: set[str] = set()
+    todo = list(roots)
+    while todo:
+        req = todo.pop()
+        name = canonicalize_name(req.name)
+        if req.marker is not None and not req.marker.evaluate({"extra": ""}):
+            continue
+        if name == "swiglu-train":
+            todo += requirements() + [r for e in req.extras for r in requirements(e)]
+            continue
+        if name in seen:
+            continue
+        seen.add(name)
+        try:
+            deps = [Requirement(r) for r in requires(name) or []]
+        except PackageNotFoundError:
+            continue
+        for dep in deps:
+            wanted = dep.marker is None or any(
+                dep.marker.evaluate({"extra": e}) for e in ("", *req.extras)
+            )
+            if wanted:
+                todo.append(Requirement(str(dep).split(";")[0]))
+    return seen
+
+
+def test_no_extra_pins_the_torch_stack():
+    """An exact Triton pin made pip replace the user's torch (and fetch a 555 MB wheel first)."""
+    groups = {"dependencies": requirements()} | {
+        f"[{e}]": requirements(e) for e in PROJECT["optional-dependencies"]
+    }
+    for group, reqs in groups.items():
+        for req in reqs:
+            if canonicalize_name(req.name) in TORCH_STACK:
+                upper = [s for s in req.specifier if s.operator in ("==", "===", "~=", "<", "<=")]
+                assert not upper, f"{group} caps {req.name}: {req}"
+
+
+def test_ci_installs_what_the_cpu_interpreter_needs_and_builds_the_docs():
+    install = next(line for line in CI.splitlines() if '-e ".[' in line)
+    assert '".[test,docs]"' in install
+    assert '"triton==3.6.0"' in install and '"numpy<2.4"' in install  # one resolve, no downgrade
+    assert re.search(r"^mkdocs build --strict\b", CI, re.M)
+    assert CI.rstrip().splitlines()[-1] == 'python -m pytest -m "not gpu"'  # the README's
+
+
+def test_the_test_extra_brings_every_package_the_tests_import():
+    local = {p.stem for p in (ROOT / "tests").glob("*.py")}
+    imported: dict[str, str] = {}
+    for path in sorted((ROOT / "tests").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = []
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                names = [node.module]
+            elif (
+                isinstance(node, ast.Call)
+                and getattr(node.func, "attr", None) == "importorskip"
+                and isinstance(node.args[0], ast.Constant)
+            ):
+                names = [node.args[0].value]
+            for name in names:
+                imported.setdefault(name.partition(".")[0], path.name)
+    third_party = {
+        m: f
+        for m, f in imported.items()
+        if m not in sys.stdlib_module_names | local | GPU_ONLY and not m.startswith("swiglu_train")
+    }
+    brought = closure(requirements("test"))
+    owners = packages_distributions()
+    missing = {
+        m: f
+        for m, f in third_party.items()
+        if not {canonicalize_name(d) for d in owners.get(m, [])} & brought
+    }
+    assert not missing, f"imported by tests, not brought by the test extra: {missing}"
+
+
+def test_each_extra_named_in_messages_brings_its_package():
+    """The one-line hint for a missing module names an extra that really installs it."""
+    for module, (package, extra) in EXTRAS.items():
+        assert canonicalize_name(package) in closure(requirements(extra)), (module, extra)
