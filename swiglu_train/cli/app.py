@@ -15,6 +15,8 @@ from rich.console import Console
 from rich.progress import Progress
 from typer.core import TyperGroup
 
+from swiglu_train.extras import explain
+
 DEBUG_ENV = "SWIGLU_TRAIN_DEBUG"
 # What the package raises for bad input (its TableError and DispatchTableError are ValueErrors),
 # and what the system raises for a file that cannot be read or written (OSError: a missing
@@ -81,6 +83,12 @@ class App(typer.Typer):
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         try:
             return super().__call__(*args, **kwargs)
+        except ImportError as e:  # an optional dependency: one line naming the extra to install
+            line = explain(e)
+            if line is None or debugging():
+                raise
+            print_error(line)
+            raise SystemExit(1) from None
         except USER_ERRORS as e:
             if debugging():
                 raise

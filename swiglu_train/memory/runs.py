@@ -18,6 +18,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from swiglu_train.extras import missing_extra_line
+
 STEP_KEYS = ("memory/step", "trainer/global_step", "_step")  # preferred step axis first
 MAIN_KEYS = tuple(
     f"memory/{k}_MiB"
@@ -282,7 +284,9 @@ def _wandb_cli() -> str:
     """The ``wandb`` next to this interpreter (its venv), else the one on PATH."""
     found = shutil.which("wandb", path=str(Path(sys.executable).parent)) or shutil.which("wandb")
     if found is None:
-        raise FileNotFoundError("the `wandb` command was not found; install wandb to read W&B runs")
+        raise FileNotFoundError(
+            f"reading a W&B run needs the `wandb` command: {missing_extra_line('wandb')}"
+        )
     return found
 
 
