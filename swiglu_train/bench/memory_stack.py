@@ -16,6 +16,7 @@ from torch import nn
 from swiglu_train.bench.timing import Case, paired_samples
 from swiglu_train.layers import ParMLP
 from swiglu_train.memory import MemoryProfiler
+from swiglu_train.memory.profiler import NOT_MEASURED
 
 
 def build_stack(impl: str, layers: int, shape: Sequence[int], dtype, device) -> nn.Sequential:
@@ -104,6 +105,8 @@ def to_markdown(rows: list[dict]) -> str:
         mem = ["—" if r[k] is None else f"{r[k]:.1f}" for k in ("after_forward_MiB", "peak_MiB")]
         saved = r["saved_for_backward_bytes"] / 2**20
         lines.append(f"| {r['impl']} | {r['layers']} | {saved:.1f} | {mem[0]} | {mem[1]} |")
+    if any(r["after_forward_MiB"] is None for r in rows):
+        lines += ["", NOT_MEASURED]
     return "\n".join(lines) + "\n"
 
 

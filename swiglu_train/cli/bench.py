@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import json
+import math
 from pathlib import Path
 from typing import Annotated
 
@@ -21,7 +22,13 @@ from swiglu_train.cli.app import (
     progress_bars,
     require_device,
 )
+from swiglu_train.extras import require
 from swiglu_train.files import atomic_write, write_json_atomic
+
+SEED_SHAPE = "11136,3584,14336,3584"  # seed 000's Qwen-7B-like [M, D, F, O]
+# bench-memory's default off CUDA: saved bytes are exact at any size and scale with M and F,
+# and the seed shape takes minutes per row on a CPU. This one takes seconds.
+CPU_SHAPE = "1024,512,1408,512"
 
 
 def check_results_path(json_path: Path | None, siblings: tuple[str, ...]) -> None:
@@ -197,6 +204,8 @@ def bench_inference(
         (plot_path, "'--plot'"),
     ):
         check_output(path, option)
+    if plot_path is not None:
+        require("matplotlib")  # before the run, not after it
     if samples < 30:
         console.print(f"[yellow]{samples} samples: results are not claimable (need >= 30)")
     if merge:
@@ -241,7 +250,10 @@ def bench_inference(
 def bench_memory(
     layers: Annotated[str, typer.Option(help="stack depths, comma-separated")] = "1,2,4,8",
     mlp_impl: Annotated[str, typer.Option(help="impls, comma-separated")] = "normal,drop_h",
-    shape: Annotated[str, typer.Option(help="M,D,F,O")] = "11136,3584,14336,3584",
+    shape: Annotated[
+        str | None,
+        typer.Option(help=f"M,D,F,O [default: {SEED_SHAPE} on CUDA, {CPU_SHAPE} on CPU]"),
+    ] = None,
     device: Annotated[str, typer.Option(help="cpu (saved bytes only) or cuda")] = "cuda",
     dtype: Annotated[str, typer.Option(help="bf16, fp16 or fp32")] = "bf16",
     overhead_samples: Annotated[
@@ -251,6 +263,8 @@ def bench_memory(
     json_path: Annotated[Path | None, typer.Option("--json", help="write results here")] = None,
 ) -> None:
     """The stack table: saved-for-backward bytes, after-forward and peak MiB per impl and depth."""
+    import torch
+
     from swiglu_train.bench import memory_stack
     from swiglu_train.bench.mlp import DTYPES
     from swiglu_train.layers import get_impl
@@ -265,7 +279,16 @@ def bench_memory(
     require_device(device)
     depths = parse_ints(layers, "'--layers'")
     check_results_path(json_path, (".md", ".png"))
+    if json_path is not None:
+        require("matplotlib")  # for the .png: before the run, not after it
+    on_cpu = torch.device(device).type == "cpu"
+    if shape is None:
+        shape = CPU_SHAPE if on_cpu else SEED_SHAPE
+        if on_cpu:
+            console.print(f"shape {shape} (M,D,F,O), CPU-sized; --shape {SEED_SHAPE} is the seed's")
     dims, torch_dtype = parse_shape(shape), DTYPES[dtype]
+    if on_cpu and math.prod(dims[:3]) > 8 * math.prod(parse_shape(CPU_SHAPE)[:3]):
+        console.print(f"[yellow]shape {shape} on CPU: each row can take minutes")
     rows = []
     with progress_bars() as progress:
         tick = progress("stack memory", len(impls) * len(depths))

@@ -17,6 +17,7 @@ from swiglu_train.cli.app import (
     console,
 )
 from swiglu_train.cli.torch_files import damaged, load_error
+from swiglu_train.extras import require
 from swiglu_train.files import atomic_write, write_json_atomic
 
 # Errors of a write: one that names no file is taken to be a write under the run's output_dir.
@@ -129,8 +130,11 @@ def pretrain(
     """Pretrain a Llama-style model with ParMLP on local text (the stdlib by default)."""
     from rich.table import Table
 
+    require("lightning", "wandb")  # a missing one: one line naming its extra, before any work
+
     from swiglu_train.integrations.lightning.config import load_config
     from swiglu_train.integrations.lightning.pretrain import run_pretrain
+    from swiglu_train.memory.profiler import NOT_MEASURED
 
     cfg = load_config(config)
     overrides = [
@@ -172,6 +176,8 @@ def pretrain(
         value = summary[key]
         table.add_row(key, "—" if value is None else f"{value:,.4g}")
     console.print(table)
+    if summary["after_forward_MiB"] is None:
+        console.print(NOT_MEASURED, markup=False)
     if summary_json is not None:
         write_json_atomic(summary_json, summary)
         console.print(f"wrote {escape(str(summary_json))}")

@@ -27,6 +27,11 @@ from swiglu_train.layers import MLP_IMPLS, ParMLP
 from swiglu_train.memory.saved import storages
 
 MiB = 2**20
+# Why a table shows "—" for after-forward and peak MiB: only the CUDA allocator reports them.
+NOT_MEASURED = (
+    "— : after-forward and peak MiB are CUDA allocator stats, not measured on CPU; "
+    "saved-for-backward bytes are exact on any device."
+)
 
 
 @dataclass

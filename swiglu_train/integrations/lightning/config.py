@@ -7,6 +7,7 @@ has them too, not only a source checkout.
 from __future__ import annotations
 
 import dataclasses
+import os
 import types
 import typing
 from dataclasses import dataclass, field
@@ -113,6 +114,13 @@ def check_devices(devices: int | str) -> None:
     the Trainer with a MisconfigurationException or TypeError traceback."""
     import torch
 
+    if isinstance(devices, int) and devices > 1 and not torch.cuda.is_available():
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+        if devices > (cores or 1):  # each device is a training process on a CPU
+            raise ValueError(
+                f"train.devices={devices} would start {devices} training processes on this "
+                f"machine's {cores} CPU cores (no CUDA); use at most {cores}"
+            )
     if devices == "auto" or (isinstance(devices, int) and devices >= 1):
         return
     if torch.cuda.is_available():
