@@ -194,3 +194,30 @@ def test_notebook_executes_against_the_runs(run_dirs, tmp_path: Path, monkeypatc
     data = [o.get("data", {}) for c in code for o in c.outputs]
     assert any("image/png" in d for d in data)
     assert any("drop_h" in d.get("text/html", "") for d in data)
+
+
+def test_a_resumed_run_s_segments_join_into_one_series(tmp_path, monkeypatch) -> None:
+    """Offline, a W&B run resumed by id writes a second run directory of the same id; its steps
+    from the resume on (logged again) replace the first segment's, whichever order they are
+    listed in. Two labels for one run are refused."""
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    segments = []
+    for steps, offset in ((range(4), 0.0), (range(2, 6), 100.0)):  # resumed at step 2
+        run = wandb.init(mode="offline", dir=tmp_path, project="t", id="resumed1",
+                         resume="allow", config={"mlp_impl": "drop_h"},
+                         settings=wandb.Settings(console="off", x_disable_stats=True))  # fmt: skip
+        for step in steps:
+            run.log({"memory/saved_MiB": step + offset, "trainer/global_step": step})
+        run.finish()
+        segments.append(Path(run.dir).parent)
+    assert segments[0] != segments[1]
+    for listed in (segments, segments[::-1]):
+        [joined] = load_runs(listed)
+        assert joined.label == "drop_h" and joined.run_id == "resumed1"
+        assert joined.steps == list(range(6))
+        assert joined.series["memory/saved_MiB"] == [0.0, 1.0, 102.0, 103.0, 104.0, 105.0]
+    with pytest.raises(ValueError, match=r"\['a', 'b'\] label segments of one resumed W&B run"):
+        load_runs([f"a={segments[0]}", f"b={segments[1]}"])
+    [named] = load_runs([f"mine={segments[0]}", segments[1]])
+    assert named.label == "mine" and named.steps == list(range(6))
