@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import errno
 from collections.abc import Iterator
 from pathlib import Path
@@ -93,6 +94,13 @@ def pretrain(
     config: Annotated[
         str | None, typer.Option(help="a YAML path, or a packaged config: tiny, 125m or 1b")
     ] = None,
+    model: Annotated[
+        str | None,
+        typer.Option(
+            help="train a Hugging Face or LitGPT architecture instead: hf:PATH/config.json or "
+            "litgpt:NAME (random init, nothing downloaded; its MLPs patched to --mlp-impl)"
+        ),
+    ] = None,
     mlp_impl: Annotated[
         str | None,
         typer.Option(help="an impl (swiglu-train impls lists them), or auto (from the table)"),
@@ -137,6 +145,8 @@ def pretrain(
     from swiglu_train.memory.profiler import NOT_MEASURED
 
     cfg = load_config(config)
+    if model is not None:  # first: its sizes replace the config's; --mlp-* then apply to it
+        cfg.model = dataclasses.replace(cfg.model, source=model)
     overrides = [
         (cfg.model, "mlp_impl", mlp_impl),
         (cfg.model, "mlp_chunk", mlp_chunk),

@@ -34,8 +34,17 @@ class ModelConfig:
     # fc1's pack chunk under save_factors (None: the largest power of two up to 128 dividing
     # ffn_hidden_size); see check_mlp_chunk for the impls that take one
     mlp_chunk: int | None = None
+    # "hf:PATH/config.json" or "litgpt:NAME" (--model): train that architecture instead, its
+    # MLPs patched to mlp_impl (integrations/lightning/host_model.py); the sizes above are
+    # then read from its config
+    source: str | None = None
 
     def __post_init__(self) -> None:
+        if self.source is not None:
+            from swiglu_train.integrations.lightning.host_model import host_shape
+
+            for key, value in vars(host_shape(self.source)).items():
+                setattr(self, key, value)
         if self.num_heads < 1:
             raise ValueError(f"num_heads must be at least 1, got {self.num_heads}")
         if self.hidden_size % self.num_heads:

@@ -57,7 +57,7 @@ class PretrainModule(pl.LightningModule):
             {"model": asdict(model), "optim": asdict(optim), "max_steps": max_steps}
         )
         self.model_cfg, self.optim_cfg, self.max_steps = model, optim, max_steps
-        self.model = LlamaDecoder(model)
+        self.model = LlamaDecoder(model) if model.source is None else _host_model(model)
         # What fixes the batches (corpus, batch shape, world size), stamped into checkpoints so
         # that a resume on other data can say so; run_pretrain sets it once the data is loaded.
         self.data_record: dict | None = None
@@ -132,6 +132,13 @@ class PretrainModule(pl.LightningModule):
                 f"{self.model.layers[0].mlp.impl!r} (mlp_chunk {self.model_cfg.mlp_chunk})",
                 rank=self.global_rank if rank is None else rank,
             )
+
+
+def _host_model(cfg: ModelConfig):
+    """A Hugging Face or LitGPT model (``--model``), its MLPs patched to ``cfg.mlp_impl``."""
+    from swiglu_train.integrations.lightning.host_model import build_host_model
+
+    return build_host_model(cfg.source, cfg.mlp_impl, cfg.mlp_chunk, cfg.mlp_tokens_hint)
 
 
 def _settings_for(layout: dict) -> str:

@@ -1,0 +1,106 @@
+"""pretrain --model hf:PATH / litgpt:NAME: a Hugging Face or LitGPT architecture trained by the
+same recipe (data, checkpoints, W&B offline, memory profiler), its MLPs patched to --mlp-impl."""
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from typer.testing import CliRunner
+
+from swiglu_train.cli import app
+from swiglu_train.integrations.lightning.config import PretrainConfig
+from swiglu_train.integrations.lightning.model import ModelConfig
+from swiglu_train.integrations.lightning.pretrain import run_pretrain
+from swiglu_train.ops import use_backend
+
+transformers = pytest.importorskip("transformers")
+runner = CliRunner()
+HF_KEY = "model.host.model.layers.0.mlp.{}.weight"  # PretrainModule.model.host is the HF model
+
+
+@pytest.fixture(autouse=True)
+def _offline_wandb_and_torch_math(monkeypatch):
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    with use_backend("torch"):  # training runs: plain-torch SwiGLU math, as in test_pretrain
+        yield
+
+
+@pytest.fixture
+def hf_config_json(tmp_path) -> Path:
+    config = transformers.LlamaConfig(
+        vocab_size=320, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+    )  # fmt: skip
+    config.save_pretrained(tmp_path / "llama")
+    return tmp_path / "llama" / "config.json"
+
+
+def host_config(tmp_path: Path, source: str, impl: str, steps: int = 4) -> PretrainConfig:
+    cfg = PretrainConfig(model=ModelConfig(source=source, mlp_impl=impl))
+    cfg.data.seq_length, cfg.data.micro_batch_size = 32, 2
+    cfg.train.max_steps, cfg.train.val_check_interval, cfg.train.checkpoint_every = steps, 2, 2
+    cfg.output_dir = str(tmp_path / "run")
+    return cfg
+
+
+def test_hf_model_trains_checkpoints_in_its_own_keys_and_resumes(tmp_path, hf_config_json):
+    cfg = host_config(tmp_path, f"hf:{hf_config_json}", "save_factors")
+    assert (cfg.model.hidden_size, cfg.model.ffn_hidden_size, cfg.model.num_layers) == (32, 64, 2)
+    summary = run_pretrain(cfg)
+    assert summary["mlp_impl"] == "save_factors" and summary["steps"] == 4
+    assert summary["final_loss"] < summary["initial_loss"]
+    assert summary["saved_MiB"] > 0 and Path(summary["memory_csv"]).is_file()
+    header = Path(summary["memory_csv"]).read_text().splitlines()[0]
+    assert "memory/impl/save_factors/saved_MiB" in header  # the profiler sees the patched MLPs
+    ckpt = torch.load(Path(cfg.output_dir) / "checkpoints" / "last.ckpt", weights_only=False)
+    state = ckpt["state_dict"]
+    assert {HF_KEY.format(n) for n in ("gate_proj", "up_proj", "down_proj")} <= set(state)
+    assert not any(".fc1." in key or "_extra_state" in key for key in state)
+    assert ckpt["swiglu_train"]["fc1_layout"]["kind"] == "packed"  # optimizer state's layout
+
+    longer = host_config(tmp_path, f"hf:{hf_config_json}", "save_factors", steps=6)
+    resumed = run_pretrain(longer, resume="last")
+    assert resumed["steps"] == 6
+
+
+def test_cli_trains_a_litgpt_config(tmp_path):
+    config = tmp_path / "model_config.yaml"
+    config.write_text(yaml.safe_dump({
+        "block_size": 128, "vocab_size": 320, "padded_vocab_size": 320, "n_layer": 2,
+        "n_head": 4, "n_query_groups": 2, "n_embd": 32, "intermediate_size": 64,
+        "bias": False, "norm_class_name": "RMSNorm", "mlp_class_name": "LLaMAMLP",
+    }))  # fmt: skip
+    out = tmp_path / "run"
+    args = ["pretrain", "--model", f"litgpt:{config}", "--mlp-impl", "drop_h", "--max-steps",
+            "2", "--output-dir", str(out), "--summary-json", str(out / "s.json")]  # fmt: skip
+    result = runner.invoke(app, args)
+    assert result.exit_code == 0, result.output
+    assert '"mlp_impl": "drop_h"' in (out / "s.json").read_text()
+    state = torch.load(out / "checkpoints" / "last.ckpt", weights_only=False)["state_dict"]
+    assert "model.host.transformer.h.1.mlp.fc_2.weight" in state
+
+
+@pytest.mark.parametrize(
+    ("model", "message"),
+    [
+        ("gpt:tiny", "use hf:PATH/config.json or litgpt:NAME"),
+        ("hf:/no/such/config.json", "no config.json at /no/such/config.json"),
+        ("litgpt:no-such-model", "no-such-model"),
+        ("litgpt:pythia-14m", "--mlp-impl drop_h would not apply to every MLP"),
+    ],
+)
+def test_cli_refuses_a_model_it_cannot_train_in_one_line(tmp_path, monkeypatch, capsys, model,
+                                                         message):  # fmt: skip
+    """Through the console-script entry point, which prints input errors in one line."""
+    monkeypatch.setattr(sys, "excepthook", sys.excepthook)  # Typer installs its own
+    monkeypatch.delenv("SWIGLU_TRAIN_DEBUG", raising=False)
+    with pytest.raises(SystemExit) as exit_:
+        app(args=["pretrain", "--model", model, "--output-dir", str(tmp_path / "run")],
+            prog_name="swiglu-train")  # fmt: skip
+    err = capsys.readouterr().err
+    assert exit_.value.code == 1
+    assert message in " ".join(err.split()) and "Traceback" not in err
+    assert not (tmp_path / "run").exists()  # refused before any output
