@@ -111,23 +111,34 @@ def to_markdown(rows: list[dict]) -> str:
 
 
 def plot(rows: list[dict]):
-    """After-forward and peak MiB (saved bytes off CUDA) against depth, one line per impl."""
-    import matplotlib
+    """After-forward and peak MiB (saved bytes off CUDA) against depth, one line per impl, each
+    in its own marker and width: impls of equal memory (normal and save_factors after forward)
+    would otherwise draw one line over the other."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+    from matplotlib.ticker import MaxNLocator
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from swiglu_train.memory.plots import distinct_styles
 
     on_cuda = rows[0]["after_forward_MiB"] is not None
     panels = ["after_forward_MiB", "peak_MiB"] if on_cuda else ["saved_for_backward_bytes"]
-    fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 4), squeeze=False)
-    for ax, key in zip(axes[0], panels, strict=True):
-        for impl in dict.fromkeys(r["impl"] for r in rows):
+    titles = {
+        "after_forward_MiB": "after forward (CUDA allocator)",
+        "peak_MiB": "peak over forward and backward (CUDA allocator)",
+        "saved_for_backward_bytes": "saved for backward (exact, any device)",
+    }
+    fig = Figure(figsize=(5.5 * len(panels), 4.2), layout="constrained")
+    FigureCanvasAgg(fig)
+    fig.suptitle("Activation memory of a ParMLP stack by depth")
+    impls = list(dict.fromkeys(r["impl"] for r in rows))
+    for ax, key in zip(fig.subplots(1, len(panels), squeeze=False)[0], panels, strict=True):
+        for impl, style in zip(impls, distinct_styles(len(impls)), strict=True):
             mine = [r for r in rows if r["impl"] == impl]
             scale = 2**20 if key.endswith("bytes") else 1
-            ax.plot([r["layers"] for r in mine], [r[key] / scale for r in mine], "o-", label=impl)
-        ax.set_xlabel("layers")
-        ax.set_ylabel(key.replace("_bytes", " MiB").replace("_MiB", " MiB").replace("_", " "))
+            values = [r[key] / scale for r in mine]
+            ax.plot([r["layers"] for r in mine], values, label=impl, **style)
+        ax.set(title=titles[key], xlabel="layers", ylabel="MiB")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.grid(alpha=0.3)
         ax.legend()
-    fig.tight_layout()
     return fig

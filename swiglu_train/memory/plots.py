@@ -32,17 +32,42 @@ _COLUMN_NAMES = {
     "memory/allocated_MiB": "allocated",
 }
 _DEPTH_NAMES = {"allocated_MiB": "allocated", "cumulative_saved_MiB": "cumulative saved"}
+_MARKERS = "osD^vP*Xph"
+
+
+def distinct_styles(n: int) -> list[dict]:
+    """Line styles for ``n`` series that stay apart where their values are equal (normal's and
+    save_factors' after-forward memory, say): one color and hollow marker shape per series,
+    markers and line widths shrinking with each series drawn, so the one drawn over another
+    leaves the other's wider line and larger marker showing around it."""
+    return [
+        {
+            "color": f"C{i % 10}",
+            "marker": _MARKERS[i % len(_MARKERS)],
+            "markersize": max(10 - 2 * i, 4),
+            "markerfacecolor": "none",
+            "linewidth": max(3.5 - 0.75 * i, 1.0),
+        }
+        for i in range(n)
+    ]
+
+
+def _markevery(points: int, i: int) -> tuple[int, int]:
+    """About a dozen markers on a long series, staggered per series so they do not coincide."""
+    every = max(points // 12, 1)
+    return (i % every, every)
 
 
 def plot_comparison(runs: list[MemoryRun]) -> Figure:
     """(a) memory per step, (b) along layer depth, (c) saved bytes per layer, one color per run."""
     fig = Figure(figsize=(17, 5), layout="constrained")
     FigureCanvasAgg(fig)
+    fig.suptitle("Activation memory by run: " + ", ".join(run.label for run in runs))
     per_step, depth, per_layer = fig.subplots(1, 3)
-    colors = [f"C{i % 10}" for i in range(len(runs))]
-    _plot_steps(per_step, runs, colors)
-    _plot_depth(depth, runs, colors)
-    _plot_layer_bars(per_layer, runs, colors)
+    styles = distinct_styles(len(runs))
+    _plot_steps(per_step, runs, styles)
+    _plot_depth(depth, runs, styles)
+    _plot_layer_bars(per_layer, runs, [style["color"] for style in styles])
     for ax in (per_step, depth, per_layer):
         ax.set_ylabel("MiB")
         ax.set_ylim(bottom=min(0.0, ax.get_ylim()[0]))  # differences read true against zero
@@ -55,25 +80,27 @@ def plot_comparison(runs: list[MemoryRun]) -> Figure:
     return fig
 
 
-def _plot_steps(ax, runs: list[MemoryRun], colors: list[str]) -> None:
-    """Allocator figures where the run has them (CUDA), else exact bytes saved for backward."""
-    for run, color in zip(runs, colors, strict=True):
+def _plot_steps(ax, runs: list[MemoryRun], styles: list[dict]) -> None:
+    """Allocator figures where the run has them (CUDA), else exact bytes saved for backward;
+    solid after forward, dashed peak."""
+    for i, (run, style) in enumerate(zip(runs, styles, strict=True)):
         cuda = [k for k in ("memory/after_forward_MiB", "memory/peak_MiB") if run.has(k)]
-        for key, style in zip(cuda or ["memory/saved_MiB"], ("-", "--"), strict=False):
+        for key, dashes in zip(cuda or ["memory/saved_MiB"], ("-", "--"), strict=False):
             values = run.series.get(key, [])
             points = [(s, v) for s, v in zip(run.steps, values, strict=False) if v is not None]
             if points:
                 steps, mib = zip(*points, strict=True)
-                ax.plot(steps, mib, style, color=color, label=f"{run.label} {_COLUMN_NAMES[key]}")
+                label = f"{run.label} {_COLUMN_NAMES[key]}"
+                every = _markevery(len(points), i)
+                ax.plot(steps, mib, linestyle=dashes, markevery=every, label=label, **style)
     ax.set(title="(a) per step", xlabel="step")
 
 
-def _plot_depth(ax, runs: list[MemoryRun], colors: list[str]) -> None:
-    for run, color in zip(runs, colors, strict=True):
+def _plot_depth(ax, runs: list[MemoryRun], styles: list[dict]) -> None:
+    for run, style in zip(runs, styles, strict=True):
         layers, values, field = depth_curve(run)
         if field is not None:
-            label = f"{run.label} {_DEPTH_NAMES[field]}"
-            ax.plot(layers, values, "o-", color=color, label=label)
+            ax.plot(layers, values, label=f"{run.label} {_DEPTH_NAMES[field]}", **style)
     ax.set(title="(b) along layer depth, last step", xlabel="layer")
 
 
