@@ -1,0 +1,170 @@
+"""The random-shape fuzz of every impl: a fixed-seed CPU subset (Triton interpreter) passes, its
+checker fails what it should, and scripts/fuzz_gpu.py writes its summary."""
+
+import dataclasses
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import HAS_CUDA
+
+from swiglu_train.bench import fuzz
+from swiglu_train.layers import registry
+from swiglu_train.ops import normal_mlp
+from swiglu_train.ops.quack_mlp import quack_available
+
+ROOT = Path(__file__).resolve().parents[1]
+CPU = torch.device("cpu")
+
+
+def load_script():
+    spec = importlib.util.spec_from_file_location("fuzz_gpu", ROOT / "scripts" / "fuzz_gpu.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_a_fixed_seed_cpu_fuzz_passes_and_covers_the_space():
+    impls, skipped = fuzz.available_impls(CPU)
+    assert set(skipped) == registry.QUACK_IMPLS  # no quack on a CPU
+    cases = list(fuzz.draw_cases(seed=0, count=150, impls=impls, sizes=fuzz.CPU_SIZES))
+    outcomes, stopped = fuzz.run_cases(cases, CPU)
+    failed = [f"{o.problems}: {o.case.to_json()}" for o in outcomes if o.status == "failed"]
+    assert stopped is None and not failed, "\n".join(failed)
+    assert {o.status for o in outcomes} == {"passed"}  # nothing on a CPU is due to be refused
+    assert {c.impl for c in cases} == {*registry.MLP_IMPLS, "auto"} - registry.QUACK_IMPLS
+    assert {c.dtype for c in cases} == set(fuzz.DTYPES)
+    assert {c.input_kind for c in cases} == set(fuzz.INPUT_KINDS)
+    assert (
+        {c.grad for c in cases}
+        == {c.bias for c in cases}
+        == {c.inplace for c in cases}
+        == {
+            True,
+            False,
+        }
+    )
+    assert any(c.m == 0 for c in cases) and any(len(c.lead) == 2 for c in cases)
+    assert any(c.chunk not in (None, c.f) for c in cases if c.impl == "save_factors")
+    assert any(n % 8 for c in cases for n in (c.d, c.f, c.o))
+    assert any(c.grad and not c.x_grad for c in cases)
+
+
+def drop_h_case(**changes) -> fuzz.Case:
+    case = fuzz.Case(
+        impl="drop_h", dtype="fp32", bias=True, lead=(3, 7), d=12, f=20, o=8, grad=True,
+        x_grad=True, inplace=True, input_kind="strided", chunk=None, seed=5,
+    )  # fmt: skip
+    return dataclasses.replace(case, **changes)
+
+
+def test_a_case_replays_from_its_json():
+    case = drop_h_case(lead=(0, 3), chunk=4, impl="save_factors")
+    assert fuzz.Case.from_json(case.to_json()) == case
+    assert fuzz.run_case(case, CPU).status == "passed"
+
+
+class ScaleGrad(torch.autograd.Function):
+    """Identity forward; its backward is off by 5 %."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return 1.05 * grad
+
+
+@pytest.mark.parametrize("wrong", ["y", "x"])
+def test_the_checker_fails_a_wrong_value_or_grad(monkeypatch, wrong):
+    from swiglu_train.layers.par_mlp import ParMLP
+
+    apply = ParMLP._apply_impl
+
+    def off(self, x, *params):
+        if wrong == "x":
+            return apply(self, ScaleGrad.apply(x), *params)
+        y = apply(self, x, *params)
+        return y + 1e-3 * y.detach()  # the grads stay right
+
+    monkeypatch.setattr(ParMLP, "_apply_impl", off)
+    outcome = fuzz.run_case(drop_h_case(), CPU)
+    assert outcome.status == "failed"
+    assert [p.split(":")[0] for p in outcome.problems] == [wrong]
+    assert "relative error" in outcome.problems[0]
+
+
+def test_the_checker_fails_a_drop_h_that_saves_h(monkeypatch):
+    """drop_h run as normal computes the same values, but saves [M, F] more than it claims."""
+    monkeypatch.setitem(registry._IMPLS, "drop_h", normal_mlp)
+    outcome = fuzz.run_case(drop_h_case(), CPU)
+    m, item = 21, 4
+    saved = (3 * 7 * 24 + m * 40 + m * 20) * item  # x's strided storage, preact, h
+    assert outcome.status == "failed"
+    assert outcome.problems == [
+        f"saved {saved} bytes for backward, normal {saved}: expected a difference of "
+        f"{-m * 20 * item} (-1 x [M, F] = {m * 20 * item} bytes)"
+    ]
+
+
+def test_quack_refusals_are_expected_only_where_their_kernels_cannot_run():
+    quack = drop_h_case(impl="drop_h_quack", dtype="bf16", d=16, f=32, o=8)
+    assert fuzz.expected_refusal(quack, "drop_h_quack") is None
+    assert fuzz.expected_refusal(dataclasses.replace(quack, grad=False), "drop_h_quack") is None
+    assert fuzz.expected_refusal(dataclasses.replace(quack, dtype="fp32"), "drop_h_quack") == (
+        TypeError,
+        "needs bf16 or fp16 tensors",
+    )
+    odd = dataclasses.replace(quack, o=12)
+    assert fuzz.expected_refusal(odd, "save_factors_quack") == (
+        ValueError,
+        "needs sizes that are multiples of 8",
+    )
+    assert fuzz.expected_refusal(odd, "drop_h") is None
+
+
+def test_the_script_writes_a_summary_and_replays_a_case(tmp_path, capsys):
+    script = load_script()
+    out = tmp_path / "fuzz.json"
+    assert script.main(["--device", "cpu", "--cases", "8", "--seed", "3", "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["cases"] == result["cases_requested"] == 8 and result["complete"]
+    assert result["counts"] == {"passed": 8} and result["failures"] == []
+    assert sum(sum(c.values()) for c in result["per_impl"].values()) == 8
+    assert result["device"] == "cpu" and result["gpu"] is None
+    assert result["command"].startswith("python3 scripts/fuzz_gpu.py --device cpu --cases 8")
+    assert set(result["skipped_impls"]) == registry.QUACK_IMPLS
+    capsys.readouterr()
+    assert script.main(["--device", "cpu", "--repro", drop_h_case().to_json()]) == 0
+    assert capsys.readouterr().out.startswith("passed (drop_h, ")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
+def test_a_short_gpu_fuzz_passes():
+    device = torch.device("cuda")
+    impls, _ = fuzz.available_impls(device)
+    cases = fuzz.draw_cases(seed=1, count=60, impls=impls, sizes=fuzz.GPU_SIZES)
+    outcomes, stopped = fuzz.run_cases(cases, device)
+    failed = [f"{o.problems}: {o.case.to_json()}" for o in outcomes if o.status == "failed"]
+    assert stopped is None and not failed, "\n".join(failed)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not (HAS_CUDA and quack_available()), reason="needs quack on sm_90+")
+@pytest.mark.parametrize("impl", sorted(registry.QUACK_IMPLS))
+def test_quack_impls_refuse_with_their_own_error(impl):
+    device = torch.device("cuda")
+    runs = drop_h_case(impl=impl, dtype="bf16", d=16, f=32, o=8, input_kind="contiguous")
+    for case, status in [
+        (runs, "passed"),
+        (dataclasses.replace(runs, dtype="fp32"), "refused"),
+        (dataclasses.replace(runs, d=12), "refused"),
+        (dataclasses.replace(runs, o=20), "refused"),
+        (dataclasses.replace(runs, o=20, grad=False, x_grad=False), "passed"),
+    ]:
+        outcome = fuzz.run_case(case, device)
+        assert outcome.status == status, (case, outcome.problems)
