@@ -5,13 +5,14 @@ Two ranks, four group setups: the model's TP 1 and TP 2, each with ``parallel_st
 uninitialized (how a user who manages their own groups builds) and initialized to the other TP
 size (where a fallback to the global group would build fc1 on the wrong ranks). For every impl:
 parameter shapes equal stock's, every MLP and its linears hold the collection's TP group,
-loss and grads match stock from the same weights, a canonical model's state_dict loads into
+logits, loss and grads match stock from the same weights, a canonical model's state_dict loads into
 the stock model and computes the same loss, and Megatron logs no warning about our MLP.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 from collections.abc import Iterator
 
@@ -141,11 +142,10 @@ def _user_module_spec(log: _Records) -> None:
     """A layer spec naming our classes in a ModuleSpec, as a user's own spec does: built with the
     model's group on every version. 0.18+ rewrap it into ``as_mlp_submodule`` and log that (the
     check that the log capture works); 0.16-0.17 build it as the stock MLP, without a warning."""
-    layer = get_gpt_layer_local_spec(normalization="RMSNorm")
     logged = {}
     for cls, impl in ((ParMLPMegatron, "drop_h"), (SwiGLUActivationMLP, "normal")):
-        layer.submodules.mlp = ModuleSpec(
-            module=cls, params={"impl": impl}, submodules=stock_submodules()
+        layer = with_mlp(
+            ModuleSpec(module=cls, params={"impl": impl}, submodules=stock_submodules())
         )
         log.messages.clear()
         with global_groups(None):
@@ -159,7 +159,7 @@ def _user_module_spec(log: _Records) -> None:
         class Unrecognised(MLP):
             """Any other MLP subclass, which 0.16-0.17 build on no group, with a warning."""
 
-        layer.submodules.mlp = ModuleSpec(module=Unrecognised, submodules=stock_submodules())
+        layer = with_mlp(ModuleSpec(module=Unrecognised, submodules=stock_submodules()))
         log.messages.clear()
         with global_groups(1):  # the group it falls back to
             build_gpt(swiglu_config(num_layers=1), layer, 0, collection(1))
@@ -173,6 +173,12 @@ def _user_module_spec(log: _Records) -> None:
             assert logged[cls] == [], logged
     if not BUILDER_API:
         assert any("Unknown MLP type" in m for m in logged[Unrecognised]), logged
+
+
+def with_mlp(mlp: ModuleSpec) -> ModuleSpec:
+    """Megatron's local GPT layer spec with ``mlp`` in its mlp slot (a copy: specs are shared)."""
+    layer = get_gpt_layer_local_spec(normalization="RMSNorm")
+    return dataclasses.replace(layer, submodules=dataclasses.replace(layer.submodules, mlp=mlp))
 
 
 @contextlib.contextmanager
@@ -217,15 +223,13 @@ def test_no_group_is_refused_not_guessed(one_rank_gloo) -> None:
     world = dist.group.WORLD
     own = dist.new_group([0])
     with pytest.raises(ValueError, match=r"tp_group \(ranks \[0\]\) and pg_collection\.tp \(ranks"):
-        ParMLPMegatron(config, stock_submodules(), tp_group=world, pg_collection=_pg(own))
+        ParMLPMegatron(
+            config, stock_submodules(), tp_group=world, pg_collection=ProcessGroupCollection(tp=own)
+        )
     with pytest.raises(ValueError, match="pg_collection has no tp group"):
         ParMLPMegatron(config, stock_submodules(), pg_collection=ProcessGroupCollection())
-    mlp = ParMLPMegatron(config, stock_submodules(), pg_collection=_pg(own))
+    mlp = ParMLPMegatron(config, stock_submodules(), pg_collection=ProcessGroupCollection(tp=own))
     assert mlp.tp_group is own and mlp.linear_fc1.tp_group is own
-
-
-def _pg(tp: dist.ProcessGroup) -> ProcessGroupCollection:
-    return ProcessGroupCollection(tp=tp)
 
 
 def test_wrong_fc1_shape_is_named_before_repacking(one_rank_gloo) -> None:
