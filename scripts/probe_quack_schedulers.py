@@ -22,8 +22,8 @@ SHAPES = ("11136,3584,14336", "8192,4096,14336", "8000,4096,11008", "4096,2048,8
 
 
 def gemms(m: int, d: int, f: int) -> dict:
-    """name -> {backend: callable} for each backward GEMM of drop_h_quack (and grad_w1 of
-    save_factors_quack, which runs on cuBLAS)."""
+    """name -> {backend: callable} for each backward GEMM of drop_h_quack, and
+    save_factors_quack's grad_x (fc1 packed: no concat_layout)."""
     q = require_quack()
     dt, dev = torch.bfloat16, "cuda"
     x = torch.randn(m, d, dtype=dt, device=dev)
@@ -57,6 +57,11 @@ def gemms(m: int, d: int, f: int) -> dict:
         "grad_x": {
             "static": q_gemm(False, gp, w1, concat_layout=("B",)),
             "dynamic": q_gemm(True, gp, w1, concat_layout=("B",)),
+            "cublas": lambda: gp @ w1,
+        },
+        "grad_x_packed": {  # save_factors_quack's: grad_preact and fc1 both packed, chunk 1
+            "static": q_gemm(False, gp, w1),
+            "dynamic": q_gemm(True, gp, w1),
             "cublas": lambda: gp @ w1,
         },
         "grad_w1": {
