@@ -11,7 +11,7 @@ from swiglu_train.integrations.patch import guard, hf, litgpt, torchtitan
 from swiglu_train.integrations.patch.module import PatchedSwiGLU
 from swiglu_train.integrations.patch.report import Left, PatchReport, Replaced
 from swiglu_train.integrations.patch.spec import HostSpec
-from swiglu_train.layers import check_impl_name
+from swiglu_train.layers import ParMLP, check_impl_name
 
 logger = logging.getLogger("swiglu_train.patch")
 SPECS: tuple[HostSpec, ...] = (*hf.SPECS, *litgpt.SPECS, *torchtitan.SPECS)
@@ -46,9 +46,10 @@ def patch(
         if any(name.startswith(f"{s}.") for s in skip):
             continue
         host_class = type(module).__qualname__
-        if isinstance(module, PatchedSwiGLU):
+        if isinstance(module, ParMLP):  # ours already: switch_impl changes its impl
             skip.append(name)
-            report.left.append(Left(name, host_class, f"already patched (impl {module.impl})"))
+            what = "already patched" if isinstance(module, PatchedSwiGLU) else "already a ParMLP"
+            report.left.append(Left(name, host_class, f"{what} (impl {module.impl})"))
             continue
         spec, reason = _recognize(module)
         if spec is not None and reason is None:
