@@ -66,7 +66,7 @@ def quick_autotune() -> int:
     for info in pkgutil.iter_modules(kernels.__path__, f"{kernels.__name__}."):
         try:
             module = importlib.import_module(info.name)
-        except ImportError:  # a kernel module for an absent optional package (quack)
+        except Exception:  # a kernel module of an optional package absent or broken here (quack)
             continue
         for obj in vars(module).values():
             if isinstance(obj, Autotuner):
@@ -124,7 +124,8 @@ def main(argv: list[str] | None = None) -> int:
         if done[0] % 100 == 0:
             print(f"[{done[0]}/{args.cases}] {time.perf_counter() - start:.0f} s")
 
-    cases = fuzz.draw_cases(args.seed, args.cases, impls, sizes)
+    points = fuzz.auto_table_points(device) if "auto" in impls else []
+    cases = fuzz.draw_cases(args.seed, args.cases, impls, sizes, points)
     outcomes, stopped = fuzz.run_cases(cases, device, progress, args.max_seconds)
     result = {
         "schema": 1,
@@ -144,6 +145,7 @@ def main(argv: list[str] | None = None) -> int:
         "autotune": f"quick ({tuned} autotuners time 2 ms per config)" if tuned else "triton's",
         "tolerance": fuzz.TOLERANCE,
         "sizes": vars(sizes),
+        "auto_table_points": points,
         **fuzz.summary(outcomes, repro),
     }  # fmt: skip
     counts = result["counts"]

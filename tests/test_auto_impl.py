@@ -297,3 +297,35 @@ def test_auto_on_this_gpu_resolves_from_its_packaged_table():
     x = torch.randn(64, 3584, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     mlp(x).sum().backward()
     assert x.grad is not None and torch.isfinite(x.grad).all()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_quack_impl_auto_picked_runs_an_fp32_model_through_its_portable_twin():
+    """The bf16 table resolves fp32 models too; one trained without autocast ran its fp32
+    forward into quack's 'needs bf16 or fp16' TypeError (scripts/fuzz_gpu.py's table cases)."""
+    from helpers import TOLERANCE, reference_outputs, rel_err, run_outputs
+
+    from swiglu_train.layers.registry import QUACK_IMPLS
+    from swiglu_train.ops.quack_mlp import quack_available
+
+    if not quack_available():
+        pytest.skip("quack does not run here")
+    table = auto.packaged_table(auto.gpu_family(torch.cuda.get_device_name()))
+    picks = [] if table is None else [
+        (p.dims, auto.resolve_auto(p.M, p.D, p.F, "cuda").impl) for p in table.points
+    ]  # fmt: skip
+    quack_picks = [(dims, i) for dims, i in picks if i in QUACK_IMPLS]
+    (m, d, f), impl = min(quack_picks, default=((0, 0, 0), None))
+    if not impl:
+        pytest.skip("auto picks no quack impl on this GPU's table")
+    mlp = ParMLP(d, f, impl="auto", tokens_hint=m, device="cuda", dtype=torch.float32)
+    assert mlp.impl == impl
+    x, grad_y = torch.randn(61, d, device="cuda"), torch.randn(61, d, device="cuda")
+    expected = reference_outputs(mlp, x, grad_y)
+    actual = run_outputs(mlp, x, grad_y)
+    for name in expected:
+        assert rel_err(actual[name], expected[name]) < TOLERANCE[torch.float32], name
+    named = ParMLP(64, 128, impl=impl, device="cuda")  # named explicitly, it still refuses
+    with pytest.raises(TypeError, match="needs bf16 or fp16 tensors"):
+        named(torch.randn(5, 64, device="cuda", requires_grad=True))

@@ -52,6 +52,17 @@ def test_a_fixed_seed_cpu_fuzz_passes_and_covers_the_space():
     assert any(c.grad and not c.x_grad for c in cases)
 
 
+def test_some_auto_cases_are_drawn_at_the_crossover_table_s_points():
+    """There auto picks from measurements (quack's impls among them), not its fallback; O is
+    D or D + 4, which quack's kernels cannot take."""
+    points = [(2048, 2048, 5632), (4096, 2048, 5632)]
+    cases = list(fuzz.draw_cases(0, 200, ["normal", "auto"], fuzz.GPU_SIZES, points, 0.25))
+    at_points = [c for c in cases if (c.m, c.d, c.f) in points]
+    assert 20 < len(at_points) < 80 and all(c.impl == "auto" for c in at_points)
+    assert {c.o - c.d for c in at_points} == {0, 4}
+    assert fuzz.auto_table_points(CPU) == []  # auto falls back off CUDA: no points to aim at
+
+
 def drop_h_case(**changes) -> fuzz.Case:
     case = fuzz.Case(
         impl="drop_h", dtype="fp32", bias=True, lead=(3, 7), d=12, f=20, o=8, grad=True,

@@ -18,6 +18,7 @@ suite runs a fixed-seed few on the CPU, in the Triton interpreter.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import random
@@ -29,7 +30,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 import torch.nn.functional as F
 
-from swiglu_train.layers import ParMLP
+from swiglu_train.layers import ParMLP, auto
 from swiglu_train.layers.layout import CANONICAL, relayout
 from swiglu_train.layers.registry import AUTO, MLP_IMPLS, QUACK_IMPLS
 from swiglu_train.memory import SavedTensorCounter
@@ -122,11 +123,36 @@ def available_impls(device: torch.device) -> tuple[list[str], dict[str, str]]:
     return [n for n in (*MLP_IMPLS, AUTO) if n not in skipped], skipped
 
 
-def draw_cases(seed: int, count: int, impls: list[str], sizes: Sizes) -> Iterator[Case]:
-    """``count`` cases from ``seed``, each with its own seed."""
+def auto_table_points(device: torch.device, limit: int = 1 << 25) -> list[tuple[int, int, int]]:
+    """(M, D, F) of the points of this GPU's crossover table with M * max(D, F) <= ``limit``:
+    where ``auto`` picks from measurements (quack's impls among them), not the fallback."""
+    if device.type != "cuda":
+        return []
+    table = auto.packaged_table(auto.gpu_family(auto.target_device_name(device)))
+    points = [] if table is None else [p.dims for p in table.points]
+    return sorted(p for p in points if p[0] * max(p[1:]) <= limit)
+
+
+def draw_cases(
+    seed: int,
+    count: int,
+    impls: list[str],
+    sizes: Sizes,
+    table_points: list[tuple[int, int, int]] = (),
+    table_share: float = 0.03,
+) -> Iterator[Case]:
+    """``count`` cases from ``seed``, each with its own seed; ``table_share`` of them ``auto``
+    at one of ``table_points`` (when any), D and F as measured and O = D or D + 4 (which
+    quack's kernels cannot take)."""
     rng = random.Random(seed)
     for _ in range(count):
-        yield draw_case(rng, impls, sizes)
+        case = draw_case(rng, impls, sizes)
+        if table_points and AUTO in impls and rng.random() < table_share:
+            m, d, f = rng.choice(table_points)
+            lead = (m,) if rng.random() < 0.5 else _split(rng, m)
+            o = d + rng.choice((0, 4))
+            case = dataclasses.replace(case, impl=AUTO, lead=lead, d=d, f=f, o=o, chunk=None)
+        yield case
 
 
 def draw_case(rng: random.Random, impls: list[str], sizes: Sizes) -> Case:
@@ -140,8 +166,9 @@ def draw_case(rng: random.Random, impls: list[str], sizes: Sizes) -> Case:
     if rng.random() < 0.4:
         lead = _split(rng, m)
     grad = rng.random() < 0.7
-    divisors = [c for c in range(1, f + 1) if f % c == 0]
-    chunk = rng.choice(divisors) if impl == "save_factors" and rng.random() < 0.5 else None
+    chunk = None  # save_factors' default: the largest power of two up to 128 dividing F
+    if impl == "save_factors" and rng.random() < 0.5:
+        chunk = rng.choice(_chunks(f))
     return Case(
         impl=impl,
         dtype=rng.choice(list(DTYPES)),
@@ -157,6 +184,13 @@ def draw_case(rng: random.Random, impls: list[str], sizes: Sizes) -> Case:
         chunk=chunk,
         seed=rng.randrange(1 << 31),
     )
+
+
+def _chunks(f: int) -> list[int]:
+    """Pack chunks to try for F: the powers of two dividing it, F itself and its largest odd
+    divisor; not every divisor, as each chunk compiles its own kernels on a GPU."""
+    odd = f // (f & -f)
+    return sorted({c for c in (1, 2, 4, 8, 16, 32, 64, 128) if f % c == 0} | {f, odd})
 
 
 def _log_uniform(rng: random.Random, top: int) -> int:

@@ -26,6 +26,8 @@ from swiglu_train.layers.registry import (
     AUTO,
     FIXED_CHUNKS,
     PACKED_IMPLS,
+    QUACK_IMPLS,
+    MLPFunction,
     check_impl_name,
     get_impl,
     packed_chunk,
@@ -37,6 +39,7 @@ from swiglu_train.ops.inference import (
     swiglu_mlp_torch,
     transforms_need_torch,
 )
+from swiglu_train.ops.quack_mlp import QUACK_DTYPES
 
 STAMP_KEY = "_extra_state"  # a packed ParMLP's state_dict entry: {"fc1_layout": {...}}
 
@@ -58,6 +61,9 @@ class ParMLP(nn.Module, CheckedLoad):
     family at ``tokens_hint`` (tokens per micro-batch); see ``swiglu_train.layers.auto`` for
     the rule, the drop_h fallback and why it cannot change per forward. ``impl`` then names
     the impl chosen and ``auto_reason`` says why (None when the impl was named explicitly).
+    The table is measured in bf16 and resolves fp32 models too (trained under autocast, they
+    run bf16): a quack impl auto picked runs its portable twin (same fc1 layout, same saved
+    tensors) on fp32 inputs, which quack's kernels cannot take; named explicitly, it refuses.
     """
 
     def __init__(
@@ -188,10 +194,18 @@ class ParMLP(nn.Module, CheckedLoad):
             y = swiglu_mlp_torch(x2d, *params, chunk=self.fc1_layout.chunk)
         elif grad_needed(x, *params):
             packed = {"chunk": self.fc1_layout.chunk} if self.fc1_layout.packed else {}
-            y = self._mlp_function(x2d, *params, inplace=self.inplace, **packed)
+            function = self._function_for(x.dtype)
+            y = function(x2d, *params, inplace=self.inplace, **packed)
         else:  # eval, generation: every impl computes the same y, and nothing need be saved
             y = swiglu_mlp_inference(x2d, *params, chunk=self.fc1_layout.chunk)
         return y.view(*x.shape[:-1], y.shape[-1])
+
+    def _function_for(self, dtype: torch.dtype) -> MLPFunction:
+        """The impl's autograd function, or for a quack impl ``auto`` picked, its portable twin
+        on a dtype quack's kernels cannot take."""
+        if self.auto_reason is None or self._impl not in QUACK_IMPLS or dtype in QUACK_DTYPES:
+            return self._mlp_function
+        return get_impl(self._impl.removesuffix("_quack"))
 
     def _check_input(self, x: torch.Tensor) -> None:
         if not x.is_floating_point():
