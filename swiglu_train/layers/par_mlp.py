@@ -29,6 +29,7 @@ from swiglu_train.layers.registry import (
     QUACK_IMPLS,
     MLPFunction,
     check_impl_name,
+    check_saved_fp8,
     get_impl,
     packed_chunk,
 )
@@ -64,6 +65,10 @@ class ParMLP(nn.Module, CheckedLoad):
     The table is measured in bf16 and resolves fp32 models too (trained under autocast, they
     run bf16): a quack impl auto picked runs its portable twin (same fc1 layout, same saved
     tensors) on fp32 inputs, which quack's kernels cannot take; named explicitly, it refuses.
+
+    ``saved_fp8=True`` (``drop_h`` only) keeps the saved preactivation as e4m3 with per-block
+    scales, about half the bytes (``ops.fp8_saved``: format, measured errors); y is unchanged,
+    gradients carry e4m3's rounding. Parameters and state_dict are the same either way.
     """
 
     def __init__(
@@ -78,6 +83,7 @@ class ParMLP(nn.Module, CheckedLoad):
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
         tokens_hint: int | None = None,
+        saved_fp8: bool = False,
     ) -> None:
         super().__init__()
         output_size = hidden_size if output_size is None else output_size
@@ -87,6 +93,7 @@ class ParMLP(nn.Module, CheckedLoad):
                 f"ffn_hidden_size={ffn_hidden_size}, output_size={output_size}"
             )
         check_impl_name(impl)
+        check_saved_fp8(impl, saved_fp8)  # auto too: it may pick an impl without FP8
         if impl in FIXED_CHUNKS:  # a chunk named with it must be its own
             packed_chunk(impl, chunk, ffn_hidden_size)
         elif chunk is not None:  # save_factors' chunk: refused now, not at a later switch
@@ -102,6 +109,7 @@ class ParMLP(nn.Module, CheckedLoad):
         self.inplace = inplace
         self.chunk = chunk  # None: each packed impl's default
         self.fc1_layout = CANONICAL
+        self._saved_fp8 = saved_fp8
         self.set_impl(auto.impl if auto else impl)
         self.auto_reason = auto.reason if auto else None
         self._register_state_dict_hook(_stamp_layout)
@@ -113,7 +121,7 @@ class ParMLP(nn.Module, CheckedLoad):
 
     @impl.setter
     def impl(self, name: str) -> None:
-        get_impl(name)  # an unknown name (or 'auto') fails before any layout talk
+        get_impl(name, self._saved_fp8)  # an unknown name (or 'auto') fails before layout talk
         if self._layout_for(name) != self.fc1_layout:
             raise ValueError(
                 f"switching ParMLP from {self._impl!r} to {name!r} repacks fc1 "
@@ -129,7 +137,7 @@ class ParMLP(nn.Module, CheckedLoad):
         Returns the row index applied (``new = old[index]``) or None, so that callers can move
         per-element optimizer state the same way.
         """
-        function, target = get_impl(name), self._layout_for(name)
+        function, target = get_impl(name, self._saved_fp8), self._layout_for(name)
         index = self.layout_change(name)
         if index is not None:
             with torch.no_grad():
@@ -143,7 +151,7 @@ class ParMLP(nn.Module, CheckedLoad):
     def layout_change(self, name: str) -> torch.Tensor | None:
         """The row index switching to ``name`` would apply to fc1 (None: same layout), changing
         nothing: callers check a whole model's switch before making any of it."""
-        get_impl(name)  # an unknown name is refused here, not half-way through a switch
+        get_impl(name, self._saved_fp8)  # refused here, not half-way through a switch
         target = self._layout_for(name)
         _refuse_parametrized_relayout(self, self.fc1_layout, target)
         return order(self.fc1.out_features, self.fc1_layout, target)
@@ -153,6 +161,16 @@ class ParMLP(nn.Module, CheckedLoad):
             return CANONICAL
         chunk = None if name in FIXED_CHUNKS else self.chunk  # ``chunk`` is save_factors'
         return Layout("packed", packed_chunk(name, chunk, self.fc2.in_features))
+
+    @property
+    def saved_fp8(self) -> bool:
+        """Whether the preactivation saved for backward is stored in FP8 (``drop_h`` only)."""
+        return self._saved_fp8
+
+    @saved_fp8.setter
+    def saved_fp8(self, on: bool) -> None:
+        self._mlp_function = get_impl(self._impl, on)
+        self._saved_fp8 = on
 
     @property
     def hidden_size(self) -> int:
@@ -253,7 +271,10 @@ class ParMLP(nn.Module, CheckedLoad):
 
     def extra_repr(self) -> str:
         chosen = " (auto)" if self.auto_reason is not None else ""
-        return f"impl={self.impl!r}{chosen}, inplace={self.inplace}, fc1_layout={self.fc1_layout}"
+        fp8 = ", saved_fp8=True" if self.saved_fp8 else ""
+        return (
+            f"impl={self.impl!r}{chosen}{fp8}, inplace={self.inplace}, fc1_layout={self.fc1_layout}"
+        )
 
 
 def _stamp_layout(module: ParMLP, state_dict: dict, prefix: str, local_metadata) -> None:

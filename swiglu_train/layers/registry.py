@@ -10,6 +10,7 @@ import torch
 
 from swiglu_train.layers.layout import Layout
 from swiglu_train.ops import drop_h_mlp, normal_mlp, save_factors_mlp
+from swiglu_train.ops.fp8_saved import drop_h_fp8_mlp
 from swiglu_train.ops.quack_mlp import drop_h_quack_mlp, require_quack
 from swiglu_train.ops.quack_save_factors import CHUNK as QUACK_PAIR_CHUNK
 from swiglu_train.ops.quack_save_factors import save_factors_quack_mlp
@@ -32,6 +33,17 @@ QUACK_IMPLS: frozenset[str] = frozenset({"drop_h_quack", "save_factors_quack"})
 PORTABLE_IMPLS: tuple[str, ...] = tuple(n for n in MLP_IMPLS if n not in QUACK_IMPLS)
 AUTO = "auto"  # not a function: ParMLP resolves it to one of MLP_IMPLS when built (layers/auto)
 IMPL_CHOICES: tuple[str, ...] = (*MLP_IMPLS, AUTO)  # what a user may ask a ParMLP for
+# saved_fp8=True: the impls that store their saved preactivation in FP8, and why the others don't
+SAVED_FP8_IMPLS: dict[str, MLPFunction] = {"drop_h": drop_h_fp8_mlp}
+_NO_SAVED_FP8 = {
+    "normal": "it saves h (fc2's input) as well as the preactivation, and only the "
+    "preactivation has an FP8 copy",
+    "save_factors": "it saves the SwiGLU factors, whose accuracy in FP8 is not measured",
+    "save_factors_quack": "it saves the SwiGLU factors, whose accuracy in FP8 is not measured",
+    "drop_h_quack": "it is not implemented yet for the quack impls (their GEMM epilogues would "
+    "have to write and read the FP8 copy)",
+    AUTO: "auto may pick an impl that cannot store it; name impl 'drop_h'",
+}
 
 
 def check_impl_name(name: str) -> None:
@@ -78,12 +90,27 @@ def impls_for_layout(layout: Layout) -> tuple[str, ...]:
     )
 
 
-def get_impl(name: str) -> MLPFunction:
-    """The MLP function for a concrete impl name, or a ValueError that lists the valid names.
+def check_saved_fp8(name: str, saved_fp8: bool = True) -> None:
+    """Refuse ``saved_fp8`` (a bool) for an impl that cannot store its saved tensors in FP8,
+    with the reason; names that are no impl at all are left to the impl checks."""
+    if not isinstance(saved_fp8, bool):
+        raise TypeError(f"saved_fp8 must be True or False, got {saved_fp8!r}")
+    if saved_fp8 and name in _NO_SAVED_FP8:
+        raise ValueError(
+            f"saved_fp8=True is for impl 'drop_h' only, not {name!r}: {_NO_SAVED_FP8[name]}"
+        )
+
+
+def get_impl(name: str, saved_fp8: bool = False) -> MLPFunction:
+    """The MLP function for a concrete impl name (its FP8-saving variant with ``saved_fp8``),
+    or a ValueError that lists the valid names or says why the impl has no FP8 variant.
 
     A quack impl also needs quack itself: an ImportError says so here, when a model is built,
     rather than at its first forward.
     """
+    check_saved_fp8(name, saved_fp8)
+    if saved_fp8 and name in SAVED_FP8_IMPLS:
+        return SAVED_FP8_IMPLS[name]
     if name in QUACK_IMPLS:
         require_quack()
     try:

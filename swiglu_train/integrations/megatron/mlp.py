@@ -61,6 +61,7 @@ from swiglu_train.layers.registry import (
     FIXED_CHUNKS,
     MLP_IMPLS,
     PACKED_IMPLS,
+    check_saved_fp8,
     get_impl,
     packed_chunk,
 )
@@ -160,6 +161,7 @@ class ParMLPMegatron(MLP, metaclass=MLPDispatch):
 
     ``bias_activation_fusion`` is ignored: our impl replaces that path whatever its value.
     ``inplace=False`` lets a ``drop_h`` or ``save_factors`` graph be backpropagated twice.
+    ``saved_fp8=True`` (``drop_h`` only) saves the preactivation in FP8, as ParMLP's does.
     ``chunk`` is the packed layout's chunk under ``save_factors``; it must divide this rank's
     ffn size F/tp (default: ``gcd(F/tp, 128)``). ``save_factors_quack`` packs with chunk 1.
     The TP group comes from ``pg_collection`` or ``tp_group`` (see :func:`resolve_tp_group`).
@@ -182,12 +184,14 @@ class ParMLPMegatron(MLP, metaclass=MLPDispatch):
         impl: str | None = None,
         inplace: bool = True,
         chunk: int | None = None,
+        saved_fp8: bool = False,
     ) -> None:
         impl = self.DEFAULT_IMPL if impl is None else impl
         check_config(config, is_expert, own_gemms=self.OWN_GEMMS)
         self._check_linears(submodules)
         self.validate_impl(impl)  # before any weight is allocated
         check_chunk(impl, chunk)
+        check_saved_fp8(impl, saved_fp8)
         tp_group = resolve_tp_group(tp_group, pg_collection, type(self).__name__, self.OWN_GEMMS)
         optional = {"pg_collection": pg_collection, "name": name, "is_mtp_layer": is_mtp_layer}
         super().__init__(
@@ -200,6 +204,7 @@ class ParMLPMegatron(MLP, metaclass=MLPDispatch):
             **{k: v for k, v in optional.items() if k in _BASE_INIT_PARAMS},
         )
         self.inplace = inplace
+        self.saved_fp8 = saved_fp8
         self.fc1_layout = self._pack_fc1(impl, chunk)
         self.impl = impl
         self._register_state_dict_hook(stamp_packed)
@@ -232,6 +237,7 @@ class ParMLPMegatron(MLP, metaclass=MLPDispatch):
         impl: str | None = None,
         inplace: bool = True,
         chunk: int | None = None,
+        saved_fp8: bool = False,
     ) -> ParMLPMegatron:
         """The MLP builder that megatron-core >= 0.18 TransformerLayers call for their mlp slot,
         with the model's ``pg_collection`` (0.16-0.17 build a ModuleSpec instead and pass its
@@ -249,6 +255,7 @@ class ParMLPMegatron(MLP, metaclass=MLPDispatch):
             impl=impl,
             inplace=inplace,
             chunk=chunk,
+            saved_fp8=saved_fp8,
         )
 
     def sharded_state_dict(
@@ -334,7 +341,7 @@ class ParMLPMegatron(MLP, metaclass=MLPDispatch):
                 f"{needed}. Build the model with this impl and load a checkpoint (dist-ckpt or "
                 "state_dict) instead"
             )
-        self._mlp_function = get_impl(name)
+        self._mlp_function = get_impl(name, self.saved_fp8)
         self._impl = name
 
     def _layout_for(self, impl: str, chunk: int | None) -> Layout:
@@ -364,7 +371,8 @@ class ParMLPMegatron(MLP, metaclass=MLPDispatch):
                 )
 
     def extra_repr(self) -> str:
-        return f"impl={self.impl!r}, inplace={self.inplace}, fc1_layout={self.fc1_layout}"
+        fp8 = ", saved_fp8=True" if self.saved_fp8 else ""
+        return f"impl={self.impl!r}{fp8}, inplace={self.inplace}, fc1_layout={self.fc1_layout}"
 
 
 def _run_forward_pre_hooks(linear: torch.nn.Module, hidden_states: torch.Tensor) -> None:

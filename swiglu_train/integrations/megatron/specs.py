@@ -26,6 +26,7 @@ from megatron.core.transformer.transformer_layer import TransformerLayerSubmodul
 
 from swiglu_train.integrations.megatron.activation_mlp import SwiGLUActivationMLP
 from swiglu_train.integrations.megatron.mlp import ParMLPMegatron, check_chunk, check_impl
+from swiglu_train.layers.registry import check_saved_fp8
 
 if TYPE_CHECKING:
     from megatron.core.extensions.transformer_engine_spec_provider import TESpecProvider
@@ -77,10 +78,12 @@ def mlp_spec(
     inplace: bool = True,
     backend: str = "local",
     chunk: int | None = None,
+    saved_fp8: bool = False,
 ) -> ModuleSpec | Callable[..., ParMLPMegatron]:
     """The MLP submodule alone, for any TransformerLayer-like spec (``submodules.mlp``).
 
     ``chunk``: the packed layout's chunk under ``save_factors`` (see ParMLPMegatron).
+    ``saved_fp8``: ``drop_h``'s saved preactivation in FP8 (``swiglu_train.ops.fp8_saved``).
     megatron-core < 0.18 builds that slot from a ModuleSpec (which TransformerLayer passes the
     model's TP group to, as our class compares equal to ``MLP``); 0.18+ calls a builder
     (``MLP.as_mlp_submodule`` bound to its submodules) with the model's ``pg_collection``.
@@ -88,7 +91,8 @@ def mlp_spec(
     """
     module, submodules = _mlp_module(mlp_impl, backend)
     check_chunk(mlp_impl, chunk)
-    params = {"impl": mlp_impl, "inplace": inplace, "chunk": chunk}
+    check_saved_fp8(mlp_impl, saved_fp8)
+    params = {"impl": mlp_impl, "inplace": inplace, "chunk": chunk, "saved_fp8": saved_fp8}
     if BUILDER_API:
         return partial(module.as_mlp_submodule, submodules=submodules, **params)
     return ModuleSpec(module=module, params=params, submodules=submodules)
@@ -101,6 +105,7 @@ def get_gpt_layer_spec(
     qk_layernorm: bool = False,
     inplace: bool = True,
     chunk: int | None = None,
+    saved_fp8: bool = False,
 ) -> ModuleSpec:
     """Megatron's GPT TransformerLayer spec for ``backend`` with our MLP, for
     ``GPTModel(..., spec)``.
@@ -108,7 +113,7 @@ def get_gpt_layer_spec(
     ``backend="te"`` (impl ``normal`` only) takes Megatron's TE spec, whose norms follow
     ``config.normalization``: ``normalization`` applies to the local spec only.
     """
-    mlp = mlp_spec(mlp_impl, inplace, backend, chunk)
+    mlp = mlp_spec(mlp_impl, inplace, backend, chunk, saved_fp8)
     if backend == "te":
         layer = get_gpt_layer_with_transformer_engine_spec(qk_layernorm=qk_layernorm)
     else:
@@ -117,7 +122,11 @@ def get_gpt_layer_spec(
 
 
 def get_mlp_layer_spec(
-    mlp_impl: str = "drop_h", backend: str = "local", inplace: bool = True, chunk: int | None = None
+    mlp_impl: str = "drop_h",
+    backend: str = "local",
+    inplace: bool = True,
+    chunk: int | None = None,
+    saved_fp8: bool = False,
 ) -> ModuleSpec:
     """A HybridModel/Mamba-stack ``mlp_layer`` (``MLPLayer``) with a pre-MLP RMSNorm and our MLP
     (with ``backend="te"`` the norm is fc1's own, as in Megatron's TE hybrid spec).
@@ -126,7 +135,7 @@ def get_mlp_layer_spec(
     """
     from megatron.core.ssm.mlp_layer import MLPLayer
 
-    mlp = mlp_spec(mlp_impl, inplace, backend, chunk)
+    mlp = mlp_spec(mlp_impl, inplace, backend, chunk, saved_fp8)
     norm = {}
     if backend != "te":  # TE's fc1 norms its own input
         norm["pre_mlp_layernorm"] = LocalSpecProvider().layer_norm(rms_norm=True)

@@ -1,0 +1,136 @@
+"""What storing drop_h's saved preactivation in FP8 costs in accuracy, measured on CPU.
+
+For each shape (M, D, F) and kind of input, bf16 x, W1, W2 and grad_y, and the relative
+(Frobenius) error of y, grad_x, grad_W1 and grad_W2 against float64 math on the same values:
+  bf16      ParMLP(impl="drop_h"): the preactivation saved in bf16
+  fp8       ParMLP(impl="drop_h", saved_fp8=True): e4m3, one scale per row per 128 columns
+  fp8_row   for comparison: e4m3 with one scale per row per half (block = F)
+  e5m2      for comparison: e5m2 with the 128-column blocks
+The comparison formats recompute backward by the same math as ``ops.fp8_saved.recompute``,
+checked to give fp8's gradients bit for bit when given fp8's format.
+
+Inputs: "normal" (x, grad_y ~ N(0, 1), weights scaled to unit preactivations); "outlier
+features" (8 random gate and up rows of W1 x 50, so 8 columns of the preactivation are 50x
+the rest, the way a few channels dominate in LLMs); "outlier tokens" (8 rows of x x 30).
+
+    python scripts/measure_fp8_saved.py --json benchmarks/results/fp8_saved_errors_cpu.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+
+import torch
+import torch.nn.functional as F
+
+from swiglu_train import ParMLP
+from swiglu_train.files import write_json_atomic
+from swiglu_train.ops import reference
+from swiglu_train.ops.activation import use_backend
+from swiglu_train.ops.fp8_saved import recompute_from
+
+SHAPES = ((512, 256, 704), (1024, 512, 1408), (768, 384, 1000))  # 1000: a partial block
+KINDS = ("normal", "outlier features", "outlier tokens")
+OUTPUTS = ("y", "grad_x", "grad_W1", "grad_W2")
+
+
+def inputs(m: int, d: int, f: int, kind: str, seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, d, generator=g)
+    w1 = torch.randn(2 * f, d, generator=g) / d**0.5
+    w2 = torch.randn(d, f, generator=g) / f**0.5
+    if kind == "outlier features":
+        rows = torch.randperm(2 * f, generator=g)[:8]
+        w1[rows] *= 50
+    elif kind == "outlier tokens":
+        x[torch.randperm(m, generator=g)[:8]] *= 30
+    grad_y = torch.randn(m, d, generator=g)
+    return {k: v.bfloat16() for k, v in {"x": x, "w1": w1, "w2": w2, "grad_y": grad_y}.items()}
+
+
+def float64_reference(t: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    x, w1, w2 = (t[k].double().requires_grad_() for k in ("x", "w1", "w2"))
+    y = reference.mlp(x, w1, None, w2, None)
+    y.backward(t["grad_y"].double())
+    return {"y": y.detach(), "grad_x": x.grad, "grad_W1": w1.grad, "grad_W2": w2.grad}
+
+
+def par_mlp(t: dict[str, torch.Tensor], saved_fp8: bool) -> dict[str, torch.Tensor]:
+    d, f = t["x"].shape[1], t["w2"].shape[1]
+    mlp = ParMLP(d, f, impl="drop_h", saved_fp8=saved_fp8, dtype=torch.bfloat16)
+    with torch.no_grad():
+        mlp.fc1.weight.copy_(t["w1"])
+        mlp.fc2.weight.copy_(t["w2"])
+    x = t["x"].clone().requires_grad_()
+    with use_backend("torch"):
+        y = mlp(x)
+        y.backward(t["grad_y"])
+    return {"y": y.detach(), "grad_x": x.grad, "grad_W1": mlp.fc1.weight.grad,
+            "grad_W2": mlp.fc2.weight.grad}  # fmt: skip
+
+
+def block_quantize(
+    preact: torch.Tensor, block: int, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(values, scales) in ``ops.fp8_saved.quantize``'s layout for any block and FP8 dtype."""
+    m, f = preact.shape[0], preact.shape[1] // 2
+    nb, top = -(-f // block), torch.finfo(dtype).max
+    blocks = F.pad(preact.float().view(m, 2, f), (0, nb * block - f)).view(m, 2, nb, block)
+    amax = blocks.abs().amax(-1, keepdim=True).clamp_min(top * 2.0**-126)
+    tops = torch.full_like(amax, top)
+    q = (blocks * (tops / amax)).clamp(-top, top).view(m, 2, nb * block)[..., :f]
+    return q.reshape(m, 2 * f).to(dtype), (amax / tops).view(m, 2 * nb)
+
+
+def with_format(t: dict[str, torch.Tensor], block: int, dtype: torch.dtype) -> dict:
+    """drop_h whose saved preactivation goes through ``block_quantize``."""
+    x, w1, w2, grad_y = t["x"], t["w1"], t["w2"], t["grad_y"]
+    preact = F.linear(x, w1)
+    y = F.linear(reference.swiglu(preact), w2)
+    q, scales = block_quantize(preact, block, dtype)
+    values = q.float().view(q.shape[0], 2, -1)
+    per_column = scales.view(q.shape[0], 2, -1).repeat_interleave(block, -1)[..., : values.shape[2]]
+    h, grad_preact = recompute_from((values * per_column).view_as(preact), grad_y @ w2)
+    return {"y": y, "grad_x": grad_preact @ w1, "grad_W1": grad_preact.t() @ x,
+            "grad_W2": grad_y.t() @ h}  # fmt: skip
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.double() - b).norm() / b.norm()).item()
+
+
+def measure(shapes, kinds, seed: int) -> list[dict]:
+    rows = []
+    for m, d, f in shapes:
+        for kind in kinds:
+            t = inputs(m, d, f, kind, seed)
+            ref = float64_reference(t)
+            runs = {"bf16": par_mlp(t, False), "fp8": par_mlp(t, True)}
+            check = with_format(t, 128, torch.float8_e4m3fn)
+            for key in OUTPUTS:  # the comparison path is fp8's own math
+                assert torch.equal(check[key], runs["fp8"][key]), key
+            runs["fp8_row"] = with_format(t, f, torch.float8_e4m3fn)
+            runs["e5m2"] = with_format(t, 128, torch.float8_e5m2)
+            for name, got in runs.items():
+                errors = {key: rel(got[key], ref[key]) for key in OUTPUTS}
+                rows.append({"M": m, "D": d, "F": f, "input": kind, "format": name, **errors})
+                print(f"{m}x{d}x{f} {kind:16} {name:8}",
+                      " ".join(f"{k} {v:.2e}" for k, v in errors.items()), flush=True)  # fmt: skip
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--json", help="write the rows here")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    rows = measure(SHAPES, KINDS, args.seed)
+    if args.json:
+        command = f"python scripts/measure_fp8_saved.py --seed {args.seed} --json {args.json}"
+        about = {"command": command, "torch": torch.__version__, "machine": platform.machine()}
+        write_json_atomic(args.json, {**about, "seed": args.seed, "rows": rows})
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,33 @@
+"""The FP8 format of drop_h's saved preactivation: constants shared by the kernels and ops.
+
+A [M, 2F] preactivation is stored as float8_e4m3fn values [M, 2F] plus fp32 scales
+[M, 2 * n_blocks(F)]. Each half (gate, up) of each row is cut into blocks of ``BLOCK``
+columns; the last block of a half is partial when F % BLOCK != 0, and no block straddles the
+gate/up boundary. Scale column ``b`` is gate block ``b`` and column ``n_blocks(F) + b`` is up
+block ``b``. Why this format, and what it costs: ``swiglu_train.ops.fp8_saved``.
+
+No Triton here, so the plain-torch path imports it where Triton is absent.
+"""
+
+from __future__ import annotations
+
+import torch
+
+BLOCK = 128  # columns per scale (DeepSeek-V3's 1x128 activation tiles)
+E4M3_MAX = 448.0  # largest finite float8_e4m3fn
+# A block's amax is raised to this before the scale is taken: 448 / amax stays finite and the
+# scale amax / 448 a normal fp32 (2**-126), so an all-zero or all-subnormal block never divides
+# by zero or makes 0 * inf; its values still come back to within the block's rounding.
+MIN_AMAX = E4M3_MAX * 2.0**-126
+FP8_DTYPE = torch.float8_e4m3fn
+SCALE_DTYPE = torch.float32
+
+
+def n_blocks(ffn: int) -> int:
+    """Scale blocks per half of a row (the last one partial when BLOCK does not divide F)."""
+    return -(-ffn // BLOCK)
+
+
+def saved_shapes(m: int, ffn: int) -> tuple[tuple[int, int], tuple[int, int]]:
+    """Shapes of the FP8 values and of their scales for a [m, 2 * ffn] preactivation."""
+    return (m, 2 * ffn), (m, 2 * n_blocks(ffn))

@@ -1,0 +1,225 @@
+"""Triton kernels for drop_h with an FP8-saved preactivation (format: ``kernels.fp8_format``).
+
+Forward reads the [M, 2F] preactivation once and writes h, the e4m3 copy and its per-block
+scales in that pass. Backward reads the e4m3 copy (dequantized in registers) with grad_h and
+writes grad_preact into a fresh buffer, and h over grad_h. grad_preact cannot go in place: it
+is 2 bytes (bf16/fp16) or 4 (fp32) per element, the FP8 copy 1.
+
+A program covers BLOCK_M rows and one 128-column block of each half, so a block's absolute
+max is one row reduction in registers. Arithmetic is fp32 after the loads. Quantization
+multiplies by 448 / amax (one IEEE division per row block, ``div_rn``, then multiplies) and
+clamps to ±448 propagating NaN, so ``ops.fp8_saved.quantize`` computes the same bytes in torch.
+A NaN or inf anywhere in a block makes the whole block NaN (amax is NaN or inf, so 448 / amax
+or the scale is 0 or inf): a non-finite preactivation gives non-finite gradients.
+
+The interpreter (``TRITON_INTERPRET=1``) converts fp32 -> fp8 by truncating with a half-up
+carry and maps NaN to 384 both ways; under it (only: constexpr ``INTERPRET``) values are
+rounded to nearest-even on the e4m3 grid first, where the conversion is exact, and NaN's code
+is set by hand. On CUDA the conversion is the hardware's round-to-nearest-even.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from swiglu_train.kernels.fp8_format import (
+    BLOCK,
+    E4M3_MAX,
+    FP8_DTYPE,
+    MIN_AMAX,
+    SCALE_DTYPE,
+    n_blocks,
+    saved_shapes,
+)
+from swiglu_train.kernels.runtime import INTERPRET, SUPPORTED_DTYPES
+from swiglu_train.kernels.swiglu import (
+    BWD_TILE,
+    FWD_TILE,
+    _check_like,
+    _check_preact,
+    _silu_times_up,
+    _tile,
+    tile,
+)
+
+_MAX: tl.constexpr = tl.constexpr(E4M3_MAX)
+_MIN_AMAX: tl.constexpr = tl.constexpr(MIN_AMAX)
+_NAN_CODE: tl.constexpr = tl.constexpr(0x7F)  # e4m3fn's NaN, either sign bit
+
+
+@triton.jit
+def _max_keep_nan(a, b):
+    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
+
+
+@triton.jit
+def _round_e4m3(v):
+    """v (|v| <= 448 or NaN) rounded to nearest-even on the e4m3 grid, in fp32: 3 mantissa
+    bits for |v| >= 2**-6, multiples of 2**-9 below (e4m3's subnormals)."""
+    bits = v.to(tl.int32, bitcast=True)
+    normal = (bits + 0x7FFFF + ((bits >> 20) & 1)) & -1048576  # clear the low 20 bits
+    mag = tl.abs(v)
+    sub = ((mag + 24576.0) - 24576.0).to(tl.int32, bitcast=True)  # ulp 2**-9 at 1.5 * 2**14
+    sub = sub | (bits & -2147483648)  # the sign bit, for -0 too
+    rounded = tl.where(mag < 0.015625, sub, normal).to(tl.float32, bitcast=True)
+    return tl.where(v != v, v, rounded)
+
+
+@triton.jit
+def _quantize_store(v, q_ptrs, scale_ptrs, mask, row_mask, INTERPRET: tl.constexpr):
+    """Store v [BLOCK_M, BLOCK] as e4m3 bytes and one scale per row, amax / 448."""
+    amax = tl.reduce(tl.abs(v), 1, _max_keep_nan, keep_dims=True)
+    amax = tl.maximum(amax, _MIN_AMAX, propagate_nan=tl.PropagateNan.ALL)
+    q = v * tl.div_rn(tl.full(amax.shape, _MAX, tl.float32), amax)
+    q = tl.maximum(q, -_MAX, propagate_nan=tl.PropagateNan.ALL)
+    q = tl.minimum(q, _MAX, propagate_nan=tl.PropagateNan.ALL)
+    if INTERPRET:
+        q = _round_e4m3(q)
+    code = q.to(tl.float8e4nv, fp_downcast_rounding="rtne").to(tl.uint8, bitcast=True)
+    if INTERPRET:
+        code = tl.where(q != q, _NAN_CODE, code).to(tl.uint8)
+    tl.store(q_ptrs, code, mask=mask)
+    tl.store(scale_ptrs, tl.div_rn(amax, tl.full(amax.shape, _MAX, tl.float32)), mask=row_mask)
+
+
+@triton.jit
+def _dequantize(q_ptrs, scale_ptrs, mask, row_mask, INTERPRET: tl.constexpr):
+    code = tl.load(q_ptrs, mask=mask, other=0)
+    v = code.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+    if INTERPRET:
+        v = tl.where((code & 0x7F) == _NAN_CODE, float("nan"), v)
+    return v * tl.load(scale_ptrs, mask=row_mask, other=1.0)
+
+
+@triton.jit
+def _swiglu_fwd_fp8_kernel(
+    preact_ptr,
+    h_ptr,
+    q_ptr,
+    scale_ptr,
+    M,
+    F,
+    stride_preact,
+    stride_h,
+    stride_q,
+    stride_scale,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    INTERPRET: tl.constexpr,
+):
+    """h = silu(gate) * up, and the preact as e4m3 bytes with one scale per row per block."""
+    pid = tl.program_id(0)
+    rows, cols, mask = _tile(pid, M, F, BLOCK_M, BLOCK_N)
+    nb = tl.cdiv(F, BLOCK_N)
+    row_mask = rows < M
+    gate_ptrs = preact_ptr + rows * stride_preact + cols
+    gate = tl.load(gate_ptrs, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(gate_ptrs + F, mask=mask, other=0.0).to(tl.float32)
+    h = _silu_times_up(gate, up, h_ptr.dtype.element_ty)
+    tl.store(h_ptr + rows * stride_h + cols, h.to(h_ptr.dtype.element_ty), mask=mask)
+    q_ptrs = q_ptr + rows * stride_q + cols
+    scale_ptrs = scale_ptr + rows * stride_scale + pid % nb
+    _quantize_store(gate, q_ptrs, scale_ptrs, mask, row_mask, INTERPRET)
+    _quantize_store(up, q_ptrs + F, scale_ptrs + nb, mask, row_mask, INTERPRET)
+
+
+@triton.jit
+def _swiglu_bwd_fp8_kernel(
+    q_ptr,
+    scale_ptr,
+    grad_h_ptr,
+    grad_preact_ptr,
+    M,
+    F,
+    stride_q,
+    stride_scale,
+    stride_grad_h,
+    stride_grad_preact,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    INTERPRET: tl.constexpr,
+):
+    """grad_preact = [grad_h*up*silu'(gate) | grad_h*silu(gate)] from the dequantized preact,
+    and h over grad_h, stored through the pointers grad_h was loaded from."""
+    pid = tl.program_id(0)
+    rows, cols, mask = _tile(pid, M, F, BLOCK_M, BLOCK_N)
+    nb = tl.cdiv(F, BLOCK_N)
+    row_mask = rows < M
+    q_ptrs = q_ptr + rows * stride_q + cols
+    scale_ptrs = scale_ptr + rows * stride_scale + pid % nb
+    gate = _dequantize(q_ptrs, scale_ptrs, mask, row_mask, INTERPRET)
+    up = _dequantize(q_ptrs + F, scale_ptrs + nb, mask, row_mask, INTERPRET)
+    grad_h_ptrs = grad_h_ptr + rows * stride_grad_h + cols
+    grad_h = tl.load(grad_h_ptrs, mask=mask).to(tl.float32)
+
+    sig = 1.0 / (1.0 + tl.exp(-gate))
+    grad_up = grad_h * gate * sig
+    grad_gate = grad_h * up * sig * (1.0 + gate * (1.0 - sig))
+    dtype = grad_h_ptr.dtype.element_ty
+    h = _silu_times_up(gate, up, dtype)
+    tl.store(grad_h_ptrs, h.to(dtype), mask=mask)
+    out_ptrs = grad_preact_ptr + rows * stride_grad_preact + cols
+    out_dtype = grad_preact_ptr.dtype.element_ty
+    tl.store(out_ptrs, grad_gate.to(out_dtype), mask=mask)
+    tl.store(out_ptrs + F, grad_up.to(out_dtype), mask=mask)
+
+
+def _check_saved(q: torch.Tensor, scales: torch.Tensor, ref: torch.Tensor, m: int, ffn: int):
+    q_shape, scale_shape = saved_shapes(m, ffn)
+    for name, t, shape, dtype in (
+        ("q", q, q_shape, FP8_DTYPE),
+        ("scales", scales, scale_shape, SCALE_DTYPE),
+    ):
+        if tuple(t.shape) != shape or t.dtype != dtype or t.stride(1) != 1:
+            raise ValueError(
+                f"{name} must be row-major {dtype} {shape}, got {t.dtype} {tuple(t.shape)} "
+                f"{t.stride()}"
+            )
+        if t.device != ref.device:
+            raise ValueError(f"{name} is on {t.device}, expected {ref.device}")
+
+
+def _launch(kernel, m: int, ffn: int, rule: tuple[int, int], *args) -> None:
+    """One launch over a 1D grid of [BLOCK_M, BLOCK] tiles: the swiglu kernels' rows per
+    program for the same element budget, and exactly one scale block of columns."""
+    block_m, _, warps = tile(m, BLOCK, rule)
+    grid = (triton.cdiv(m, block_m) * n_blocks(ffn),)
+    kernel[grid](*args, BLOCK_M=block_m, BLOCK_N=BLOCK, INTERPRET=INTERPRET, num_warps=warps)
+
+
+def swiglu_forward_fp8(
+    preact: torch.Tensor, h: torch.Tensor, q: torch.Tensor, scales: torch.Tensor
+) -> None:
+    """Write h, the e4m3 copy of ``preact`` and its scales into the given buffers."""
+    m, ffn = _check_preact(preact)
+    _check_like("h", h, preact, (m, ffn))
+    _check_saved(q, scales, preact, m, ffn)
+    if m == 0:
+        return
+    code = q.view(torch.uint8)  # bytes: the interpreter's own fp8 conversion is inexact
+    _launch(
+        _swiglu_fwd_fp8_kernel, m, ffn, FWD_TILE, preact, h, code, scales, m, ffn,
+        preact.stride(0), h.stride(0), code.stride(0), scales.stride(0),
+    )  # fmt: skip
+
+
+def swiglu_backward_fp8(
+    q: torch.Tensor, scales: torch.Tensor, grad_h: torch.Tensor, grad_preact: torch.Tensor
+) -> None:
+    """Write grad_preact [M, 2F] (a buffer of grad_h's dtype) and h over grad_h [M, F]."""
+    if grad_h.dim() != 2 or grad_h.stride(1) != 1:
+        raise ValueError(f"grad_h must be row-major [M, F], got {tuple(grad_h.shape)}")
+    if grad_h.dtype not in SUPPORTED_DTYPES:
+        raise TypeError(f"grad_h dtype must be one of {SUPPORTED_DTYPES}, got {grad_h.dtype}")
+    m, ffn = grad_h.shape
+    _check_like("grad_preact", grad_preact, grad_h, (m, 2 * ffn))
+    _check_saved(q, scales, grad_h, m, ffn)
+    if m == 0:
+        return
+    code = q.view(torch.uint8)
+    _launch(
+        _swiglu_bwd_fp8_kernel, m, ffn, BWD_TILE, code, scales, grad_h, grad_preact, m, ffn,
+        code.stride(0), scales.stride(0), grad_h.stride(0), grad_preact.stride(0),
+    )  # fmt: skip
