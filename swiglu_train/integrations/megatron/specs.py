@@ -89,9 +89,9 @@ def mlp_spec(
     (``MLP.as_mlp_submodule`` bound to its submodules) with the model's ``pg_collection``.
     With ``backend="te"`` fc1 is TE's LayerNorm+Linear: the layer spec must not norm again.
     """
+    check_saved_fp8(mlp_impl, saved_fp8)  # the reason first, before any backend's checks
     module, submodules = _mlp_module(mlp_impl, backend)
     check_chunk(mlp_impl, chunk)
-    check_saved_fp8(mlp_impl, saved_fp8)
     params = {"impl": mlp_impl, "inplace": inplace, "chunk": chunk, "saved_fp8": saved_fp8}
     if BUILDER_API:
         return partial(module.as_mlp_submodule, submodules=submodules, **params)
