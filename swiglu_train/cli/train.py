@@ -113,6 +113,14 @@ def pretrain(
             "that does not pack, or with save_factors_quack (chunk 1) unless 1"
         ),
     ] = None,
+    saved_fp8: Annotated[
+        bool | None,
+        typer.Option(
+            "--saved-fp8/--no-saved-fp8",
+            help="drop_h only: keep the preactivation saved for backward in FP8 (e4m3, one "
+            "scale per 128 columns), about half its bytes; weights and checkpoints unchanged",
+        ),
+    ] = None,
     data: Annotated[
         list[str] | None,
         typer.Option(help="text files or globs, .jsonl, or a Megatron .bin/.idx prefix"),
@@ -150,6 +158,7 @@ def pretrain(
     overrides = [
         (cfg.model, "mlp_impl", mlp_impl),
         (cfg.model, "mlp_chunk", mlp_chunk),
+        (cfg.model, "saved_fp8", saved_fp8),
         (cfg.data, "data", data),
         (cfg.data, "micro_batch_size", micro_batch_size),
         (cfg.train, "max_steps", max_steps),

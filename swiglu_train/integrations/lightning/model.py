@@ -15,6 +15,7 @@ from swiglu_train.layers.registry import (
     FIXED_CHUNKS,
     IMPL_CHOICES,
     PACKED_IMPLS,
+    check_saved_fp8,
     packed_chunk,
 )
 
@@ -34,6 +35,8 @@ class ModelConfig:
     # fc1's pack chunk under save_factors (None: the largest power of two up to 128 dividing
     # ffn_hidden_size); see check_mlp_chunk for the impls that take one
     mlp_chunk: int | None = None
+    # drop_h's saved preactivation in FP8 (swiglu_train.ops.fp8_saved); weights are unchanged
+    saved_fp8: bool = False
     # "hf:PATH/config.json" or "litgpt:NAME" (--model): train that architecture instead, its
     # MLPs patched to mlp_impl (integrations/lightning/host_model.py); the sizes above are
     # then read from its config
@@ -54,6 +57,15 @@ class ModelConfig:
         if (self.hidden_size // self.num_heads) % 2:
             raise ValueError("the head dimension must be even for RoPE")
         check_mlp_chunk(self)
+        check_model_saved_fp8(self)
+
+
+def check_model_saved_fp8(cfg: ModelConfig) -> None:
+    """model.saved_fp8 against the impl, in the config's words (ParMLP's say the same later)."""
+    try:
+        check_saved_fp8(cfg.mlp_impl, cfg.saved_fp8)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"model.saved_fp8 (--saved-fp8): {e}") from None
 
 
 def check_mlp_chunk(cfg: ModelConfig) -> None:
@@ -130,6 +142,7 @@ class Block(nn.Module):
             impl=cfg.mlp_impl,
             chunk=cfg.mlp_chunk,
             tokens_hint=cfg.mlp_tokens_hint,
+            saved_fp8=cfg.saved_fp8,
         )
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -17,7 +17,7 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_only, rank_zer
 from swiglu_train.integrations.lightning.config import PretrainConfig, check_ranges
 from swiglu_train.integrations.lightning.data import PackedTextData
 from swiglu_train.integrations.lightning.memory_callback import MemoryProfilerCallback
-from swiglu_train.integrations.lightning.model import check_mlp_chunk
+from swiglu_train.integrations.lightning.model import check_mlp_chunk, check_model_saved_fp8
 from swiglu_train.integrations.lightning.module import LAYOUT_KEY, PretrainModule
 from swiglu_train.integrations.lightning.resume import StepProgressBar, run_loggers
 from swiglu_train.layers import check_impl_name
@@ -83,6 +83,7 @@ def run_pretrain(
     weights = None if init_from is None else _initial_weights(Path(init_from), cfg)
     check_impl_name(cfg.model.mlp_impl)  # an unknown impl fails here, listing the valid ones
     check_mlp_chunk(cfg.model)  # again: command-line flags are set after the config is built
+    check_model_saved_fp8(cfg.model)
     check_ranges(cfg)
     if cfg.model.mlp_impl == AUTO and cfg.model.mlp_tokens_hint is None:  # one micro-batch
         cfg.model.mlp_tokens_hint = cfg.data.micro_batch_size * cfg.data.seq_length
