@@ -49,6 +49,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 from swiglu_train.files import write_json_atomic
 from swiglu_train.integrations.megatron import SUPPORTED_IMPLS, get_gpt_layer_spec
+from swiglu_train.layers.registry import check_saved_fp8
 from swiglu_train.memory import MemoryProfiler
 from swiglu_train.memory.wandb_run import WandbMemoryLogger, init_run
 
@@ -67,6 +68,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         choices=[*SUPPORTED_IMPLS, *STOCK],
         help="ours, or Megatron's own MLP: 'stock' with its fused (torch.compile'd) bias-SwiGLU, "
         "'stock_eager' with bias_activation_fusion off",
+    )
+    p.add_argument(
+        "--saved-fp8",
+        action="store_true",
+        help="drop_h only: keep the saved preactivation in FP8 (e4m3, a scale per 128 columns)",
     )
     p.add_argument("--tp", type=int, default=1)
     p.add_argument("--pp", type=int, default=1)
@@ -97,7 +103,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--wandb-project", default="swiglu-train-megatron")
     p.add_argument("--output-dir", default="runs")
     p.add_argument("--summary-json", default=None, help="rank 0 writes losses, tokens/s, memory")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.saved_fp8 and args.mlp_impl in STOCK:
+        p.error("--saved-fp8 is ours: Megatron's own MLP saves its preactivation in bf16")
+    if args.saved_fp8:
+        try:
+            check_saved_fp8(args.mlp_impl)
+        except ValueError as e:
+            p.error(f"--saved-fp8: {e}")
+    return args
 
 
 def initialize(args: argparse.Namespace) -> None:
@@ -150,7 +164,7 @@ def build_model(args: argparse.Namespace, config: TransformerConfig) -> Distribu
     if args.mlp_impl in STOCK:
         spec = get_gpt_layer_local_spec(normalization="RMSNorm")
     else:
-        spec = get_gpt_layer_spec(args.mlp_impl)
+        spec = get_gpt_layer_spec(args.mlp_impl, saved_fp8=args.saved_fp8)
     model = GPTModel(
         config,
         spec,
@@ -418,6 +432,7 @@ def write_summary(
     peaks = [r.peak_MiB for r in records if r.peak_MiB is not None]  # None off CUDA
     summary = {
         "mlp_impl": args.mlp_impl,
+        "saved_fp8": args.saved_fp8,
         "tp": args.tp,
         "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
         "cpu_init": args.device == "cpu" or args.cpu_init,  # one model at every TP size

@@ -132,6 +132,16 @@ def test_stock_baselines_differ_only_in_the_activation_fusion(impl: str, fused: 
     assert not ours.bias_activation_fusion
 
 
+def test_saved_fp8_flag_is_for_drop_h(capsys) -> None:
+    recipe = runpy.run_path(str(RECIPE))
+    assert recipe["parse_args"](["--saved-fp8"]).saved_fp8  # drop_h, the default impl
+    assert not recipe["parse_args"]([]).saved_fp8
+    for impl, reason in (("normal", "not 'normal': it saves h"), ("stock", "Megatron's own MLP")):
+        with pytest.raises(SystemExit):
+            recipe["parse_args"](["--saved-fp8", "--mlp-impl", impl])
+        assert reason in capsys.readouterr().err
+
+
 def test_tp2_against_tp1_losses_agree_and_drop_h_saves_h_per_rank(tmp_path: Path) -> None:
     """scripts/compare_tp.py on real CPU runs (fp32): TP=2 reproduces TP=1's losses, and per
     rank drop_h saves exactly n_layers·M·(F/2)·4 bytes of saved tensors at TP=2."""
