@@ -1,0 +1,74 @@
+"""Every code block in the README runs as written: its Python blocks are executed here (on
+CPU, as the README says they run), and each line of its bash blocks is a command this clone
+knows, with options and extras that exist."""
+
+import re
+import shlex
+import tomllib
+from pathlib import Path
+
+import pytest
+import typer.main
+from typer.testing import CliRunner
+
+from swiglu_train.cli import app
+
+ROOT = Path(__file__).resolve().parents[1]
+README = (ROOT / "README.md").read_text()
+BLOCKS = re.findall(r"^```(\w*)\n(.*?)^```", README, re.M | re.S)
+PROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+EXTRAS = set(PROJECT["optional-dependencies"])
+CI = (ROOT / ".ci" / "run").read_text()
+COMMANDS = typer.main.get_command(app).commands
+CPU_TORCH = "pip install torch --index-url https://download.pytorch.org/whl/cpu"
+
+
+def blocks(language: str) -> list[str]:
+    return [code for lang, code in BLOCKS if lang == language]
+
+
+def bash_lines() -> list[str]:
+    lines = [line.split("  #")[0].strip() for code in blocks("bash") for line in code.splitlines()]
+    return [line for line in lines if line and not line.startswith("#")]
+
+
+def test_the_readme_has_code_blocks_of_known_languages():
+    assert blocks("python") and blocks("bash")
+    assert {lang for lang, _ in BLOCKS} <= {"python", "bash"}
+
+
+@pytest.mark.parametrize("code", blocks("python"), ids=lambda c: c.splitlines()[-1][:40])
+def test_python_blocks_run_as_written(code):
+    exec(compile(code, "README.md", "exec"), {"__name__": "readme"})
+
+
+@pytest.mark.parametrize("line", bash_lines())
+def test_bash_lines_are_commands_this_clone_knows(line):
+    words = shlex.split(line)
+    if line == CPU_TORCH:
+        return
+    if words[:2] == ["pip", "install"]:
+        [target] = [w for w in words[2:] if w != "-e"]
+        found = re.fullmatch(r"\.\[([\w,]+)\]", target)
+        assert found and "-e" in words, f"{line}: install this clone with -e and extras"
+        assert set(found[1].split(",")) <= EXTRAS, f"{line}: no such extra"
+    elif words[:3] == ["python", "-m", "pytest"]:
+        assert line == CI.rstrip().splitlines()[-1], "the README's test command is CI's, verbatim"
+    elif words[0] == "swiglu-train":
+        command = COMMANDS.get(words[1])
+        assert command is not None, f"{line}: no command {words[1]!r}"
+        known = {opt for param in command.params for opt in param.opts + param.secondary_opts}
+        used = {w.split("=")[0] for w in words[2:] if w.startswith("--")}
+        assert used <= known, f"{line}: unknown options {sorted(used - known)}"
+        result = CliRunner().invoke(app, [words[1], "--help"])
+        assert result.exit_code == 0, result.output
+    else:
+        pytest.fail(f"{line}: not a command this test knows how to check")
+
+
+def test_relative_links_point_at_files_of_this_clone():
+    links = re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", README)
+    local = [link for link in links if "://" not in link]
+    assert local
+    missing = [link for link in local if not (ROOT / link).exists()]
+    assert not missing, missing
