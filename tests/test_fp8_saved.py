@@ -43,7 +43,6 @@ KERNEL_DEVICES = [
         "cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")]
     ),
 ]
-CPU_BACKENDS = ["torch", pytest.param("triton", marks=KERNEL_DEVICES[0].marks)]
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 # The autograd side does not depend on which kernels run; the interpreter is slow, so it runs
 # there once per test (bf16), torch and CUDA in every dtype.
@@ -75,9 +74,10 @@ def awkward_preact(m: int, ffn: int, dtype: torch.dtype, device) -> torch.Tensor
     return preact.to(dtype)
 
 
-def fp8_pass(preact: torch.Tensor, backend: str):
+def fp8_pass(preact: torch.Tensor, backend: str, device=None):
+    """(h, values, scales) of the forward op on ``device`` (None: preact's), back on preact's."""
     with use_backend(backend):
-        return swiglu_fwd_fp8(preact)
+        return tuple(t.to(preact.device) for t in swiglu_fwd_fp8(preact.to(device)))
 
 
 @pytest.mark.parametrize("device", KERNEL_DEVICES)
@@ -104,27 +104,27 @@ def test_round_trip_error_is_e4m3_rounding():
     assert rel_err(dequantize(q, scales), preact) > 1e-2  # it is 8-bit, not a copy
 
 
-@pytest.mark.parametrize("backend", CPU_BACKENDS)
-def test_ties_round_to_nearest_even_and_nothing_passes_448(backend):
+@pytest.mark.parametrize(("device", "backend"), device_backends())
+def test_ties_round_to_nearest_even_and_nothing_passes_448(device, backend):
     """One row whose block max is 448, so values are stored unscaled: midpoints go to the even
     neighbour, normal (116 -> 112, 124 -> 128) and subnormal (2**-10 -> 0, 3 * 2**-10 ->
     2**-8); and a block whose scaled max rounds past 448 in fp32 is stored as 448, not NaN."""
     row = torch.zeros(1, 2 * BLOCK)
     row[0, :5] = torch.tensor([448.0, 116.0, 124.0, 2.0**-10, 3 * 2.0**-10])
     row[0, BLOCK] = 3.102123260498047  # * (448 / itself) = 448.00003 in fp32
-    _, q, scales = fp8_pass(row, backend)
+    _, q, scales = fp8_pass(row, backend, device)
     values = q.float()[0]
     assert values[:5].tolist() == [448.0, 112.0, 128.0, 0.0, 2.0**-8]
     assert scales[0, 0] == 1.0
     assert values[BLOCK] == E4M3_MAX
 
 
-@pytest.mark.parametrize("backend", CPU_BACKENDS)
+@pytest.mark.parametrize(("device", "backend"), device_backends())
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-def test_values_at_the_dtype_s_limits_stay_finite(backend, dtype):
+def test_values_at_the_dtype_s_limits_stay_finite(device, backend, dtype):
     top = torch.finfo(dtype).max
     preact = torch.tensor([[top, -top, 1.0, -1.0], [top, 1e-30, -top, 0.5]], dtype=dtype)
-    _, q, scales = fp8_pass(preact, backend)
+    _, q, scales = fp8_pass(preact, backend, device)
     assert torch.isfinite(q.float()).all() and torch.isfinite(scales).all()
     restored = dequantize(q, scales)
     assert torch.isfinite(restored).all()
@@ -140,12 +140,12 @@ def test_the_largest_fp32_values_come_back_finite():
     assert torch.isfinite(dequantize(q, scales)).all()
 
 
-@pytest.mark.parametrize("backend", CPU_BACKENDS)
-def test_blocks_are_per_half_with_a_partial_last_block(backend):
+@pytest.mark.parametrize(("device", "backend"), device_backends())
+def test_blocks_are_per_half_with_a_partial_last_block(device, backend):
     ffn = 200
     preact = torch.randn(3, 2 * ffn)
     preact[:, 150] = 1000.0  # in the gate's partial block only
-    _, q, scales = fp8_pass(preact, backend)
+    _, q, scales = fp8_pass(preact, backend, device)
     assert scales.shape == (3, 2 * n_blocks(ffn)) == (3, 4)
     for b, (lo, hi) in enumerate([(0, 128), (128, 200), (200, 328), (328, 400)]):
         amax = preact[:, lo:hi].abs().amax(1)
@@ -155,25 +155,25 @@ def test_blocks_are_per_half_with_a_partial_last_block(backend):
     assert rel_err(dequantize(q, scales)[:, 200:], preact[:, 200:]) < 2**-4
 
 
-@pytest.mark.parametrize("backend", CPU_BACKENDS)
-def test_a_zero_block_gets_a_safe_scale_and_comes_back_zero(backend):
-    _, q, scales = fp8_pass(torch.zeros(2, 2 * 130), backend)
+@pytest.mark.parametrize(("device", "backend"), device_backends())
+def test_a_zero_block_gets_a_safe_scale_and_comes_back_zero(device, backend):
+    _, q, scales = fp8_pass(torch.zeros(2, 2 * 130), backend, device)
     assert (scales == 2.0**-126).all()
     assert (dequantize(q, scales) == 0).all()
 
 
-@pytest.mark.parametrize("backend", CPU_BACKENDS)
-def test_a_non_finite_value_makes_its_block_nan_and_no_other(backend):
+@pytest.mark.parametrize(("device", "backend"), device_backends())
+def test_a_non_finite_value_makes_its_block_nan_and_no_other(device, backend):
     preact = torch.randn(3, 2 * 130)
     preact[0, 3], preact[2, 200] = float("nan"), float("inf")  # gate block 0; up block 0
-    _, q, scales = fp8_pass(preact, backend)
+    _, q, scales = fp8_pass(preact, backend, device)
     restored = dequantize(q, scales)
     expected_nan = torch.zeros(3, 260, dtype=torch.bool)
     expected_nan[0, :128] = expected_nan[2, 130:258] = True
     assert torch.equal(restored.isnan(), expected_nan)
-    grad_h = torch.ones(3, 130)
+    saved = (q.to(device), scales.to(device), torch.ones(3, 130, device=device))
     with use_backend(backend):
-        grad_preact = swiglu_bwd_fp8_(q, scales, grad_h)
+        grad_preact = swiglu_bwd_fp8_(*saved).cpu()
     assert not grad_preact[0].isfinite().all() and not grad_preact[2].isfinite().all()
     assert grad_preact[1].isfinite().all()
 
@@ -242,9 +242,8 @@ def test_grads_against_float64_within_e4m3_rounding(device, backend, dtype):
         assert FP8_GRAD_MIN < err < FP8_GRAD_MAX, (name, err)
 
 
-@pytest.mark.parametrize(
-    ("device", "backend", "dtype"), with_dtypes([torch.float32, torch.bfloat16])
-)
+@pytest.mark.parametrize(("device", "backend"), NOT_INTERPRETED)  # the kernels' own: equal bytes
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_saved_bytes_are_x_the_fp8_copy_and_its_scales(device, backend, dtype):
     x = torch.randn(M, D, device=device, dtype=dtype, requires_grad=True)
     item = x.element_size()
