@@ -21,6 +21,9 @@ EXTRAS: dict[str, tuple[str, str]] = {
     "quack": ("quack-kernels", "quack"),
     "nbformat": ("nbformat", "notebook"),
     "nbclient": ("nbclient", "notebook"),
+    "transformers": ("transformers", "hf"),
+    "safetensors": ("safetensors", "hf"),
+    "litgpt": ("litgpt", "litgpt"),
 }
 
 

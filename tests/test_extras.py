@@ -53,6 +53,11 @@ CASES = {
     ),
     "pretrain without lightning": (("pretrain", "--output-dir", "{tmp}/run"), "lightning", ()),
     "pretrain without wandb": (("pretrain", "--output-dir", "{tmp}/run"), "wandb", ()),
+    "pretrain --model litgpt": (
+        ("pretrain", "--model", "litgpt:pythia-14m", "--output-dir", "{tmp}/run"),
+        "litgpt",
+        (),
+    ),
     "compare-memory --wandb-workspace": (
         ("compare-memory", "run.csv", "--out", "{tmp}/m.png", "--wandb-workspace", "e/p"),
         "wandb_workspaces",
