@@ -13,9 +13,9 @@ A NaN or inf anywhere in a block makes the whole block NaN (amax is NaN or inf, 
 or the scale is 0 or inf): a non-finite preactivation gives non-finite gradients.
 
 The interpreter (``TRITON_INTERPRET=1``) converts fp32 -> fp8 by truncating with a half-up
-carry and maps NaN to 384 both ways; under it (only: constexpr ``INTERPRET``) values are
-rounded to nearest-even on the e4m3 grid first, where the conversion is exact, and NaN's code
-is set by hand. On CUDA the conversion is the hardware's round-to-nearest-even.
+carry, and NaN to and from finite codes; under it (only: constexpr ``INTERPRET``) values are
+rounded to nearest-even on the e4m3 grid first, where its conversion is exact, and NaN's code
+is set and read by hand. On CUDA the conversion is the hardware's (``cvt.rn.satfinite``).
 """
 
 from __future__ import annotations
