@@ -135,6 +135,7 @@ def test_quack_refusals_are_expected_only_where_their_kernels_cannot_run():
         "needs sizes that are multiples of 8",
     )
     assert fuzz.expected_refusal(odd, "drop_h") is None
+    assert fuzz.expected_refusal(dataclasses.replace(odd, impl="auto"), "drop_h_quack") is None
 
 
 def test_the_script_writes_a_summary_and_replays_a_case(tmp_path, capsys):

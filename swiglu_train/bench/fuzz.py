@@ -5,7 +5,8 @@ they run), dtype, bias, M (0 to 20000 on a GPU: odd values and primes among them
 (multiples of 8 and 16, and not), rank-3, strided and transposed inputs, grad or no-grad, x
 with or without a grad, ``inplace`` on or off, save_factors' pack chunk. Each is checked
 against :func:`swiglu_train.ops.reference.mlp` in float64 on the same device (y, and in grad
-mode the grads of x and of every parameter) with a norm-relative tolerance per dtype; an impl
+mode the grads of x and of every parameter) within a tolerance per dtype, relative to each
+value's norm or, where its sums cancel, to the rounding noise they carry; an impl
 whose kernels cannot take the case (quack: fp32, or a size that is no multiple of 8) must
 refuse it with its own error, and ``auto`` must not pick one for it; and where an impl saves
 what it claims against ``normal`` (drop_h one [M, F] h less, save_factors the same), the bytes
@@ -62,7 +63,7 @@ class Sizes:
     budget: int
 
 
-GPU_SIZES = Sizes(
+GPU_SIZES = Sizes(  # special M: edges, powers of two and their neighbours, primes
     special_m=(0, 1, 2, 3, 5, 7, 8, 13, 16, 17, 31, 61, 64, 97, 127, 128, 129, 251, 509,
                1021, 2039, 4093, 8191, 16381, 19997, 20000),
     max_m=20000,
@@ -219,17 +220,19 @@ def make_input(case: Case, device: torch.device) -> torch.Tensor:
 
 
 def build(case: Case, device: torch.device) -> ParMLP:
-    auto = {"tokens_hint": case.m or None} if case.impl == AUTO else {}
+    hint = {"tokens_hint": case.m or None} if case.impl == AUTO else {}
     return ParMLP(
         case.d, case.f, case.o, bias=case.bias, impl=case.impl, inplace=case.inplace,
-        chunk=case.chunk, device=device, dtype=DTYPES[case.dtype], **auto,
+        chunk=case.chunk, device=device, dtype=DTYPES[case.dtype], **hint,
     )  # fmt: skip
 
 
 def expected_refusal(case: Case, impl: str) -> tuple[type[Exception], str] | None:
-    """The error an impl must raise for a case its kernels cannot take; None: it must run.
-    Only with a grad to compute: without, every impl takes the shared inference path."""
-    if impl not in QUACK_IMPLS or not case.grad:
+    """The error an impl named for a case its kernels cannot take must raise; None: it must
+    run. Only with a grad to compute (without, every impl takes the shared inference path),
+    and never for ``auto``, which must not pick such an impl (a quack impl it picked runs
+    fp32 through its portable twin)."""
+    if impl not in QUACK_IMPLS or not case.grad or case.impl == AUTO:
         return None
     if DTYPES[case.dtype] not in QUACK_DTYPES:
         return TypeError, "needs bf16 or fp16 tensors"
