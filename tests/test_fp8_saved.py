@@ -320,6 +320,18 @@ def test_torch_compile_fullgraph(device, backend):
     torch.testing.assert_close(gx, gx_eager, rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_activation_checkpointing_gives_the_same_grads(reentrant):
+    """Recomputed in backward, the FP8 copy is the forward's, and freeing it is harmless."""
+    mlp = ParMLP(D, FFN, saved_fp8=True)
+    x = torch.randn(M, D, requires_grad=True)
+    with use_backend("torch"):
+        (expected,) = torch.autograd.grad(mlp(x).square().sum(), x)
+        y = torch.utils.checkpoint.checkpoint(mlp, x, use_reentrant=reentrant)
+        (got,) = torch.autograd.grad(y.square().sum(), x)
+    assert torch.equal(got, expected)
+
+
 def test_the_option_is_off_by_default_and_changes_no_parameter():
     torch.manual_seed(1)
     plain = ParMLP(D, FFN, OUT, bias=True)
