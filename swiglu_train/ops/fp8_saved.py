@@ -9,12 +9,12 @@ drop_h; backward recomputes h (for grad_W2) and grad_preact from the dequantized
 Why this format. e4m3 keeps 3 mantissa bits (relative rounding error <= 2**-4, about 2.4 %
 rms for spread-out mantissas); e5m2's extra range is not needed once each block is scaled to
 its own absolute max, and it would double that error. A scale per 128 columns (DeepSeek-V3's
-activation tiles) keeps an outlier from flattening more than its own block: with one scale
-per row and half, a column of outliers 100x the rest sends most of the row's other values to
-e4m3's subnormals or to zero. fp32 scales, amax / 448, are exact enough that the only error
-is e4m3's rounding. Measured on CPU (``scripts/measure_fp8_saved.py``, docs/fp8.md): relative
-(Frobenius) error of the gradients against float64 on the same bf16 inputs, over three shapes
-up to [1024, 512, 1408]:
+activation tiles) keeps an outlier from costing more than its own block: with one scale per
+row and half, it pushes the whole row's small values toward e4m3's subnormals, where the
+rounding is coarser. fp32 scales, amax / 448, add no error of their own beyond fp32's.
+Measured on CPU (``scripts/measure_fp8_saved.py``, docs/fp8.md): relative (Frobenius) error
+of the gradients against float64 on the same bf16 inputs, over three shapes up to
+[1024, 512, 1408]:
 
     input             saved as             grad_x       grad_W1      grad_W2
     random            bf16 (drop_h)        0.34 %       0.34 %       0.39 %
@@ -25,7 +25,7 @@ up to [1024, 512, 1408]:
                       e4m3, 1x128 blocks   2.25 %       1.25 %       2.97 %
                       e4m3, 1 per row      2.50 %       1.99 %       3.48 %
 
-(worst shape shown). The FP8 errors are e4m3's rounding itself, 3.5-10x the bf16 path's: the
+(worst shape shown). The FP8 errors are e4m3's rounding itself, 3.4-10x the bf16 path's: the
 issue's "within 2x of bf16" is not met, and cannot be with 3 mantissa bits. y is drop_h's
 exactly (forward reads the bf16 preactivation).
 
