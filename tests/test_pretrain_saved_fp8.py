@@ -11,8 +11,9 @@ from typer.testing import CliRunner
 from swiglu_train.cli import app
 from swiglu_train.integrations.lightning.config import load_config
 from swiglu_train.integrations.lightning.model import ModelConfig
-from swiglu_train.integrations.lightning.module import PretrainModule
+from swiglu_train.integrations.lightning.module import OptimConfig, PretrainModule
 from swiglu_train.integrations.lightning.pretrain import run_pretrain
+from swiglu_train.layers import ParMLP
 from swiglu_train.ops import use_backend
 
 runner = CliRunner()
@@ -78,3 +79,16 @@ def test_a_run_with_the_flag_resumes_without_it(tmp_path):
     cfg.output_dir = str(tmp_path / "run")
     summary = run_pretrain(cfg, resume="last")
     assert summary["steps"] == 3 and math.isfinite(summary["final_loss"])
+
+
+def test_a_host_model_s_patched_mlps_get_it(tmp_path):
+    """--model hf:PATH: the MLPs patch puts in the host model save their preactivation in FP8."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(
+        vocab_size=320, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+    )  # fmt: skip
+    config.save_pretrained(tmp_path / "llama")
+    model = ModelConfig(source=f"hf:{tmp_path / 'llama' / 'config.json'}", saved_fp8=True)
+    mlps = [m for m in PretrainModule(model, OptimConfig(), 2).modules() if isinstance(m, ParMLP)]
+    assert len(mlps) == 2 and all(m.saved_fp8 for m in mlps)

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from swiglu_train.integrations.patch import patch
+from swiglu_train.layers import ParMLP
 
 KINDS = ("hf", "litgpt")
 MIN_VOCAB = 257  # the byte tokenizer's ids, end-of-document included
@@ -104,11 +105,11 @@ class HostCausalLM(nn.Module):
 
 
 def build_host_model(
-    source: str, impl: str, chunk: int | None, tokens_hint: int | None
+    source: str, impl: str, chunk: int | None, tokens_hint: int | None, saved_fp8: bool = False
 ) -> HostCausalLM:
-    """The host model of ``source``, randomly initialized, every MLP patched to ``impl``; a
-    model with an MLP that patch leaves (GeGLU, GELU, MoE experts) is refused, since
-    ``--mlp-impl`` would not apply to it."""
+    """The host model of ``source``, randomly initialized, every MLP patched to ``impl`` (with
+    ``saved_fp8``, drop_h's FP8-saved preactivation); a model with an MLP that patch leaves
+    (GeGLU, GELU, MoE experts) is refused, since ``--mlp-impl`` would not apply to it."""
     kind, _ = parse_source(source)
     config = host_config(source)
     if kind == "hf":
@@ -124,4 +125,7 @@ def build_host_model(
         raise ValueError(
             f"--model {source}: --mlp-impl {impl} would not apply to every MLP:\n{report}"
         )
+    for module in host.modules():
+        if isinstance(module, ParMLP):
+            module.saved_fp8 = saved_fp8
     return HostCausalLM(host, kind)

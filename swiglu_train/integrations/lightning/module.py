@@ -138,7 +138,9 @@ def _host_model(cfg: ModelConfig):
     """A Hugging Face or LitGPT model (``--model``), its MLPs patched to ``cfg.mlp_impl``."""
     from swiglu_train.integrations.lightning.host_model import build_host_model
 
-    return build_host_model(cfg.source, cfg.mlp_impl, cfg.mlp_chunk, cfg.mlp_tokens_hint)
+    return build_host_model(
+        cfg.source, cfg.mlp_impl, cfg.mlp_chunk, cfg.mlp_tokens_hint, cfg.saved_fp8
+    )
 
 
 def _settings_for(layout: dict) -> str:
