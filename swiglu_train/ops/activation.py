@@ -15,6 +15,7 @@ import torch
 
 from swiglu_train.kernels.runtime import triton_runs_on
 from swiglu_train.ops import reference
+from swiglu_train.ops.eager import eager_op
 
 try:
     from swiglu_train.kernels import swiglu as kernels
@@ -51,7 +52,7 @@ def triton_enabled(t: torch.Tensor) -> bool:
     return runs
 
 
-@torch.library.custom_op("swiglu_train::swiglu_fwd", mutates_args=())
+@eager_op("swiglu_train::swiglu_fwd", mutates_args=())
 def swiglu_fwd(preact: torch.Tensor) -> torch.Tensor:
     """h = silu(gate) * up for a [M, 2F] canonical preact."""
     if not triton_enabled(preact):
@@ -66,7 +67,7 @@ def _(preact: torch.Tensor) -> torch.Tensor:
     return preact.new_empty(preact.shape[0], preact.shape[1] // 2)
 
 
-@torch.library.custom_op("swiglu_train::swiglu_bwd", mutates_args=())
+@eager_op("swiglu_train::swiglu_bwd", mutates_args=())
 def swiglu_bwd(preact: torch.Tensor, grad_h: torch.Tensor) -> torch.Tensor:
     """grad_preact from the saved preact and grad_h (the `normal` impl's backward)."""
     if not triton_enabled(preact):
@@ -81,7 +82,7 @@ def _(preact: torch.Tensor, grad_h: torch.Tensor) -> torch.Tensor:
     return torch.empty_like(preact)
 
 
-@torch.library.custom_op("swiglu_train::swiglu_bwd_recompute", mutates_args=())
+@eager_op("swiglu_train::swiglu_bwd_recompute", mutates_args=())
 def swiglu_bwd_recompute(
     preact: torch.Tensor, grad_h: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -98,7 +99,7 @@ def _(preact: torch.Tensor, grad_h: torch.Tensor) -> tuple[torch.Tensor, torch.T
     return torch.empty_like(grad_h), torch.empty_like(preact)
 
 
-@torch.library.custom_op("swiglu_train::swiglu_bwd_recompute_", mutates_args=("preact", "grad_h"))
+@eager_op("swiglu_train::swiglu_bwd_recompute_", mutates_args=("preact", "grad_h"))
 def swiglu_bwd_recompute_(preact: torch.Tensor, grad_h: torch.Tensor) -> None:
     """In place: preact becomes grad_preact and grad_h becomes h; nothing is allocated."""
     if not triton_enabled(preact):

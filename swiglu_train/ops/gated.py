@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from swiglu_train.ops.activation import triton_enabled
+from swiglu_train.ops.eager import eager_op
 
 try:
     from swiglu_train.kernels import gated_gemm as kernels
@@ -24,7 +25,7 @@ def gated_enabled(x: torch.Tensor, chunk: int, ffn_size: int) -> bool:
     return chunk == ffn_size or kernels.fused_supported(x, chunk)
 
 
-@torch.library.custom_op("swiglu_train::gated_fwd", mutates_args=())
+@eager_op("swiglu_train::gated_fwd", mutates_args=())
 def gated_fwd(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, chunk: int, aux: str
 ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -22,6 +22,7 @@ import functools
 
 import torch
 
+from swiglu_train.ops.eager import eager_op
 from swiglu_train.ops.mlp import claim_inplace_backward, refuse_double_backward
 from swiglu_train.ops.quack_mlp import check_quack_inputs, quack_gemm, require_quack
 from swiglu_train.ops.save_factors import (
@@ -43,7 +44,7 @@ def _epilogues():
     return quack_epilogues
 
 
-@torch.library.custom_op("swiglu_train::quack_swiglu_factors", mutates_args=())
+@eager_op("swiglu_train::quack_swiglu_factors", mutates_args=())
 def quack_swiglu_factors(
     x: torch.Tensor, fc1_weight: torch.Tensor, fc1_bias: torch.Tensor | None
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -74,7 +75,7 @@ def _factors_to_grad(
     _epilogues().factors_to_grad_epilogue(grad_y, fc2_weight, factors, out={"D": out}, tuned=False)
 
 
-@torch.library.custom_op("swiglu_train::quack_factors_to_grad_", mutates_args=("factors",))
+@eager_op("swiglu_train::quack_factors_to_grad_", mutates_args=("factors",))
 def quack_factors_to_grad_(
     grad_y: torch.Tensor, fc2_weight: torch.Tensor, factors: torch.Tensor
 ) -> None:
@@ -87,7 +88,7 @@ def _(grad_y, fc2_weight, factors):
     return None
 
 
-@torch.library.custom_op("swiglu_train::quack_factors_to_grad", mutates_args=())
+@eager_op("swiglu_train::quack_factors_to_grad", mutates_args=())
 def quack_factors_to_grad(
     grad_y: torch.Tensor, fc2_weight: torch.Tensor, factors: torch.Tensor
 ) -> torch.Tensor:

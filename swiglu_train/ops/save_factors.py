@@ -22,6 +22,7 @@ import torch.nn.functional as F
 
 from swiglu_train.ops.activation import kernels as activation_kernels
 from swiglu_train.ops.activation import triton_enabled
+from swiglu_train.ops.eager import eager_op
 from swiglu_train.ops.gated import gated_fwd
 from swiglu_train.ops.mlp import claim_inplace_backward, refuse_double_backward
 
@@ -63,7 +64,7 @@ def swiglu_packed(preact: torch.Tensor, chunk: int) -> tuple[torch.Tensor, torch
     return h, factors.to(preact.dtype).reshape(preact.shape)
 
 
-@torch.library.custom_op("swiglu_train::packed_factors_to_grad_", mutates_args=("factors",))
+@eager_op("swiglu_train::packed_factors_to_grad_", mutates_args=("factors",))
 def packed_factors_to_grad_(factors: torch.Tensor, grad_h: torch.Tensor, chunk: int) -> None:
     """factors <- grad_h ⊙ factors, in place, in packed order."""
     gated_gemm.factors_to_grad_(factors, grad_h, chunk)
@@ -74,7 +75,7 @@ def _(factors, grad_h, chunk):
     return None
 
 
-@torch.library.custom_op("swiglu_train::swiglu_factors_", mutates_args=("preact",))
+@eager_op("swiglu_train::swiglu_factors_", mutates_args=("preact",))
 def swiglu_factors_(preact: torch.Tensor, chunk: int) -> torch.Tensor:
     """h [M, F] from a packed preact, which is overwritten with the backward factors."""
     h = preact.new_empty(preact.shape[0], preact.shape[1] // 2)
