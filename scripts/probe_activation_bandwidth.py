@@ -109,6 +109,12 @@ def probe_shape(m: int, f: int, samples: int) -> list[dict]:
         bwd_bytes,
     )
     row(
+        "bwd_recompute_inplace",
+        "ours",
+        time_ms(lambda: swiglu.swiglu_backward(preact, grad_h, preact, grad_h), samples),
+        bwd_bytes,
+    )  # drop_h's call: grad_preact over preact, h over grad_h (values drift; timing does not)
+    row(
         "bwd",
         "ours",
         time_ms(lambda: swiglu.swiglu_backward(preact, grad_h, grad_preact, None), samples),
