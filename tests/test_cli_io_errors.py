@@ -209,3 +209,20 @@ def test_an_empty_file_says_so(tmp_path):
     path.touch()
     result = CliRunner().invoke(app, [*CONVERT, str(path), str(tmp_path / "out.pt")])
     assert result.exit_code == 2 and "empty.pt is empty (0 bytes)" in result.output
+
+
+def test_a_checkpoint_corrupted_in_place_is_damaged_not_unsafe(tmp_path, checkpoint):
+    """Bytes flipped inside data.pkl read as an unsafe pickle ('pass --trust'), which it is not:
+    the zip's CRC of that member says what happened."""
+    data = bytearray(checkpoint.read_bytes())
+    start = data.find(b"\x80\x02")  # data.pkl's pickle stream, the archive's first member
+    data[start + 2 : start + 12] = b"\xff" * 10
+    checkpoint.write_bytes(data)
+    result = CliRunner().invoke(app, [*CONVERT, str(checkpoint), str(tmp_path / "out.pt")])
+    message = " ".join(result.output.split())
+    assert result.exit_code == 2
+    assert (
+        f"{checkpoint} is a damaged checkpoint: its member in/data.pkl fails the zip's CRC"
+        in message
+    )
+    assert "--trust" not in message.replace("--trust]", "")

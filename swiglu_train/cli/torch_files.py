@@ -64,8 +64,12 @@ def damaged(src: Path, e: Exception) -> str | None:
             f"{src} is a damaged checkpoint, cut short: a torch.save zip archive ends with its "
             f"zip directory, and this file stops after {size:,} bytes without one{tensors}"
         )
-    if head.startswith(ZIP_ENTRY) and isinstance(e, RuntimeError):  # a corrupted member
-        return f"{src} is a damaged checkpoint ({size:,} bytes): {str(e).split('. ', 1)[0]}"
+    if head.startswith(ZIP_ENTRY) and _torch_archive(src):
+        bad = _failed_crc(src)
+        if bad is not None:
+            return f"{src} is a damaged checkpoint: its member {bad} fails the zip's CRC check"
+        if isinstance(e, RuntimeError):  # torch's reader could not take a member
+            return f"{src} is a damaged checkpoint ({size:,} bytes): {str(e).split('. ', 1)[0]}"
     truncated = isinstance(e, EOFError) or "truncated" in str(e) or "unexpected EOF" in str(e)
     if head.startswith(PICKLE) and truncated:
         more = re.search(r"expected (\d+) more bytes", str(e))
@@ -75,6 +79,23 @@ def damaged(src: Path, e: Exception) -> str | None:
             f"after {size:,} bytes{expected}"
         )
     return None
+
+
+def _torch_archive(src: Path) -> bool:
+    """Whether a whole zip archive is one torch.save wrote (it holds a data.pkl), so that a
+    member torch cannot read is damage, not a foreign zip."""
+    with zipfile.ZipFile(src) as archive:
+        return any(name.endswith("/data.pkl") for name in archive.namelist())
+
+
+def _failed_crc(src: Path) -> str | None:
+    """The first member of a zip archive whose bytes do not match their CRC (torch.save
+    records one for each), read on this error path only."""
+    with zipfile.ZipFile(src) as archive:
+        try:
+            return archive.testzip()
+        except (zipfile.BadZipFile, OSError, EOFError) as e:  # a member cut or unreadable
+            return f"({e})"
 
 
 def _tensor_bytes(head: bytes) -> int | None:
