@@ -45,6 +45,14 @@ from swiglu_train.ops.quack_mlp import QUACK_DTYPES
 STAMP_KEY = "_extra_state"  # a packed ParMLP's state_dict entry: {"fc1_layout": {...}}
 
 
+_PARAM_NAMES = ("fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias")
+
+
+def _named(params: tuple) -> list[tuple[str, torch.Tensor]]:
+    """(name, tensor) for fc1's and fc2's weight and bias, the absent biases left out."""
+    return [(name, p) for name, p in zip(_PARAM_NAMES, params, strict=True) if p is not None]
+
+
 class ParMLP(nn.Module, CheckedLoad):
     """y = fc2(silu(x W_gateᵀ) * (x W_upᵀ)), with the autograd behaviour of ``impl``.
 
@@ -181,8 +189,12 @@ class ParMLP(nn.Module, CheckedLoad):
         return self.fc2.in_features
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        self._check_input(x)
-        tensors = (x, self.fc1.weight, self.fc1.bias, self.fc2.weight, self.fc2.bias)
+        # Per-call host time counts at small layers: the submodules and the named parameters
+        # are read once, not on every check.
+        fc1, fc2 = self.fc1, self.fc2
+        tensors = (x, fc1.weight, fc1.bias, fc2.weight, fc2.bias)
+        params = _named(tensors[1:])
+        self._check_input(x, params)
         device_type = x.device.type
         if device_type == "meta":  # shapes only (deferred init, tracing): no kernel, no autocast
             return reference.mlp(*tensors)
@@ -191,7 +203,7 @@ class ParMLP(nn.Module, CheckedLoad):
             tensors = tuple(None if t is None else t.to(dtype) for t in tensors)
             with torch.autocast(device_type, enabled=False):
                 return self._apply_impl(*tensors)
-        for name, p in self._params():
+        for name, p in params:
             if p.dtype != x.dtype:
                 raise TypeError(
                     f"ParMLP input is {x.dtype} but its {name} is {p.dtype}; "
@@ -202,9 +214,7 @@ class ParMLP(nn.Module, CheckedLoad):
     def _params(self) -> list[tuple[str, torch.Tensor]]:
         """The four tensors forward reads, by name (a module converted in part, ``mlp.fc2.half()``
         or an fc2 left on meta, must be named, not reach a kernel or GEMM of mixed inputs)."""
-        pairs = [("fc1.weight", self.fc1.weight), ("fc1.bias", self.fc1.bias)]
-        pairs += [("fc2.weight", self.fc2.weight), ("fc2.bias", self.fc2.bias)]
-        return [(name, p) for name, p in pairs if p is not None]
+        return _named((self.fc1.weight, self.fc1.bias, self.fc2.weight, self.fc2.bias))
 
     def _apply_impl(self, x: torch.Tensor, *params: torch.Tensor | None) -> torch.Tensor:
         x2d = x.reshape(-1, x.shape[-1])
@@ -225,7 +235,7 @@ class ParMLP(nn.Module, CheckedLoad):
             return self._mlp_function
         return get_impl(self._impl.removesuffix("_quack"))
 
-    def _check_input(self, x: torch.Tensor) -> None:
+    def _check_input(self, x: torch.Tensor, params: list[tuple[str, torch.Tensor]]) -> None:
         if not x.is_floating_point():
             raise TypeError(f"ParMLP expects a floating-point input, got {x.dtype}")
         if x.dtype not in SUPPORTED_DTYPES:
@@ -235,7 +245,7 @@ class ParMLP(nn.Module, CheckedLoad):
                 f"ParMLP(hidden_size={self.hidden_size}) got an input of shape {tuple(x.shape)}; "
                 f"its last dim must be {self.hidden_size}"
             )
-        for name, p in self._params():
+        for name, p in params:
             if p.device != x.device:
                 raise ValueError(f"ParMLP input is on {x.device} but its {name} is on {p.device}")
 
