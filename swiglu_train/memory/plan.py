@@ -1,0 +1,188 @@
+"""Turn measured steps into an activation-checkpointing plan: the pure decision.
+
+A plan is an MLP impl and how many transformer blocks, from the first, run under activation
+checkpointing (Megatron's ``--recompute-method block --recompute-num-layers N``). Measuring
+is the integrations' job (``integrations/lightning/planner.py`` runs short profiled steps);
+here is only what to do with the measurements, so it can be tested against recorded ones:
+
+- :func:`search` finds, per impl, the fewest checkpointed blocks whose step fits the budget.
+  The peak never grows as more blocks are checkpointed, so it bisects on that count, and
+  measures each point through a callback. It takes the fewest blocks as the fastest: each
+  checkpointed block only adds its forward again.
+- :func:`choose_plan` takes the fastest profile that fits; among those within ``tie`` of its
+  tokens/s, the one with the smallest peak (headroom costs nothing there).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable
+from dataclasses import asdict, dataclass
+
+DEFAULT_TIE = 0.01  # 1 %: below the run-to-run spread of a whole training step
+
+
+@dataclass(frozen=True)
+class Profile:
+    """What a few steps of one (impl, checkpointed blocks) configuration measured."""
+
+    impl: str
+    checkpoint_layers: int
+    peak_MiB: float | None  # None: the step ran out of memory
+    tokens_per_s: float | None = None  # None: not timed
+    after_forward_MiB: float | None = None
+
+    def fits(self, budget_MiB: float) -> bool:
+        return self.peak_MiB is not None and self.peak_MiB <= budget_MiB
+
+
+@dataclass(frozen=True)
+class Plan:
+    impl: str
+    checkpoint_layers: int
+    num_layers: int
+    peak_MiB: float
+    tokens_per_s: float
+    budget_MiB: float
+    why: str
+    best_per_impl: tuple[Profile, ...]  # each impl's fastest profile that fits
+
+    def to_dict(self) -> dict:
+        return asdict(self) | {"best_per_impl": [asdict(p) for p in self.best_per_impl]}
+
+
+class NoPlanFits(ValueError):
+    """No measured configuration fits the budget; ``smallest`` is the lowest peak measured
+    (None when every step ran out of memory)."""
+
+    def __init__(self, message: str, smallest: Profile | None) -> None:
+        super().__init__(message)
+        self.smallest = smallest
+
+
+Measure = Callable[[str, int], Profile]
+
+
+def search(
+    impls: Iterable[str], num_layers: int, budget_MiB: float, measure: Measure
+) -> list[Profile]:
+    """Every profile measured while finding each impl's fewest checkpointed blocks that fit:
+    none first (the common case, one measurement), then all (if even that does not fit, the
+    impl is out), then bisection in between; at most 2 + ceil(log2(num_layers)) per impl."""
+    if num_layers < 1:
+        raise ValueError(f"num_layers must be at least 1, got {num_layers}")
+    profiles: list[Profile] = []
+
+    def probe(impl: str, n: int) -> bool:
+        profile = measure(impl, n)
+        if (profile.impl, profile.checkpoint_layers) != (impl, n):
+            raise ValueError(f"measure({impl!r}, {n}) returned a profile of {profile.impl!r}, "
+                             f"{profile.checkpoint_layers}")  # fmt: skip
+        profiles.append(profile)
+        return profile.fits(budget_MiB)
+
+    for impl in impls:
+        if probe(impl, 0) or not probe(impl, num_layers):
+            continue
+        low, high = 0, num_layers  # low does not fit, high does
+        while high - low > 1:
+            mid = (low + high) // 2
+            low, high = (low, mid) if probe(impl, mid) else (mid, high)
+    return profiles
+
+
+def choose_plan(
+    profiles: Iterable[Profile], budget_MiB: float, num_layers: int, tie: float = DEFAULT_TIE
+) -> Plan:
+    """The fastest measured configuration that fits ``budget_MiB``, and why, in words.
+
+    Raises :class:`NoPlanFits`, naming the smallest peak measured, when none fits.
+    """
+    if not budget_MiB > 0:
+        raise ValueError(f"the memory budget must be positive, got {budget_MiB} MiB")
+    profiles = list(profiles)
+    fitting = [p for p in profiles if p.fits(budget_MiB)]
+    if not fitting:
+        raise _no_fit(profiles, budget_MiB, num_layers)
+    untimed = [p for p in fitting if p.tokens_per_s is None]
+    if untimed:
+        raise ValueError(f"profiles that fit must be timed: {untimed[0]}")
+    best = max(fitting, key=lambda p: p.tokens_per_s)
+    near = [p for p in fitting if p.tokens_per_s >= best.tokens_per_s * (1 - tie)]
+    chosen = min(near, key=lambda p: (p.peak_MiB, p.checkpoint_layers))
+    per_impl = {}
+    for p in sorted(fitting, key=lambda p: -p.tokens_per_s):
+        per_impl.setdefault(p.impl, p)
+    return Plan(
+        impl=chosen.impl,
+        checkpoint_layers=chosen.checkpoint_layers,
+        num_layers=num_layers,
+        peak_MiB=chosen.peak_MiB,
+        tokens_per_s=chosen.tokens_per_s,
+        budget_MiB=budget_MiB,
+        why=_why(chosen, best, per_impl, profiles, budget_MiB, num_layers, tie),
+        best_per_impl=tuple(per_impl.values()),
+    )
+
+
+def _config(p: Profile, num_layers: int) -> str:
+    return f"{p.impl} with {p.checkpoint_layers} of {num_layers} blocks checkpointed"
+
+
+def _why(chosen, best, per_impl, profiles, budget_MiB, num_layers, tie) -> str:
+    parts = [
+        f"{_config(chosen, num_layers)}: {chosen.tokens_per_s:,.0f} tokens/s at a peak of "
+        f"{chosen.peak_MiB:,.0f} MiB, within the budget of {budget_MiB:,.0f} MiB"
+    ]
+    if chosen is not best:
+        parts.append(
+            f"{_config(best, num_layers)} ran {best.tokens_per_s / chosen.tokens_per_s - 1:.1%} "
+            f"faster, within {tie:.0%}, at a higher peak ({best.peak_MiB:,.0f} MiB): the "
+            "smaller peak is kept as headroom"
+        )
+    others = [p for impl, p in per_impl.items() if impl != chosen.impl]
+    if others:
+        parts.append(
+            "each other impl's best that fits: "
+            + "; ".join(
+                f"{p.impl} with {p.checkpoint_layers} blocks checkpointed, "
+                f"{p.tokens_per_s / chosen.tokens_per_s:.3f}x the tokens/s at "
+                f"{p.peak_MiB:,.0f} MiB"
+                for p in others
+            )
+        )
+    out = sorted({p.impl for p in profiles} - set(per_impl))
+    for impl in out:
+        smallest = _smallest([p for p in profiles if p.impl == impl])
+        parts.append(
+            f"{impl} does not fit with every block checkpointed"
+            + (f" (peak {smallest.peak_MiB:,.0f} MiB)" if smallest else " (out of memory)")
+        )
+    return "; ".join(parts)
+
+
+def _smallest(profiles: list[Profile]) -> Profile | None:
+    measured = [p for p in profiles if p.peak_MiB is not None]
+    return min(measured, key=lambda p: p.peak_MiB) if measured else None
+
+
+def _no_fit(profiles: list[Profile], budget_MiB: float, num_layers: int) -> NoPlanFits:
+    smallest = _smallest(profiles)
+    if not profiles:
+        return NoPlanFits(f"no configuration was measured against the budget of "
+                          f"{budget_MiB:,.0f} MiB", None)  # fmt: skip
+    if smallest is None:
+        return NoPlanFits(
+            f"nothing fits the memory budget of {budget_MiB:,.0f} MiB: every step measured "
+            f"({len(profiles)}, up to {num_layers} of {num_layers} blocks checkpointed) ran "
+            "out of device memory; lower the micro-batch size or the sequence length",
+            None,
+        )
+    need_gib = math.ceil(smallest.peak_MiB / 1024 * 100) / 100
+    return NoPlanFits(
+        f"nothing fits the memory budget of {budget_MiB:,.0f} MiB: the smallest peak measured "
+        f"is {smallest.peak_MiB:,.0f} MiB ({_config(smallest, num_layers)}); raise the budget "
+        f"to at least {need_gib} GiB (--memory-budget-gb), or lower the micro-batch size or "
+        "the sequence length",
+        smallest,
+    )

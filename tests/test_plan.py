@@ -1,0 +1,124 @@
+"""The planner's decision (swiglu_train.memory.plan) against recorded profiles: which impl and
+how many checkpointed blocks for a budget, the bisection's probes, and the refusals."""
+
+import math
+
+import pytest
+
+from swiglu_train.memory.plan import NoPlanFits, Profile, choose_plan, search
+
+LAYERS = 16
+# Illustrative profiles of a 16-block model, shaped as the H200's will be (not measured there
+# yet): model state 20,000 MiB; each block's activations by impl (drop_h keeps no h); a
+# checkpointed block keeps its 64 MiB input; each checkpointed block costs a third of its
+# step time again. drop_h_quack runs 1 % faster than normal unchecked.
+STATE, KEPT = 20_000.0, 64.0
+BLOCK_MiB = {"normal": 5_000.0, "drop_h": 4_300.0, "drop_h_quack": 4_300.0}
+RATE = {"normal": 10_000.0, "drop_h": 9_800.0, "drop_h_quack": 10_100.0}
+
+
+def recorded(impl: str, n: int) -> Profile:
+    peak = STATE + (LAYERS - n) * BLOCK_MiB[impl] + n * KEPT
+    return Profile(impl, n, peak, RATE[impl] / (1 + n / (3 * LAYERS)), peak - STATE)
+
+
+SWEEP = [recorded(impl, n) for impl in BLOCK_MiB for n in range(LAYERS + 1)]
+
+
+def test_the_plan_is_the_fastest_that_fits_and_says_why():
+    # 60,000 MiB: normal needs 9 blocks checkpointed (at 8: 20,000 + 8 x 5,000 + 8 x 64 =
+    # 60,512), drop_h and drop_h_quack 7 (at 6: 20,000 + 10 x 4,300 + 6 x 64 = 63,384)
+    need = {impl: min(n for n in range(LAYERS + 1) if recorded(impl, n).fits(60_000))
+            for impl in BLOCK_MiB}  # fmt: skip
+    assert need == {"normal": 9, "drop_h": 7, "drop_h_quack": 7}
+    plan = choose_plan(SWEEP, 60_000, LAYERS)
+    assert (plan.impl, plan.checkpoint_layers) == ("drop_h_quack", 7)
+    assert plan.tokens_per_s == pytest.approx(10_100 / (1 + 7 / 48))
+    assert plan.budget_MiB == 60_000 and plan.peak_MiB <= 60_000
+    assert plan.why.startswith("drop_h_quack with 7 of 16 blocks checkpointed: 8,815 tokens/s")
+    assert "drop_h with 7 blocks checkpointed, 0.970x the tokens/s" in plan.why
+    assert "normal with 9 blocks checkpointed, 0.955x the tokens/s" in plan.why
+    assert [p.impl for p in plan.best_per_impl] == ["drop_h_quack", "drop_h", "normal"]
+    record = plan.to_dict()
+    assert record["impl"] == "drop_h_quack" and record["best_per_impl"][2]["checkpoint_layers"] == 9
+
+
+def test_within_the_tie_the_smaller_peak_is_kept():
+    fast = Profile("normal", 0, 70_000.0, 10_050.0)
+    lean = Profile("drop_h", 0, 62_000.0, 10_000.0)  # 0.5 % slower, 8,000 MiB less
+    plan = choose_plan([fast, lean], 80_000, LAYERS)
+    assert plan.impl == "drop_h"
+    assert "normal with 0 of 16 blocks checkpointed ran 0.5% faster, within 1%" in plan.why
+    assert choose_plan([fast, lean], 80_000, LAYERS, tie=0.001).impl == "normal"
+
+
+def test_bisection_finds_each_impls_fewest_blocks_in_few_probes():
+    """Against the whole sweep at every budget from too small to ample: the plan the search
+    finds is within the tie of the best configuration of the sweep, and it measures at most
+    2 + ceil(log2(16)) points per impl."""
+    table = {(p.impl, p.checkpoint_layers): p for p in SWEEP}
+    peaks = sorted({p.peak_MiB for p in SWEEP})
+    budgets = [peaks[0] - 1, *peaks, *(p + 1 for p in peaks), peaks[-1] * 2]
+    for budget in budgets:
+        probes = search(BLOCK_MiB, LAYERS, budget, lambda i, n: table[i, n])
+        for impl in BLOCK_MiB:
+            mine = [p for p in probes if p.impl == impl]
+            assert len(mine) <= 2 + math.ceil(math.log2(LAYERS))
+            fitting = [p.checkpoint_layers for p in SWEEP if p.impl == impl and p.fits(budget)]
+            if fitting:  # the fewest blocks that fit was measured
+                assert min(fitting) in [p.checkpoint_layers for p in mine if p.fits(budget)]
+        if budget < peaks[0]:
+            with pytest.raises(NoPlanFits):
+                choose_plan(probes, budget, LAYERS)
+            continue
+        plan, best = choose_plan(probes, budget, LAYERS), choose_plan(SWEEP, budget, LAYERS)
+        assert plan.peak_MiB <= budget
+        assert plan.tokens_per_s >= best.tokens_per_s * 0.99
+
+
+def test_an_ample_budget_costs_one_probe_per_impl_and_too_small_two():
+    table = {(p.impl, p.checkpoint_layers): p for p in SWEEP}
+    probes = search(BLOCK_MiB, LAYERS, 1e9, lambda i, n: table[i, n])
+    assert [(p.impl, p.checkpoint_layers) for p in probes] == [(i, 0) for i in BLOCK_MiB]
+    probes = search(BLOCK_MiB, LAYERS, 1_000, lambda i, n: table[i, n])
+    assert [(p.impl, p.checkpoint_layers) for p in probes] == [
+        (i, n) for i in BLOCK_MiB for n in (0, LAYERS)
+    ]
+
+
+def test_nothing_fits_names_the_smallest_peak_measured():
+    profiles = [Profile("normal", 16, 21_500.0, 7_000.0), Profile("drop_h", 16, 21_024.4, 6_900.0),
+                Profile("drop_h", 0, None)]  # fmt: skip
+    with pytest.raises(NoPlanFits) as e:
+        choose_plan(profiles, 20_480, LAYERS)
+    assert e.value.smallest == profiles[1]
+    assert str(e.value) == (
+        "nothing fits the memory budget of 20,480 MiB: the smallest peak measured is 21,024 MiB "
+        "(drop_h with 16 of 16 blocks checkpointed); raise the budget to at least 20.54 GiB "
+        "(--memory-budget-gb), or lower the micro-batch size or the sequence length"
+    )
+
+
+def test_every_step_out_of_memory_and_bad_input_are_refused():
+    with pytest.raises(NoPlanFits, match=r"every step measured \(2, up to 16 of 16 blocks "
+                       r"checkpointed\) ran out of device memory") as e:  # fmt: skip
+        choose_plan([Profile("normal", 0, None), Profile("normal", 16, None)], 1e5, LAYERS)
+    assert e.value.smallest is None
+    with pytest.raises(ValueError, match="budget must be positive, got 0 MiB"):
+        choose_plan(SWEEP, 0, LAYERS)
+    with pytest.raises(ValueError, match="profiles that fit must be timed"):
+        choose_plan([Profile("normal", 0, 10.0)], 100, LAYERS)
+    with pytest.raises(ValueError, match=r"measure\('normal', 0\) returned a profile of 'x', 0"):
+        search(["normal"], LAYERS, 100, lambda i, n: Profile("x", n, 1.0, 1.0))
+    with pytest.raises(ValueError, match="num_layers must be at least 1, got 0"):
+        search(["normal"], 0, 100, recorded)
+
+
+def test_an_impl_that_fits_nowhere_is_named_in_the_why():
+    table = {(p.impl, p.checkpoint_layers): p for p in SWEEP}
+    table["normal", LAYERS] = Profile("normal", LAYERS, None)  # out of memory at every N
+    table["normal", 0] = Profile("normal", 0, None)
+    probes = search(BLOCK_MiB, LAYERS, 60_000, lambda i, n: table[i, n])
+    plan = choose_plan(probes, 60_000, LAYERS)
+    assert plan.impl == "drop_h_quack"
+    assert plan.why.endswith("normal does not fit with every block checkpointed (out of memory)")
