@@ -121,6 +121,33 @@ def pretrain(
             "scale per 128 columns), about half its bytes; weights and checkpoints unchanged",
         ),
     ] = None,
+    checkpoint_layers: Annotated[
+        int | None,
+        typer.Option(
+            help="activation-checkpoint the first N transformer blocks: each keeps only its "
+            "input for backward and runs its forward again there"
+        ),
+    ] = None,
+    activation_checkpointing: Annotated[
+        str | None,
+        typer.Option(
+            metavar="auto|manual",
+            help="auto: first measure short steps and pick the MLP impl and --checkpoint-layers "
+            "that fit --memory-budget-gb at the highest tokens/s (docs/planner.md); manual "
+            "(default): --checkpoint-layers as given",
+        ),
+    ] = None,
+    memory_budget_gb: Annotated[
+        float | None,
+        typer.Option(help="the planner's memory budget, GiB (default: the GPU's less 5 %)"),
+    ] = None,
+    plan_impls: Annotated[
+        str | None,
+        typer.Option(
+            help="comma-separated impls the planner tries, drop_h+fp8 among them (default: "
+            "every impl that runs here; --mlp-impl alone pins one)"
+        ),
+    ] = None,
     data: Annotated[
         list[str] | None,
         typer.Option(help="text files or globs, .jsonl, or a Megatron .bin/.idx prefix"),
@@ -159,6 +186,10 @@ def pretrain(
         (cfg.model, "mlp_impl", mlp_impl),
         (cfg.model, "mlp_chunk", mlp_chunk),
         (cfg.model, "saved_fp8", saved_fp8),
+        (cfg.model, "checkpoint_layers", checkpoint_layers),
+        (cfg.train, "activation_checkpointing", activation_checkpointing),
+        (cfg.train, "memory_budget_gb", memory_budget_gb),
+        (cfg.train, "plan_impls", plan_impls.split(",") if plan_impls is not None else None),
         (cfg.data, "data", data),
         (cfg.data, "micro_batch_size", micro_batch_size),
         (cfg.train, "max_steps", max_steps),
@@ -173,6 +204,9 @@ def pretrain(
     for section, key, value in overrides:
         if value is not None:
             setattr(section, key, value)
+    if cfg.train.activation_checkpointing == "auto" and mlp_impl and plan_impls is None:
+        fp8 = "+fp8" if cfg.model.saved_fp8 else ""  # the impl named is the one to plan
+        cfg.train.plan_impls = [f"{mlp_impl}{fp8}"]
     check_output(cfg.output_dir, "'--output-dir' (or output_dir in the config)", directory=True)
     check_output(summary_json, "'--summary-json'")
     with naming_output_dir(cfg.output_dir):
@@ -188,6 +222,7 @@ def pretrain(
         "final_loss",
         "val_loss",
         "tokens_per_s",
+        "checkpoint_layers",
         "saved_MiB",
         "after_forward_MiB",
         "peak_MiB",

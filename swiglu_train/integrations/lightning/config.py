@@ -35,6 +35,11 @@ class TrainConfig:
     checkpoint_every: int = 50
     log_every_n_steps: int = 1
     seed: int = 1234
+    # "auto": before training, measure short steps and set model.mlp_impl and
+    # model.checkpoint_layers to fit memory_budget_gb at the highest tokens/s (planner.py)
+    activation_checkpointing: str = "manual"
+    memory_budget_gb: float | None = None  # GiB; None: the GPU's memory less 5 %
+    plan_impls: list[str] | None = None  # what the planner tries; None: every impl that runs
 
 
 @dataclass

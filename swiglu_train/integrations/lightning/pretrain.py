@@ -17,8 +17,13 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_only, rank_zer
 from swiglu_train.integrations.lightning.config import PretrainConfig, check_ranges
 from swiglu_train.integrations.lightning.data import PackedTextData
 from swiglu_train.integrations.lightning.memory_callback import MemoryProfilerCallback
-from swiglu_train.integrations.lightning.model import check_mlp_chunk, check_model_saved_fp8
+from swiglu_train.integrations.lightning.model import (
+    check_checkpoint_layers,
+    check_mlp_chunk,
+    check_model_saved_fp8,
+)
 from swiglu_train.integrations.lightning.module import LAYOUT_KEY, PretrainModule
+from swiglu_train.integrations.lightning.planner import check_plan_settings, plan_run
 from swiglu_train.integrations.lightning.resume import StepProgressBar, run_loggers
 from swiglu_train.layers import check_impl_name
 from swiglu_train.layers.registry import AUTO
@@ -85,6 +90,8 @@ def run_pretrain(
     check_mlp_chunk(cfg.model)  # again: command-line flags are set after the config is built
     check_model_saved_fp8(cfg.model)
     check_ranges(cfg)
+    check_checkpoint_layers(cfg.model)
+    check_plan_settings(cfg, resuming=resume is not None)
     if cfg.model.mlp_impl == AUTO and cfg.model.mlp_tokens_hint is None:  # one micro-batch
         cfg.model.mlp_tokens_hint = cfg.data.micro_batch_size * cfg.data.seq_length
     out = Path(cfg.output_dir)
@@ -92,6 +99,10 @@ def run_pretrain(
     # layout is checked once the model is built, the data settings it recorded once the corpus
     # is loaded and the world size known.
     ckpt_path, resumed = _checkpoint(resume, out, cfg)
+    plan = None  # --activation-checkpointing auto: measured now, set on cfg.model
+    if cfg.train.activation_checkpointing == "auto":
+        plan = plan_run(cfg, log=rank_zero_info)
+        rank_zero_info(f"plan: {plan['why']}")
     pl.seed_everything(cfg.train.seed, workers=True)
     module = PretrainModule(cfg.model, cfg.optim, cfg.train.max_steps)
     if weights is not None:  # ParMLP's load hook packs or unpacks fc1 for its impl
@@ -117,6 +128,8 @@ def run_pretrain(
     history = LossAndThroughput()
     resume_step = None if resumed is None else resumed["global_step"]
     wandb_logger, csv_logger = run_loggers(cfg, out, resume_step)
+    if plan is not None:  # its choice is in the config already; this adds what it measured
+        wandb_logger.experiment.config.update({"plan": plan}, allow_val_change=True)
     checkpoints = StepCheckpoint(
         dirpath=out / "checkpoints",
         every_n_train_steps=cfg.train.checkpoint_every,
@@ -168,6 +181,8 @@ def run_pretrain(
         "peak_MiB": mem.get("memory/peak_MiB"),
         "memory_csv": str(memory.csv.path) if memory.csv else None,
         "output_dir": str(out),
+        "checkpoint_layers": cfg.model.checkpoint_layers,
+        "plan": plan,
     }
 
 

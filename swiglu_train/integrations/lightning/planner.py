@@ -1,0 +1,284 @@
+"""``pretrain --activation-checkpointing auto``: measure short training steps of the run's own
+model on this device, and pick the MLP impl and the number of checkpointed blocks that fit
+the memory budget at the highest tokens/s (the decision: ``swiglu_train.memory.plan``).
+
+Each measured point is a few whole steps of the pretraining module (forward, zero_grad,
+backward, gradient clipping, AdamW; Lightning's order), at the run's micro-batch, sequence
+length and precision (Lightning Fabric's precision plugin, as the Trainer's), on random
+tokens. The first ``warmup`` steps (Triton compilation and autotuning, optimizer state
+allocation) are left out of both figures.
+
+Memory, per step, on CUDA: the allocator's peak over the whole step (the memory profiler's
+forward peak above its step-start allocation, and the backward plus optimizer peak), in
+absolute MiB, which is what the budget bounds. On the CPU there are no allocator figures: the
+peak is estimated as the model state (parameters, gradients, optimizer state: their
+storages, counted) plus the bytes saved for backward (exact, from the profiler). That leaves
+out transient buffers, so a CPU plan is a lower bound; a CPU run needs an explicit budget.
+"""
+
+from __future__ import annotations
+
+import gc
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, replace
+
+import torch
+from lightning.fabric import Fabric
+
+from swiglu_train.integrations.lightning.config import PretrainConfig
+from swiglu_train.integrations.lightning.module import PretrainModule
+from swiglu_train.layers.registry import PORTABLE_IMPLS, QUACK_IMPLS, check_saved_fp8
+from swiglu_train.memory.plan import Measure, Plan, Profile, choose_plan, search
+from swiglu_train.memory.profiler import MemoryProfiler, MiB
+from swiglu_train.memory.saved import storages
+
+MODES = ("manual", "auto")
+MARGIN = 0.05  # the default budget: the device's memory less 5 % (fragmentation, context)
+FP8 = "+fp8"  # a candidate "drop_h+fp8": drop_h with its FP8-saved preactivation
+ALLOCATOR = "cuda allocator peak"
+ESTIMATE = "model state + saved-for-backward bytes (CPU estimate, no transients)"
+
+
+@dataclass(frozen=True)
+class Steps:
+    """How many steps each measured point runs, and how many of them are warm-up."""
+
+    warmup: int = 1
+    measured: int = 3
+
+    def __post_init__(self) -> None:
+        if self.warmup < 0 or self.measured < 1:
+            raise ValueError(f"need warmup >= 0 and measured >= 1 steps, got {self}")
+
+
+def check_plan_settings(cfg: PretrainConfig, resuming: bool = False) -> None:
+    """train.activation_checkpointing, memory_budget_gb and plan_impls, before any work."""
+    t = cfg.train
+    if t.activation_checkpointing not in MODES:
+        raise ValueError(f"train.activation_checkpointing (--activation-checkpointing) must be "
+                         f"one of {MODES}, got {t.activation_checkpointing!r}")  # fmt: skip
+    if t.memory_budget_gb is not None and not t.memory_budget_gb > 0:
+        raise ValueError(f"train.memory_budget_gb (--memory-budget-gb) must be positive GiB, "
+                         f"got {t.memory_budget_gb}")  # fmt: skip
+    if t.activation_checkpointing != "auto":
+        if t.plan_impls is not None or t.memory_budget_gb is not None:
+            raise ValueError("train.plan_impls and train.memory_budget_gb (--plan-impls, "
+                             "--memory-budget-gb) are the planner's: they need "
+                             "--activation-checkpointing auto")  # fmt: skip
+        return
+    if resuming:
+        raise ValueError("--activation-checkpointing auto plans a new run; a resume keeps its "
+                         "run's plan: pass the --mlp-impl and --checkpoint-layers it recorded "
+                         "(the summary's plan)")  # fmt: skip
+    if t.devices not in (1, "1"):
+        raise ValueError(f"--activation-checkpointing auto measures one device; train.devices "
+                         f"is {t.devices!r}: plan with --devices 1, then pass its --mlp-impl "
+                         "and --checkpoint-layers to the multi-device run")  # fmt: skip
+    if cfg.model.source is not None:
+        raise ValueError("--activation-checkpointing auto checkpoints blocks of the built-in "
+                         "Llama, not a --model host")  # fmt: skip
+    if not torch.cuda.is_available() and t.memory_budget_gb is None:
+        raise ValueError("--activation-checkpointing auto on the CPU needs --memory-budget-gb "
+                         "(GiB): there is no device memory to default to, and the CPU peak is "
+                         "an estimate (model state + saved-for-backward bytes)")  # fmt: skip
+    candidates(cfg)  # an unknown or unrunnable impl, named now
+
+
+def candidates(cfg: PretrainConfig) -> list[str]:
+    """The impls the planner tries: train.plan_impls, else every exact impl that runs here
+    (the quack ones with quack on an sm_90+ GPU); with model.saved_fp8, drop_h+fp8 alone."""
+    from swiglu_train.ops.quack_mlp import quack_available
+
+    names = cfg.train.plan_impls
+    if names is None:
+        if cfg.model.saved_fp8:
+            return [f"drop_h{FP8}"]
+        quack = sorted(QUACK_IMPLS) if quack_available() else []
+        return [*PORTABLE_IMPLS, *quack]
+    if not names:
+        raise ValueError("train.plan_impls (--plan-impls) is empty: name at least one impl")
+    for name in names:
+        impl, fp8 = split_candidate(name)
+        valid = [*PORTABLE_IMPLS, *sorted(QUACK_IMPLS), f"drop_h{FP8}"]
+        if impl not in (*PORTABLE_IMPLS, *QUACK_IMPLS):
+            raise ValueError(f"train.plan_impls (--plan-impls): unknown impl {name!r}; the "
+                             f"planner tries concrete impls: {', '.join(valid)}")  # fmt: skip
+        check_saved_fp8(impl, fp8)
+        if impl in QUACK_IMPLS and not quack_available():
+            raise ValueError(f"train.plan_impls (--plan-impls): {name} needs quack-kernels and "
+                             "an sm_90+ GPU, which this machine lacks")  # fmt: skip
+    return list(dict.fromkeys(names))
+
+
+def split_candidate(name: str) -> tuple[str, bool]:
+    """('drop_h', True) for 'drop_h+fp8'; (name, False) otherwise."""
+    return (name.removesuffix(FP8), True) if name.endswith(FP8) else (name, False)
+
+
+def default_budget_MiB(device: torch.device, budget_gb: float | None) -> float:
+    if budget_gb is not None:
+        return budget_gb * 1024
+    if device.type != "cuda":
+        raise ValueError("a CPU plan needs an explicit memory budget (--memory-budget-gb)")
+    return torch.cuda.get_device_properties(device).total_memory * (1 - MARGIN) / MiB
+
+
+def measurer(
+    cfg: PretrainConfig, steps: Steps = Steps(), log: Callable[[str], None] | None = None
+) -> Measure:
+    """A ``measure(candidate, n)`` over the run's model: one model and optimizer per
+    candidate, built on the device when first asked for and kept while the next points
+    measure the same candidate (only ``checkpoint_layers`` changes between them)."""
+    fabric = Fabric(accelerator="auto", devices=1, precision=_precision(cfg.train.precision))
+    held: dict[str, tuple] = {}
+
+    def measure(name: str, n: int) -> Profile:
+        if name not in held:
+            held.clear()  # the previous candidate's model and optimizer go first
+            _free(fabric.device)
+            held[name] = _build(fabric, cfg, name)
+        module, optimizer = held[name]
+        module.model.checkpoint_layers = n
+        profile = _run_steps(fabric, cfg, module, optimizer, name, n, steps)
+        if log is not None:
+            log(describe(profile, cfg.model.num_layers))
+        return profile
+
+    return measure
+
+
+def describe(p: Profile, num_layers: int) -> str:
+    peak = "out of memory" if p.peak_MiB is None else f"peak {p.peak_MiB:,.0f} MiB"
+    rate = "" if p.tokens_per_s is None else f", {p.tokens_per_s:,.0f} tokens/s"
+    blocks = f"{p.checkpoint_layers} of {num_layers} blocks checkpointed"
+    return f"planner: {p.impl}, {blocks}: {peak}{rate}"
+
+
+def plan_run(
+    cfg: PretrainConfig, steps: Steps = Steps(), log: Callable[[str], None] | None = None
+) -> dict:
+    """Measure, choose, and set the chosen impl and checkpointed blocks on ``cfg.model``.
+    Returns the plan's record (for the summary and the W&B config); raises
+    ``swiglu_train.memory.plan.NoPlanFits`` when nothing fits the budget."""
+    device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+    budget = default_budget_MiB(device, cfg.train.memory_budget_gb)
+    num_layers = cfg.model.num_layers
+    measure = measurer(cfg, steps, log)
+    try:
+        profiles = search(candidates(cfg), num_layers, budget, measure)
+    finally:
+        _free(device)
+    plan = choose_plan(profiles, budget, num_layers)
+    apply_plan(cfg, plan)
+    return record(plan, profiles, cfg, device, steps)
+
+
+def apply_plan(cfg: PretrainConfig, plan: Plan) -> None:
+    impl, fp8 = split_candidate(plan.impl)
+    cfg.model.mlp_impl, cfg.model.saved_fp8 = impl, fp8
+    cfg.model.checkpoint_layers = plan.checkpoint_layers
+    if impl != "save_factors":  # a chunk is save_factors' alone (check_mlp_chunk)
+        cfg.model.mlp_chunk = None
+
+
+def record(
+    plan: Plan, profiles: list[Profile], cfg: PretrainConfig, device: torch.device, steps: Steps
+) -> dict:
+    return plan.to_dict() | {
+        "memory": ALLOCATOR if device.type == "cuda" else ESTIMATE,
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "micro_batch_size": cfg.data.micro_batch_size,
+        "seq_length": cfg.data.seq_length,
+        "precision": _precision(cfg.train.precision),
+        "steps": asdict(steps),
+        "profiles": [asdict(p) for p in profiles],
+    }
+
+
+def _precision(precision: str) -> str:
+    from swiglu_train.integrations.lightning.pretrain import resolve_precision
+
+    return resolve_precision(precision)
+
+
+def _build(fabric: Fabric, cfg: PretrainConfig, name: str):
+    impl, fp8 = split_candidate(name)
+    chunk = cfg.model.mlp_chunk if impl == "save_factors" else None
+    model_cfg = replace(cfg.model, mlp_impl=impl, saved_fp8=fp8, mlp_chunk=chunk)
+    with fabric.init_module():  # weights made on the device, in the precision's dtype
+        module = PretrainModule(model_cfg, cfg.optim, cfg.train.max_steps)
+    optimizer = module.configure_optimizers()["optimizer"]
+    module, optimizer = fabric.setup(module, optimizer)
+    return module, optimizer
+
+
+def _run_steps(fabric, cfg, module, optimizer, name: str, n: int, steps: Steps) -> Profile:
+    """``steps`` whole training steps; the measured ones' median time and largest peak."""
+    device = fabric.device
+    rows = torch.randint(0, cfg.model.vocab_size, (cfg.data.micro_batch_size,
+                         cfg.data.seq_length + 1), device=device)  # fmt: skip
+    profiler = MemoryProfiler(module, per_layer=False)
+    seconds, peaks, after = [], [], []
+    try:
+        for i in range(steps.warmup + steps.measured):
+            tic = time.perf_counter()
+            profiler.begin(i)
+            with fabric.autocast():
+                loss = module.loss(rows)
+            optimizer.zero_grad(set_to_none=True)  # Lightning's order: after the forward
+            profiler.forward_done()
+            fabric.backward(loss)
+            del loss
+            memory = profiler.backward_done()
+            if cfg.train.gradient_clip_val:
+                fabric.clip_gradients(module, optimizer, max_norm=cfg.train.gradient_clip_val)
+            optimizer.step()
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            seconds.append(time.perf_counter() - tic)
+            peaks.append(_peak_MiB(memory, module, optimizer, device))
+            after.append(_after_forward_MiB(memory))
+    except torch.OutOfMemoryError:
+        profiler.abort()
+        optimizer.zero_grad(set_to_none=True)
+        _free(device)
+        return Profile(name, n, None)
+    tokens = cfg.data.micro_batch_size * cfg.data.seq_length
+    return Profile(
+        name,
+        n,
+        max(peaks[steps.warmup :]),
+        tokens / statistics.median(seconds[steps.warmup :]),
+        max(after[steps.warmup :]),
+    )
+
+
+def _peak_MiB(memory, module, optimizer, device: torch.device) -> float:
+    if device.type == "cuda":  # the profiler reset the peak at forward end: backward + step
+        forward = memory.allocated_MiB + memory.forward_peak_MiB
+        return max(forward, torch.cuda.max_memory_allocated(device) / MiB)
+    return (_state_bytes(module, optimizer) + memory.saved_bytes) / MiB
+
+
+def _after_forward_MiB(memory) -> float:
+    """The allocator's after-forward figure on CUDA; on the CPU, the saved-for-backward MiB."""
+    if memory.after_forward_MiB is not None:
+        return memory.after_forward_MiB
+    return memory.saved_bytes / MiB
+
+
+def _state_bytes(module, optimizer) -> int:
+    """Parameters, gradients and optimizer state: distinct storages, counted once."""
+    tensors = [p for p in module.parameters()]
+    tensors += [p.grad for p in tensors if p.grad is not None]
+    tensors += [v for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v)]
+    found = {key: nbytes for t in tensors for key, nbytes in storages(t)}
+    return sum(found.values())
+
+
+def _free(device: torch.device) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()

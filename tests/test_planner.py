@@ -1,0 +1,144 @@
+"""`pretrain --activation-checkpointing auto` and `--checkpoint-layers` on CPU: the planner's
+measured steps, its plan applied to the run and recorded in the summary and W&B config, and
+the refusals before any work."""
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from swiglu_train.cli import app
+from swiglu_train.integrations.lightning.config import load_config
+from swiglu_train.integrations.lightning.planner import ESTIMATE, Steps, measurer
+from swiglu_train.memory.plan import NoPlanFits
+from swiglu_train.memory.runs import load_runs
+from swiglu_train.ops import use_backend
+from swiglu_train.ops.quack_mlp import quack_available
+
+runner = CliRunner()
+SMALL = (
+    "model: {hidden_size: 64, ffn_hidden_size: 160, num_heads: 2, num_layers: 2}\n"
+    "data: {seq_length: 32, micro_batch_size: 2, val_fraction: 0.0}\n"
+    "train: {max_steps: 2, checkpoint_every: 2}\n"
+)
+IMPLS = ("normal", "drop_h")
+
+
+@pytest.fixture(autouse=True)
+def _offline_wandb_and_torch_math(monkeypatch):
+    """W&B offline; plain-torch SwiGLU math (the interpreter would make training crawl)."""
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    with use_backend("torch"):
+        yield
+
+
+@pytest.fixture
+def small(tmp_path: Path) -> Path:
+    path = tmp_path / "small.yaml"
+    path.write_text(SMALL)
+    return path
+
+
+def pretrain(small: Path, tmp_path: Path, *args: str):
+    out, summary = tmp_path / "run", tmp_path / "summary.json"
+    command = ["pretrain", "--config", str(small), "--output-dir", str(out)]
+    result = runner.invoke(app, [*command, "--summary-json", str(summary), *args])
+    return result, (json.loads(summary.read_text()) if summary.is_file() else None)
+
+
+def test_auto_checkpoints_what_the_budget_needs_and_records_the_plan(small, tmp_path, caplog):
+    # The CPU peak is an estimate (model state + saved bytes), the same at every step: a budget
+    # between the impls' peaks with every block checkpointed and with none forces the planner
+    # to checkpoint blocks.
+    measure = measurer(load_config(str(small)), Steps(warmup=0, measured=1))
+    none = {impl: measure(impl, 0).peak_MiB for impl in IMPLS}
+    every = {impl: measure(impl, 2).peak_MiB for impl in IMPLS}
+    assert max(every.values()) < min(none.values())
+    budget_MiB = (max(every.values()) + min(none.values())) / 2
+    result, summary = pretrain(
+        small, tmp_path, "--activation-checkpointing", "auto", "--plan-impls", ",".join(IMPLS),
+        "--memory-budget-gb", str(budget_MiB / 1024),
+    )  # fmt: skip
+    assert result.exit_code == 0, result.output
+    plan = summary["plan"]
+    assert plan["impl"] in IMPLS and plan["checkpoint_layers"] >= 1
+    assert plan["memory"] == ESTIMATE and plan["device"] == "cpu"
+    assert plan["peak_MiB"] <= plan["budget_MiB"] == pytest.approx(budget_MiB)
+    measured = {(p["impl"], p["checkpoint_layers"]): p for p in plan["profiles"]}
+    for impl in IMPLS:  # every impl was tried without checkpointing first, and did not fit
+        assert measured[impl, 0]["peak_MiB"] == pytest.approx(none[impl], rel=1e-12)
+    # The run is the plan: its impl and blocks, and the saved bytes the planner measured there
+    assert summary["mlp_impl"] == plan["impl"]
+    assert summary["checkpoint_layers"] == plan["checkpoint_layers"]
+    chosen = measured[plan["impl"], plan["checkpoint_layers"]]
+    assert summary["saved_MiB"] == pytest.approx(chosen["after_forward_MiB"], rel=1e-12)
+    # printed (Lightning's rank-zero log) before training, each measured point and then why
+    assert f"plan: {plan['impl']} with {plan['checkpoint_layers']} of 2 blocks" in caplog.text
+    assert f"planner: normal, 0 of 2 blocks checkpointed: peak {none['normal']:,.0f} MiB" in (
+        caplog.text
+    )
+    [run] = load_runs([next((tmp_path / "run" / "wandb").glob("offline-run-*"))])
+    assert run.config["plan"]["impl"] == plan["impl"]
+    assert run.config["model"]["checkpoint_layers"] == plan["checkpoint_layers"]
+
+
+def test_a_budget_nothing_fits_is_refused_naming_the_smallest_peak(small, tmp_path):
+    result, summary = pretrain(
+        small, tmp_path, "--activation-checkpointing", "auto", "--mlp-impl", "drop_h",
+        "--memory-budget-gb", "0.001",
+    )  # fmt: skip
+    assert result.exit_code != 0 and summary is None
+    assert isinstance(result.exception, NoPlanFits)
+    message = str(result.exception)
+    assert message.startswith("nothing fits the memory budget of 1 MiB: the smallest peak "
+                              "measured is ")  # fmt: skip
+    assert "(drop_h with 2 of 2 blocks checkpointed); raise the budget to at least" in message
+    assert not (tmp_path / "run" / "checkpoints").exists()  # nothing trained
+
+
+def test_manual_checkpoint_layers_from_the_flag_and_the_yaml(small, tmp_path):
+    result, summary = pretrain(small, tmp_path, "--checkpoint-layers", "2", "--max-steps", "1")
+    assert result.exit_code == 0, result.output
+    assert summary["checkpoint_layers"] == 2 and summary["plan"] is None
+    yaml = tmp_path / "with.yaml"
+    yaml.write_text(SMALL.replace("num_layers: 2}", "num_layers: 2, checkpoint_layers: 1}"))
+    assert load_config(str(yaml)).model.checkpoint_layers == 1
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--checkpoint-layers", "3"], r"checkpoint_layers=3 \(--checkpoint-layers\) must be a "
+         r"whole number of blocks from 0 to num_layers=2"),
+        pytest.param(
+            ["--activation-checkpointing", "auto"], r"on the CPU needs --memory-budget-gb",
+            marks=pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU gives a budget"),
+        ),
+        (["--activation-checkpointing", "sometimes"], r"must be one of \('manual', 'auto'\)"),
+        (["--memory-budget-gb", "40"], r"need --activation-checkpointing auto"),
+        (["--activation-checkpointing", "auto", "--memory-budget-gb", "-1"], r"must be positive"),
+        (["--activation-checkpointing", "auto", "--memory-budget-gb", "1", "--devices", "2"],
+         r"measures one device; train.devices is 2"),
+        (["--activation-checkpointing", "auto", "--memory-budget-gb", "1", "--plan-impls",
+          "fast"], r"unknown impl 'fast'; the planner tries concrete impls: normal, drop_h"),
+        pytest.param(
+            ["--activation-checkpointing", "auto", "--memory-budget-gb", "1", "--plan-impls",
+             "drop_h_quack"], r"drop_h_quack needs quack-kernels and an sm_90\+ GPU",
+            marks=pytest.mark.skipif(quack_available(), reason="quack runs here"),
+        ),
+        (["--activation-checkpointing", "auto", "--memory-budget-gb", "1", "--plan-impls",
+          "normal+fp8"], r"saved_fp8=True is for impl 'drop_h' only, not 'normal'"),
+        (["--activation-checkpointing", "auto", "--memory-budget-gb", "1", "--resume", "last"],
+         r"a resume keeps its run's plan"),
+    ],
+)  # fmt: skip
+def test_bad_settings_are_refused_before_any_work(small, tmp_path, args, message):
+    result, summary = pretrain(small, tmp_path, *args)
+    assert result.exit_code != 0 and summary is None
+    assert isinstance(result.exception, ValueError), result.output
+    assert re.search(message, str(result.exception)), str(result.exception)
+    assert not (tmp_path / "run").exists()
