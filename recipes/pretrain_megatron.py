@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import os
 import statistics
 import time
@@ -64,10 +65,31 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument(
         "--mlp-impl",
-        default="drop_h",
+        default=None,
         choices=[*SUPPORTED_IMPLS, *STOCK],
-        help="ours, or Megatron's own MLP: 'stock' with its fused (torch.compile'd) bias-SwiGLU, "
-        "'stock_eager' with bias_activation_fusion off",
+        help="ours (default drop_h), or Megatron's own MLP: 'stock' with its fused "
+        "(torch.compile'd) bias-SwiGLU, 'stock_eager' with bias_activation_fusion off",
+    )
+    p.add_argument(
+        "--recompute-granularity",
+        choices=["full", "selective"],
+        default=None,
+        help="Megatron's activation recompute: 'full' checkpoints whole transformer layers "
+        "(with --recompute-method and --recompute-num-layers), 'selective' its core attention",
+    )
+    p.add_argument(
+        "--recompute-method",
+        choices=["uniform", "block"],
+        default=None,
+        help="full recompute: 'block' checkpoints the first --recompute-num-layers layers, "
+        "'uniform' every layer, in units of --recompute-num-layers",
+    )
+    p.add_argument("--recompute-num-layers", type=int, default=None)
+    p.add_argument(
+        "--plan",
+        default=None,
+        help="a plan of swiglu-train's planner (JSON: a pretrain --summary-json, or its 'plan'): "
+        "its impl and checkpointed blocks as --mlp-impl and --recompute-method block",
     )
     p.add_argument(
         "--saved-fp8",
@@ -91,6 +113,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--lr", type=float, default=3e-4)
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument(
+        "--warmup-steps",
+        type=int,
+        default=5,
+        help="steps the summary's tokens/s leaves out (compilation, autotuning, allocation)",
+    )
+    p.add_argument(
         "--cpu-init",
         action="store_true",
         help="initialize full weights on the CPU from --seed, then shard them (Megatron's "
@@ -104,6 +132,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--output-dir", default="runs")
     p.add_argument("--summary-json", default=None, help="rank 0 writes losses, tokens/s, memory")
     args = p.parse_args(argv)
+    if args.plan is not None:
+        apply_plan(p, args)
+    args.mlp_impl = args.mlp_impl or "drop_h"
+    check_recompute(p, args)
+    if args.warmup_steps < 0:
+        p.error(f"--warmup-steps must be at least 0, got {args.warmup_steps}")
     if args.saved_fp8 and args.mlp_impl in STOCK:
         p.error("--saved-fp8 is ours: Megatron's own MLP saves its preactivation in bf16")
     if args.saved_fp8:
@@ -112,6 +146,73 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         except ValueError as e:
             p.error(f"--saved-fp8: {e}")
     return args
+
+
+def apply_plan(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """--plan: the planner's impl and checkpointed blocks, for a model of its depth. It was
+    measured on the Lightning Llama of swiglu-train's pretrain, whose memory is close to but
+    not Megatron's: the run's own profiler figures say whether it fits here."""
+    try:
+        plan = json.loads(Path(args.plan).read_text())
+    except (OSError, ValueError) as e:
+        p.error(f"--plan {args.plan}: not a readable JSON file ({e})")
+    plan = plan.get("plan", plan) if isinstance(plan, dict) else None
+    if not isinstance(plan, dict) or not {"impl", "checkpoint_layers", "num_layers"} <= set(plan):
+        p.error(
+            f"--plan {args.plan}: no planner record (impl, checkpoint_layers, num_layers); "
+            "pass what pretrain --activation-checkpointing auto --summary-json wrote"
+        )
+    taken = [
+        f
+        for f in ("mlp_impl", "recompute_granularity", "recompute_method", "recompute_num_layers")
+        if getattr(args, f) is not None
+    ]
+    if taken or args.saved_fp8:
+        flags = ", ".join("--" + f.replace("_", "-") for f in taken) or "--saved-fp8"
+        p.error(f"--plan sets the impl and the recompute; drop {flags}")
+    if plan["num_layers"] != args.num_layers:
+        p.error(
+            f"--plan {args.plan} was made for {plan['num_layers']} layers, not "
+            f"--num-layers {args.num_layers}"
+        )
+    impl = plan["impl"]
+    args.saved_fp8 = impl.endswith("+fp8")
+    args.mlp_impl = impl.removesuffix("+fp8")
+    if args.mlp_impl not in SUPPORTED_IMPLS:
+        p.error(f"--plan {args.plan}: impl {impl!r} is not one this recipe runs")
+    if plan["checkpoint_layers"]:
+        args.recompute_granularity, args.recompute_method = "full", "block"
+        args.recompute_num_layers = plan["checkpoint_layers"]
+
+
+def check_recompute(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Megatron's recompute options, in the combinations its TransformerConfig takes (its own
+    check says less, and only once the model is being built)."""
+    granularity, method, n = (
+        args.recompute_granularity,
+        args.recompute_method,
+        args.recompute_num_layers,
+    )
+    if granularity is None and (method is not None or n is not None):
+        p.error("--recompute-method and --recompute-num-layers need --recompute-granularity full")
+    if granularity == "selective" and (method is not None or n is not None):
+        p.error(
+            "--recompute-granularity selective takes no --recompute-method or "
+            "--recompute-num-layers (it recomputes the core attention of every layer)"
+        )
+    if granularity == "full" and (method is None or n is None):
+        p.error(
+            "--recompute-granularity full needs --recompute-method (block or uniform) and "
+            "--recompute-num-layers"
+        )
+    per_stage = args.num_layers // args.pp
+    if method == "block" and not 1 <= n <= per_stage:
+        p.error(
+            f"--recompute-method block: --recompute-num-layers must be from 1 to the "
+            f"layers per pipeline stage, {per_stage}; got {n}"
+        )
+    if method == "uniform" and n < 1:
+        p.error(f"--recompute-num-layers must be at least 1, got {n}")
 
 
 def initialize(args: argparse.Namespace) -> None:
@@ -157,6 +258,9 @@ def transformer_config(args: argparse.Namespace) -> TransformerConfig:
         params_dtype=torch.bfloat16 if bf16 else torch.float32,
         pipeline_dtype=torch.bfloat16 if bf16 else torch.float32,
         use_cpu_initialization=args.device == "cpu" or args.cpu_init,
+        recompute_granularity=args.recompute_granularity,
+        recompute_method=args.recompute_method,
+        recompute_num_layers=args.recompute_num_layers,
     )
 
 
@@ -424,15 +528,20 @@ def main(argv: list[str] | None = None) -> list[float]:
 def write_summary(
     args: argparse.Namespace, losses: list, rates: list, records: list, first_step: int
 ) -> None:
-    """Losses, median tokens/s past the first 5 steps (compile, autotune) and the profiler's
+    """Losses, median tokens/s past --warmup-steps (compile, autotune) and the profiler's
     memory figures, as the Lightning recipe's --summary-json writes them; plus the shape, so
     a comparison across TP sizes (scripts/compare_tp.py) can compute the analytic figures."""
-    steady = rates[5:] or rates
+    steady = rates[args.warmup_steps :] or rates
     last = records[-1] if records else None
     peaks = [r.peak_MiB for r in records if r.peak_MiB is not None]  # None off CUDA
     summary = {
         "mlp_impl": args.mlp_impl,
         "saved_fp8": args.saved_fp8,
+        "recompute": {
+            key: getattr(args, f"recompute_{key}")
+            for key in ("granularity", "method", "num_layers")
+        },
+        "plan": args.plan,
         "tp": args.tp,
         "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
         "cpu_init": args.device == "cpu" or args.cpu_init,  # one model at every TP size
@@ -440,6 +549,8 @@ def write_summary(
         "initial_loss": losses[0],
         "final_loss": losses[-1],
         "tokens_per_s": statistics.median(steady),
+        "warmup_steps": len(rates) - len(steady),  # 0 when the run had no more steps
+        "step_tokens_per_s": rates,  # every step's, warm-up included
         "after_forward_MiB": last.after_forward_MiB if last else None,
         "peak_MiB": max(peaks) if peaks else None,
         "saved_MiB": last.saved_bytes / 2**20 if last else None,

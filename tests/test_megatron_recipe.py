@@ -8,6 +8,7 @@ import json
 import os
 import re
 import runpy
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -86,6 +87,10 @@ def test_recipe_trains_logs_memory_and_resumes(tmp_path: Path) -> None:
     assert summary["initial_loss"] == pytest.approx(losses[0], rel=1e-5)
     assert summary["final_loss"] == pytest.approx(losses[3], rel=1e-5)
     assert summary["tokens_per_s"] > 0 and summary["saved_MiB"] > 0
+    # 4 steps, fewer than the 5 warm-up steps: the median is over all, and says so
+    assert len(summary["step_tokens_per_s"]) == 4 and summary["warmup_steps"] == 0
+    assert summary["tokens_per_s"] == statistics.median(summary["step_tokens_per_s"])
+    assert summary["recompute"] == {"granularity": None, "method": None, "num_layers": None}
     # Per rank, each MLP saves x [M, D], factors [M, 2F/tp] and h [M, F/tp] in fp32 (M = 2 x 32
     # tokens, D = 64, F = 96, tp = 2), over 2 layers: the analytic count, to the byte.
     assert summary["mlp_saved_MiB"][impl] * 2**20 == 2 * 64 * (64 + 3 * 48) * 4
@@ -237,3 +242,91 @@ def test_distributed_optimizer_resume_restores_weights_moments_and_step(tmp_path
     TE: the GPU box's case, where it first failed): weights, fp32 main params, Adam moments and
     step come back exactly, a packed fc1 (save_factors) included, and the next step matches."""
     spawn(_resume_worker, 1, str(tmp_path / "ckpt"), impl)
+
+
+def test_recompute_options_reach_megatrons_config_and_bad_combinations_are_refused(capsys):
+    recipe = runpy.run_path(str(RECIPE))
+    full = ["--recompute-granularity", "full", "--recompute-method", "block"]
+    args = recipe["parse_args"](["--device", "cpu", *full, "--recompute-num-layers", "3"])
+    config = recipe["transformer_config"](args)
+    assert (config.recompute_granularity, config.recompute_method) == ("full", "block")
+    assert config.recompute_num_layers == 3 and args.mlp_impl == "drop_h"
+    plain = recipe["transformer_config"](recipe["parse_args"](["--device", "cpu"]))
+    assert plain.recompute_granularity is None and plain.recompute_num_layers is None
+    for argv, message in (
+        (["--recompute-num-layers", "2"], "need --recompute-granularity full"),
+        (full[:2], "full needs --recompute-method (block or uniform) and --recompute-num-layers"),
+        ([*full, "--recompute-num-layers", "5"], "from 1 to the layers per pipeline stage, 4"),
+        (["--recompute-granularity", "selective", "--recompute-method", "block"],
+         "selective takes no --recompute-method"),
+    ):  # fmt: skip
+        with pytest.raises(SystemExit):
+            recipe["parse_args"](argv)
+        assert message in capsys.readouterr().err
+
+
+def test_a_planner_record_sets_the_impl_and_block_recompute(tmp_path, capsys):
+    """--plan takes what `pretrain --activation-checkpointing auto --summary-json` wrote."""
+    recipe = runpy.run_path(str(RECIPE))
+    plan = {"impl": "drop_h+fp8", "checkpoint_layers": 2, "num_layers": 4, "why": "..."}
+    path = tmp_path / "summary.json"
+    path.write_text(json.dumps({"mlp_impl": "drop_h", "plan": plan}))
+    args = recipe["parse_args"](["--plan", str(path)])
+    assert (args.mlp_impl, args.saved_fp8) == ("drop_h", True)
+    assert (args.recompute_granularity, args.recompute_method) == ("full", "block")
+    assert args.recompute_num_layers == 2
+    path.write_text(json.dumps(plan | {"impl": "normal", "checkpoint_layers": 0}))
+    args = recipe["parse_args"](["--plan", str(path)])
+    assert args.mlp_impl == "normal" and args.recompute_granularity is None
+    for argv, message in (
+        (["--num-layers", "8"], "was made for 4 layers, not --num-layers 8"),
+        (["--mlp-impl", "normal"], "--plan sets the impl and the recompute; drop --mlp-impl"),
+    ):
+        with pytest.raises(SystemExit):
+            recipe["parse_args"](["--plan", str(path), *argv])
+        assert message in capsys.readouterr().err
+    path.write_text("{}")
+    with pytest.raises(SystemExit):
+        recipe["parse_args"](["--plan", str(path)])
+    assert "no planner record (impl, checkpoint_layers, num_layers)" in capsys.readouterr().err
+
+
+def _recompute_worker(rank: int, world_size: int, rendezvous: str) -> None:
+    """Megatron's full recompute (its reentrant CheckpointFunction) of the first layer around
+    our in-place impls: the same loss and grads, and that layer's saved bytes gone."""
+    from swiglu_train.memory import MemoryProfiler
+
+    with megatron_parallel(rank, world_size, rendezvous):
+        recipe = runpy.run_path(str(RECIPE))
+        tokens = torch.randint(0, 128, (2, 32), generator=torch.Generator().manual_seed(3))
+        positions = torch.arange(32).expand(2, 32)
+        causal = torch.ones(2, 1, 32, 32, dtype=torch.bool).triu(1)
+        for impl in ("drop_h", "save_factors"):
+            results = []
+            for recompute in ([], ["--recompute-granularity", "full", "--recompute-method",
+                                   "block", "--recompute-num-layers", "1"]):  # fmt: skip
+                args = recipe["parse_args"]([*TINY, "--mlp-impl", impl, *recompute])
+                torch.manual_seed(0)
+                model = GPTModel(recipe["transformer_config"](args), get_gpt_layer_spec(impl),
+                                 vocab_size=128, max_sequence_length=32,
+                                 position_embedding_type="rope")  # fmt: skip
+                profiler = MemoryProfiler(model)
+                for step in range(2):  # twice: the in-place backwards' guards must not fire
+                    model.zero_grad(set_to_none=True)
+                    with profiler.step(step):
+                        loss = model(tokens, positions, causal, labels=tokens).float().mean()
+                        profiler.forward_done()
+                        loss.backward()
+                grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+                results.append((loss.detach(), grads, profiler.records[-1]))
+            (loss0, grads0, plain), (loss1, grads1, recomputed) = results
+            assert torch.equal(loss0, loss1), impl
+            for name, grad in grads0.items():
+                torch.testing.assert_close(grads1[name], grad, rtol=1e-6, atol=1e-7)
+            first, second = (layer.saved_bytes for layer in plain.layers)
+            assert [la.saved_bytes for la in recomputed.layers][1] == second
+            assert recomputed.saved_bytes < plain.saved_bytes - first // 2, impl
+
+
+def test_megatron_full_recompute_around_our_impls_gives_the_same_grads() -> None:
+    spawn(_recompute_worker, 1)
