@@ -1,0 +1,475 @@
+"""End-to-end training-step benchmark: whole steps, configurations interleaved in rounds.
+
+    python scripts/bench_e2e.py lightning --config 1b --seq-length 4096 --micro-batch-size 8 \
+        --impls normal,drop_h,drop_h_quack,save_factors_quack --checkpoint-layers 0,4,8,12,16 \
+        --budgets-gb 60,80,100 --planner --rounds 3 --json e2e.json --md e2e.md --plot e2e.png
+    python scripts/bench_e2e.py megatron --impls stock,stock_eager,normal,drop_h --rounds 3 \
+        --json m.json --md m.md -- --num-layers 8 --hidden-size 2048 ...   (recipe arguments)
+
+Lightning: every round visits the impls in a fresh random order, builds each one's model once
+on the device, and runs each checkpointed-blocks count of the grid, in random order, for
+``--warmup`` steps and then ``--steps`` timed ones: whole steps of the pretraining module
+(forward, backward, clipping, AdamW) through the planner's own measurer
+(swiglu_train/integrations/lightning/planner.py), so the figures are the ones it decides from.
+Per configuration: tokens/s, after-forward and peak MiB as min/median/max over rounds, and
+MFU where the GPU's peak is known. For each ``--budgets-gb``, each impl's best configuration
+of the grid that fits (its best plan), and with ``--planner`` the planner's own pick (its
+short steps, its bisection) set against the grid. The plot: tokens/s against memory budget,
+per impl. On CUDA the memory is the allocator's peak; on the CPU the planner's estimate.
+
+Megatron: each round runs recipes/pretrain_megatron.py once per impl, in a fresh random
+order, each a process of its own (``--launcher``), and reads its summary: tokens/s is the
+median over the steps after ``--warmup``, and the warm-up steps' own rates are kept, since
+compilation (stock's torch.compile'd bias-SwiGLU) lands there.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import shlex
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Annotated
+
+import torch
+import typer
+
+from swiglu_train.bench.mlp import git_commit
+from swiglu_train.files import atomic_write, write_json_atomic
+from swiglu_train.integrations.lightning.config import load_config
+from swiglu_train.integrations.lightning.planner import (
+    ALLOCATOR,
+    ESTIMATE,
+    Steps,
+    candidates,
+    measurer,
+)
+from swiglu_train.memory.plan import NoPlanFits, choose_plan, search
+
+ROOT = Path(__file__).resolve().parents[1]
+RECIPE = ROOT / "recipes" / "pretrain_megatron.py"
+# Dense bf16 tensor-core peaks (the SXM datasheets), for MFU; other devices get none.
+PEAK_FLOPS = {"H100": 989.4e12, "H200": 989.4e12, "A100": 312e12}
+app = typer.Typer(add_completion=False, pretty_exceptions_enable=False)
+
+
+def spread(values: list[float | None]) -> dict | None:
+    """min/median/max of the measured values; None when none was measured (out of memory)."""
+    values = [v for v in values if v is not None]
+    if not values:
+        return None
+    return {"min": min(values), "median": statistics.median(values), "max": max(values)}
+
+
+def rows(points: list[dict], keys: tuple[str, ...]) -> list[dict]:
+    """One row per configuration (the ``keys`` of its points), its figures' spreads."""
+    out = {}
+    for p in points:
+        out.setdefault(tuple(p[k] for k in keys), []).append(p)
+    return [
+        {k: v for k, v in zip(keys, key, strict=True)}
+        | {
+            "rounds": len(mine),
+            "out_of_memory": sum(p["peak_MiB"] is None for p in mine),
+            **{
+                f: spread([p[f] for p in mine])
+                for f in ("tokens_per_s", "after_forward_MiB", "peak_MiB")
+            },
+        }
+        for key, mine in out.items()
+    ]
+
+
+def best_per_impl(table: list[dict], budget_MiB: float) -> dict[str, dict]:
+    """Each impl's fastest configuration (median tokens/s) whose largest peak fits."""
+    best: dict[str, dict] = {}
+    for r in table:
+        if r["peak_MiB"] is None or r["out_of_memory"] or r["peak_MiB"]["max"] > budget_MiB:
+            continue
+        mine = best.get(r["impl"])
+        if mine is None or r["tokens_per_s"]["median"] > mine["tokens_per_s"]["median"]:
+            best[r["impl"]] = r
+    return best
+
+
+def flops_per_token(cfg, seq: int) -> float:
+    """Model FLOPs of a training step per token (PaLM's 6N + 12·L·D·S; recompute not counted):
+    N the matmul weights (blocks and head; the embedding is a lookup)."""
+    d, f, layers = cfg.hidden_size, cfg.ffn_hidden_size, cfg.num_layers
+    weights = layers * (4 * d * d + 3 * d * f) + d * cfg.vocab_size
+    return 6 * weights + 12 * layers * d * seq
+
+
+def peak_flops() -> float | None:
+    if not torch.cuda.is_available():
+        return None
+    name = torch.cuda.get_device_name()
+    return next((v for k, v in PEAK_FLOPS.items() if k in name), None)
+
+
+def device_name() -> str:
+    return torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+
+
+def parse_list(value: str, cast=str) -> list:
+    return [cast(v) for v in value.split(",") if v.strip()]
+
+
+@app.command()
+def lightning(
+    config: Annotated[str, typer.Option(help="a packaged config or YAML path")] = "1b",
+    seq_length: Annotated[int | None, typer.Option(help="default: the config's")] = None,
+    micro_batch_size: Annotated[int | None, typer.Option()] = None,
+    impls: Annotated[str | None, typer.Option(help="default: every impl that runs here")] = None,
+    checkpoint_layers: Annotated[str, typer.Option(help="N,N,... or 'all'")] = "all",
+    budgets_gb: Annotated[str, typer.Option(help="GiB,GiB,...: best plan per impl at each")] = "",
+    planner: Annotated[bool, typer.Option(help="also run the planner at each budget")] = False,
+    rounds: Annotated[int, typer.Option(min=1)] = 3,
+    warmup: Annotated[int, typer.Option(min=0)] = 2,
+    steps: Annotated[int, typer.Option(min=1)] = 5,
+    seed: Annotated[int, typer.Option(help="of the visiting order")] = 0,
+    commit: Annotated[str | None, typer.Option(help="recorded if git is absent")] = None,
+    json_path: Annotated[Path | None, typer.Option("--json")] = None,
+    md: Annotated[Path | None, typer.Option()] = None,
+    plot: Annotated[Path | None, typer.Option()] = None,
+) -> None:
+    """Lightning Llama: impl x checkpointed blocks, in rounds; best plan per budget."""
+    cfg = load_config(config)
+    if seq_length is not None:
+        cfg.data.seq_length = seq_length
+        cfg.model.max_seq_length = max(cfg.model.max_seq_length, seq_length)
+    if micro_batch_size is not None:
+        cfg.data.micro_batch_size = micro_batch_size
+    cfg.train.plan_impls = parse_list(impls) if impls else None
+    names = candidates(cfg)
+    layers = cfg.model.num_layers
+    grid = (
+        list(range(layers + 1))
+        if checkpoint_layers == "all"
+        else parse_list(checkpoint_layers, int)
+    )
+    if not grid or not all(0 <= n <= layers for n in grid):
+        raise typer.BadParameter(f"counts from 0 to {layers}", param_hint="--checkpoint-layers")
+    budgets = [gb * 1024 for gb in parse_list(budgets_gb, float)]
+    order = random.Random(seed)
+    measure = measurer(cfg, Steps(warmup, steps), log=print)
+    points = []
+    for r in range(rounds):
+        for impl in order.sample(names, len(names)):
+            for n in order.sample(grid, len(grid)):
+                p = measure(impl, n)
+                points.append(
+                    {
+                        "round": r,
+                        "impl": impl,
+                        "checkpoint_layers": n,
+                        "peak_MiB": p.peak_MiB,
+                        "tokens_per_s": p.tokens_per_s,
+                        "after_forward_MiB": p.after_forward_MiB,
+                    }
+                )
+    table = rows(points, ("impl", "checkpoint_layers"))
+    flops, peak = flops_per_token(cfg.model, cfg.data.seq_length), peak_flops()
+    for r in table:
+        rate = r["tokens_per_s"]
+        r["mfu"] = rate["median"] * flops / peak if rate and peak else None
+    plans = [_budget(b, table, names, layers, cfg, planner) for b in budgets]
+    result = {
+        "command": shlex.join(["python", *sys.argv]),
+        "commit": git_commit() or commit,
+        "device": device_name(),
+        "memory": ALLOCATOR if torch.cuda.is_available() else ESTIMATE,
+        "config": config,
+        "model": {
+            k: getattr(cfg.model, k)
+            for k in ("hidden_size", "ffn_hidden_size", "num_layers", "num_heads")
+        },
+        "seq_length": cfg.data.seq_length,
+        "micro_batch_size": cfg.data.micro_batch_size,
+        "precision": measure_precision(cfg),
+        "rounds": rounds,
+        "warmup_steps": warmup,
+        "timed_steps": steps,
+        "flops_per_token": flops,
+        "peak_flops": peak,
+        "rows": table,
+        "budgets": plans,
+        "points": points,
+    }
+    _write(result, json_path, md, plot, lightning_markdown, plot_budgets)
+
+
+def measure_precision(cfg) -> str:
+    from swiglu_train.integrations.lightning.pretrain import resolve_precision
+
+    return resolve_precision(cfg.train.precision)
+
+
+def _budget(budget_MiB, table, names, layers, cfg, planner: bool) -> dict:
+    best = best_per_impl(table, budget_MiB)
+    out = {
+        "budget_GiB": budget_MiB / 1024,
+        "best_per_impl": {
+            i: {
+                "checkpoint_layers": r["checkpoint_layers"],
+                "tokens_per_s": r["tokens_per_s"]["median"],
+                "peak_MiB": r["peak_MiB"]["max"],
+            }
+            for i, r in best.items()
+        },
+    }
+    top = max(best.values(), key=lambda r: r["tokens_per_s"]["median"], default=None)
+    out["best"] = (
+        None
+        if top is None
+        else {"impl": top["impl"], "checkpoint_layers": top["checkpoint_layers"]}
+    )
+    if "normal" in best and top is not None:
+        drop = [r for i, r in best.items() if i.startswith("drop_h")]
+        if drop:
+            ratio = max(r["tokens_per_s"]["median"] for r in drop)
+            out["best_drop_h_vs_normal"] = ratio / best["normal"]["tokens_per_s"]["median"]
+    if planner:
+        out["planner"] = _planner(budget_MiB, table, names, layers, cfg, top)
+    return out
+
+
+def _planner(budget_MiB, table, names, layers, cfg, top) -> dict:
+    """The planner's own short steps and bisection at this budget, its pick set against the
+    grid's median tokens/s for that configuration (None when the grid lacks it)."""
+    print(f"planner at {budget_MiB / 1024:g} GiB")
+    probes = search(names, layers, budget_MiB, measurer(cfg, Steps(), log=print))
+    try:
+        plan = choose_plan(probes, budget_MiB, layers)
+    except NoPlanFits as e:
+        return {"error": str(e), "probes": len(probes)}
+    grid = {(r["impl"], r["checkpoint_layers"]): r for r in table}
+    same = grid.get((plan.impl, plan.checkpoint_layers))
+    ratio = None
+    if same is not None and top is not None and same["tokens_per_s"]:
+        ratio = same["tokens_per_s"]["median"] / top["tokens_per_s"]["median"]
+    return {
+        "impl": plan.impl,
+        "checkpoint_layers": plan.checkpoint_layers,
+        "why": plan.why,
+        "probes": len(probes),
+        "pick_vs_best_in_grid": ratio,
+    }
+
+
+def _fmt(s: dict | None, digits: int = 0) -> str:
+    if s is None:
+        return "—"
+    return f"{s['median']:,.{digits}f} [{s['min']:,.{digits}f}, {s['max']:,.{digits}f}]"
+
+
+def lightning_markdown(result: dict) -> str:
+    head = (
+        f"### Lightning e2e: {result['config']} at seq {result['seq_length']}, micro-batch "
+        f"{result['micro_batch_size']}, {result['precision']}, {result['device']}\n\n"
+        f"{result['rounds']} rounds interleaved, {result['warmup_steps']} warm-up + "
+        f"{result['timed_steps']} timed steps each; median [min, max] over rounds; memory: "
+        f"{result['memory']}. Commit {result['commit']}; `{result['command']}`\n\n"
+    )
+    lines = [
+        "| impl | checkpointed | tokens/s | MFU | after-fwd MiB | peak MiB |",
+        "|---|---|---|---|---|---|",
+    ]
+    for r in sorted(result["rows"], key=lambda r: (r["impl"], r["checkpoint_layers"])):
+        mfu = "—" if r["mfu"] is None else f"{r['mfu']:.1%}"
+        lines.append(
+            f"| {r['impl']} | {r['checkpoint_layers']} | {_fmt(r['tokens_per_s'])} | "
+            f"{mfu} | {_fmt(r['after_forward_MiB'])} | {_fmt(r['peak_MiB'])} |"
+        )
+    for b in result["budgets"]:
+        lines += [
+            "",
+            f"Budget {b['budget_GiB']:g} GiB, best plan per impl: "
+            + "; ".join(
+                f"{i} {v['checkpoint_layers']} blocks {v['tokens_per_s']:,.0f} tokens/s"
+                for i, v in b["best_per_impl"].items()
+            )
+            or "none fits",
+        ]
+        if "best_drop_h_vs_normal" in b:
+            lines.append(f"best drop_h* ÷ best normal: {b['best_drop_h_vs_normal']:.3f}")
+        if "planner" in b:
+            lines.append(f"planner: {json.dumps(b['planner'])}")
+    return head + "\n".join(lines) + "\n"
+
+
+def plot_budgets(result: dict):
+    """tokens/s against memory budget per impl: at each budget, the impl's best measured
+    configuration that fits (a staircase); the planner's picks as stars."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(8, 5), layout="constrained")
+    FigureCanvasAgg(fig)
+    ax = fig.subplots()
+    table = result["rows"]
+    peaks = sorted({r["peak_MiB"]["max"] for r in table if r["peak_MiB"]})
+    right = max([*peaks, *(b["budget_GiB"] * 1024 for b in result["budgets"])], default=0) / 1024
+    for i, impl in enumerate(dict.fromkeys(r["impl"] for r in table)):
+        xs, ys = [], []
+        for peak in peaks:
+            best = best_per_impl([r for r in table if r["impl"] == impl], peak).get(impl)
+            if best is not None:
+                xs.append(peak / 1024)
+                ys.append(best["tokens_per_s"]["median"])
+        if xs:  # the last level holds for any larger budget
+            ax.step([*xs, right], [*ys, ys[-1]], where="post", color=f"C{i}", label=impl)
+            ax.plot(xs, ys, "o", color=f"C{i}")
+    label = "planner's pick"
+    for b in result["budgets"]:
+        ax.axvline(b["budget_GiB"], color="grey", linewidth=0.8, linestyle=":")
+        pick = b.get("planner", {})
+        row = next(
+            (
+                r
+                for r in table
+                if (r["impl"], r["checkpoint_layers"])
+                == (pick.get("impl"), pick.get("checkpoint_layers"))
+            ),
+            None,
+        )
+        if row is not None and row["tokens_per_s"]:
+            y = row["tokens_per_s"]["median"]
+            ax.plot(b["budget_GiB"], y, "*", color="black", markersize=13, zorder=5, label=label)
+            label = None
+    ax.set_xlabel(f"memory budget, GiB ({result['memory']})")
+    ax.set_ylabel("tokens/s (median over rounds)")
+    ax.set_title(
+        f"{result['config']}, seq {result['seq_length']}, micro-batch "
+        f"{result['micro_batch_size']}, {result['device']}: tokens/s at a memory "
+        "budget (each impl's best checkpointed-blocks count that fits)",
+        fontsize="medium",
+        wrap=True,
+    )
+    ax.grid(alpha=0.3)
+    ax.legend()
+    return fig
+
+
+@app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+def megatron(
+    ctx: typer.Context,
+    impls: Annotated[str, typer.Option()] = "stock,stock_eager,normal,drop_h",
+    rounds: Annotated[int, typer.Option(min=1)] = 3,
+    warmup: Annotated[int, typer.Option(min=0)] = 5,
+    steps: Annotated[int, typer.Option(min=1)] = 20,
+    launcher: Annotated[
+        str, typer.Option(help="command that runs the recipe (its path included)")
+    ] = f"torchrun --standalone --nproc-per-node 1 {RECIPE}",
+    seed: Annotated[int, typer.Option(help="of the visiting order")] = 0,
+    commit: Annotated[str | None, typer.Option()] = None,
+    json_path: Annotated[Path | None, typer.Option("--json")] = None,
+    md: Annotated[Path | None, typer.Option()] = None,
+) -> None:
+    """Megatron recipe: impls interleaved in rounds, one process each; the rest of the
+    command line after ``--`` goes to the recipe."""
+    names, extra, order = parse_list(impls), list(ctx.args), random.Random(seed)
+    points = []
+    with tempfile.TemporaryDirectory() as scratch:
+        for r in range(rounds):
+            for impl in order.sample(names, len(names)):
+                summary = Path(scratch) / f"{impl}_{r}.json"
+                command = [
+                    *shlex.split(launcher),
+                    "--mlp-impl",
+                    impl,
+                    "--max-steps",
+                    str(warmup + steps),
+                    "--warmup-steps",
+                    str(warmup),
+                    "--summary-json",
+                    str(summary),
+                    "--output-dir",
+                    str(Path(scratch) / "runs"),
+                    *extra,
+                ]
+                done = subprocess.run(command, capture_output=True, text=True)
+                if done.returncode:
+                    raise RuntimeError(f"{shlex.join(command)} failed:\n{done.stderr[-3000:]}")
+                s = json.loads(summary.read_text())
+                rates = s["step_tokens_per_s"]
+                print(f"round {r} {impl}: {s['tokens_per_s']:,.0f} tokens/s")
+                points.append(
+                    {
+                        "round": r,
+                        "impl": impl,
+                        "tokens_per_s": s["tokens_per_s"],
+                        "warmup_tokens_per_s": rates[: s["warmup_steps"]],
+                        "after_forward_MiB": s["after_forward_MiB"],
+                        "peak_MiB": s["peak_MiB"],
+                        "final_loss": s["final_loss"],
+                    }
+                )
+    table = megatron_rows(points)
+    result = {
+        "command": shlex.join(["python", *sys.argv]),
+        "commit": git_commit() or commit,
+        "device": device_name(),
+        "recipe_args": extra,
+        "rounds": rounds,
+        "warmup_steps": warmup,
+        "timed_steps": steps,
+        "rows": table,
+        "points": points,
+    }
+    _write(result, json_path, md, None, megatron_markdown, None)
+
+
+def megatron_rows(points: list[dict]) -> list[dict]:
+    """Per impl: the spreads, the ratio to stock's tokens/s paired per round, and the median
+    rate of each warm-up step (where compilation and autotuning show)."""
+    table = rows(points, ("impl",))
+    base = {p["round"]: p["tokens_per_s"] for p in points if p["impl"] == "stock"}
+    for r in table:
+        mine = [p for p in points if p["impl"] == r["impl"]]
+        r["vs_stock"] = spread([p["tokens_per_s"] / base[p["round"]] for p in mine
+                                if p["round"] in base])  # fmt: skip
+        warm = [p["warmup_tokens_per_s"] for p in mine]
+        r["warmup_tokens_per_s_median"] = [statistics.median(s) for s in zip(*warm, strict=False)]
+    return table
+
+
+def megatron_markdown(result: dict) -> str:
+    lines = [
+        f"### Megatron recipe e2e, {result['device']}: `{' '.join(result['recipe_args'])}`",
+        "",
+        f"{result['rounds']} rounds interleaved, {result['warmup_steps']} warm-up + "
+        f"{result['timed_steps']} timed steps per run; median [min, max] over rounds. "
+        f"Commit {result['commit']}; `{result['command']}`",
+        "",
+        "| impl | tokens/s | ÷ stock (paired) | after-fwd MiB | peak MiB | warm-up tokens/s |",
+        "|---|---|---|---|---|---|",
+    ]
+    for r in result["rows"]:
+        warm = ", ".join(f"{v:,.0f}" for v in r["warmup_tokens_per_s_median"])
+        lines.append(
+            f"| {r['impl']} | {_fmt(r['tokens_per_s'])} | {_fmt(r['vs_stock'], 3)} | "
+            f"{_fmt(r['after_forward_MiB'])} | {_fmt(r['peak_MiB'])} | {warm} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def _write(result, json_path, md, plot, markdown, draw) -> None:
+    if json_path is not None:
+        write_json_atomic(json_path, result)
+    text = markdown(result)
+    print(text)
+    if md is not None:
+        with atomic_write(md) as f:
+            f.write(text)
+    if plot is not None and draw is not None:
+        with atomic_write(plot, "wb") as f:
+            draw(result).savefig(f, format="png", dpi=120)
+
+
+if __name__ == "__main__":
+    app()

@@ -1,0 +1,81 @@
+"""scripts/bench_e2e.py on CPU: the Lightning harness at a tiny config (rounds, spreads, best
+plan per budget, the planner set against the grid, JSON, markdown and plot), and the Megatron
+harness' per-round pairing."""
+
+import json
+from pathlib import Path
+
+import pytest
+from test_scripts import load_script
+from typer.testing import CliRunner
+
+from swiglu_train.integrations.lightning.planner import ESTIMATE
+from swiglu_train.ops import use_backend
+
+TINY = (
+    "model: {hidden_size: 64, ffn_hidden_size: 160, num_heads: 2, num_layers: 2}\n"
+    "data: {seq_length: 32, micro_batch_size: 2}\n"
+)
+
+
+def test_lightning_rounds_spreads_budgets_and_planner(tmp_path: Path) -> None:
+    bench = load_script("bench_e2e")
+    config = tmp_path / "tiny.yaml"
+    config.write_text(TINY)
+    out = {s: tmp_path / f"e2e.{s}" for s in ("json", "md", "png")}
+    args = ["lightning", "--config", str(config), "--impls", "normal,drop_h", "--rounds", "3"]
+    args += ["--warmup", "1", "--steps", "1", "--checkpoint-layers", "0,2", "--planner"]
+    args += ["--budgets-gb", "1,0.001", "--json", str(out["json"]), "--md", str(out["md"])]
+    with use_backend("torch"):  # the interpreter would make the steps crawl
+        result = CliRunner().invoke(bench.app, [*args, "--plot", str(out["png"])])
+    assert result.exit_code == 0, result.output
+    r = json.loads(out["json"].read_text())
+    assert r["memory"] == ESTIMATE and r["rounds"] == 3 and r["device"] == "cpu"
+    configs = {(i, n) for i in ("normal", "drop_h") for n in (0, 2)}
+    for round_ in range(3):  # every configuration once per round
+        mine = [(p["impl"], p["checkpoint_layers"]) for p in r["points"] if p["round"] == round_]
+        assert sorted(mine) == sorted(configs)
+    rows = {(x["impl"], x["checkpoint_layers"]): x for x in r["rows"]}
+    assert set(rows) == configs
+    for x in rows.values():
+        assert x["rounds"] == 3 and x["out_of_memory"] == 0 and x["mfu"] is None  # no GPU
+        for key in ("tokens_per_s", "peak_MiB", "after_forward_MiB"):
+            assert x[key]["min"] <= x[key]["median"] <= x[key]["max"]
+        assert x["peak_MiB"]["min"] == x["peak_MiB"]["max"]  # the CPU estimate is exact
+    for impl in ("normal", "drop_h"):  # both blocks checkpointed: less memory
+        assert rows[impl, 2]["peak_MiB"]["max"] < rows[impl, 0]["peak_MiB"]["max"]
+    ample, tight = r["budgets"]
+    for impl, best in ample["best_per_impl"].items():  # the fastest of the grid, all fit
+        fastest = max((rows[impl, n] for n in (0, 2)), key=lambda x: x["tokens_per_s"]["median"])
+        assert best["checkpoint_layers"] == fastest["checkpoint_layers"]
+    assert set(ample["best_per_impl"]) == {"normal", "drop_h"}
+    assert ample["planner"]["probes"] == 2  # one per impl: nothing needs checkpointing
+    assert ample["planner"]["checkpoint_layers"] == 0
+    assert ample["planner"]["pick_vs_best_in_grid"] > 0
+    assert tight["best_per_impl"] == {} and tight["best"] is None
+    assert tight["planner"]["error"].startswith("nothing fits the memory budget of 1 MiB")
+    md = out["md"].read_text()
+    assert "| normal | 2 |" in md and "3 rounds interleaved, 1 warm-up + 1 timed steps" in md
+    assert out["png"].read_bytes().startswith(b"\x89PNG")
+
+
+def test_megatron_rows_pair_each_round_with_stock() -> None:
+    bench = load_script("bench_e2e")
+    recorded = {  # (round, impl): tokens/s, warm-up steps' tokens/s
+        (0, "stock"): (100.0, [10.0, 90.0]),
+        (0, "drop_h"): (110.0, [50.0, 100.0]),
+        (1, "stock"): (120.0, [12.0, 110.0]),
+        (1, "drop_h"): (126.0, [60.0, 120.0]),
+    }
+    points = [
+        {"round": r, "impl": impl, "tokens_per_s": rate, "warmup_tokens_per_s": warm,
+         "after_forward_MiB": 1.0, "peak_MiB": 2.0}
+        for (r, impl), (rate, warm) in recorded.items()
+    ]  # fmt: skip
+    rows = {x["impl"]: x for x in bench.megatron_rows(points)}
+    # paired: 1.10 and 1.05, median 1.075 (unpaired medians would give 118 / 110)
+    assert rows["drop_h"]["vs_stock"] == {"min": 1.05, "median": pytest.approx(1.075),
+                                          "max": pytest.approx(1.1)}  # fmt: skip
+    assert rows["stock"]["vs_stock"]["median"] == 1.0
+    assert rows["stock"]["warmup_tokens_per_s_median"] == [11.0, 100.0]
+    assert rows["drop_h"]["tokens_per_s"] == {"min": 110.0, "median": 118.0, "max": 126.0}
