@@ -92,7 +92,7 @@ def compare_memory(
 @app.command()
 def pretrain(
     config: Annotated[
-        str | None, typer.Option(help="a YAML path, or a packaged config: tiny, 125m or 1b")
+        str | None, typer.Option(help="a YAML path, or a packaged config: tiny, 125m, 1b or 3b")
     ] = None,
     model: Annotated[
         str | None,

@@ -1,6 +1,6 @@
 """The pretraining config: YAML files over defaults that need no file at all.
 
-The named configs (``tiny``, ``125m``, ``1b``) ship inside the package, so an installed wheel
+The named configs (``tiny``, ``125m``, ``1b``, ``3b``) ship inside the package, so an installed wheel
 has them too, not only a source checkout.
 """
 
@@ -65,7 +65,7 @@ class PretrainConfig:
 
 
 def resolve_config_path(name_or_path: str) -> Path:
-    """A YAML path, or the name of a packaged config (``tiny``, ``125m``, ``1b``)."""
+    """A YAML path, or the name of a packaged config (``tiny``, ``125m``, ``1b``, ``3b``)."""
     path = Path(name_or_path)
     if path.is_file():
         return path
