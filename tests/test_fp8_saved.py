@@ -202,9 +202,9 @@ def test_custom_ops_pass_opcheck():
     q, scales = quantize(preact)
     no_schema = ("test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic")
     with use_backend("torch"):
-        torch.library.opcheck(swiglu_fwd_fp8, (preact,))
+        torch.library.opcheck(swiglu_fwd_fp8.op, (preact,))
         torch.library.opcheck(
-            swiglu_bwd_fp8_, (q, scales, torch.randn(5, 130)), test_utils=no_schema
+            swiglu_bwd_fp8_.op, (q, scales, torch.randn(5, 130)), test_utils=no_schema
         )
 
 

@@ -50,6 +50,7 @@ from swiglu_train.kernels.fp8_format import (
 )
 from swiglu_train.ops import reference
 from swiglu_train.ops.activation import triton_enabled
+from swiglu_train.ops.eager import eager_op
 from swiglu_train.ops.mlp import claim_inplace_backward, refuse_double_backward
 
 try:
@@ -108,7 +109,7 @@ def recompute_from(preact: torch.Tensor, grad_h: torch.Tensor) -> tuple[torch.Te
     return h, reference.swiglu_grad(preact, grad_h).to(grad_h.dtype)
 
 
-@torch.library.custom_op("swiglu_train::swiglu_fwd_fp8", mutates_args=())
+@eager_op("swiglu_train::swiglu_fwd_fp8", mutates_args=())
 def swiglu_fwd_fp8(preact: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(h, e4m3 copy, scales) of a [M, 2F] canonical preact, in one pass over it."""
     if not triton_enabled(preact):
@@ -130,7 +131,7 @@ def _fwd_buffers(preact: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torc
     return h, q, preact.new_empty(scale_shape, dtype=torch.float32)
 
 
-@torch.library.custom_op("swiglu_train::swiglu_bwd_fp8_", mutates_args=("grad_h",))
+@eager_op("swiglu_train::swiglu_bwd_fp8_", mutates_args=("grad_h",))
 def swiglu_bwd_fp8_(q: torch.Tensor, scales: torch.Tensor, grad_h: torch.Tensor) -> torch.Tensor:
     """grad_preact in a fresh buffer; grad_h is overwritten by the recomputed h."""
     if not triton_enabled(grad_h):
