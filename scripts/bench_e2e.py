@@ -126,7 +126,12 @@ def lightning(
     micro_batch_size: Annotated[int | None, typer.Option()] = None,
     impls: Annotated[str | None, typer.Option(help="default: every impl that runs here")] = None,
     checkpoint_layers: Annotated[str, typer.Option(help="N,N,... or 'all'")] = "all",
-    budgets_gb: Annotated[str, typer.Option(help="GiB,GiB,...: best plan per impl at each")] = "",
+    budgets_gb: Annotated[
+        str,
+        typer.Option(
+            help="GiB,GiB,... or auto:K (K between the grid's peaks): best plan per impl at each"
+        ),
+    ] = "",
     planner: Annotated[bool, typer.Option(help="also run the planner at each budget")] = False,
     rounds: Annotated[int, typer.Option(min=1)] = 3,
     warmup: Annotated[int, typer.Option(min=0)] = 2,
@@ -134,6 +139,7 @@ def lightning(
     seed: Annotated[int, typer.Option(help="of the visiting order")] = 0,
     commit: Annotated[str | None, typer.Option(help="recorded if git is absent")] = None,
     json_path: Annotated[Path | None, typer.Option("--json")] = None,
+    append: Annotated[bool, typer.Option(help=APPEND_HELP)] = False,
     md: Annotated[Path | None, typer.Option()] = None,
     plot: Annotated[Path | None, typer.Option()] = None,
 ) -> None:
@@ -154,11 +160,14 @@ def lightning(
     )
     if not grid or not all(0 <= n <= layers for n in grid):
         raise typer.BadParameter(f"counts from 0 to {layers}", param_hint="--checkpoint-layers")
-    budgets = [gb * 1024 for gb in parse_list(budgets_gb, float)]
-    order = random.Random(seed)
+    settings = {"config": config, "seq_length": cfg.data.seq_length, "grid": grid,
+                "micro_batch_size": cfg.data.micro_batch_size, "impls": names,
+                "warmup_steps": warmup, "timed_steps": steps, "device": device_name()}  # fmt: skip
+    points = prior_points(json_path, settings) if append else []
+    first = 1 + max((p["round"] for p in points), default=-1)
+    order = random.Random(seed + first)
     measure = measurer(cfg, Steps(warmup, steps), log=print)
-    points = []
-    for r in range(rounds):
+    for r in range(first, first + rounds):
         for impl in order.sample(names, len(names)):
             for n in order.sample(grid, len(grid)):
                 p = measure(impl, n)
@@ -177,23 +186,18 @@ def lightning(
     for r in table:
         rate = r["tokens_per_s"]
         r["mfu"] = rate["median"] * flops / peak if rate and peak else None
+    budgets = parse_budgets(budgets_gb, table)
     plans = [_budget(b, table, names, layers, cfg, planner) for b in budgets]
-    result = {
+    result = settings | {
         "command": shlex.join(["python", *sys.argv]),
         "commit": git_commit() or commit,
-        "device": device_name(),
         "memory": ALLOCATOR if torch.cuda.is_available() else ESTIMATE,
-        "config": config,
         "model": {
             k: getattr(cfg.model, k)
             for k in ("hidden_size", "ffn_hidden_size", "num_layers", "num_heads")
         },
-        "seq_length": cfg.data.seq_length,
-        "micro_batch_size": cfg.data.micro_batch_size,
         "precision": measure_precision(cfg),
-        "rounds": rounds,
-        "warmup_steps": warmup,
-        "timed_steps": steps,
+        "rounds": first + rounds,
         "flops_per_token": flops,
         "peak_flops": peak,
         "rows": table,
@@ -201,6 +205,30 @@ def lightning(
         "points": points,
     }
     _write(result, json_path, md, plot, lightning_markdown, plot_budgets)
+
+
+APPEND_HELP = "add rounds to --json's, made with the same settings (a run split across calls)"
+
+
+def prior_points(json_path: Path | None, settings: dict) -> list[dict]:
+    """The points of an earlier run in ``json_path`` with these settings, to add rounds to."""
+    if json_path is None or not json_path.is_file():
+        return []
+    earlier = json.loads(json_path.read_text())
+    differ = {k: (earlier.get(k), v) for k, v in settings.items() if earlier.get(k) != v}
+    if differ:
+        raise ValueError(f"--append: {json_path} was made with other settings: {differ}")
+    return earlier["points"]
+
+
+def parse_budgets(value: str, table: list[dict]) -> list[float]:
+    """MiB: a list of GiB, or ``auto:K``: K budgets evenly between the smallest and the
+    largest peak of the grid (to 1/4 GiB), where impls need different checkpointing."""
+    if not value.startswith("auto:"):
+        return [gb * 1024 for gb in parse_list(value, float)]
+    peaks = [r["peak_MiB"]["max"] for r in table if r["peak_MiB"]]
+    k, low, high = int(value.removeprefix("auto:")), min(peaks), max(peaks)
+    return [round((low + (high - low) * (i + 1) / (k + 1)) / 256) * 256 for i in range(k)]
 
 
 def measure_precision(cfg) -> str:
@@ -257,7 +285,8 @@ def _planner(budget_MiB, table, names, layers, cfg, top) -> dict:
         "checkpoint_layers": plan.checkpoint_layers,
         "why": plan.why,
         "probes": len(probes),
-        "pick_vs_best_in_grid": ratio,
+        "pick_tokens_per_s": plan.tokens_per_s,  # the planner's own short measurement
+        "pick_vs_best_in_grid": ratio,  # the grid's median for its pick, if the grid has it
     }
 
 
@@ -368,14 +397,19 @@ def megatron(
     seed: Annotated[int, typer.Option(help="of the visiting order")] = 0,
     commit: Annotated[str | None, typer.Option()] = None,
     json_path: Annotated[Path | None, typer.Option("--json")] = None,
+    append: Annotated[bool, typer.Option(help=APPEND_HELP)] = False,
     md: Annotated[Path | None, typer.Option()] = None,
 ) -> None:
     """Megatron recipe: impls interleaved in rounds, one process each; the rest of the
     command line after ``--`` goes to the recipe."""
-    names, extra, order = parse_list(impls), list(ctx.args), random.Random(seed)
-    points = []
+    names, extra = parse_list(impls), list(ctx.args)
+    settings = {"impls": names, "recipe_args": extra, "warmup_steps": warmup,
+                "timed_steps": steps, "device": device_name()}  # fmt: skip
+    points = prior_points(json_path, settings) if append else []
+    first = 1 + max((p["round"] for p in points), default=-1)
+    order = random.Random(seed + first)
     with tempfile.TemporaryDirectory() as scratch:
-        for r in range(rounds):
+        for r in range(first, first + rounds):
             for impl in order.sample(names, len(names)):
                 summary = Path(scratch) / f"{impl}_{r}.json"
                 command = [
@@ -409,16 +443,11 @@ def megatron(
                         "final_loss": s["final_loss"],
                     }
                 )
-    table = megatron_rows(points)
-    result = {
+    result = settings | {
         "command": shlex.join(["python", *sys.argv]),
         "commit": git_commit() or commit,
-        "device": device_name(),
-        "recipe_args": extra,
-        "rounds": rounds,
-        "warmup_steps": warmup,
-        "timed_steps": steps,
-        "rows": table,
+        "rounds": first + rounds,
+        "rows": megatron_rows(points),
         "points": points,
     }
     _write(result, json_path, md, None, megatron_markdown, None)

@@ -23,12 +23,20 @@ def test_lightning_rounds_spreads_budgets_and_planner(tmp_path: Path) -> None:
     config = tmp_path / "tiny.yaml"
     config.write_text(TINY)
     out = {s: tmp_path / f"e2e.{s}" for s in ("json", "md", "png")}
-    args = ["lightning", "--config", str(config), "--impls", "normal,drop_h", "--rounds", "3"]
-    args += ["--warmup", "1", "--steps", "1", "--checkpoint-layers", "0,2", "--planner"]
-    args += ["--budgets-gb", "1,0.001", "--json", str(out["json"]), "--md", str(out["md"])]
+    args = ["lightning", "--config", str(config), "--impls", "normal,drop_h", "--warmup", "1"]
+    args += ["--steps", "1", "--checkpoint-layers", "0,2", "--json", str(out["json"])]
+    runner = CliRunner()
     with use_backend("torch"):  # the interpreter would make the steps crawl
-        result = CliRunner().invoke(bench.app, [*args, "--plot", str(out["png"])])
-    assert result.exit_code == 0, result.output
+        # two rounds, then a third added by a second call (a GPU run split across calls)
+        result = runner.invoke(bench.app, [*args, "--rounds", "2"])
+        assert result.exit_code == 0, result.output
+        args += ["--rounds", "1", "--append", "--planner", "--budgets-gb", "1,0.001"]
+        outputs = ["--md", str(out["md"]), "--plot", str(out["png"])]
+        result = runner.invoke(bench.app, [*args, *outputs])
+        assert result.exit_code == 0, result.output
+        other = runner.invoke(bench.app, [*args[:-3], "--warmup", "2"])  # other settings
+    assert isinstance(other.exception, ValueError)
+    assert "was made with other settings: {'warmup_steps': (1, 2)}" in str(other.exception)
     r = json.loads(out["json"].read_text())
     assert r["memory"] == ESTIMATE and r["rounds"] == 3 and r["device"] == "cpu"
     configs = {(i, n) for i in ("normal", "drop_h") for n in (0, 2)}
@@ -57,6 +65,15 @@ def test_lightning_rounds_spreads_budgets_and_planner(tmp_path: Path) -> None:
     md = out["md"].read_text()
     assert "| normal | 2 |" in md and "3 rounds interleaved, 1 warm-up + 1 timed steps" in md
     assert out["png"].read_bytes().startswith(b"\x89PNG")
+
+
+def test_auto_budgets_fall_between_the_grids_peaks() -> None:
+    bench = load_script("bench_e2e")
+    table = [{"peak_MiB": {"max": v}} for v in (10_240.0, 30_720.0, 51_100.0)] + [
+        {"peak_MiB": None}  # out of memory every round
+    ]
+    assert bench.parse_budgets("auto:3", table) == [20_480, 30_720, 40_960]  # 1/4 GiB steps
+    assert bench.parse_budgets("40,60.5", table) == [40_960, 61_952]
 
 
 def test_megatron_rows_pair_each_round_with_stock() -> None:
