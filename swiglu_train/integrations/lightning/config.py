@@ -1,7 +1,7 @@
 """The pretraining config: YAML files over defaults that need no file at all.
 
-The named configs (``tiny``, ``125m``, ``1b``, ``3b``) ship inside the package, so an installed wheel
-has them too, not only a source checkout.
+The named configs (``tiny``, ``125m``, ``1b``, ``3b``) ship inside the package, so an installed
+wheel has them too, not only a source checkout.
 """
 
 from __future__ import annotations
