@@ -174,7 +174,6 @@ def pretrain(
     from rich.table import Table
 
     require("lightning", "wandb")  # a missing one: one line naming its extra, before any work
-
     from swiglu_train.integrations.lightning.config import load_config
     from swiglu_train.integrations.lightning.pretrain import run_pretrain
     from swiglu_train.memory.profiler import NOT_MEASURED
