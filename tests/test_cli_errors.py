@@ -7,6 +7,7 @@ import torch
 from typer.testing import CliRunner
 
 from swiglu_train.cli import app
+from swiglu_train.integrations.lightning.config import CONFIG_DIR
 
 runner = CliRunner()
 DEBUG_ENV = "SWIGLU_TRAIN_DEBUG"  # as --help documents it
@@ -59,8 +60,9 @@ def test_a_usage_error_is_one_line_at_any_width(monkeypatch, tmp_path):
 def test_a_missing_config_is_one_line(entry):
     code, err = entry("pretrain", "--config", "nosuch")
     assert code == 1
+    named = sorted(p.stem for p in CONFIG_DIR.glob("*.yaml"))  # the configs the package ships
     assert err == (
-        "error: config 'nosuch' not found; named configs: ['125m', '1b', 'tiny'] "
+        f"error: config 'nosuch' not found; named configs: {named} "
         f"({DEBUG_ENV}=1 shows the traceback)\n"
     )
 
