@@ -223,12 +223,12 @@ def prior_points(json_path: Path | None, settings: dict) -> list[dict]:
 
 def parse_budgets(value: str, table: list[dict]) -> list[float]:
     """MiB: a list of GiB, or ``auto:K``: K budgets evenly between the smallest and the
-    largest peak of the grid (to 1/4 GiB), where impls need different checkpointing."""
+    largest peak of the grid (whole MiB), where impls need different checkpointing."""
     if not value.startswith("auto:"):
         return [gb * 1024 for gb in parse_list(value, float)]
     peaks = [r["peak_MiB"]["max"] for r in table if r["peak_MiB"]]
     k, low, high = int(value.removeprefix("auto:")), min(peaks), max(peaks)
-    return [round((low + (high - low) * (i + 1) / (k + 1)) / 256) * 256 for i in range(k)]
+    return [float(round(low + (high - low) * (i + 1) / (k + 1))) for i in range(k)]
 
 
 def measure_precision(cfg) -> str:

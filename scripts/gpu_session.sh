@@ -16,6 +16,14 @@
 #   pretrain   125M Lightning runs, impls alternated twice (tokens/s, after-forward, peak)
 #   microbatch the largest micro-batch at ~1B, normal vs drop_h
 #   megatron   recipes/pretrain_megatron.py at TP=1 for each impl (needs the megatron wheel)
+#   e2e_1b / e2e_3b  scripts/bench_e2e.py lightning: ~1B (configs/1b.yaml) / ~3B (3b.yaml) at
+#              seq 4096, every impl (quack's and drop_h+fp8 included) x checkpointed blocks
+#              ($E2E_GRID_1B/3B), $E2E_ROUNDS rounds interleaved (default 3), the planner at 4
+#              budgets between the grid's peaks; micro-batch $E2E_MBS_1B (4) / $E2E_MBS_3B (2).
+#              Rounds add up across calls of one commit (--append, kept in /tmp/gpu-e2e-COMMIT)
+#   e2e_megatron  scripts/bench_e2e.py megatron: TP=1 stock (fused and eager bias-SwiGLU) vs our
+#              impls, $MEGATRON_GPU, 5 warm-up + 20 timed steps per run, $E2E_ROUNDS_MEGATRON
+#              rounds per call (default 1: call it 3 times, rounds add up as above)
 #   megatron_resume  its DistributedOptimizer dist-ckpt: save at step 3, resume, compare losses
 #   megatron_tp2  (nvidia-h200-x2) TP=2 vs TP=1 losses and per-GPU memory (scripts/compare_tp.py)
 #   megatron_reshard (nvidia-h200-x2) a save_factors TP=2 dist-ckpt resumed by normal at TP=1,
@@ -146,6 +154,25 @@ for stage in "$@"; do
         --command "bash scripts/gpu_session.sh megatron" \
         --json "$RES/megatron_h200_tp1.json" --md "$RES/megatron_h200_tp1.md" \
         && cat "$RES/megatron_h200_tp1.md" ;;
+    e2e_1b|e2e_3b)  # whole training steps, impl x checkpointed blocks, planner at 4 budgets
+      size=${stage#e2e_} && E2E=/tmp/gpu-e2e-$commit && mkdir -p "$E2E" "$RES/e2e"
+      if [ "$size" = 1b ]; then grid=${E2E_GRID_1B:-0,2,4,6,8,10,12,14,16} mbs=${E2E_MBS_1B:-4}
+      else grid=${E2E_GRID_3B:-0,4,8,12,16,20,24,28} mbs=${E2E_MBS_3B:-2}; fi
+      impls=$(echo normal drop_h $(quack_impl) drop_h+fp8 | tr ' ' ',')
+      python3 scripts/bench_e2e.py lightning --config "$size" --seq-length 4096 \
+        --micro-batch-size "$mbs" --impls "$impls" --checkpoint-layers "$grid" \
+        --rounds "${E2E_ROUNDS:-3}" --budgets-gb auto:4 --planner --commit "$commit" --append \
+        --json "$E2E/e2e_${size}_h200.json" --md "$E2E/e2e_${size}_h200.md" \
+        --plot "$E2E/e2e_${size}_h200.png" 2>&1 | grep -v "^planner:" | tail -40
+      cp "$E2E"/e2e_${size}_h200.* "$RES/e2e/" ;;
+    e2e_megatron)  # stock vs ours at TP=1, interleaved; warm-up steps kept apart
+      E2E=/tmp/gpu-e2e-$commit && mkdir -p "$E2E" "$RES/e2e"
+      impls=$(echo stock stock_eager normal drop_h save_factors $(quack_impl) | tr ' ' ',')
+      python3 scripts/bench_e2e.py megatron --impls "$impls" --rounds "${E2E_ROUNDS_MEGATRON:-1}" \
+        --warmup 5 --steps 20 --commit "$commit" --append \
+        --json "$E2E/e2e_megatron_tp1_h200.json" --md "$E2E/e2e_megatron_tp1_h200.md" \
+        -- $MEGATRON_GPU 2>&1 | tail -20
+      cp "$E2E"/e2e_megatron_tp1_h200.* "$RES/e2e/" ;;
     megatron_resume)  # DistributedOptimizer dist-ckpt on CUDA: save at 3, resume, same losses
       for impl in ${RESUME_IMPLS:-normal save_factors}; do
         run="torchrun --nproc-per-node 1 recipes/pretrain_megatron.py --mlp-impl $impl"

@@ -72,7 +72,7 @@ def test_auto_budgets_fall_between_the_grids_peaks() -> None:
     table = [{"peak_MiB": {"max": v}} for v in (10_240.0, 30_720.0, 51_100.0)] + [
         {"peak_MiB": None}  # out of memory every round
     ]
-    assert bench.parse_budgets("auto:3", table) == [20_480, 30_720, 40_960]  # 1/4 GiB steps
+    assert bench.parse_budgets("auto:3", table) == [20_455, 30_670, 40_885]
     assert bench.parse_budgets("40,60.5", table) == [40_960, 61_952]
 
 
