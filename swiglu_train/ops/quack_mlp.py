@@ -23,6 +23,7 @@ import functools
 
 import torch
 
+from swiglu_train.ops import gemm_choice
 from swiglu_train.ops.mlp import (
     SECOND_BACKWARD_ERROR,
     SECOND_BACKWARD_FREED_ERROR,
@@ -55,6 +56,15 @@ def quack_gemm() -> functools.partial:
     static one was faster on every backward GEMM at six training shapes, by 0.7-16 %
     (benchmarks/results/probe_quack_schedulers_h200.json)."""
     return functools.partial(require_quack().gemm, tuned=False)
+
+
+def chosen_gemm(
+    gemm: str, a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """a @ b (+ bias) on quack or cuBLAS, whichever ``gemm_choice`` has for this GEMM here."""
+    if gemm_choice.backend(gemm, a, b) == gemm_choice.CUBLAS:
+        return a @ b if bias is None else torch.addmm(bias, a, b)
+    return quack_gemm()(a, b, bias=bias)
 
 
 def quack_unavailable_reason() -> str | None:
@@ -240,7 +250,7 @@ class _DropHQuack(torch.autograd.Function):
             concat_layout=("B", "bias"),
         )  # fmt: skip
         save_drop_h(ctx, x, fc1_weight, fc1_bias, fc2_weight, fc2_bias, preact, inplace)
-        return quack_gemm()(h, fc2_weight.t(), bias=fc2_bias)
+        return chosen_gemm("fc2", h, fc2_weight.t(), fc2_bias)
 
     @staticmethod
     def backward(ctx, grad_y: torch.Tensor):
@@ -255,7 +265,7 @@ class _DropHQuack(torch.autograd.Function):
             dynamic_scheduler=False, dx_out=preact if inplace else None,
         )  # fmt: skip
         gemm = quack_gemm()
-        grad_w2 = gemm(grad_y.t(), h) if need_w2 else None
+        grad_w2 = chosen_gemm("grad_w2", grad_y.t(), h) if need_w2 else None
         del h  # frees [M, F] before the two largest GEMM outputs are allocated
         grad_x = gemm(grad_preact, fc1_weight, concat_layout=("B",)) if need_x else None
         grad_w1 = gemm(grad_preact.t(), x, concat_layout=("out",)) if need_w1 else None

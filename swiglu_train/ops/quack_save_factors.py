@@ -6,9 +6,10 @@ Backward is one GEMM, grad_y @ W2, whose epilogue multiplies grad_h by the saved
 factors and writes grad_preact over them in place, so neither grad_h nor a new [M, 2F] buffer
 reaches memory; grad_x and grad_W1 take grad_preact packed as it is.
 
-The other GEMMs run on quack's plain GEMM, static persistent schedule, untuned, which at the
-seed shape beats cuBLAS on every one of them but grad_W1, where cuBLAS stays
-(benchmarks/results/probe_gemm_backends_h200.json).
+The other GEMMs are plain products: each runs on quack's plain GEMM (static persistent
+schedule, untuned) or cuBLAS, whichever ``swiglu-train pretune`` measured faster for the shape
+on this GPU (``ops.gemm_choice``); unmeasured, quack, but cuBLAS for grad_W1, as at the seed
+shape (benchmarks/results/probe_gemm_backends_h200.json).
 
 quack pairs adjacent output columns, so fc1 is packed with chunk 1 ([g_0, u_0, g_1, u_1, ...]);
 checkpoints stay canonical through the layout stamp, as for ``save_factors``. Saved tensors
@@ -24,7 +25,7 @@ import torch
 
 from swiglu_train.ops.eager import eager_op
 from swiglu_train.ops.mlp import claim_inplace_backward, refuse_double_backward
-from swiglu_train.ops.quack_mlp import check_quack_inputs, quack_gemm, require_quack
+from swiglu_train.ops.quack_mlp import check_quack_inputs, chosen_gemm, require_quack
 from swiglu_train.ops.save_factors import (
     SECOND_BACKWARD_ERROR_FACTORS,
     SECOND_BACKWARD_FREED_ERROR_FACTORS,
@@ -111,7 +112,7 @@ class _SaveFactorsQuack(torch.autograd.Function):
         ctx.save_for_backward(x, fc1_weight, fc2_weight, h, factors)
         ctx.inplace, ctx.has_bias = inplace, (fc1_bias is not None, fc2_bias is not None)
         ctx.backward_ran = False
-        return quack_gemm()(h, fc2_weight.t(), bias=fc2_bias)
+        return chosen_gemm("fc2", h, fc2_weight.t(), fc2_bias)
 
     @staticmethod
     def backward(ctx, grad_y: torch.Tensor):
@@ -121,7 +122,7 @@ class _SaveFactorsQuack(torch.autograd.Function):
         )
         x, fc1_weight, fc2_weight, h, factors = ctx.saved_tensors
         need_x, need_w1, need_b1, need_w2, need_b2 = ctx.needs_input_grad[:5]
-        grad_y, gemm = grad_y.contiguous(), quack_gemm()
+        grad_y = grad_y.contiguous()
         if not (need_x or need_w1 or need_b1):  # a frozen fc1 fed by a frozen input
             grad_preact = None
         elif inplace:
@@ -129,9 +130,9 @@ class _SaveFactorsQuack(torch.autograd.Function):
             grad_preact = factors
         else:
             grad_preact = quack_factors_to_grad(grad_y, fc2_weight, factors)
-        grad_w2 = gemm(grad_y.t(), h) if need_w2 else None
-        grad_x = gemm(grad_preact, fc1_weight) if need_x else None
-        grad_w1 = grad_preact.t() @ x if need_w1 else None  # cuBLAS: 1.6 % faster here
+        grad_w2 = chosen_gemm("grad_w2", grad_y.t(), h) if need_w2 else None
+        grad_x = chosen_gemm("grad_x_packed", grad_preact, fc1_weight) if need_x else None
+        grad_w1 = chosen_gemm("grad_w1_packed", grad_preact.t(), x) if need_w1 else None
         grad_b1 = grad_preact.sum(0) if need_b1 and ctx.has_bias[0] else None
         grad_b2 = grad_y.sum(0) if need_b2 and ctx.has_bias[1] else None
         return grad_x, grad_w1, grad_b1, grad_w2, grad_b2, None

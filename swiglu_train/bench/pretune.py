@@ -1,0 +1,133 @@
+"""Measure quack against cuBLAS on each layout-free GEMM of the quack impls at a model's shapes,
+and cache the faster one (``ops.gemm_choice``) for training runs to read.
+
+Each GEMM is timed on the operands, strides and dtype the impls give it, the two libraries in
+a random order per sample (paired), each sample a batch of back-to-back calls between two
+CUDA events so that launch latency is not counted, and cuBLAS is chosen only where its median
+paired ratio to quack is below ``1 - MARGIN``: a tie keeps the default.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import asdict, dataclass
+
+import numpy as np
+import torch
+
+from swiglu_train.ops import gemm_choice
+from swiglu_train.ops.quack_mlp import quack_gemm
+
+MARGIN = 0.01  # within 1 % the measurement cannot tell the two apart: keep the default
+BATCH = 5
+# The GEMMs each impl runs as plain products: (name, m, n, k) from the layer's M, D, F, O.
+IMPL_GEMMS = {
+    "drop_h_quack": ("fc2", "grad_w2"),
+    "save_factors_quack": ("fc2", "grad_w2", "grad_x_packed", "grad_w1_packed"),
+}
+
+
+@dataclass(frozen=True)
+class Measured:
+    gemm: str
+    m: int
+    n: int
+    k: int
+    quack_ms: float
+    cublas_ms: float
+    cublas_over_quack: float
+    backend: str
+
+
+def gemm_sizes(gemm: str, tokens: int, hidden: int, ffn: int, out: int) -> tuple[int, int, int]:
+    """(m, n, k) of the product [m, k] @ [k, n] that ``gemm`` is in a layer of these sizes."""
+    return {
+        "fc2": (tokens, out, ffn),  # h @ W2ᵀ
+        "grad_w2": (out, ffn, tokens),  # grad_yᵀ @ h
+        "grad_x_packed": (tokens, hidden, 2 * ffn),  # grad_preact @ W1
+        "grad_w1_packed": (2 * ffn, hidden, tokens),  # grad_preactᵀ @ x
+    }[gemm]
+
+
+def operands(gemm: str, m: int, n: int, k: int, dtype: torch.dtype) -> tuple:
+    """a [m, k] and b [k, n] with the strides the impls pass: a transposed view where the impl
+    passes one (grad_yᵀ, grad_preactᵀ, W2ᵀ)."""
+    device = "cuda"
+    if gemm in ("grad_w2", "grad_w1_packed"):  # a = (an [k, m] activation)ᵀ
+        a = torch.randn(k, m, device=device, dtype=dtype).t()
+    else:
+        a = torch.randn(m, k, device=device, dtype=dtype)
+    if gemm == "fc2":  # b = W2ᵀ, W2 stored [n, k]
+        b = torch.randn(n, k, device=device, dtype=dtype).t()
+    else:
+        b = torch.randn(k, n, device=device, dtype=dtype)
+    return a, b
+
+
+def decide(quack_ms: np.ndarray, cublas_ms: np.ndarray) -> tuple[float, str]:
+    """(median paired cuBLAS/quack ratio, the backend to cache)."""
+    ratio = float(np.median(cublas_ms / quack_ms))
+    return ratio, gemm_choice.CUBLAS if ratio < 1 - MARGIN else gemm_choice.QUACK
+
+
+def _time_pair(calls: dict[str, Callable[[], object]], samples: int, seed: int) -> dict:
+    for call in calls.values():  # compile (quack) and warm up
+        for _ in range(3):
+            call()
+    rng = np.random.default_rng(seed)
+    names = list(calls)
+    times = {name: np.zeros(samples) for name in names}
+    for s in range(samples):
+        for i in rng.permutation(len(names)):
+            start = torch.cuda.Event(enable_timing=True)
+            end = torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(BATCH):
+                calls[names[i]]()
+            end.record()
+            end.synchronize()
+            times[names[i]][s] = start.elapsed_time(end) / BATCH
+    return times
+
+
+def planned(
+    shapes: Iterable[tuple[int, int, int, int]], impls: Iterable[str]
+) -> list[tuple[str, int, int, int]]:
+    """(gemm, m, n, k) for every GEMM the ``impls`` run at each (M, D, F, O), each once."""
+    gemms = {g for impl in impls for g in IMPL_GEMMS[impl]}
+    return sorted({(g, *gemm_sizes(g, *shape)) for shape in shapes for g in gemms})
+
+
+def _measure(
+    gemm: str, m: int, n: int, k: int, dtype: torch.dtype, samples: int, seed: int
+) -> Measured:
+    a, b = operands(gemm, m, n, k, dtype)
+    quack = quack_gemm()
+    times = _time_pair({"quack": lambda: quack(a, b), "cublas": lambda: a @ b}, samples, seed)
+    ratio, backend = decide(times["quack"], times["cublas"])
+    quack_ms, cublas_ms = float(np.median(times["quack"])), float(np.median(times["cublas"]))
+    return Measured(gemm, m, n, k, quack_ms, cublas_ms, ratio, backend)
+
+
+def pretune(
+    shapes: Iterable[tuple[int, int, int, int]],
+    impls: Iterable[str],
+    dtype: torch.dtype,
+    samples: int = 30,
+    tick: Callable[[], None] = lambda: None,
+) -> list[Measured]:
+    """Time and cache every GEMM the ``impls`` run at each (M, D, F, O); a GEMM two impls
+    share is timed once."""
+    sizes = planned(shapes, impls)
+    device_name = torch.cuda.get_device_name()
+    measured, entries = [], {}
+    for seed, (gemm, m, n, k) in enumerate(sizes):
+        row = _measure(gemm, m, n, k, dtype, samples, seed)
+        measured.append(row)
+        fields = asdict(row)
+        entries[gemm_choice.key(gemm, m, n, k, dtype, device_name)] = {
+            name: fields[name] for name in ("backend", "quack_ms", "cublas_ms", "cublas_over_quack")
+        }
+        tick()
+    gemm_choice.record(entries)
+    return measured

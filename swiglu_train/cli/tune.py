@@ -1,0 +1,69 @@
+"""``swiglu-train pretune``: measure quack against cuBLAS on the quack impls' plain GEMMs at a
+model's shapes before a run, and cache the faster one for training to read."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import typer
+from rich.markup import escape
+from rich.table import Table
+
+from swiglu_train.cli.app import app, console, parse_ints, progress_bars
+
+DTYPES = ("bf16", "fp16")
+
+
+@app.command()
+def pretune(
+    hidden_size: Annotated[int, typer.Option(min=1, help="D, the model width")],
+    ffn_hidden_size: Annotated[int, typer.Option(min=1, help="F, per tensor-parallel rank")],
+    tokens: Annotated[
+        str, typer.Option(help="M, tokens per micro-batch (batch x sequence), comma-separated")
+    ],
+    output_size: Annotated[
+        int | None, typer.Option(min=1, help="fc2's output size O (default: D)")
+    ] = None,
+    impls: Annotated[
+        str, typer.Option(help="comma-separated: drop_h_quack, save_factors_quack")
+    ] = "drop_h_quack,save_factors_quack",
+    dtype: Annotated[str, typer.Option(help="bf16 or fp16, as the model trains")] = "bf16",
+    samples: Annotated[int, typer.Option(min=30, help="paired samples per GEMM")] = 30,
+) -> None:
+    """Time quack and cuBLAS on each plain GEMM the quack impls run at these shapes (this GPU),
+    and cache the faster: training then reads the choice and never times anything itself."""
+    import torch
+
+    from swiglu_train.bench.pretune import IMPL_GEMMS, planned
+    from swiglu_train.bench.pretune import pretune as measure
+    from swiglu_train.ops.gemm_choice import cache_path
+    from swiglu_train.ops.quack_mlp import quack_unavailable_reason
+
+    names = [n for n in impls.split(",") if n]
+    unknown = sorted(set(names) - set(IMPL_GEMMS))
+    if unknown or not names:
+        raise typer.BadParameter(
+            f"choose from {sorted(IMPL_GEMMS)}, got {impls!r}", param_hint="'--impls'"
+        )
+    if dtype not in DTYPES:
+        raise typer.BadParameter(f"one of {list(DTYPES)}, got {dtype!r}", param_hint="'--dtype'")
+    counts = parse_ints(tokens, "'--tokens'")
+    reason = quack_unavailable_reason()
+    if reason is not None:
+        raise typer.BadParameter(f"the quack impls cannot run here: {reason}")
+    out = output_size or hidden_size
+    shapes = [(m, hidden_size, ffn_hidden_size, out) for m in counts]
+    torch_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
+    with progress_bars() as progress:
+        tick = progress("timing quack and cuBLAS", len(planned(shapes, names)))
+        rows = measure(shapes, names, torch_dtype, samples, tick)
+    table = Table(title=f"{torch.cuda.get_device_name()}, {dtype}, {samples} paired samples")
+    for column in ("GEMM", "[m, k] @ [k, n]", "quack ms", "cuBLAS ms", "cuBLAS / quack", "runs on"):
+        table.add_column(column)
+    for r in rows:
+        table.add_row(
+            r.gemm, f"[{r.m}, {r.k}] @ [{r.k}, {r.n}]", f"{r.quack_ms:.3f}", f"{r.cublas_ms:.3f}",
+            f"{r.cublas_over_quack:.3f}", r.backend,
+        )  # fmt: skip
+    console.print(table)
+    console.print(f"cached in {escape(str(cache_path()))}")

@@ -1,0 +1,106 @@
+"""Which library runs each layout-free GEMM of the quack impls, as measured on this GPU.
+
+fc2 and grad_W2 (both quack impls), and grad_x and grad_W1 of ``save_factors_quack`` (whose
+fc1 is packed like its grad_preact), are plain products that quack and cuBLAS compute alike.
+Neither library wins everywhere: untuned quack against cuBLAS measured 0.94-1.15x per GEMM
+over four H200 training shapes (benchmarks/results/probe_quack_gemms_h200.json), with no rule
+in the shapes that sorts them. So the choice is measured per shape, by
+``swiglu-train pretune`` before a run (``bench/pretune.py``), and cached on disk keyed by GPU,
+torch and quack versions, dtype and the GEMM's [m, k] @ [k, n] sizes. A shape the cache does
+not hold keeps the default below: a training step never stalls to time anything.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.metadata
+import json
+import os
+import warnings
+from pathlib import Path
+
+import torch
+
+from swiglu_train.files import write_json_atomic
+
+QUACK, CUBLAS = "quack", "cublas"
+# Without a measurement: what the impls ran before this cache existed.
+DEFAULTS = {"fc2": QUACK, "grad_w2": QUACK, "grad_x_packed": QUACK, "grad_w1_packed": CUBLAS}
+SCHEMA = 1
+
+
+def cache_path() -> Path:
+    """$SWIGLU_TRAIN_CACHE_DIR, else $XDG_CACHE_HOME/swiglu-train, else ~/.cache/swiglu-train."""
+    root = os.environ.get("SWIGLU_TRAIN_CACHE_DIR")
+    if not root:
+        xdg = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+        root = os.path.join(xdg, "swiglu-train")
+    return Path(root) / "gemm_choices.json"
+
+
+def key(gemm: str, m: int, n: int, k: int, dtype: torch.dtype, device_name: str) -> str:
+    """One GEMM on one GPU and software stack: a new torch or quack measures again."""
+    if gemm not in DEFAULTS:
+        raise ValueError(f"unknown GEMM {gemm!r}; choose one of {sorted(DEFAULTS)}")
+    versions = f"torch {torch.__version__}, quack {_quack_version()}"
+    return f"{device_name} | {versions} | {dtype} | {gemm} | {m}x{k} @ {k}x{n}"
+
+
+@functools.cache
+def _quack_version() -> str:
+    try:
+        return importlib.metadata.version("quack-kernels")
+    except importlib.metadata.PackageNotFoundError:
+        return "none"
+
+
+@functools.cache
+def _choices(path: Path) -> dict[str, str]:
+    """The cached choices (read once per process); a damaged cache warns and counts as empty,
+    since a cache must never stop a run."""
+    if not path.is_file():
+        return {}
+    try:
+        raw = json.loads(path.read_text())
+        if raw.get("schema") != SCHEMA:
+            raise ValueError(f"schema {raw.get('schema')!r}, expected {SCHEMA}")
+        entries = raw["choices"]
+        if not all(e.get("backend") in (QUACK, CUBLAS) for e in entries.values()):
+            raise ValueError("a backend other than quack or cublas")
+    except (OSError, ValueError, KeyError, AttributeError, TypeError) as e:
+        warnings.warn(
+            f"{path}: unreadable GEMM cache ({e}); using the defaults. Delete it and run "
+            "`swiglu-train pretune` again.",
+            stacklevel=3,
+        )
+        return {}
+    return {k: e["backend"] for k, e in entries.items()}
+
+
+def choice(gemm: str, m: int, n: int, k: int, dtype: torch.dtype, device_name: str) -> str:
+    """The library cached for this GEMM on this GPU, else the default."""
+    return _choices(cache_path()).get(key(gemm, m, n, k, dtype, device_name), DEFAULTS[gemm])
+
+
+def backend(gemm: str, a: torch.Tensor, b: torch.Tensor) -> str:
+    """The library for ``a @ b`` as ``gemm`` on a's CUDA device (the default under
+    torch.compile, which traces one graph for every shape)."""
+    if torch.compiler.is_compiling():
+        return DEFAULTS[gemm]
+    name = torch.cuda.get_device_name(a.device)
+    return choice(gemm, a.shape[0], b.shape[1], a.shape[1], a.dtype, name)
+
+
+def record(entries: dict[str, dict]) -> Path:
+    """Merge measured entries (key -> {"backend", "quack_ms", "cublas_ms"}) into the cache,
+    written atomically, and make this process read the new file."""
+    path = cache_path()
+    current = {}
+    if path.is_file():
+        try:
+            current = json.loads(path.read_text()).get("choices", {})
+        except (OSError, ValueError, AttributeError):
+            current = {}  # a damaged cache is replaced, not merged
+    write_json_atomic(path, {"schema": SCHEMA, "choices": current | entries})
+    _choices.cache_clear()
+    return path

@@ -1,0 +1,142 @@
+"""The quack impls' per-shape GEMM library choice: the cache, its keys and defaults, the
+pretune decision, and the command's refusals (the timing itself runs on the GPU)."""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from swiglu_train.bench import pretune
+from swiglu_train.cli import app
+from swiglu_train.ops import gemm_choice
+
+H200 = "NVIDIA H200"
+
+
+@pytest.fixture(autouse=True)
+def cache_dir(tmp_path, monkeypatch):
+    monkeypatch.setenv("SWIGLU_TRAIN_CACHE_DIR", str(tmp_path))
+    gemm_choice._choices.cache_clear()
+    yield tmp_path
+    gemm_choice._choices.cache_clear()
+
+
+def test_without_a_cache_every_gemm_keeps_its_default():
+    for gemm, default in gemm_choice.DEFAULTS.items():
+        assert gemm_choice.choice(gemm, 8000, 4096, 11008, torch.bfloat16, H200) == default
+    assert gemm_choice.DEFAULTS["grad_w1_packed"] == gemm_choice.CUBLAS
+
+
+def test_a_recorded_choice_holds_for_that_gemm_gpu_dtype_and_shape_only(cache_dir):
+    k = gemm_choice.key("fc2", 8000, 4096, 11008, torch.bfloat16, H200)
+    path = gemm_choice.record({k: {"backend": "cublas", "quack_ms": 1.08, "cublas_ms": 1.03}})
+    assert path == cache_dir / "gemm_choices.json"
+    assert gemm_choice.choice("fc2", 8000, 4096, 11008, torch.bfloat16, H200) == "cublas"
+    assert gemm_choice.choice("fc2", 8001, 4096, 11008, torch.bfloat16, H200) == "quack"
+    assert gemm_choice.choice("fc2", 8000, 4096, 11008, torch.float16, H200) == "quack"
+    assert gemm_choice.choice("fc2", 8000, 4096, 11008, torch.bfloat16, "NVIDIA H100") == "quack"
+    assert gemm_choice.choice("grad_w2", 8000, 4096, 11008, torch.bfloat16, H200) == "quack"
+
+
+def test_the_key_names_the_software_that_was_timed():
+    k = gemm_choice.key("grad_w2", 4096, 11008, 8000, torch.bfloat16, H200)
+    assert f"torch {torch.__version__}" in k and "quack " in k
+    assert "4096x8000 @ 8000x11008" in k
+    with pytest.raises(ValueError, match="unknown GEMM 'fc3'"):
+        gemm_choice.key("fc3", 1, 1, 1, torch.bfloat16, H200)
+
+
+def test_record_merges_with_what_is_cached():
+    first = gemm_choice.key("fc2", 1, 2, 3, torch.bfloat16, H200)
+    second = gemm_choice.key("grad_w2", 1, 2, 3, torch.bfloat16, H200)
+    gemm_choice.record({first: {"backend": "cublas"}})
+    path = gemm_choice.record({second: {"backend": "cublas"}})
+    assert set(json.loads(path.read_text())["choices"]) == {first, second}
+
+
+@pytest.mark.parametrize(
+    "content",
+    [
+        "{not json",
+        '{"schema": 99, "choices": {}}',
+        '{"schema": 1, "choices": {"k": {"backend": "x"}}}',
+    ],
+    ids=["damaged", "other schema", "unknown backend"],
+)
+def test_an_unreadable_cache_warns_and_keeps_the_defaults(cache_dir, content):
+    (cache_dir / "gemm_choices.json").write_text(content)
+    with pytest.warns(UserWarning, match="unreadable GEMM cache"):
+        assert gemm_choice.choice("fc2", 1, 2, 3, torch.bfloat16, H200) == "quack"
+    path = gemm_choice.record({"k": {"backend": "cublas"}})  # a damaged cache is replaced
+    assert json.loads(path.read_text()) == {"schema": 1, "choices": {"k": {"backend": "cublas"}}}
+
+
+def test_gemm_sizes_are_the_products_the_impls_run():
+    m, d, f, o = 8000, 4096, 11008, 4096
+    assert pretune.gemm_sizes("fc2", m, d, f, o) == (m, o, f)  # h [M, F] @ W2ᵀ [F, O]
+    assert pretune.gemm_sizes("grad_w2", m, d, f, o) == (o, f, m)  # grad_yᵀ [O, M] @ h
+    assert pretune.gemm_sizes("grad_x_packed", m, d, f, o) == (m, d, 2 * f)
+    assert pretune.gemm_sizes("grad_w1_packed", m, d, f, o) == (2 * f, d, m)
+
+
+def test_planned_times_each_gemm_once():
+    shapes = [(8000, 4096, 11008, 4096), (4096, 4096, 11008, 4096)]
+    plan = pretune.planned(shapes, ["drop_h_quack", "save_factors_quack"])
+    assert len(plan) == len(set(plan)) == 8  # 4 GEMMs x 2 token counts, fc2/grad_w2 shared
+    assert pretune.planned(shapes[:1], ["drop_h_quack"]) == [
+        ("fc2", 8000, 4096, 11008),
+        ("grad_w2", 4096, 11008, 8000),
+    ]
+
+
+@pytest.mark.parametrize(
+    ("ratio", "expected"), [(0.95, "cublas"), (0.995, "quack"), (1.05, "quack")]
+)
+def test_cublas_is_chosen_only_past_the_margin(ratio, expected):
+    quack = np.full(30, 2.0)
+    measured, backend = pretune.decide(quack, quack * ratio)
+    assert measured == pytest.approx(ratio) and backend == expected
+
+
+def test_pretune_refuses_in_one_line_where_quack_cannot_run():
+    runner = CliRunner()
+    args = ["pretune", "--hidden-size", "64", "--ffn-hidden-size", "128", "--tokens", "256"]
+    result = runner.invoke(app, args)
+    assert result.exit_code != 0
+    assert "the quack impls cannot run here" in result.output
+    bad = runner.invoke(app, [*args, "--impls", "drop_h"])
+    assert bad.exit_code != 0 and "choose from ['drop_h_quack', 'save_factors_quack']" in bad.output
+
+
+@pytest.mark.gpu
+def test_cublas_choices_compute_the_same_mlp(cache_dir):
+    """Every plain GEMM cached as cuBLAS: both quack impls still match the float64 MLP, and
+    pretune's own timing writes a choice for each GEMM it planned."""
+    from helpers import TOLERANCE, reference_outputs, rel_err, run_outputs
+
+    from swiglu_train.layers import ParMLP
+    from swiglu_train.ops.quack_mlp import quack_available
+
+    if not quack_available():
+        pytest.skip("quack does not run here")
+    m, d, f = 1000, 256, 512
+    name = torch.cuda.get_device_name()
+    entries = {
+        gemm_choice.key(g, *pretune.gemm_sizes(g, m, d, f, d), torch.bfloat16, name): {
+            "backend": "cublas"
+        }
+        for g in gemm_choice.DEFAULTS
+    }
+    gemm_choice.record(entries)
+    for impl in ("drop_h_quack", "save_factors_quack"):
+        mlp = ParMLP(d, f, impl=impl, device="cuda", dtype=torch.bfloat16)
+        x = torch.randn(m, d, device="cuda", dtype=torch.bfloat16)
+        grad_y = torch.randn(m, d, device="cuda", dtype=torch.bfloat16)
+        expected, actual = reference_outputs(mlp, x, grad_y), run_outputs(mlp, x, grad_y)
+        for key in expected:
+            assert rel_err(actual[key], expected[key]) < TOLERANCE[torch.bfloat16], (impl, key)
+    rows = pretune.pretune([(m, d, f, d)], ["save_factors_quack"], torch.bfloat16, samples=30)
+    assert {r.gemm for r in rows} == set(gemm_choice.DEFAULTS)
+    assert all(r.backend in ("quack", "cublas") and r.quack_ms > 0 for r in rows)
