@@ -142,3 +142,27 @@ def test_bad_settings_are_refused_before_any_work(small, tmp_path, args, message
     assert isinstance(result.exception, ValueError), result.output
     assert re.search(message, str(result.exception)), str(result.exception)
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_points_read_the_allocator_and_an_out_of_memory_step_is_a_misfit(small):
+    """On CUDA a point's peak is the allocator's, absolute (model state included); a step
+    that runs out of memory is a point that does not fit, and frees what it held."""
+    cfg = load_config(str(small))
+    cfg.train.precision = "bf16-mixed"
+    measure = measurer(cfg, Steps(warmup=1, measured=2))
+    p = measure("drop_h", 0)
+    assert p.tokens_per_s > 0 and 0 < p.after_forward_MiB < p.peak_MiB
+    state_MiB = sum(q.numel() for q in measure_params(cfg)) * 16 / 2**20  # fp32 + grad + Adam
+    assert p.peak_MiB > state_MiB
+    cfg.data.micro_batch_size = 1 << 22  # 2^22 x 32 tokens: far beyond any GPU
+    huge = measurer(cfg, Steps(warmup=0, measured=1))("drop_h", 2)
+    assert huge.peak_MiB is None and huge.tokens_per_s is None
+    assert torch.cuda.memory_allocated() < 2**30  # the failed step's tensors are gone
+
+
+def measure_params(cfg):
+    from swiglu_train.integrations.lightning.model import LlamaDecoder
+
+    return list(LlamaDecoder(cfg.model).parameters())

@@ -207,7 +207,7 @@ def _build(fabric: Fabric, cfg: PretrainConfig, name: str):
     impl, fp8 = split_candidate(name)
     chunk = cfg.model.mlp_chunk if impl == "save_factors" else None
     model_cfg = replace(cfg.model, mlp_impl=impl, saved_fp8=fp8, mlp_chunk=chunk)
-    with fabric.init_module():  # weights made on the device, in the precision's dtype
+    with fabric.init_module():  # made on the device (and in bf16 under a -true precision)
         module = PretrainModule(model_cfg, cfg.optim, cfg.train.max_steps)
     optimizer = module.configure_optimizers()["optimizer"]
     module, optimizer = fabric.setup(module, optimizer)
@@ -221,6 +221,7 @@ def _run_steps(fabric, cfg, module, optimizer, name: str, n: int, steps: Steps) 
                          cfg.data.seq_length + 1), device=device)  # fmt: skip
     profiler = MemoryProfiler(module, per_layer=False)
     seconds, peaks, after = [], [], []
+    loss, out_of_memory = None, False
     try:
         for i in range(steps.warmup + steps.measured):
             tic = time.perf_counter()
@@ -230,7 +231,7 @@ def _run_steps(fabric, cfg, module, optimizer, name: str, n: int, steps: Steps) 
             optimizer.zero_grad(set_to_none=True)  # Lightning's order: after the forward
             profiler.forward_done()
             fabric.backward(loss)
-            del loss
+            loss = None
             memory = profiler.backward_done()
             if cfg.train.gradient_clip_val:
                 fabric.clip_gradients(module, optimizer, max_norm=cfg.train.gradient_clip_val)
@@ -241,7 +242,10 @@ def _run_steps(fabric, cfg, module, optimizer, name: str, n: int, steps: Steps) 
             peaks.append(_peak_MiB(memory, module, optimizer, device))
             after.append(_after_forward_MiB(memory))
     except torch.OutOfMemoryError:
+        out_of_memory = True  # freed below: the exception's frames hold the step's tensors
+    if out_of_memory:
         profiler.abort()
+        loss = None
         optimizer.zero_grad(set_to_none=True)
         _free(device)
         return Profile(name, n, None)
