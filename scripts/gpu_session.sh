@@ -20,7 +20,8 @@
 #              seq 4096, every impl (quack's and drop_h+fp8 included) x checkpointed blocks
 #              ($E2E_GRID_1B/3B), $E2E_ROUNDS rounds interleaved (default 3), the planner at 4
 #              budgets between the grid's peaks; micro-batch $E2E_MBS_1B (4) / $E2E_MBS_3B (2).
-#              Rounds add up across calls of one commit (--append, kept in /tmp/gpu-e2e-COMMIT)
+#              Rounds add up across calls of one commit (--append, kept in /tmp/gpu-e2e-COMMIT):
+#              where 3 rounds overrun a call, E2E_ROUNDS=1 E2E_PLANNER=0 twice, then E2E_ROUNDS=1
 #   e2e_megatron  scripts/bench_e2e.py megatron: TP=1 stock (fused and eager bias-SwiGLU) vs our
 #              impls, $MEGATRON_GPU, 5 warm-up + 20 timed steps per run, $E2E_ROUNDS_MEGATRON
 #              rounds per call (default 1: call it 3 times, rounds add up as above)
@@ -161,7 +162,8 @@ for stage in "$@"; do
       impls=$(echo normal drop_h $(quack_impl) drop_h+fp8 | tr ' ' ',')
       python3 scripts/bench_e2e.py lightning --config "$size" --seq-length 4096 \
         --micro-batch-size "$mbs" --impls "$impls" --checkpoint-layers "$grid" \
-        --rounds "${E2E_ROUNDS:-3}" --budgets-gb auto:4 --planner --commit "$commit" --append \
+        --rounds "${E2E_ROUNDS:-3}" --budgets-gb auto:4 $([ "${E2E_PLANNER:-1}" = 1 ] && echo --planner) \
+        --commit "$commit" --append \
         --json "$E2E/e2e_${size}_h200.json" --md "$E2E/e2e_${size}_h200.md" \
         --plot "$E2E/e2e_${size}_h200.png" 2>&1 | grep -v "^planner:" | tail -40
       cp "$E2E"/e2e_${size}_h200.* "$RES/e2e/" ;;
