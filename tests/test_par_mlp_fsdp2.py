@@ -1,11 +1,17 @@
-"""ParMLP under FSDP2 (fully_shard) on a 1-rank gloo group: its fc1 is a DTensor there."""
+"""ParMLP under FSDP2 (fully_shard): on a 1-rank gloo group, where fc1 is a DTensor, and on four
+gloo ranks (one spawn for every case), where fc1's rows and Adam's moments are split over ranks
+and a layout change moves rows between them."""
 
 import copy
+import os
+import tempfile
 
 import pytest
 import torch
 
 from swiglu_train import ParMLP
+from swiglu_train.layers import PORTABLE_IMPLS
+from swiglu_train.ops.activation import use_backend
 
 fsdp = pytest.importorskip("torch.distributed.fsdp")
 checkpoint = pytest.importorskip("torch.distributed.checkpoint.state_dict")
@@ -74,3 +80,112 @@ def test_switch_impl_moves_sharded_optimizer_state_with_fc1(one_rank_gloo):
         assert type(after[key]).__name__ == "DTensor"
         assert torch.equal(after[key].full_tensor(), value[index])
     torch.testing.assert_close(model(x), expected)
+
+
+WORLD = 4
+# F = 15 with chunk 5: fc1's 30 rows shard 8/8/8/6 (uneven, FSDP2 pads the last), and the packed
+# layout's chunks cross those shard boundaries.
+D, F, CHUNK, ROWS_PER_RANK = 16, 15, 5, 2
+
+
+def data(i: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Step ``i``'s global batch (the same on every rank) and its regression target."""
+    g = torch.Generator().manual_seed(100 + i)
+    x = torch.randn(WORLD * ROWS_PER_RANK, D, generator=g)
+    return x, torch.randn(WORLD * ROWS_PER_RANK, D, generator=g)
+
+
+def step(model, optimizer, i: int, rank: int | None) -> torch.Tensor:
+    """One Adam step on the global batch (rank None) or on this rank's rows of it; returns the
+    loss of the whole global batch: the mean of the ranks' equal-sized means."""
+    x, target = data(i)
+    if rank is not None:
+        x, target = (t.chunk(WORLD)[rank] for t in (x, target))
+    optimizer.zero_grad()
+    loss = (model(x) - target).square().mean()
+    loss.backward()
+    optimizer.step()
+    loss = loss.detach()
+    if rank is not None:
+        torch.distributed.all_reduce(loss)
+        loss /= WORLD
+    return loss
+
+
+def full(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if type(t).__name__ == "DTensor" else t
+
+
+def assert_same_state(sharded, reference, sharded_opt, reference_opt, label: str) -> None:
+    """Parameters, grads and Adam state of the sharded model, gathered, equal the one-process
+    model's (fp32: the collectives only change the summation order)."""
+    pairs = zip(sharded.named_parameters(), reference.named_parameters(), strict=True)
+    for (name, p), (ref_name, q) in pairs:
+        assert name == ref_name and type(p).__name__ == "DTensor", (label, name)
+        torch.testing.assert_close(full(p), q, msg=f"{label}: {name}")
+        torch.testing.assert_close(full(p.grad), q.grad, msg=f"{label}: {name}.grad")
+        state, ref_state = sharded_opt.state[p], reference_opt.state[q]
+        assert state.keys() == ref_state.keys() == {"step", "exp_avg", "exp_avg_sq"}, label
+        for key, value in ref_state.items():
+            torch.testing.assert_close(full(state[key]), value, msg=f"{label}: {name} {key}")
+
+
+def _impl_parity(rank: int) -> None:
+    """Every portable impl: three Adam steps with each rank on its quarter of the global batch
+    give the one-process losses, grads and state."""
+    for impl in PORTABLE_IMPLS:
+        torch.manual_seed(0)
+        reference = ParMLP(D, F, bias=True, impl=impl, chunk=CHUNK)
+        sharded = fsdp.fully_shard(copy.deepcopy(reference))
+        local = sharded.fc1.weight.to_local().shape[0]
+        assert local == (8 if rank < 3 else 6), f"{impl}: rank {rank} holds {local} fc1 rows"
+        reference_opt = torch.optim.Adam(reference.parameters(), lr=1e-2)
+        sharded_opt = torch.optim.Adam(sharded.parameters(), lr=1e-2)
+        for i in range(3):
+            expected = step(reference, reference_opt, i, None)
+            loss = step(sharded, sharded_opt, i, rank)
+            torch.testing.assert_close(loss, expected, msg=f"{impl} step {i}: loss")
+            assert_same_state(sharded, reference, sharded_opt, reference_opt, f"{impl} step {i}")
+
+
+def _switch_keeps_optimizer_state(rank: int) -> None:
+    """normal -> save_factors -> drop_h between Adam steps, sharded and on one process: fc1's
+    rows and moments move across the ranks' shards, and the runs stay the same run."""
+    from swiglu_train.packing import switch_impl
+
+    torch.manual_seed(1)
+    reference = ParMLP(D, F, bias=True, impl="normal", chunk=CHUNK)
+    sharded = fsdp.fully_shard(copy.deepcopy(reference))
+    reference_opt = torch.optim.Adam(reference.parameters(), lr=1e-2)
+    sharded_opt = torch.optim.Adam(sharded.parameters(), lr=1e-2)
+    for i, impl in enumerate(("normal", "save_factors", "drop_h")):
+        if impl != "normal":
+            sharded.reshard()  # the root keeps its parameters unsharded after a forward
+            assert switch_impl(sharded, impl, sharded_opt) == [""], impl
+            assert switch_impl(reference, impl, reference_opt) == [""], impl
+            assert sharded.fc1_layout == reference.fc1_layout, impl
+            assert_same_state(sharded, reference, sharded_opt, reference_opt, f"to {impl}")
+        expected = step(reference, reference_opt, i, None)
+        loss = step(sharded, sharded_opt, i, rank)
+        torch.testing.assert_close(loss, expected, msg=f"{impl} step {i}: loss")
+        assert_same_state(sharded, reference, sharded_opt, reference_opt, f"{impl} step {i}")
+
+
+def _world4_worker(rank: int, rendezvous: str) -> None:
+    torch.distributed.init_process_group(
+        "gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=WORLD
+    )
+    try:
+        # Plain-torch activations: the subject is sharding and layouts; the kernels (tested under
+        # the Triton interpreter elsewhere) would take most of the time here.
+        with use_backend("torch"):
+            _impl_parity(rank)
+            _switch_keeps_optimizer_state(rank)
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+def test_four_ranks_match_one_process_and_switch_with_optimizer_state() -> None:
+    with tempfile.TemporaryDirectory() as folder:
+        rendezvous = os.path.join(folder, "rendezvous")
+        torch.multiprocessing.spawn(_world4_worker, args=(rendezvous,), nprocs=WORLD)
