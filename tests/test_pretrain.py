@@ -3,6 +3,7 @@
 import csv
 import json
 import os
+import re
 import subprocess
 import sys
 import tomllib
@@ -600,8 +601,10 @@ def test_bad_inputs_are_named(tmp_path):
     (tmp_path / "bad.jsonl").write_text('{"body": "x"}\n')
     with pytest.raises(ValueError, match=r"bad.jsonl:1: a jsonl record needs a 'text' field"):
         load_documents([str(tmp_path / "bad.jsonl")])
+    shipped = sorted(p.stem for p in CONFIG_DIR.glob("*.yaml"))  # 125m, 1b, 3b, tiny
+    assert {"125m", "1b", "tiny"} <= set(shipped)
     with pytest.raises(
-        FileNotFoundError, match=r"config 'huge' not found; named configs: \['125m', '1b', 'tiny'\]"
+        FileNotFoundError, match=re.escape(f"config 'huge' not found; named configs: {shipped}")
     ):
         load_config("huge")
     (tmp_path / "typo.yaml").write_text("model: {hiden_size: 3}\n")
