@@ -501,12 +501,18 @@ def main(argv: list[str] | None = None) -> list[float]:
             torch.cuda.synchronize()
         seconds = time.perf_counter() - tic
         if stats:  # the last pipeline stage
-            loss = torch.stack([s["lm loss"] for s in stats]).mean().item()
+            # Each DP rank holds the loss of its own micro-batches; the step's is their mean
+            # (equal token counts), as Megatron-LM logs it, so runs at any DP size compare.
+            loss = torch.stack([s["lm loss"] for s in stats]).mean()
+            torch.distributed.all_reduce(loss, group=parallel_state.get_data_parallel_group())
+            loss = loss.item() / parallel_state.get_data_parallel_world_size()
             losses.append(loss)
             rates.append(tokens_per_step / seconds)
             if record is not None:
                 records.append(record)
-            if parallel_state.get_tensor_model_parallel_rank() == 0:
+            if parallel_state.get_tensor_model_parallel_rank() == 0 and (
+                parallel_state.get_data_parallel_rank() == 0  # one line per step, not per DP rank
+            ):
                 print(f"step {step} loss {loss:.6f} {tokens_per_step / seconds:.0f} tokens/s")
             if logger is not None and record is not None:
                 extra = {"loss": loss, "tokens_per_s": tokens_per_step / seconds}
@@ -543,6 +549,8 @@ def write_summary(
         },
         "plan": args.plan,
         "tp": args.tp,
+        "dp": parallel_state.get_data_parallel_world_size(),
+        "num_microbatches": args.num_microbatches,  # global batch: micro-batch x this x dp
         "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
         "cpu_init": args.device == "cpu" or args.cpu_init,  # one model at every TP size
         "steps": len(losses),

@@ -32,11 +32,11 @@ TINY = [
 ]
 
 
-def run_recipe(tmp_path: Path, *args: str, tp: int = 2) -> dict[int, float]:
-    """Run the recipe on ``tp`` gloo ranks at that TP size; returns each step's printed loss."""
+def run_recipe(tmp_path: Path, *args: str, tp: int = 2, dp: int = 1) -> dict[int, float]:
+    """Run the recipe on tp x dp gloo ranks at that TP size; returns each step's printed loss."""
     torchrun = Path(sys.executable).with_name("torchrun")
     # --standalone: torchrun's own store picks a free port, which no other test can take first
-    command = [str(torchrun), "--standalone", "--nproc-per-node", str(tp)]
+    command = [str(torchrun), "--standalone", "--nproc-per-node", str(tp * dp)]
     # The kernels are tested elsewhere; the torch backend keeps this run quick.
     env = os.environ | {"WANDB_MODE": "offline", "TRITON_INTERPRET": "0"}
     result = subprocess.run(
@@ -147,16 +147,21 @@ def test_saved_fp8_flag_is_for_drop_h(capsys) -> None:
         assert reason in capsys.readouterr().err
 
 
-def test_tp2_against_tp1_losses_agree_and_drop_h_saves_h_per_rank(tmp_path: Path) -> None:
-    """scripts/compare_tp.py on real CPU runs (fp32): TP=2 reproduces TP=1's losses, and per
-    rank drop_h saves exactly n_layers·M·(F/2)·4 bytes of saved tensors at TP=2."""
+def test_tp2_and_dp2_against_tp1_losses_agree_and_drop_h_saves_h_per_rank(tmp_path: Path) -> None:
+    """scripts/compare_tp.py on real CPU runs (fp32): TP=2, and DP=2 on half the micro-batch
+    (the same global batch), reproduce TP=1's losses, the DP run's being the mean over its
+    ranks; per rank drop_h saves exactly n_layers·M·(F/2)·4 bytes of saved tensors at TP=2."""
     runs = {}
-    for impl, tp in (("normal", 1), ("normal", 2), ("drop_h", 2)):
-        path = tmp_path / f"tp{tp}_{impl}.json"
+    for impl, tp, dp in (("normal", 1, 1), ("normal", 2, 1), ("drop_h", 2, 1), ("normal", 1, 2)):
+        path = tmp_path / f"tp{tp}_dp{dp}_{impl}.json"
+        half = ["--micro-batch-size", "1"] if dp == 2 else []  # TINY's is 2
         run_recipe(
-            tmp_path, "--mlp-impl", impl, "--max-steps", "3", "--summary-json", str(path), tp=tp
+            tmp_path,
+            *("--mlp-impl", impl, "--max-steps", "3", "--summary-json", str(path), *half),
+            tp=tp,
+            dp=dp,
         )
-        runs[impl, tp] = path
+        runs[impl, tp, dp] = path
     out = tmp_path / "compare.json"
     script = Path(__file__).resolve().parents[1] / "scripts" / "compare_tp.py"
     command = [sys.executable, str(script), *map(str, runs.values()), "--bytes-per-element", "4"]
@@ -166,17 +171,25 @@ def test_tp2_against_tp1_losses_agree_and_drop_h_saves_h_per_rank(tmp_path: Path
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(out.read_text())
     agreement = result["loss_agreement"]["normal"]
-    assert agreement["tp_sizes"] == [1, 2] and agreement["steps"] == 3
+    assert agreement["layouts"] == ["TP1", "TP1xDP2", "TP2"] and agreement["steps"] == 3
+    assert agreement["global_batch"] == 2
     assert agreement["same_init"] and agreement["step0_abs_loss_diff"] < 1e-4
     assert agreement["max_rel_loss_diff"] < 1e-5
     assert agreement["median_abs_loss_diff"] <= agreement["max_abs_loss_diff"]
+    assert all(rate > 0 for rate in agreement["tokens_per_s"].values())
     assert result["gpu"] == "cpu"  # from the runs' summaries, which name their device
     assert plot.read_bytes().startswith(b"\x89PNG")
-    saving = result["drop_h_saving"]["2"]
+    saving = result["h_saving"]["drop_h"]["TP2"]
     # 2 layers x M = 2 x 32 tokens x F/2 = 48 x 4 bytes (fp32 on CPU)
     assert saving["analytic_MiB"] * 2**20 == 2 * 64 * 48 * 4
     assert saving["saved_for_backward_MiB"] == pytest.approx(saving["analytic_MiB"], rel=1e-9)
     assert saving["measured_MiB"] is None  # the allocator figure is CUDA's
+
+    compare = runpy.run_path(str(script))
+    loaded = compare["load"]([str(p) for p in runs.values()])
+    loaded["normal", "TP1xDP2"]["num_microbatches"] = 2  # a global batch of 4: another loss
+    with pytest.raises(ValueError, match=r"normal: the runs' global batches differ .*TP1xDP2': 4"):
+        compare["loss_agreement"](loaded)
 
 
 def _resume_worker(rank: int, world_size: int, rendezvous: str, root: str, impl: str) -> None:
