@@ -717,7 +717,9 @@ def test_cli_default_corpus_summary_json(tmp_path):
 
 def test_cli_ddp_on_two_cpu_ranks_reports_once(tmp_path, corpus):
     """`--devices 2 --strategy ddp`: Lightning launches a second process (gloo on CPU); the W&B
-    offline run, the memory CSV, the checkpoints and the summary come from rank 0 alone."""
+    offline run, the memory CSV, the checkpoints and the summary come from rank 0 alone, and
+    its losses, the mean over both ranks' rows, are those of one process at the same global
+    batch (rank 0's own rows alone were reported before)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # plain torch math
     env.update(WANDB_MODE="offline", WANDB_SILENT="true")
     out, summary_path = tmp_path / "run", tmp_path / "summary.json"
@@ -740,6 +742,14 @@ def test_cli_ddp_on_two_cpu_ranks_reports_once(tmp_path, corpus):
         steps = [int(r["step"]) for r in csv.DictReader(f)]
     assert steps == [0, 1, 2, 3]  # one row per step, none from rank 1
     assert (out / "checkpoints" / "last.ckpt").is_file()
+
+    cfg = PretrainConfig()  # the CLI's defaults, both ranks' rows in each micro-batch
+    cfg.data.data, cfg.data.micro_batch_size = [str(corpus / "*.py")], 4
+    cfg.train.max_steps, cfg.output_dir = 4, str(tmp_path / "one")
+    one = run_pretrain(cfg)
+    assert summary["losses"].keys() == one["losses"].keys()
+    for step, loss in one["losses"].items():
+        assert summary["losses"][step] == pytest.approx(loss, rel=1e-5), step
 
 
 def test_cli_ddp_refuses_a_layout_once_before_launching_a_rank(tmp_path, corpus):

@@ -68,7 +68,7 @@ class PretrainModule(pl.LightningModule):
 
     def training_step(self, rows: torch.Tensor, batch_idx: int) -> torch.Tensor:
         loss = self.loss(rows)
-        self.log("train/loss", loss, prog_bar=True)
+        self.log("train/loss", loss, prog_bar=True, sync_dist=True)  # all ranks' rows
         self.log("train/lr", self.lr_schedulers().get_last_lr()[0])
         return loss
 

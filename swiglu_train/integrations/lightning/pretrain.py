@@ -31,7 +31,8 @@ from swiglu_train.memory.wandb_run import CSV_NAME
 
 
 class LossAndThroughput(pl.Callback):
-    """Per-optimizer-step mean loss, and tokens/s measured after the first (warm-up) step."""
+    """Per-optimizer-step mean loss over every rank, and tokens/s measured after the first
+    (warm-up) step."""
 
     def __init__(self) -> None:
         self.losses: dict[int, float] = {}
@@ -41,7 +42,10 @@ class LossAndThroughput(pl.Callback):
         self.tokens_per_s: float | None = None
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx: int) -> None:
-        self._micro.append(float(outputs["loss"]))
+        # Each rank's loss is its own rows'; the step's is their mean (equal row counts), so a
+        # run on N devices reads as one device at the same global batch.
+        loss = trainer.strategy.reduce(outputs["loss"].detach(), reduce_op="mean")
+        self._micro.append(float(loss))
         if (batch_idx + 1) % trainer.accumulate_grad_batches:
             return
         step = trainer.global_step - 1
