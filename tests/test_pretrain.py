@@ -185,7 +185,9 @@ def test_resume_after_a_crash_repeats_the_uninterrupted_losses(
 
     run_id = json.loads((out / "run.json").read_text())["wandb_run_id"]
     segments = sorted((out / "wandb").glob("offline-run-*"))
-    assert len(segments) == 2 and all(p.name.endswith(f"-{run_id}") for p in segments)
+    # W&B names a segment offline-run-<time>-<id>, with -1 added when two start in one second
+    named = re.compile(rf"offline-run-\d{{8}}_\d{{6}}-{re.escape(run_id)}(-\d+)?")
+    assert len(segments) == 2 and all(named.fullmatch(p.name) for p in segments), segments
     [run] = load_runs(segments)  # in either order
     assert load_runs(segments[::-1])[0].series == run.series
     assert run.label == "drop_h" and run.run_id == run_id and run.steps == list(range(12))
