@@ -351,7 +351,9 @@ def loss_func(loss_mask: torch.Tensor, on_first: list, output: torch.Tensor):
     if on_first:
         on_first.pop()()
     loss = (output.float() * loss_mask).sum() / loss_mask.sum()
-    return loss, {"lm loss": loss.detach()}
+    # A copy: Megatron divides the returned loss by the micro-batch count in place, which a
+    # detached view would follow (the logged loss was loss / --num-microbatches).
+    return loss, {"lm loss": loss.detach().clone()}
 
 
 def forward_step(device: torch.device | None, on_first: list, data_iterator, model):

@@ -148,16 +148,21 @@ def test_saved_fp8_flag_is_for_drop_h(capsys) -> None:
 
 
 def test_tp2_and_dp2_against_tp1_losses_agree_and_drop_h_saves_h_per_rank(tmp_path: Path) -> None:
-    """scripts/compare_tp.py on real CPU runs (fp32): TP=2, and DP=2 on half the micro-batch
-    (the same global batch), reproduce TP=1's losses, the DP run's being the mean over its
-    ranks; per rank drop_h saves exactly n_layers·M·(F/2)·4 bytes of saved tensors at TP=2."""
+    """scripts/compare_tp.py on real CPU runs (fp32) at one global batch of 2 sequences: TP=2
+    (micro-batch 2), DP=2 (micro-batch 1 per rank) and TP=1 in 2 micro-batches of 1 give the
+    same losses, the DP run's being the mean over its ranks and the micro-batched one's not
+    divided by the micro-batch count; per rank drop_h saves exactly n_layers·M·(F/2)·4 bytes of
+    saved tensors at TP=2."""
     runs = {}
     for impl, tp, dp in (("normal", 1, 1), ("normal", 2, 1), ("drop_h", 2, 1), ("normal", 1, 2)):
         path = tmp_path / f"tp{tp}_dp{dp}_{impl}.json"
-        half = ["--micro-batch-size", "1"] if dp == 2 else []  # TINY's is 2
+        split = {  # TINY's micro-batch is 2
+            (1, 1): ["--micro-batch-size", "1", "--num-microbatches", "2"],
+            (1, 2): ["--micro-batch-size", "1"],
+        }.get((tp, dp), [])
         run_recipe(
             tmp_path,
-            *("--mlp-impl", impl, "--max-steps", "3", "--summary-json", str(path), *half),
+            *("--mlp-impl", impl, "--max-steps", "3", "--summary-json", str(path), *split),
             tp=tp,
             dp=dp,
         )
