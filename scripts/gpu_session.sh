@@ -30,6 +30,17 @@
 #   megatron_reshard (nvidia-h200-x2) a save_factors TP=2 dist-ckpt resumed by normal at TP=1,
 #              and a drop_h TP=1 one resumed by save_factors at TP=2
 #   lightning_ddp (nvidia-h200-x2) the 125M pretrain under DDP on 2 GPUs
+#   scale4     (nvidia-h200-x4) Megatron at TP=1, TP=4 and TP=2xDP=2 from one init (--cpu-init),
+#              one global batch, 50 steps ($SCALE4_MODEL; $SCALE4_IMPLS, $SCALE4_LAYOUTS pick a
+#              subset): loss curves, tokens/s, per-GPU memory (scripts/compare_tp.py). Runs add
+#              up across calls of one commit (kept in /tmp/gpu-scale4-COMMIT, done ones skipped)
+#   scale4_rounds (nvidia-h200-x4) tokens/s rounds $SCALE4_ROUNDS (default "2 3") of the same
+#              runs (20 steps, 5 warm-up, impl order rotated); summarize_runs.py per layout
+#   scale4_reshard (nvidia-h200-x4) a save_factors TP=4 dist-ckpt resumed by normal and stock at
+#              TP=1 and by drop_h at TP=2 ($MEGATRON_GPU)
+#   scale4_lightning (nvidia-h200-x4) pretrain 125M on 4 GPUs (--strategy fsdp: Lightning's FSDP1;
+#              pretrain has no FSDP2 strategy yet) against 1 GPU at the same global batch, each
+#              impl, and the planner's choice at 1B
 #   inference  swiglu-train bench-inference: gated projection and whole MLP, Qwen-2.5 x M grid
 #              ($INFERENCE_MODELS), one JSON per model to merge into the dispatch table
 #   grid       swiglu-train bench-grid: every impl and peer, and auto's pick, at public models'
@@ -54,6 +65,10 @@ export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD WANDB_MODE=offline WANDB_SILENT=true O
 # A step of the recipe's CPU-sized default model is launch-bound on an H200 (30 ms): time a
 # model whose GEMMs dominate instead.
 MEGATRON_GPU="--num-layers 8 --hidden-size 2048 --ffn-hidden-size 5632 --seq-length 2048 --micro-batch-size 8"
+# A model where TP matters (issue 24). Selective recompute drops the local spec's unfused
+# attention scores ([heads, s, s] per layer, 1 GiB at s = 4096), which would crowd TP=1 out of the
+# H200; the MLPs' saved tensors, the subject, are untouched by it.
+SCALE4_MODEL=${SCALE4_MODEL:-"--num-layers 16 --hidden-size 4096 --ffn-hidden-size 14336 --num-attention-heads 32 --seq-length 4096 --micro-batch-size 1 --recompute-granularity selective"}
 commit=$(cat COMMIT 2>/dev/null || git rev-parse --short HEAD 2>/dev/null || echo unknown)
 # The quack impls join the training stages where they run (quack installed, sm_90+). Its wheels
 # (.whl + .whlx) and .whlw do not fit one carry; a machine keeps what `setup` installed while it
@@ -65,6 +80,19 @@ from swiglu_train.ops.quack_mlp import quack_available
 print(*sorted(QUACK_IMPLS) if quack_available() else [])"
 }
 pack() { tar czf "$OUT/results.tgz" -C "$RES" .; }
+scale4_run() {  # IMPL LAYOUT ARGS...: the recipe at tp1 (1 GPU), tp4 or tp2dp2 (4 GPUs), every
+  # layout at a global batch of 2 sequences (micro-batch 1 x micro-batches x DP)
+  local impl=$1 layout=$2 n par
+  shift 2
+  case $layout in
+    tp1) n=1 par="--tp 1 --num-microbatches 2" ;;
+    tp4) n=4 par="--tp 4 --num-microbatches 2" ;;
+    tp2dp2) n=4 par="--tp 2 --dp 2 --num-microbatches 1" ;;
+    *) echo "unknown layout $layout"; return 2 ;;
+  esac
+  torchrun --nproc-per-node "$n" recipes/pretrain_megatron.py --mlp-impl "$impl" $par \
+    $SCALE4_MODEL --output-dir "$SCRATCH/megatron-scale4" "$@"
+}
 compare_losses() {  # FULL.log RESUMED.log LABEL: the resumed steps' losses against the full run's,
   # printed and appended to $RES/resume_checks.jsonl
   python3 - "$@" <<'PY'
@@ -218,6 +246,96 @@ for stage in "$@"; do
         --summary-json "$RES/pretrain_ddp_drop_h.json" > "$RES/pretrain_ddp.log" 2>&1 \
         || tail -5 "$RES/pretrain_ddp.log"
       echo "W&B offline runs: $(ls -d $SCRATCH/pt-ddp/wandb/offline-run-* | wc -l)" ;;
+    scale4)  # nvidia-h200-x4: round 1, the loss curves and memory; a run done is skipped
+      S4=/tmp/gpu-scale4-$commit && mkdir -p "$S4" "$RES/scale4"
+      for impl in ${SCALE4_IMPLS:-stock normal drop_h $(quack_impl)}; do
+        for layout in ${SCALE4_LAYOUTS:-tp1 tp4 tp2dp2}; do
+          json="$S4/megatron_${layout}_${impl}_1.json"
+          [ -f "$json" ] && continue
+          scale4_run "$impl" "$layout" --cpu-init --max-steps 50 --summary-json "$json" \
+            > "$S4/megatron_${layout}_${impl}_1.log" 2>&1 || tail -5 "$S4/megatron_${layout}_${impl}_1.log"
+          tail -1 "$S4/megatron_${layout}_${impl}_1.log"
+        done
+      done
+      cp "$S4"/*.json "$RES/scale4/" 2>/dev/null
+      python3 scripts/compare_tp.py "$S4"/megatron_*_1.json --commit "$commit" \
+        --title "Megatron TP=4 and TP=2xDP=2 against TP=1, bf16, 50 steps, $SCALE4_MODEL" \
+        --command "bash scripts/gpu_session.sh scale4" \
+        --json "$RES/scale4/megatron_layouts_h200.json" --md "$RES/scale4/megatron_layouts_h200.md" \
+        --plot "$RES/scale4/megatron_layouts_h200.png" ;;
+    scale4_rounds)  # nvidia-h200-x4: tokens/s rounds; weights need not match here (no --cpu-init)
+      S4=/tmp/gpu-scale4-$commit && mkdir -p "$S4" "$RES/scale4"
+      order="${SCALE4_IMPLS:-stock normal drop_h $(quack_impl)}"
+      for round in ${SCALE4_ROUNDS:-2 3}; do
+        order=$(echo $order | awk '{for (i = 2; i <= NF; i++) printf "%s ", $i; print $1}')
+        for impl in $order; do
+          for layout in ${SCALE4_LAYOUTS:-tp1 tp4 tp2dp2}; do
+            json="$S4/megatron_${layout}_${impl}_$round.json"
+            [ -f "$json" ] && continue
+            scale4_run "$impl" "$layout" --max-steps 20 --warmup-steps 5 --summary-json "$json" \
+              2>&1 | tail -1
+          done
+        done
+      done
+      cp "$S4"/*.json "$RES/scale4/" 2>/dev/null
+      for layout in ${SCALE4_LAYOUTS:-tp1 tp4 tp2dp2}; do
+        python3 scripts/summarize_runs.py "$S4"/megatron_${layout}_*_[0-9]*.json --commit "$commit" \
+          --title "Megatron $layout, bf16, tokens/s over rounds, $SCALE4_MODEL" \
+          --command "bash scripts/gpu_session.sh scale4 scale4_rounds" \
+          --json "$RES/scale4/megatron_${layout}_rounds_h200.json" \
+          --md "$RES/scale4/megatron_${layout}_rounds_h200.md" && cat "$RES/scale4/megatron_${layout}_rounds_h200.md"
+      done ;;
+    scale4_reshard)  # nvidia-h200-x4: packed TP=4 dist-ckpt -> canonical TP=1 and TP=2
+      mkdir -p "$RES/scale4"
+      run="recipes/pretrain_megatron.py --max-steps 6 --output-dir $SCRATCH/megatron-runs $MEGATRON_GPU"
+      torchrun --nproc-per-node 4 $run --tp 4 --mlp-impl save_factors --save $SCRATCH/mck-tp4 \
+        --save-interval 3 > "$RES/scale4/reshard_tp4_full.log" 2>&1
+      for target in normal:1 stock:1 drop_h:2; do
+        impl=${target%:*} tp=${target#*:}
+        torchrun --nproc-per-node "$tp" $run --tp "$tp" --mlp-impl "$impl" \
+          --load $SCRATCH/mck-tp4/iter_0000003 > "$RES/scale4/reshard_${impl}_tp${tp}_from3.log" 2>&1
+        compare_losses "$RES/scale4/reshard_tp4_full.log" "$RES/scale4/reshard_${impl}_tp${tp}_from3.log" \
+          "save_factors TP4 -> $impl TP$tp"
+      done ;;
+    scale4_lightning)  # nvidia-h200-x4: 4 GPUs x micro-batch 8 against 1 GPU x 32 (same rows)
+      mkdir -p "$RES/scale4"
+      for impl in ${SCALE4_LIGHTNING_IMPLS:-normal drop_h save_factors $(quack_impl)}; do
+        for gpus in 4 1; do
+          if [ "$gpus" = 4 ]; then extra="--strategy fsdp"; else extra="--micro-batch-size 32"; fi
+          python3 -m swiglu_train pretrain --config 125m --mlp-impl "$impl" --devices "$gpus" \
+            $extra --max-steps 40 --output-dir "$SCRATCH/pt${gpus}-$impl" \
+            --summary-json "$RES/scale4/lightning_${gpus}gpu_$impl.json" \
+            > "$RES/scale4/lightning_${gpus}gpu_$impl.log" 2>&1 || tail -5 "$RES/scale4/lightning_${gpus}gpu_$impl.log"
+        done
+        echo "$impl W&B offline runs (4 GPUs): $(ls -d $SCRATCH/pt4-$impl/wandb/offline-run-* | wc -l)"
+      done
+      python3 -m swiglu_train pretrain --config 1b --activation-checkpointing auto --devices 4 \
+        --strategy fsdp --max-steps 20 --output-dir "$SCRATCH/pt4-plan" \
+        --summary-json "$RES/scale4/lightning_4gpu_planner.json" > "$RES/scale4/lightning_4gpu_planner.log" 2>&1 \
+        || tail -5 "$RES/scale4/lightning_4gpu_planner.log"
+      python3 - "$RES/scale4" <<'PY'
+import json, pathlib, statistics, sys
+from swiglu_train.files import write_json_atomic
+root = pathlib.Path(sys.argv[1])
+out = {}
+for four in sorted(root.glob("lightning_4gpu_*.json")):
+    one = four.with_name(four.name.replace("4gpu", "1gpu"))
+    if not one.exists():
+        continue
+    a, b = json.loads(four.read_text()), json.loads(one.read_text())
+    steps = sorted(set(a["losses"]) & set(b["losses"]), key=int)
+    if not steps:
+        continue
+    diffs = [abs(a["losses"][s] - b["losses"][s]) for s in steps]
+    out[a["mlp_impl"]] = {
+        "steps": len(steps), "step0_abs_loss_diff": diffs[0], "max_abs_loss_diff": max(diffs),
+        "median_abs_loss_diff": statistics.median(diffs),
+        **{f"{k}_{n}gpu": r[k] for n, r in ((4, a), (1, b)) for k in ("tokens_per_s", "after_forward_MiB", "peak_MiB")},
+    }
+    print(a["mlp_impl"], out[a["mlp_impl"]])
+write_json_atomic(root / "lightning_4gpu_vs_1gpu_h200.json", out)
+PY
+      ;;
     inference)  # one run per model, so a stage cut short keeps the models it finished; merge
       # with `swiglu-train bench-inference --merge ... --json --md --dispatch-table`
       mkdir -p "$RES/inference"
