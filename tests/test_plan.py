@@ -5,7 +5,15 @@ import math
 
 import pytest
 
-from swiglu_train.memory.plan import NoPlanFits, Profile, choose_plan, search
+from swiglu_train.memory.plan import (
+    NoPlanFits,
+    Profile,
+    accumulation,
+    choose_plan,
+    micro_batches,
+    search,
+    search_micro_batches,
+)
 
 LAYERS = 16
 # Illustrative profiles of a 16-block model, shaped as the H200's will be (not measured there
@@ -122,3 +130,82 @@ def test_an_impl_that_fits_nowhere_is_named_in_the_why():
     plan = choose_plan(probes, 60_000, LAYERS)
     assert plan.impl == "drop_h_quack"
     assert plan.why.endswith("normal does not fit with every block checkpointed (out of memory)")
+
+
+GLOBAL = 16  # sequences per optimizer step: micro-batches 16, 8, 4, 2, 1
+
+
+def at_micro(impl: str, n: int, m: int) -> Profile:
+    """``recorded`` at micro-batch m (recorded is micro-batch 4): activations scale with m;
+    tokens/s saturates, m / (m + 1) of the impl's rate."""
+    peak = STATE + ((LAYERS - n) * BLOCK_MiB[impl] + n * KEPT) * m / 4
+    rate = RATE[impl] * m / (m + 1) / (1 + n / (3 * LAYERS))
+    return Profile(impl, n, peak, rate, peak - STATE, m)
+
+
+MICRO_SWEEP = [at_micro(i, n, m) for i in BLOCK_MiB for n in range(LAYERS + 1)
+               for m in micro_batches(GLOBAL)]  # fmt: skip
+
+
+def test_micro_batches_are_the_global_batchs_divisors_and_bad_ones_are_refused():
+    assert micro_batches(12) == [12, 6, 4, 3, 2, 1] and micro_batches(1) == [1]
+    assert accumulation(12, 4) == 3
+    with pytest.raises(ValueError, match=r"needs a global batch to divide: set "
+                       r"train.global_batch_size \(--global-batch-size\)"):  # fmt: skip
+        micro_batches(None)
+    with pytest.raises(ValueError, match="must be a whole number of sequences, at least 1; got 0"):
+        micro_batches(0)
+    with pytest.raises(ValueError, match="global batch 12 is not divisible by the micro-batch 5"):
+        accumulation(12, 5)
+
+
+def test_the_micro_batch_search_finds_the_sweeps_best_with_fewer_probes():
+    """At every budget from too small to ample: the plan from the pruned search is within the
+    tie of the best configuration of the whole (impl, blocks, micro-batch) sweep, and costs far
+    fewer points than the sweep."""
+    peaks = sorted({p.peak_MiB for p in MICRO_SWEEP})
+    for budget in [peaks[0] - 1, *peaks[:: len(peaks) // 40], peaks[-1] + 1]:
+        probes = search_micro_batches(BLOCK_MiB, LAYERS, budget, micro_batches(GLOBAL), at_micro)
+        for impl in BLOCK_MiB:
+            for m in micro_batches(GLOBAL):
+                mine = [p for p in probes if (p.impl, p.micro_batch_size) == (impl, m)]
+                assert len(mine) <= 2 + math.ceil(math.log2(LAYERS))
+        assert len(probes) <= len(MICRO_SWEEP) // 3
+        assert len(set(probes)) == len(probes)  # no point measured twice
+        if budget < peaks[0]:
+            with pytest.raises(NoPlanFits) as e:
+                choose_plan(probes, budget, LAYERS)
+            assert e.value.smallest.micro_batch_size == 1  # it went down to the smallest
+            assert "or lower the sequence length" in str(e.value)
+            assert "micro-batch size" not in str(e.value)
+            continue
+        plan, best = choose_plan(probes, budget, LAYERS), choose_plan(MICRO_SWEEP, budget, LAYERS)
+        assert plan.peak_MiB <= budget and GLOBAL % plan.micro_batch_size == 0
+        assert plan.tokens_per_s >= best.tokens_per_s * 0.99
+
+
+def test_the_micro_batch_plan_trades_blocks_for_micro_batch_and_says_so():
+    # 60,000 MiB: the fastest that fits, over every (impl, blocks, micro-batch) of the sweep
+    probes = search_micro_batches(BLOCK_MiB, LAYERS, 60_000, micro_batches(GLOBAL), at_micro)
+    plan = choose_plan(probes, 60_000, LAYERS)
+    best = max((p for p in MICRO_SWEEP if p.fits(60_000)), key=lambda p: p.tokens_per_s)
+    assert (plan.impl, plan.micro_batch_size, plan.checkpoint_layers) == (
+        best.impl, best.micro_batch_size, best.checkpoint_layers)  # fmt: skip
+    assert plan.to_dict()["micro_batch_size"] == best.micro_batch_size
+    assert plan.why.startswith(
+        f"{best.impl} at micro-batch {best.micro_batch_size} with {best.checkpoint_layers} of "
+        "16 blocks checkpointed: "
+    )
+    # an impl stops descending at the first micro-batch it fits unchecked
+    for impl in BLOCK_MiB:
+        unchecked = [p.micro_batch_size for p in probes if p.impl == impl and p.fits(60_000)
+                     and p.checkpoint_layers == 0]  # fmt: skip
+        assert len(unchecked) == 1
+        assert min(p.micro_batch_size for p in probes if p.impl == impl) == unchecked[0]
+
+
+def test_a_micro_batch_measurer_that_answers_for_another_is_refused():
+    with pytest.raises(ValueError, match=r"measure\('normal', 0, 4\) returned a profile of "
+                       r"micro-batch 2"):  # fmt: skip
+        search_micro_batches(["normal"], LAYERS, 1e9, [4],
+                             lambda i, n, m: at_micro(i, n, 2))  # fmt: skip

@@ -153,7 +153,18 @@ def pretrain(
         typer.Option(help="text files or globs, .jsonl, or a Megatron .bin/.idx prefix"),
     ] = None,
     max_steps: Annotated[int | None, typer.Option()] = None,
-    micro_batch_size: Annotated[int | None, typer.Option()] = None,
+    micro_batch_size: Annotated[
+        str | None,
+        typer.Option(
+            metavar="N|auto",
+            help="sequences per step; auto: the planner picks it among the divisors of "
+            "--global-batch-size (needs --activation-checkpointing auto)",
+        ),
+    ] = None,
+    global_batch_size: Annotated[
+        int | None,
+        typer.Option(help="sequences per optimizer step, for --micro-batch-size auto"),
+    ] = None,
     devices: Annotated[str | None, typer.Option(help="e.g. 1, 2 or auto")] = None,
     strategy: Annotated[str | None, typer.Option(help="auto, ddp or fsdp")] = None,
     precision: Annotated[str | None, typer.Option(help="auto, bf16-mixed, 32-true")] = None,
@@ -178,6 +189,11 @@ def pretrain(
     from swiglu_train.integrations.lightning.pretrain import run_pretrain
     from swiglu_train.memory.profiler import NOT_MEASURED
 
+    auto_micro = micro_batch_size == "auto"
+    if micro_batch_size is not None and not auto_micro and not micro_batch_size.isdigit():
+        raise typer.BadParameter(f"must be a whole number or auto, got {micro_batch_size!r}",
+                                 param_hint="--micro-batch-size")  # fmt: skip
+    micro = int(micro_batch_size) if micro_batch_size is not None and not auto_micro else None
     cfg = load_config(config)
     if model is not None:  # first: its sizes replace the config's; --mlp-* then apply to it
         cfg.model = dataclasses.replace(cfg.model, source=model)
@@ -190,7 +206,9 @@ def pretrain(
         (cfg.train, "memory_budget_gb", memory_budget_gb),
         (cfg.train, "plan_impls", plan_impls.split(",") if plan_impls is not None else None),
         (cfg.data, "data", data),
-        (cfg.data, "micro_batch_size", micro_batch_size),
+        (cfg.data, "micro_batch_size", micro),
+        (cfg.train, "auto_micro_batch_size", auto_micro or None),
+        (cfg.train, "global_batch_size", global_batch_size),
         (cfg.train, "max_steps", max_steps),
         (cfg.train, "devices", int(devices) if devices and devices.isdigit() else devices),
         (cfg.train, "strategy", strategy),

@@ -9,6 +9,11 @@ here is only what to do with the measurements, so it can be tested against recor
   The peak never grows as more blocks are checkpointed, so it bisects on that count, and
   measures each point through a callback. It takes the fewest blocks as the fastest: each
   checkpointed block only adds its forward again.
+- :func:`search_micro_batches` does the same at each micro-batch that divides a global batch,
+  largest first, for ``--micro-batch-size auto``. The peak never shrinks as the micro-batch
+  grows, so the fewest blocks that fit at one micro-batch bound the bisection at the next,
+  smaller one; an impl's descent stops at the first micro-batch it fits unchecked (a smaller
+  one would run the same step on less work at a time).
 - :func:`choose_plan` takes the fastest profile that fits; among those within ``tie`` of its
   tokens/s, the one with the smallest peak (headroom costs nothing there).
 """
@@ -31,6 +36,7 @@ class Profile:
     peak_MiB: float | None  # None: the step ran out of memory
     tokens_per_s: float | None = None  # None: not timed
     after_forward_MiB: float | None = None
+    micro_batch_size: int | None = None  # None: the run's own (not planned)
 
     def fits(self, budget_MiB: float) -> bool:
         return self.peak_MiB is not None and self.peak_MiB <= budget_MiB
@@ -46,6 +52,7 @@ class Plan:
     budget_MiB: float
     why: str
     best_per_impl: tuple[Profile, ...]  # each impl's fastest profile that fits
+    micro_batch_size: int | None = None  # planned (--micro-batch-size auto); None: the run's
 
     def to_dict(self) -> dict:
         return asdict(self) | {"best_per_impl": [asdict(p) for p in self.best_per_impl]}
@@ -61,6 +68,28 @@ class NoPlanFits(ValueError):
 
 
 Measure = Callable[[str, int], Profile]
+MeasureAt = Callable[[str, int, int], Profile]  # (impl, checkpointed blocks, micro-batch)
+
+
+def micro_batches(global_batch_size: int | None) -> list[int]:
+    """The micro-batches ``--micro-batch-size auto`` tries: the divisors of the global batch
+    (so that accumulation = global / micro is whole), largest first."""
+    if global_batch_size is None:
+        raise ValueError("--micro-batch-size auto needs a global batch to divide: set "
+                         "train.global_batch_size (--global-batch-size), in sequences per "
+                         "optimizer step")  # fmt: skip
+    if isinstance(global_batch_size, bool) or not global_batch_size >= 1:
+        raise ValueError(f"train.global_batch_size (--global-batch-size) must be a whole number "
+                         f"of sequences, at least 1; got {global_batch_size!r}")  # fmt: skip
+    return [m for m in range(global_batch_size, 0, -1) if global_batch_size % m == 0]
+
+
+def accumulation(global_batch_size: int, micro_batch_size: int) -> int:
+    """Micro-batches per optimizer step; a micro-batch that does not divide is refused."""
+    if global_batch_size % micro_batch_size:
+        raise ValueError(f"the global batch {global_batch_size} is not divisible by the "
+                         f"micro-batch {micro_batch_size}: accumulation must be whole")  # fmt: skip
+    return global_batch_size // micro_batch_size
 
 
 def search(
@@ -72,23 +101,76 @@ def search(
     if num_layers < 1:
         raise ValueError(f"num_layers must be at least 1, got {num_layers}")
     profiles: list[Profile] = []
-
-    def probe(impl: str, n: int) -> bool:
-        profile = measure(impl, n)
-        if (profile.impl, profile.checkpoint_layers) != (impl, n):
-            raise ValueError(f"measure({impl!r}, {n}) returned a profile of {profile.impl!r}, "
-                             f"{profile.checkpoint_layers}")  # fmt: skip
-        profiles.append(profile)
-        return profile.fits(budget_MiB)
-
     for impl in impls:
-        if probe(impl, 0) or not probe(impl, num_layers):
-            continue
-        low, high = 0, num_layers  # low does not fit, high does
-        while high - low > 1:
-            mid = (low + high) // 2
-            low, high = (low, mid) if probe(impl, mid) else (mid, high)
+        _fewest(lambda n, impl=impl: _probe(measure, profiles, budget_MiB, impl, n), num_layers)
     return profiles
+
+
+def search_micro_batches(
+    impls: Iterable[str],
+    num_layers: int,
+    budget_MiB: float,
+    micro_batch_sizes: Iterable[int],
+    measure: MeasureAt,
+) -> list[Profile]:
+    """:func:`search` at each micro-batch, largest first, pruned by the monotone peak: an
+    impl's fewest fitting blocks at one micro-batch is the bisection's upper end at the next
+    (it fits there too), and its descent stops at the first micro-batch it fits unchecked."""
+    if num_layers < 1:
+        raise ValueError(f"num_layers must be at least 1, got {num_layers}")
+    sizes = sorted(set(micro_batch_sizes), reverse=True)
+    if not sizes or sizes[-1] < 1:
+        raise ValueError(f"micro-batch sizes must be at least 1, got {sizes}")
+    profiles: list[Profile] = []
+    for impl in impls:
+        upper = None  # the fewest blocks that fit at the previous, larger micro-batch
+        for m in sizes:
+
+            def probe(n: int, impl: str = impl, m: int = m) -> bool:
+                at = lambda i, k: measure(i, k, m)  # noqa: E731
+                fits = _probe(at, profiles, budget_MiB, impl, n)
+                if profiles[-1].micro_batch_size != m:
+                    raise ValueError(f"measure({impl!r}, {n}, {m}) returned a profile of "
+                                     f"micro-batch {profiles[-1].micro_batch_size}")  # fmt: skip
+                return fits
+
+            upper = _fewest(probe, num_layers, upper)
+            if upper == 0:
+                break
+    return profiles
+
+
+def _probe(measure: Measure, profiles: list[Profile], budget_MiB: float, impl: str, n: int):
+    profile = measure(impl, n)
+    if (profile.impl, profile.checkpoint_layers) != (impl, n):
+        raise ValueError(f"measure({impl!r}, {n}) returned a profile of {profile.impl!r}, "
+                         f"{profile.checkpoint_layers}")  # fmt: skip
+    profiles.append(profile)
+    return profile.fits(budget_MiB)
+
+
+def _fewest(probe: Callable[[int], bool], num_layers: int, upper: int | None = None):
+    """The fewest checkpointed blocks that fit, or None: none first, then bisection up to
+    ``upper`` (known to fit, measured last if it is the answer) or ``num_layers`` (measured
+    second: if even that does not fit, None)."""
+    if probe(0):
+        return 0
+    if upper is None:
+        if not probe(num_layers):
+            return None
+        upper, measured = num_layers, True
+    else:
+        measured = False
+    low, high = 0, upper  # low does not fit, high does
+    while high - low > 1:
+        mid = (low + high) // 2
+        if probe(mid):
+            high, measured = mid, True
+        else:
+            low = mid
+    if not measured:  # the bound from a larger micro-batch: timed here, and checked
+        return high if probe(high) else None
+    return high
 
 
 def choose_plan(
@@ -122,11 +204,16 @@ def choose_plan(
         budget_MiB=budget_MiB,
         why=_why(chosen, best, per_impl, profiles, budget_MiB, num_layers, tie),
         best_per_impl=tuple(per_impl.values()),
+        micro_batch_size=chosen.micro_batch_size,
     )
 
 
 def _config(p: Profile, num_layers: int) -> str:
-    return f"{p.impl} with {p.checkpoint_layers} of {num_layers} blocks checkpointed"
+    return f"{p.impl}{_at(p)} with {p.checkpoint_layers} of {num_layers} blocks checkpointed"
+
+
+def _at(p: Profile) -> str:
+    return "" if p.micro_batch_size is None else f" at micro-batch {p.micro_batch_size}"
 
 
 def _why(chosen, best, per_impl, profiles, budget_MiB, num_layers, tie) -> str:
@@ -145,7 +232,7 @@ def _why(chosen, best, per_impl, profiles, budget_MiB, num_layers, tie) -> str:
         parts.append(
             "each other impl's best that fits: "
             + "; ".join(
-                f"{p.impl} with {p.checkpoint_layers} blocks checkpointed, "
+                f"{p.impl}{_at(p)} with {p.checkpoint_layers} blocks checkpointed, "
                 f"{p.tokens_per_s / chosen.tokens_per_s:.3f}x the tokens/s at "
                 f"{p.peak_MiB:,.0f} MiB"
                 for p in others
@@ -156,6 +243,7 @@ def _why(chosen, best, per_impl, profiles, budget_MiB, num_layers, tie) -> str:
         smallest = _smallest([p for p in profiles if p.impl == impl])
         parts.append(
             f"{impl} does not fit with every block checkpointed"
+            + (" at any micro-batch" if smallest and smallest.micro_batch_size else "")
             + (f" (peak {smallest.peak_MiB:,.0f} MiB)" if smallest else " (out of memory)")
         )
     return "; ".join(parts)
@@ -179,10 +267,10 @@ def _no_fit(profiles: list[Profile], budget_MiB: float, num_layers: int) -> NoPl
             None,
         )
     need_gib = math.ceil(smallest.peak_MiB / 1024 * 100) / 100
+    lower = "the micro-batch size or " if smallest.micro_batch_size is None else ""
     return NoPlanFits(
         f"nothing fits the memory budget of {budget_MiB:,.0f} MiB: the smallest peak measured "
         f"is {smallest.peak_MiB:,.0f} MiB ({_config(smallest, num_layers)}); raise the budget "
-        f"to at least {need_gib} GiB (--memory-budget-gb), or lower the micro-batch size or "
-        "the sequence length",
+        f"to at least {need_gib} GiB (--memory-budget-gb), or lower {lower}the sequence length",
         smallest,
     )

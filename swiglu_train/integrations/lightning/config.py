@@ -40,6 +40,10 @@ class TrainConfig:
     activation_checkpointing: str = "manual"
     memory_budget_gb: float | None = None  # GiB; None: the GPU's memory less 5 %
     plan_impls: list[str] | None = None  # what the planner tries; None: every impl that runs
+    # with activation_checkpointing "auto": also pick data.micro_batch_size among the divisors
+    # of global_batch_size (sequences per optimizer step), accumulating the rest
+    auto_micro_batch_size: bool = False
+    global_batch_size: int | None = None
 
 
 @dataclass

@@ -30,7 +30,15 @@ from lightning.fabric import Fabric
 from swiglu_train.integrations.lightning.config import PretrainConfig
 from swiglu_train.integrations.lightning.module import PretrainModule
 from swiglu_train.layers.registry import PORTABLE_IMPLS, QUACK_IMPLS, check_saved_fp8
-from swiglu_train.memory.plan import Measure, Plan, Profile, choose_plan, search
+from swiglu_train.memory.plan import (
+    Plan,
+    Profile,
+    accumulation,
+    choose_plan,
+    micro_batches,
+    search,
+    search_micro_batches,
+)
 from swiglu_train.memory.profiler import MemoryProfiler, MiB
 from swiglu_train.memory.saved import storages
 
@@ -56,6 +64,19 @@ class Steps:
 def check_plan_settings(cfg: PretrainConfig, resuming: bool = False) -> None:
     """train.activation_checkpointing, memory_budget_gb and plan_impls, before any work."""
     t = cfg.train
+    if t.global_batch_size is not None and not t.auto_micro_batch_size:
+        raise ValueError("train.global_batch_size (--global-batch-size) is for "
+                         "--micro-batch-size auto; with a fixed micro-batch set "
+                         "train.accumulate_grad_batches")  # fmt: skip
+    if t.auto_micro_batch_size:
+        if t.activation_checkpointing != "auto":
+            raise ValueError("--micro-batch-size auto is the planner's: it needs "
+                             "--activation-checkpointing auto")  # fmt: skip
+        micro_batches(t.global_batch_size)  # missing or not a whole count: named now
+        if t.accumulate_grad_batches != 1:
+            raise ValueError(f"--micro-batch-size auto sets train.accumulate_grad_batches to "
+                             f"the global batch over the micro-batch it picks; leave it 1, not "
+                             f"{t.accumulate_grad_batches}")  # fmt: skip
     if t.activation_checkpointing not in MODES:
         raise ValueError(f"train.activation_checkpointing (--activation-checkpointing) must be "
                          f"one of {MODES}, got {t.activation_checkpointing!r}")  # fmt: skip
@@ -127,21 +148,24 @@ def default_budget_MiB(device: torch.device, budget_gb: float | None) -> float:
 
 def measurer(
     cfg: PretrainConfig, steps: Steps = Steps(), log: Callable[[str], None] | None = None
-) -> Measure:
-    """A ``measure(candidate, n)`` over the run's model: one model and optimizer per
-    candidate, built on the device when first asked for and kept while the next points
-    measure the same candidate (only ``checkpoint_layers`` changes between them)."""
+) -> Callable[..., Profile]:
+    """A ``measure(candidate, n, micro_batch_size=None)`` over the run's model, at the run's
+    micro-batch unless given (a given one is recorded in the profile): one model and optimizer
+    per candidate, built on the device when first asked for and kept while the next points
+    measure the same candidate (only ``checkpoint_layers`` and the micro-batch change)."""
     fabric = Fabric(accelerator="auto", devices=1, precision=_precision(cfg.train.precision))
     held: dict[str, tuple] = {}
 
-    def measure(name: str, n: int) -> Profile:
+    def measure(name: str, n: int, micro_batch_size: int | None = None) -> Profile:
         if name not in held:
             held.clear()  # the previous candidate's model and optimizer go first
             _free(fabric.device)
             held[name] = _build(fabric, cfg, name)
         module, optimizer = held[name]
         module.model.checkpoint_layers = n
-        profile = _run_steps(fabric, cfg, module, optimizer, name, n, steps)
+        micro = micro_batch_size or cfg.data.micro_batch_size
+        profile = _run_steps(fabric, cfg, module, optimizer, name, n, micro, steps)
+        profile = replace(profile, micro_batch_size=micro_batch_size)
         if log is not None:
             log(describe(profile, cfg.model.num_layers))
         return profile
@@ -153,21 +177,27 @@ def describe(p: Profile, num_layers: int) -> str:
     peak = "out of memory" if p.peak_MiB is None else f"peak {p.peak_MiB:,.0f} MiB"
     rate = "" if p.tokens_per_s is None else f", {p.tokens_per_s:,.0f} tokens/s"
     blocks = f"{p.checkpoint_layers} of {num_layers} blocks checkpointed"
-    return f"planner: {p.impl}, {blocks}: {peak}{rate}"
+    micro = "" if p.micro_batch_size is None else f"micro-batch {p.micro_batch_size}, "
+    return f"planner: {p.impl}, {micro}{blocks}: {peak}{rate}"
 
 
 def plan_run(
     cfg: PretrainConfig, steps: Steps = Steps(), log: Callable[[str], None] | None = None
 ) -> dict:
-    """Measure, choose, and set the chosen impl and checkpointed blocks on ``cfg.model``.
-    Returns the plan's record (for the summary and the W&B config); raises
+    """Measure, choose, and set the chosen impl and checkpointed blocks on ``cfg.model``
+    (with train.auto_micro_batch_size, the micro-batch and accumulation too). Returns the
+    plan's record (for the summary and the W&B config); raises
     ``swiglu_train.memory.plan.NoPlanFits`` when nothing fits the budget."""
     device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
     budget = default_budget_MiB(device, cfg.train.memory_budget_gb)
     num_layers = cfg.model.num_layers
     measure = measurer(cfg, steps, log)
     try:
-        profiles = search(candidates(cfg), num_layers, budget, measure)
+        if cfg.train.auto_micro_batch_size:
+            sizes = micro_batches(cfg.train.global_batch_size)
+            profiles = search_micro_batches(candidates(cfg), num_layers, budget, sizes, measure)
+        else:
+            profiles = search(candidates(cfg), num_layers, budget, measure)
     finally:
         _free(device)
     plan = choose_plan(profiles, budget, num_layers)
@@ -181,6 +211,11 @@ def apply_plan(cfg: PretrainConfig, plan: Plan) -> None:
     cfg.model.checkpoint_layers = plan.checkpoint_layers
     if impl != "save_factors":  # a chunk is save_factors' alone (check_mlp_chunk)
         cfg.model.mlp_chunk = None
+    if plan.micro_batch_size is not None:
+        cfg.data.micro_batch_size = plan.micro_batch_size
+        cfg.train.accumulate_grad_batches = accumulation(
+            cfg.train.global_batch_size, plan.micro_batch_size
+        )
 
 
 def record(
@@ -190,6 +225,8 @@ def record(
         "memory": ALLOCATOR if device.type == "cuda" else ESTIMATE,
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "micro_batch_size": cfg.data.micro_batch_size,
+        "accumulate_grad_batches": cfg.train.accumulate_grad_batches,
+        "global_batch_size": cfg.train.global_batch_size,  # None: the micro-batch was not planned
         "seq_length": cfg.data.seq_length,
         "precision": _precision(cfg.train.precision),
         "steps": asdict(steps),
@@ -214,11 +251,12 @@ def _build(fabric: Fabric, cfg: PretrainConfig, name: str):
     return module, optimizer
 
 
-def _run_steps(fabric, cfg, module, optimizer, name: str, n: int, steps: Steps) -> Profile:
-    """``steps`` whole training steps; the measured ones' median time and largest peak."""
+def _run_steps(fabric, cfg, module, optimizer, name: str, n: int, micro: int, steps: Steps):
+    """``steps`` whole training steps of ``micro`` sequences; the measured ones' median time
+    and largest peak."""
     device = fabric.device
-    rows = torch.randint(0, cfg.model.vocab_size, (cfg.data.micro_batch_size,
-                         cfg.data.seq_length + 1), device=device)  # fmt: skip
+    rows = torch.randint(0, cfg.model.vocab_size, (micro, cfg.data.seq_length + 1),
+                         device=device)  # fmt: skip
     profiler = MemoryProfiler(module, per_layer=False)
     seconds, peaks, after = [], [], []
     loss, out_of_memory = None, False
@@ -248,14 +286,15 @@ def _run_steps(fabric, cfg, module, optimizer, name: str, n: int, steps: Steps) 
         loss = None
         optimizer.zero_grad(set_to_none=True)
         _free(device)
-        return Profile(name, n, None)
-    tokens = cfg.data.micro_batch_size * cfg.data.seq_length
+        return Profile(name, n, None, micro_batch_size=micro)
+    tokens = micro * cfg.data.seq_length
     return Profile(
         name,
         n,
         max(peaks[steps.warmup :]),
         tokens / statistics.median(seconds[steps.warmup :]),
         max(after[steps.warmup :]),
+        micro,
     )
 
 
