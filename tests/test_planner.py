@@ -13,7 +13,7 @@ from typer.testing import CliRunner
 from swiglu_train.cli import app
 from swiglu_train.integrations.lightning.config import load_config
 from swiglu_train.integrations.lightning.planner import ESTIMATE, Steps, measurer
-from swiglu_train.memory.plan import NoPlanFits
+from swiglu_train.memory.plan import NoPlanFits, Profile, choose_plan
 from swiglu_train.memory.runs import load_runs
 from swiglu_train.ops import use_backend
 from swiglu_train.ops.quack_mlp import quack_available
@@ -86,6 +86,58 @@ def test_auto_checkpoints_what_the_budget_needs_and_records_the_plan(small, tmp_
     assert run.config["model"]["checkpoint_layers"] == plan["checkpoint_layers"]
 
 
+def test_auto_micro_batch_picks_a_divisor_of_the_global_batch_and_accumulates(small, tmp_path):
+    # Global batch 4: micro-batches 4, 2, 1. A budget below drop_h's unchecked peak at 4 and
+    # above it at 2 rules the unchecked micro-batch 4 out and the unchecked 2 in.
+    measure = measurer(load_config(str(small)), Steps(warmup=0, measured=1))
+    at4, at2 = (measure("drop_h", 0, m).peak_MiB for m in (4, 2))
+    assert at2 < at4
+    budget_MiB = (at2 + at4) / 2
+    result, summary = pretrain(
+        small, tmp_path, "--activation-checkpointing", "auto", "--plan-impls", "drop_h",
+        "--memory-budget-gb", str(budget_MiB / 1024), "--micro-batch-size", "auto",
+        "--global-batch-size", "4", "--max-steps", "1",
+    )  # fmt: skip
+    assert result.exit_code == 0, result.output
+    plan = summary["plan"]
+    micro = plan["micro_batch_size"]
+    assert micro in (4, 2) and plan["peak_MiB"] <= budget_MiB
+    assert plan["global_batch_size"] == 4 and plan["accumulate_grad_batches"] == 4 // micro
+    points = {(p["micro_batch_size"], p["checkpoint_layers"]): p for p in plan["profiles"]}
+    assert points[4, 0]["peak_MiB"] > budget_MiB  # tried largest first, unchecked, no fit
+    assert (1, 0) not in points  # the descent stopped where it fit unchecked (2)
+    assert points[2, 0]["peak_MiB"] <= budget_MiB
+    # the pick is the fastest that fits of what was measured (the pure rule, on the record)
+    again = choose_plan([Profile(**p) for p in plan["profiles"]], budget_MiB, 2)
+    assert (again.micro_batch_size, again.checkpoint_layers) == (micro, plan["checkpoint_layers"])
+    # the run is the plan: its micro-batch and accumulation, in the summary and W&B config
+    assert summary["micro_batch_size"] == micro
+    assert summary["accumulate_grad_batches"] == 4 // micro
+    assert summary["checkpoint_layers"] == plan["checkpoint_layers"] and summary["steps"] == 1
+    [run] = load_runs([next((tmp_path / "run" / "wandb").glob("offline-run-*"))])
+    assert run.config["data"]["micro_batch_size"] == micro
+    assert run.config["train"]["accumulate_grad_batches"] == 4 // micro
+    assert run.config["plan"]["micro_batch_size"] == micro
+
+
+def test_auto_micro_batch_from_the_yaml_and_its_refusals(small, tmp_path):
+    yaml = tmp_path / "auto.yaml"
+    train = (
+        "train: {max_steps: 1, activation_checkpointing: auto, memory_budget_gb: 1, "
+        "auto_micro_batch_size: true, global_batch_size: 6, accumulate_grad_batches: 2}"
+    )
+    yaml.write_text(SMALL.replace("train: {max_steps: 2, checkpoint_every: 2}", train))
+    cfg = load_config(str(yaml))
+    assert cfg.train.auto_micro_batch_size and cfg.train.global_batch_size == 6
+    result, summary = pretrain(yaml, tmp_path)
+    assert isinstance(result.exception, ValueError) and summary is None
+    assert "sets train.accumulate_grad_batches" in str(result.exception)
+    assert "leave it 1, not 2" in str(result.exception)
+    result, _ = pretrain(small, tmp_path, "--micro-batch-size", "two")
+    assert result.exit_code != 0 and "must be a whole number or auto, got 'two'" in result.output
+    assert not (tmp_path / "run").exists()
+
+
 def test_a_budget_nothing_fits_is_refused_naming_the_smallest_peak(small, tmp_path):
     result, summary = pretrain(
         small, tmp_path, "--activation-checkpointing", "auto", "--mlp-impl", "drop_h",
@@ -134,6 +186,14 @@ def test_manual_checkpoint_layers_from_the_flag_and_the_yaml(small, tmp_path):
           "normal+fp8"], r"saved_fp8=True is for impl 'drop_h' only, not 'normal'"),
         (["--activation-checkpointing", "auto", "--memory-budget-gb", "1", "--resume", "last"],
          r"a resume keeps its run's plan"),
+        (["--activation-checkpointing", "auto", "--memory-budget-gb", "1", "--micro-batch-size",
+          "auto"], r"needs a global batch to divide: set train.global_batch_size"),
+        (["--activation-checkpointing", "auto", "--memory-budget-gb", "1", "--micro-batch-size",
+          "auto", "--global-batch-size", "0"], r"at least 1; got 0"),
+        (["--micro-batch-size", "auto", "--global-batch-size", "4"],
+         r"--micro-batch-size auto is the planner's: it needs --activation-checkpointing auto"),
+        (["--global-batch-size", "4"], r"is for --micro-batch-size auto; with a fixed "
+         r"micro-batch set train.accumulate_grad_batches"),
     ],
 )  # fmt: skip
 def test_bad_settings_are_refused_before_any_work(small, tmp_path, args, message):

@@ -186,6 +186,8 @@ def run_pretrain(
         "memory_csv": str(memory.csv.path) if memory.csv else None,
         "output_dir": str(out),
         "checkpoint_layers": cfg.model.checkpoint_layers,
+        "micro_batch_size": cfg.data.micro_batch_size,  # as ran: the plan's with auto
+        "accumulate_grad_batches": cfg.train.accumulate_grad_batches,
         "plan": plan,
     }
 
