@@ -147,6 +147,7 @@ def megatron_parallel(
         )
         shim_cuda_only_calls()
         yield
+        torch.distributed.barrier()  # no rank tears gloo down while another is in a collective
     finally:
         parallel_state.destroy_model_parallel()
         torch.distributed.destroy_process_group()

@@ -181,6 +181,9 @@ def _world4_worker(rank: int, rendezvous: str) -> None:
         with use_backend("torch"):
             _impl_parity(rank)
             _switch_keeps_optimizer_state(rank)
+        # No rank tears gloo down while another is still in a collective: a rank that did
+        # aborted in gloo's destructor ("terminate called without an active exception").
+        torch.distributed.barrier()
     finally:
         torch.distributed.destroy_process_group()
 
