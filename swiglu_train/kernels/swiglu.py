@@ -16,12 +16,12 @@ import triton.language as tl
 from swiglu_train.kernels.runtime import INTERPRET, SUPPORTED_DTYPES
 
 # The tile is a bandwidth rule, not an autotuner's pick. These kernels are memory-bound; what
-# sets their speed is the bytes each thread keeps in flight. Measured on the H200 over six
-# [M, F] training shapes and 23 tiles (benchmarks/results/activation_bandwidth_h200.json), the
-# best tile per shape varied, but 1024-element programs of 4 warps for the forward (one 16-byte
-# bf16 vector per operand per thread) and 4096-element programs of 8 warps for the backward
-# kernels (two) came within 1.5 % of the best at every shape, where Triton's autotuner, timing
-# each candidate once, lost up to 35 %.
+# sets their speed is the bytes each thread keeps in flight. 1024-element programs of 4 warps
+# for the forward (one 16-byte bf16 vector per operand per thread) and 4096-element programs
+# of 8 warps for the backward kernels (two) came within 2.2 % of the best of 15 tiles at each of
+# six [M, F] training shapes on the H200 (benchmarks/results/activation_bandwidth_h200.json),
+# where Triton's autotuner, timing each candidate once, lost up to 35 %
+# (activation_bandwidth_autotuned_h200.json).
 FWD_TILE = (1024, 4)  # (elements per program, warps)
 BWD_TILE = (4096, 8)
 INTERPRET_TILE = (16, 32)  # (BLOCK_M, BLOCK_N): small, so CPU tests cross tile edges
