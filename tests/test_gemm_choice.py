@@ -18,9 +18,9 @@ H200 = "NVIDIA H200"
 @pytest.fixture(autouse=True)
 def cache_dir(tmp_path, monkeypatch):
     monkeypatch.setenv("SWIGLU_TRAIN_CACHE_DIR", str(tmp_path))
-    gemm_choice._choices.cache_clear()
+    gemm_choice.forget()
     yield tmp_path
-    gemm_choice._choices.cache_clear()
+    gemm_choice.forget()
 
 
 def test_without_a_cache_every_gemm_keeps_its_default():

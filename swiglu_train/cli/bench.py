@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import json
 import math
+from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated
 
@@ -44,6 +45,42 @@ def check_results_path(json_path: Path | None, siblings: tuple[str, ...]) -> Non
         )
     for path in (json_path, *(json_path.with_suffix(suffix) for suffix in siblings)):
         check_output(path, "'--json'")
+
+
+def write_results(
+    result: dict,
+    markdown: str,
+    json_path: Path | None,
+    md_path: Path | None,
+    plot_path: Path | None,
+    plot: Callable[[dict], object],
+) -> None:
+    """Print the tables, then write each output asked for, atomically, naming it. ``plot``
+    imports matplotlib (the plot extra) only when a plot is asked for."""
+    console.print(Markdown(markdown))
+    if json_path is not None:
+        write_json_atomic(json_path, result)
+        console.print(f"wrote {escape(str(json_path))}")
+    if md_path is not None:
+        with atomic_write(md_path) as f:
+            f.write(markdown)
+        console.print(f"wrote {escape(str(md_path))}")
+    if plot_path is not None:
+        with atomic_write(plot_path, "wb") as f:
+            plot(result).savefig(f, format="png", dpi=110)
+        console.print(f"wrote {escape(str(plot_path))}")
+
+
+def _inference_figure(result: dict) -> object:
+    from swiglu_train.bench.inference_plot import plot_inference
+
+    return plot_inference(result)
+
+
+def _grid_figure(result: dict) -> object:
+    from swiglu_train.bench.grid_plot import plot_grid
+
+    return plot_grid(result)
 
 
 @app.command()
@@ -225,21 +262,7 @@ def bench_inference(
             result["dispatch_judged_out_of_sample"] = judge_table(result, table, str(judge_path))
         except (OSError, ValueError, KeyError, TypeError) as e:
             raise typer.BadParameter(f"--judge-table: {e}") from e
-    markdown = to_markdown(result)
-    console.print(Markdown(markdown))
-    if json_path is not None:
-        write_json_atomic(json_path, result)
-        console.print(f"wrote {escape(str(json_path))}")
-    if md_path is not None:
-        with atomic_write(md_path) as f:
-            f.write(markdown)
-        console.print(f"wrote {escape(str(md_path))}")
-    if plot_path is not None:
-        from swiglu_train.bench.inference_plot import plot_inference
-
-        with atomic_write(plot_path, "wb") as f:
-            plot_inference(result).savefig(f, format="png", dpi=110)
-        console.print(f"wrote {escape(str(plot_path))}")
+    write_results(result, to_markdown(result), json_path, md_path, plot_path, _inference_figure)
     if dispatch_path is not None:
         source = "swiglu-train bench-inference" + (f", {json_path.name}" if json_path else "")
         write_json_atomic(dispatch_path, dispatch_table(result, source))
@@ -520,21 +543,7 @@ def bench_grid(
         if samples < 30:
             console.print(f"[yellow]{samples} samples: results are not claimable (need >= 30)")
         result = _run_grid(cfg, json_path)
-    markdown = to_markdown(result)
-    console.print(Markdown(markdown))
-    if json_path is not None:
-        write_json_atomic(json_path, result)
-        console.print(f"wrote {escape(str(json_path))}")
-    if md_path is not None:
-        with atomic_write(md_path) as f:
-            f.write(markdown)
-        console.print(f"wrote {escape(str(md_path))}")
-    if plot_path is not None:
-        from swiglu_train.bench.grid_plot import plot_grid
-
-        with atomic_write(plot_path, "wb") as f:
-            plot_grid(result).savefig(f, format="png", dpi=110)
-        console.print(f"wrote {escape(str(plot_path))}")
+    write_results(result, to_markdown(result), json_path, md_path, plot_path, _grid_figure)
 
 
 def _run_grid(cfg, json_path: Path | None) -> dict:

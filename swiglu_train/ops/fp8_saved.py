@@ -51,7 +51,7 @@ from swiglu_train.kernels.fp8_format import (
 from swiglu_train.ops import reference
 from swiglu_train.ops.activation import triton_enabled
 from swiglu_train.ops.eager import eager_op
-from swiglu_train.ops.mlp import claim_inplace_backward, refuse_double_backward
+from swiglu_train.ops.mlp import claim_inplace_backward, drop_h_grads, refuse_double_backward
 
 try:
     from swiglu_train.kernels import swiglu_fp8 as kernels
@@ -167,7 +167,7 @@ class _DropHFP8(torch.autograd.Function):
             ctx, SECOND_BACKWARD_ERROR_FP8, SECOND_BACKWARD_FREED_ERROR_FP8
         )
         x, fc1_weight, fc2_weight, q, scales = ctx.saved_tensors
-        need_x, need_w1, need_b1, need_w2, need_b2 = ctx.needs_input_grad[:5]
+        need_w2 = ctx.needs_input_grad[3]
         grad_y = grad_y.contiguous()
         h = grad_y @ fc2_weight  # grad_h, then h: the kernel writes h over it
         grad_preact = swiglu_bwd_fp8_(q, scales, h)
@@ -177,11 +177,7 @@ class _DropHFP8(torch.autograd.Function):
         del q, scales
         grad_w2 = grad_y.t() @ h if need_w2 else None
         del h
-        grad_x = grad_preact @ fc1_weight if need_x else None
-        grad_w1 = grad_preact.t() @ x if need_w1 else None
-        grad_b1 = grad_preact.sum(0) if need_b1 and ctx.has_bias[0] else None
-        grad_b2 = grad_y.sum(0) if need_b2 and ctx.has_bias[1] else None
-        return grad_x, grad_w1, grad_b1, grad_w2, grad_b2, None
+        return *drop_h_grads(ctx, x, fc1_weight, grad_preact, grad_y, grad_w2), None
 
 
 def drop_h_fp8_mlp(

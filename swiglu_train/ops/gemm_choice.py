@@ -87,8 +87,20 @@ def backend(gemm: str, a: torch.Tensor, b: torch.Tensor) -> str:
     torch.compile, which traces one graph for every shape)."""
     if torch.compiler.is_compiling():
         return DEFAULTS[gemm]
-    name = torch.cuda.get_device_name(a.device)
-    return choice(gemm, a.shape[0], b.shape[1], a.shape[1], a.dtype, name)
+    return _lookup(gemm, a.shape[0], b.shape[1], a.shape[1], a.dtype, a.device.index)
+
+
+@functools.lru_cache(maxsize=1024)
+def _lookup(gemm: str, m: int, n: int, k: int, dtype: torch.dtype, device: int | None) -> str:
+    """``choice`` memoized per call signature: it runs on every step's GEMMs, where building
+    the key and asking for the device's name each time would add host time."""
+    return choice(gemm, m, n, k, dtype, torch.cuda.get_device_name(device))
+
+
+def forget() -> None:
+    """Read the cache file again on the next lookup (after it was written, or moved)."""
+    _choices.cache_clear()
+    _lookup.cache_clear()
 
 
 def record(entries: dict[str, dict]) -> Path:
@@ -102,5 +114,5 @@ def record(entries: dict[str, dict]) -> Path:
         except (OSError, ValueError, AttributeError):
             current = {}  # a damaged cache is replaced, not merged
     write_json_atomic(path, {"schema": SCHEMA, "choices": current | entries})
-    _choices.cache_clear()
+    forget()
     return path

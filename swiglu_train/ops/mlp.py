@@ -147,7 +147,7 @@ class _DropH(torch.autograd.Function):
         refuse_double_backward()
         inplace = claim_inplace_backward(ctx, SECOND_BACKWARD_ERROR, SECOND_BACKWARD_FREED_ERROR)
         x, fc1_weight, fc2_weight, preact = ctx.saved_tensors
-        need_x, need_w1, need_b1, need_w2, need_b2 = ctx.needs_input_grad[:5]
+        need_w2 = ctx.needs_input_grad[3]
         grad_y = grad_y.contiguous()
         grad_h = grad_y @ fc2_weight
         if inplace:
@@ -158,11 +158,18 @@ class _DropH(torch.autograd.Function):
         del grad_h
         grad_w2 = grad_y.t() @ h if need_w2 else None
         del h  # frees the [M, F] buffer before the two largest GEMM outputs are allocated
-        grad_x = grad_preact @ fc1_weight if need_x else None
-        grad_w1 = grad_preact.t() @ x if need_w1 else None
-        grad_b1 = grad_preact.sum(0) if need_b1 and ctx.has_bias[0] else None
-        grad_b2 = grad_y.sum(0) if need_b2 and ctx.has_bias[1] else None
-        return grad_x, grad_w1, grad_b1, grad_w2, grad_b2, None, None
+        return *drop_h_grads(ctx, x, fc1_weight, grad_preact, grad_y, grad_w2), None, None
+
+
+def drop_h_grads(ctx, x, fc1_weight, grad_preact, grad_y, grad_w2) -> tuple:
+    """(grad_x, grad_W1, grad_b1, grad_W2, grad_b2) as autograd asked for them, from
+    grad_preact on cuBLAS: how every portable drop_h backward ends (``save_drop_h``'s ctx)."""
+    need_x, need_w1, need_b1, _, need_b2 = ctx.needs_input_grad[:5]
+    grad_x = grad_preact @ fc1_weight if need_x else None
+    grad_w1 = grad_preact.t() @ x if need_w1 else None
+    grad_b1 = grad_preact.sum(0) if need_b1 and ctx.has_bias[0] else None
+    grad_b2 = grad_y.sum(0) if need_b2 and ctx.has_bias[1] else None
+    return grad_x, grad_w1, grad_b1, grad_w2, grad_b2
 
 
 def drop_h_mlp(
