@@ -1,0 +1,187 @@
+"""``swiglu-train bench-grid``: every impl and peer at the MLP shapes of public models, in
+chunks that merge, with impl="auto" judged there (logic in ``bench/grid.py``)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from swiglu_train.cli.app import (
+    app,
+    check_output,
+    console,
+    invocation,
+    progress_bars,
+    require_device,
+)
+from swiglu_train.cli.bench import write_results
+from swiglu_train.files import write_json_atomic
+
+
+def _grid_figure(result: dict) -> object:
+    from swiglu_train.bench.grid_plot import plot_grid
+
+    return plot_grid(result)
+
+
+@app.command("bench-grid")
+def bench_grid(
+    models: Annotated[
+        str | None,
+        typer.Option(help="listed models, comma-separated (default: all; see --list-models)"),
+    ] = None,
+    shapes: Annotated[
+        str | None, typer.Option(help="(D, F) pairs as DxF, comma-separated, instead of --models")
+    ] = None,
+    m: Annotated[str, typer.Option("--m", help="token counts M, comma-separated")] = (
+        "4096,8000,16384"
+    ),
+    variants: Annotated[str | None, typer.Option(help="comma-separated (default: all)")] = None,
+    samples: Annotated[int, typer.Option(min=1, help="paired samples per point (use >= 30)")] = 30,
+    warmup: Annotated[int, typer.Option(min=1, help="steps per variant before timing")] = 2,
+    chunk: Annotated[
+        str, typer.Option(help="I/N: run the I-th of N chunks, balanced by estimated time")
+    ] = "1/1",
+    dry_run: Annotated[
+        bool, typer.Option(help="print every chunk's points and estimated seconds; run nothing")
+    ] = False,
+    list_models: Annotated[bool, typer.Option(help="print the model list and exit")] = False,
+    dtype: Annotated[str, typer.Option(help="bf16, fp16 or fp32")] = "bf16",
+    device: Annotated[str, typer.Option(help="cuda, or cpu for a smoke run")] = "cuda",
+    seed: int = 0,
+    commit: Annotated[str | None, typer.Option(help="commit to record if git is absent")] = None,
+    json_path: Annotated[
+        Path | None, typer.Option("--json", help="write results here (after every point)")
+    ] = None,
+    md_path: Annotated[Path | None, typer.Option("--md", help="write the tables here")] = None,
+    plot_path: Annotated[
+        Path | None, typer.Option("--plot", help="write the figure here (PNG; the plot extra)")
+    ] = None,
+    merge: Annotated[
+        list[Path] | None,
+        typer.Option(help="merge these --json chunks (same GPU, dtype, commit) instead of running"),
+    ] = None,
+    more_merge: Annotated[
+        list[Path] | None,
+        typer.Argument(
+            metavar="MERGE",
+            help="more files for --merge: --merge a.json b.json",
+            show_default=False,
+        ),
+    ] = None,
+) -> None:
+    """Every impl and peer against the six-GEMM floor at the MLP shapes of public models.
+
+    Also judges impl="auto" there: the shipped table's picks (in sample or not) and
+    leave-one-family-out tables fitted from the grid.
+    """
+    from swiglu_train.bench.crossover import parse_m, parse_shapes
+    from swiglu_train.bench.grid import (
+        GRID_VARIANTS,
+        GridConfig,
+        merge_results,
+        parse_chunk,
+    )
+    from swiglu_train.bench.grid_models import MODELS, grid_shapes, select_models, shapes_for
+    from swiglu_train.bench.grid_report import to_markdown
+    from swiglu_train.bench.mlp import DTYPES
+    from swiglu_train.bench.variants import BUILDERS
+
+    if list_models:
+        for model in MODELS:
+            console.print(f"{model.name}: D={model.d} F={model.f} ({model.family}, {model.repo})")
+        return
+    if more_merge and not merge:
+        raise typer.BadParameter(f"unexpected arguments {[str(p) for p in more_merge]}")
+    merge = [*(merge or []), *(more_merge or [])]
+    for path, option in ((json_path, "'--json'"), (md_path, "'--md'"), (plot_path, "'--plot'")):
+        check_output(path, option)
+    if plot_path is not None:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError as e:
+            raise typer.BadParameter("needs matplotlib: pip install 'swiglu-train[plot]'") from e
+    if merge:
+        parts = {}
+        for path in merge:
+            try:
+                parts[str(path)] = json.loads(path.read_text())
+            except (OSError, ValueError) as e:
+                raise typer.BadParameter(f"{path}: {e}", param_hint="'--merge'") from e
+        try:
+            result = merge_results(parts)
+        except ValueError as e:
+            raise typer.BadParameter(str(e), param_hint="'--merge'") from e
+    else:
+        names = list(GRID_VARIANTS) if variants is None else [v for v in variants.split(",") if v]
+        unknown = sorted(set(names) - set(BUILDERS))
+        if unknown or not names:
+            raise typer.BadParameter(
+                f"unknown variants {unknown}; choose from {list(BUILDERS)}"
+                if unknown
+                else "no variants given",
+                param_hint="'--variants'",
+            )
+        if dtype not in DTYPES:
+            raise typer.BadParameter(f"dtype must be one of {list(DTYPES)}")
+        if models is not None and shapes is not None:
+            raise typer.BadParameter("give --models or --shapes, not both")
+        try:
+            if shapes is not None:
+                grid = shapes_for(parse_shapes(shapes))
+            elif models is not None:
+                grid = select_models([n.strip() for n in models.split(",") if n.strip()])
+            else:
+                grid = grid_shapes()
+            cfg = GridConfig(grid, parse_m(m), names, samples, warmup, dtype, device, seed, commit)
+            cfg.chunk, cfg.command = parse_chunk(chunk), invocation()
+            cfg.chunks()  # a chunk count above the number of points is refused here
+        except ValueError as e:
+            raise typer.BadParameter(str(e)) from e
+        if dry_run:
+            _print_plan(cfg)
+            return
+        require_device(device)
+        if samples < 30:
+            console.print(f"[yellow]{samples} samples: results are not claimable (need >= 30)")
+        result = _run_grid(cfg, json_path)
+    write_results(result, to_markdown(result), json_path, md_path, plot_path, _grid_figure)
+
+
+def _run_grid(cfg, json_path: Path | None) -> dict:
+    """Run the grid with progress bars and a line per point; the JSON is rewritten after every
+    point, so a run stopped at a device call's limit keeps the points it finished."""
+    from swiglu_train.bench.grid import run_grid
+
+    total = len(cfg.points())
+
+    def on_point(result: dict) -> None:
+        done = len(result["points"]) + len(result["skipped_points"])
+        last = (result["points"] or [None])[-1]
+        if last is not None:
+            console.print(
+                f"[{done}/{total}] M={last['M']} D={last['D']} F={last['F']} "
+                f"({', '.join(last['models'])}): {last['elapsed_s']:.0f} s "
+                f"(estimated {last['estimated_s']:.0f} s), auto: {last['auto']['impl']}"
+            )
+        if json_path is not None:
+            write_json_atomic(json_path, result)
+
+    with progress_bars() as progress:
+        return run_grid(cfg, progress, on_point)
+
+
+def _print_plan(cfg) -> None:
+    """Every chunk of ``cfg``'s grid: its points and estimated seconds on an H200 in bf16."""
+    for i, points in enumerate(cfg.chunks(), start=1):
+        seconds = sum(cfg.estimate_s(p) for p in points)
+        mark = " <- this chunk" if i == cfg.chunk[0] else ""
+        console.print(f"chunk {i}/{cfg.chunk[1]}: {len(points)} points, ~{seconds:.0f} s{mark}")
+        for p in points:
+            console.print(
+                f"  M={p.m} D={p.shape.d} F={p.shape.f} ({p.shape.label}): "
+                f"~{cfg.estimate_s(p):.0f} s"
+            )
