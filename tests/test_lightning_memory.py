@@ -113,6 +113,18 @@ def test_wandb_offline_run_holds_memory_keys(tmp_path, monkeypatch):
     assert callback.max_metrics["memory/saved_MiB"] == pytest.approx(expected)
 
 
+class DestroyGroupAtTeardown(pl.Callback):
+    """ddp_spawn's workers leave through os._exit, which skips the atexit handler where
+    Lightning destroys the process group; gloo's threads then abort the worker at interpreter
+    teardown (SIGABRT, "terminate called without an active exception": pytorch issue 190489),
+    seen once in CI. Destroy it while the interpreter is alive, after every rank is done."""
+
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if torch.distributed.is_initialized():
+            torch.distributed.barrier()
+            torch.distributed.destroy_process_group()
+
+
 def test_ddp_rank_zero_alone_writes_the_csv(tmp_path):
     """Two CPU ranks (gloo): one CSV row per optimizer step, none duplicated by rank 1."""
     callback = MemoryProfilerCallback(csv_path=tmp_path / "memory.csv")
@@ -122,7 +134,7 @@ def test_ddp_rank_zero_alone_writes_the_csv(tmp_path):
         strategy="ddp_spawn",
         max_steps=2,
         logger=False,
-        callbacks=[callback],
+        callbacks=[callback, DestroyGroupAtTeardown()],
         enable_progress_bar=False,
         enable_checkpointing=False,
         enable_model_summary=False,
