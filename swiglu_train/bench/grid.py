@@ -50,7 +50,7 @@ EXTRA_STEPS = 2  # the correctness step and the memory reading, besides warm-up 
 # Keys every chunk of one merged grid must share: a merge never mixes GPUs, dtypes, code, or
 # auto tables (auto's picks were resolved from the one the run shipped).
 SAME_KEYS = (
-    *("device_name", "dtype", "commit", "samples", "warmup", "versions"),
+    *("device_name", "dtype", "commit", "samples", "warmup", "versions", "timing"),
     *("variants", "quack_available", "auto_table"),
 )
 Progress = Callable[[str, int], Callable[[], None]]
@@ -210,6 +210,7 @@ def point_rows(point: GridPoint, measured: Sequence[dict]) -> list[dict]:
             "ratio_to_floor": r["full_over_floor"],
             "fwd_ms": r["fwd_ms"],
             "bwd_ms": r["bwd_ms"],
+            "host_ms": r["host_ms"],
             "full_p20_ms": r["full_p20_ms"],
             "full_p80_ms": r["full_p80_ms"],
             "floor_ms": floor["full_ms"],

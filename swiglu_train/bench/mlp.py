@@ -19,7 +19,15 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 import torch
 
-from swiglu_train.bench.timing import PHASES, Case, Clock, memory_mib, paired_samples, run_once
+from swiglu_train.bench.timing import (
+    PHASES,
+    TIMING_DEFINITION,
+    Case,
+    Clock,
+    memory_mib,
+    paired_samples,
+    run_once,
+)
 from swiglu_train.bench.variants import BUILDERS, LayerWeights
 from swiglu_train.files import atomic_write, write_json_atomic
 
@@ -215,6 +223,7 @@ def environment(device: torch.device, commit: str | None) -> dict:
         "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "versions": versions,
         "commit": commit or git_commit(),
+        "timing": TIMING_DEFINITION,
     }
 
 
@@ -264,13 +273,14 @@ def git_commit() -> str | None:
 def to_markdown(result: dict) -> str:
     """The README tables: one row per variant, then the stack table."""
     lines = [
-        "| variant | fwd ms | bwd ms | full ms | full ÷ floor | after-fwd MiB | peak MiB |",
-        "|---|---|---|---|---|---|---|",
+        "| variant | fwd ms | bwd ms | full ms | full ÷ floor | host ms | after-fwd MiB "
+        "| peak MiB |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for r in result["results"]:
         lines.append(
             f"| {r['variant']} | {r['fwd_ms']:.3f} | {r['bwd_ms']:.3f} | {r['full_ms']:.3f} "
-            f"| {r['full_over_floor']:.3f} | {_mib(r['after_forward_MiB'])} "
+            f"| {r['full_over_floor']:.3f} | {r['host_ms']:.3f} | {_mib(r['after_forward_MiB'])} "
             f"| {_mib(r['peak_MiB'])} |"
         )
     if result["stack"]:
