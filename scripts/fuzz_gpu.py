@@ -1,6 +1,6 @@
 """Fuzz every ParMLP impl on random shapes against a float64 reference (swiglu_train.bench.fuzz).
 
-    python3 scripts/fuzz_gpu.py [--cases 1000] [--seed 0] [--device auto|cuda|cpu]
+    python3 scripts/fuzz_gpu.py [--cases 1000] [--seed 0] [--device auto|cuda|cpu] [--workers N]
         [--json OUT.json] [--max-seconds S] [--tune quick|full] [--impls normal,drop_h,...]
     python3 scripts/fuzz_gpu.py --repro '<the case JSON a failure printed>' [--device cuda]
 
@@ -10,16 +10,18 @@ if any case failed. Without CUDA (or with --device cpu) it runs CPU-sized cases 
 interpreter. ``--tune quick`` (the default) times each Triton autotuning candidate in a few runs
 instead of Triton's 100 ms, so that the run spends its time on cases, not on timing configs
 for hundreds of shapes; which config wins does not change what a kernel must compute.
+``--workers N`` runs the cases in N spawned processes, so that their JIT compiles (CPU-bound,
+most of a GPU run's time) overlap; the same seed draws the same cases, and the summary lists
+them in case order. On the H200 (16 cores):
+
+    python3 scripts/fuzz_gpu.py --cases 1000 --workers 8 --max-seconds 420 --json OUT.json
 """
 
 from __future__ import annotations
 
 import argparse
-import functools
-import importlib
 import importlib.metadata
 import os
-import pkgutil
 import platform
 import shlex
 import sys
@@ -34,13 +36,16 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--device", default="auto", help="auto (CUDA if present), cuda or cpu")
     parser.add_argument("--json", help="write the summary here")
-    parser.add_argument("--max-seconds", type=float, help="draw no new case after this long")
+    parser.add_argument("--max-seconds", type=float, help="start no case after this long")
+    parser.add_argument("--workers", type=int, default=1, help="processes (1: this one)")
     parser.add_argument("--tune", choices=("quick", "full"), default="quick")
     parser.add_argument("--impls", help="only these impls, comma-separated")
     parser.add_argument("--repro", metavar="CASE_JSON", help="run this one case and report it")
     args = parser.parse_args(argv)
     if args.cases < 1:
         parser.error(f"--cases must be at least 1, got {args.cases}")
+    if args.workers < 1:
+        parser.error(f"--workers must be at least 1, got {args.workers}")
     return args
 
 
@@ -51,28 +56,6 @@ def pick_device(name: str) -> torch.device:
     if device.type == "cuda" and not torch.cuda.is_available():
         raise SystemExit("error: --device cuda, but CUDA is not available here")
     return device
-
-
-def quick_autotune() -> int:
-    """Have every autotuned Triton kernel of the package time each candidate in a few runs;
-    returns how many autotuners it changed."""
-    import triton
-    from triton.runtime.autotuner import Autotuner
-
-    import swiglu_train.kernels as kernels
-
-    bench = functools.partial(triton.testing.do_bench, warmup=1, rep=2)
-    changed = 0
-    for info in pkgutil.iter_modules(kernels.__path__, f"{kernels.__name__}."):
-        try:
-            module = importlib.import_module(info.name)
-        except Exception:  # a kernel module of an optional package absent or broken here (quack)
-            continue
-        for obj in vars(module).values():
-            if isinstance(obj, Autotuner):
-                obj.do_bench = bench  # replaces Triton's cached do_bench for this kernel
-                changed += 1
-    return changed
 
 
 def version(package: str) -> str | None:
@@ -88,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
     device = pick_device(args.device)
     if device.type == "cpu":  # before any kernel is defined: kernels run in the interpreter
         os.environ.setdefault("TRITON_INTERPRET", "1")
-    from swiglu_train.bench import fuzz
+    from swiglu_train.bench import fuzz, fuzz_pool
     from swiglu_train.bench.mlp import git_commit
     from swiglu_train.files import write_json_atomic
 
@@ -100,7 +83,8 @@ def main(argv: list[str] | None = None) -> int:
             picked = f" [auto: {outcome.resolved_impl}]" if outcome.case.impl == "auto" else ""
             print(f"FAILED{picked}: {'; '.join(outcome.problems)}\n  {repro(outcome.case)}")
 
-    tuned = quick_autotune() if args.tune == "quick" and device.type == "cuda" else 0
+    quick = args.tune == "quick" and device.type == "cuda"
+    tuned = fuzz_pool.quick_autotune() if quick else 0  # workers do it again, each for itself
     if args.repro:
         outcome = fuzz.run_case(fuzz.Case.from_json(args.repro), device)
         report(outcome)
@@ -126,7 +110,12 @@ def main(argv: list[str] | None = None) -> int:
 
     points = fuzz.auto_table_points(device) if "auto" in impls else []
     cases = fuzz.draw_cases(args.seed, args.cases, impls, sizes, points)
-    outcomes, stopped = fuzz.run_cases(cases, device, progress, args.max_seconds)
+    if args.workers == 1:
+        outcomes, stopped = fuzz.run_cases(cases, device, progress, args.max_seconds)
+    else:
+        outcomes, stopped = fuzz_pool.run_cases_pool(
+            list(cases), device, args.workers, progress, args.max_seconds, tune_quick=quick
+        )
     result = {
         "schema": 1,
         "command": shlex.join(["python3", "scripts/fuzz_gpu.py", *argv]),
@@ -137,6 +126,7 @@ def main(argv: list[str] | None = None) -> int:
                      "triton": version("triton"), "quack-kernels": version("quack-kernels")},
         "seed": args.seed,
         "cases_requested": args.cases,
+        "workers": args.workers,
         "complete": stopped is None,
         "stopped": stopped,
         "elapsed_s": round(time.perf_counter() - start, 1),

@@ -4,13 +4,17 @@ checker fails what it should, and scripts/fuzz_gpu.py writes its summary."""
 import dataclasses
 import importlib.util
 import json
+import multiprocessing
+import os
+import pickle
+import signal
 from pathlib import Path
 
 import pytest
 import torch
 from conftest import HAS_CUDA
 
-from swiglu_train.bench import fuzz
+from swiglu_train.bench import fuzz, fuzz_pool
 from swiglu_train.layers import registry
 from swiglu_train.ops import normal_mlp
 from swiglu_train.ops.quack_mlp import quack_available
@@ -152,6 +156,91 @@ def test_the_script_writes_a_summary_and_replays_a_case(tmp_path, capsys):
     capsys.readouterr()
     assert script.main(["--device", "cpu", "--repro", drop_h_case().to_json()]) == 0
     assert capsys.readouterr().out.startswith("passed (drop_h, ")
+
+
+def run_script(monkeypatch, tmp_path, *args, wrap_pool_callback=None) -> tuple[dict, list]:
+    """scripts/fuzz_gpu.py's summary for ``args``, and the outcomes its runner returned (both
+    runners wrapped to record them; ``wrap_pool_callback`` wraps the pool's on_outcome)."""
+    returned = []
+
+    def recording(run, wrap_callback=None):
+        def wrapper(*a, **kw):
+            if wrap_callback:  # the pool's on_outcome: its fourth argument
+                a = (*a[:3], wrap_callback(a[3]), *a[4:])
+            outcomes, stopped = run(*a, **kw)
+            returned.extend(outcomes)
+            return outcomes, stopped
+
+        return wrapper
+
+    out = tmp_path / "fuzz.json"
+    with monkeypatch.context() as patch:
+        patch.setattr(fuzz, "run_cases", recording(fuzz.run_cases))
+        pool = recording(fuzz_pool.run_cases_pool, wrap_pool_callback)
+        patch.setattr(fuzz_pool, "run_cases_pool", pool)
+        code = load_script().main(["--device", "cpu", "--seed", "3", "--json", str(out), *args])
+    assert code == 0
+    return json.loads(out.read_text()), returned
+
+
+def test_workers_run_the_cases_one_process_runs_and_list_them_in_case_order(monkeypatch, tmp_path):
+    """--workers 2 draws the same cases from the same seed, with the same outcomes, in order."""
+    one, in_process = run_script(monkeypatch, tmp_path, "--cases", "10")
+    two, pooled = run_script(monkeypatch, tmp_path, "--cases", "10", "--workers", "2")
+    assert (
+        [o.case for o in pooled]
+        == [o.case for o in in_process]
+        == list(fuzz.draw_cases(3, 10, fuzz.available_impls(CPU)[0], fuzz.CPU_SIZES))
+    )
+    assert [(o.status, o.resolved_impl, o.problems) for o in pooled] == [
+        (o.status, o.resolved_impl, o.problems) for o in in_process
+    ]
+    assert (one["workers"], two["workers"]) == (1, 2) and two["complete"] and not two["stopped"]
+    for key in ("cases", "counts", "per_impl", "per_dtype", "auto_picks", "failures", "max_m"):
+        assert one[key] == two[key], key
+    assert pickle.loads(pickle.dumps(pooled[0])) == pooled[0]  # what a worker sends back
+
+
+def test_no_case_starts_after_max_seconds_in_the_pool(monkeypatch, tmp_path):
+    """Spawning the workers alone takes longer than 0.01 s: no case runs, and the summary says
+    so (the workers' deadline is the parent's)."""
+    result, ran = run_script(
+        monkeypatch, tmp_path, "--cases", "6", "--workers", "2", "--max-seconds", "0.01"
+    )
+    assert ran == [] and result["cases"] == 0 and result["cases_requested"] == 6
+    assert not result["complete"]
+    assert result["stopped"] == "stopped after 0.01 s (--max-seconds); 6 of 6 cases not run"
+
+
+def test_a_worker_that_dies_stops_the_run_and_names_the_cases_in_flight(monkeypatch, tmp_path):
+    """A worker killed after the first outcome: the run stops with BrokenProcessPool, naming the
+    cases in flight, and what ran before is still summarized and written."""
+
+    def kill_a_worker(on_outcome):
+        def first_kills(outcome):
+            on_outcome(outcome)
+            workers = multiprocessing.active_children()
+            if workers and not killed:
+                os.kill(workers[0].pid, signal.SIGKILL)
+                killed.append(workers[0].pid)
+
+        return first_kills
+
+    killed = []
+    result, ran = run_script(
+        monkeypatch, tmp_path, "--cases", "40", "--workers", "2", wrap_pool_callback=kill_a_worker
+    )
+    assert killed and 1 <= len(ran) < 40 and result["cases"] == len(ran)
+    assert not result["complete"]
+    stopped = result["stopped"]
+    assert stopped.startswith("a worker process died (BrokenProcessPool: ")
+    assert stopped.endswith(f"; {40 - len(ran)} of 40 cases not run")
+    in_flight = stopped.split("in flight: ")[1].split("; ")[:-1]  # "none" if both had ended
+    cases = list(fuzz.draw_cases(3, 40, fuzz.available_impls(CPU)[0], fuzz.CPU_SIZES))
+    named = {int(item.split()[1]): item for item in in_flight if item != "none"}
+    assert named or in_flight == ["none"]
+    assert all(item == f"case {n} {cases[n].to_json()}" for n, item in named.items())
+    assert [o.case for o in ran] == [c for c in cases if c in {o.case for o in ran}]
 
 
 @pytest.mark.gpu

@@ -13,8 +13,9 @@ what it claims against ``normal`` (drop_h one [M, F] h less, save_factors the sa
 saved for backward are compared on the same input (``memory.SavedTensorCounter``).
 
 Cases come from one seed, and each carries its own: a failing case replays alone from its JSON
-(``scripts/fuzz_gpu.py --repro``). ``scripts/fuzz_gpu.py`` runs a thousand on the GPU; the test
-suite runs a fixed-seed few on the CPU, in the Triton interpreter.
+(``scripts/fuzz_gpu.py --repro``). ``scripts/fuzz_gpu.py`` runs a thousand on the GPU, in
+worker processes (:mod:`swiglu_train.bench.fuzz_pool`); the test suite runs a fixed-seed few on
+the CPU, in the Triton interpreter.
 """
 
 from __future__ import annotations
@@ -410,12 +411,21 @@ def run_cases(
         outcome = run_case(case, device)
         outcomes.append(outcome)
         on_outcome(outcome)
-        if outcome.status == "failed" and torch.device(device).type == "cuda":
-            try:
-                torch.cuda.synchronize()
-            except RuntimeError as e:
-                return outcomes, f"the CUDA context failed after this case: {e}"
+        if failure := context_failure(outcome, device):
+            return outcomes, f"the CUDA context failed after this case: {failure}"
     return outcomes, None
+
+
+def context_failure(outcome: Outcome, device: torch.device | str) -> str | None:
+    """After a failed case on CUDA, the error that left the context unusable, if one did: no
+    later case in this process could run."""
+    if outcome.status != "failed" or torch.device(device).type != "cuda":
+        return None
+    try:
+        torch.cuda.synchronize()
+    except RuntimeError as e:
+        return str(e)
+    return None
 
 
 def summary(outcomes: list[Outcome], repro: Callable[[Case], str]) -> dict:
