@@ -171,9 +171,10 @@ def test_a_non_finite_value_makes_its_block_nan_and_no_other(device, backend):
     expected_nan = torch.zeros(3, 260, dtype=torch.bool)
     expected_nan[0, :128] = expected_nan[2, 130:258] = True
     assert torch.equal(restored.isnan(), expected_nan)
-    saved = (q.to(device), scales.to(device), torch.ones(3, 130, device=device))
+    grad_h, grad_preact = torch.ones(3, 130, device=device), torch.empty(3, 260, device=device)
     with use_backend(backend):
-        grad_preact = swiglu_bwd_fp8_(*saved).cpu()
+        swiglu_bwd_fp8_(q.to(device), scales.to(device), grad_h, grad_preact)
+    grad_preact = grad_preact.cpu()
     assert not grad_preact[0].isfinite().all() and not grad_preact[2].isfinite().all()
     assert grad_preact[1].isfinite().all()
 
@@ -187,9 +188,9 @@ def test_backward_kernel_matches_the_torch_path(device, dtype):
     _, q, scales = fp8_pass(preact, "triton")
     grad_h = torch.randn(19, 200, device=device).to(dtype)
     expected_h, expected_grad = recompute(q, scales, grad_h)
-    h = grad_h.clone()
+    h, grad_preact = grad_h.clone(), grad_h.new_empty(19, 400)
     with use_backend("triton"):
-        grad_preact = swiglu_bwd_fp8_(q, scales, h)
+        swiglu_bwd_fp8_(q, scales, h, grad_preact)
     tol = {torch.float32: 2**-20, torch.float16: 2**-9, torch.bfloat16: 2**-6}[dtype]
     torch.testing.assert_close(h, expected_h, rtol=tol, atol=tol)
     torch.testing.assert_close(grad_preact, expected_grad, rtol=tol, atol=tol)
@@ -204,7 +205,9 @@ def test_custom_ops_pass_opcheck():
     with use_backend("torch"):
         torch.library.opcheck(swiglu_fwd_fp8.op, (preact,))
         torch.library.opcheck(
-            swiglu_bwd_fp8_.op, (q, scales, torch.randn(5, 130)), test_utils=no_schema
+            swiglu_bwd_fp8_.op,
+            (q, scales, torch.randn(5, 130), torch.empty(5, 260)),
+            test_utils=no_schema,
         )
 
 

@@ -29,10 +29,20 @@ of the gradients against float64 on the same bf16 inputs, over three shapes up t
 issue's "within 2x of bf16" is not met, and cannot be with 3 mantissa bits. y is drop_h's
 exactly (forward reads the bf16 preactivation).
 
-Backward writes grad_preact into a fresh [M, 2F] buffer (it cannot go in place over the
-1-byte copy) and h over grad_h, a buffer of its own; with ``inplace`` (the default) it then
-frees the FP8 copy and its scales, before the weight-gradient GEMMs allocate their outputs, so
-the graph cannot be backpropagated twice (``inplace=False`` keeps them).
+Backward runs in chunks of rows (``rows_per_chunk``). grad_preact cannot go in place over the
+1-byte copy, so each chunk's kernel writes it into one [rows, 2F] buffer reused across chunks,
+and h over grad_h's rows; the chunk's grad_x rows and its share of grad_W1 (accumulated by the
+GEMM, beta = 1) and grad_b1 (in fp32) follow. The rows are the most that keep the loop's live
+set, x + the copy and scales + grad_h + grad_x + grad_W1 + the buffer, within drop_h's backward
+peak: at the seed shape [11136, 3584, 14336, 3584] bf16, 6 chunks of 1920 rows, 1071.8 MiB
+against drop_h's 1087.6 (unchunked, a fresh [M, 2F] grad_preact beside the copy and grad_h
+made it 1303.6). grad_W1
+accumulates in the parameters' dtype: an fp32 accumulator would hold 2F*D*4 bytes, 196 MiB more
+than bf16's at the seed shape, above the whole 121 MiB the chunk buffer may take. Its bf16
+rounding per chunk raises grad_W1's error against float64 by 0.4 % of itself at six chunks
+(2.917 % -> 2.930 % on CPU, [6144, 256, 704]; tests/test_fp8_saved_chunked.py bounds it).
+With ``inplace`` (the default) the copy and its scales are freed after the loop, before grad_W2
+is allocated, so the graph cannot be backpropagated twice (``inplace=False`` keeps them).
 """
 
 from __future__ import annotations
@@ -51,7 +61,7 @@ from swiglu_train.kernels.fp8_format import (
 from swiglu_train.ops import reference
 from swiglu_train.ops.activation import triton_enabled
 from swiglu_train.ops.eager import eager_op
-from swiglu_train.ops.mlp import claim_inplace_backward, drop_h_grads, refuse_double_backward
+from swiglu_train.ops.mlp import claim_inplace_backward, refuse_double_backward
 
 try:
     from swiglu_train.kernels import swiglu_fp8 as kernels
@@ -90,7 +100,7 @@ def quantize(preact: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def dequantize(q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """The fp32 [M, 2F] preactivation an FP8 copy stands for."""
     m, ffn = q.shape[0], q.shape[1] // 2
-    per_column = scales.view(m, 2, -1).repeat_interleave(BLOCK, dim=-1)[..., :ffn]
+    per_column = scales.view(m, 2, n_blocks(ffn)).repeat_interleave(BLOCK, dim=-1)[..., :ffn]
     return (q.float().view(m, 2, ffn) * per_column).view(m, 2 * ffn)
 
 
@@ -131,26 +141,79 @@ def _fwd_buffers(preact: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torc
     return h, q, preact.new_empty(scale_shape, dtype=torch.float32)
 
 
-@eager_op("swiglu_train::swiglu_bwd_fp8_", mutates_args=("grad_h",))
-def swiglu_bwd_fp8_(q: torch.Tensor, scales: torch.Tensor, grad_h: torch.Tensor) -> torch.Tensor:
-    """grad_preact in a fresh buffer; grad_h is overwritten by the recomputed h."""
+# Rows per backward chunk: a multiple of ROW_ALIGN (whole GEMM tiles), and at least
+# MIN_CHUNK_ROWS unless M is smaller, so the per-chunk GEMMs keep enough rows to fill the GPU.
+ROW_ALIGN = 128
+MIN_CHUNK_ROWS = 1024
+
+
+def drop_h_backward_peak(m: int, d: int, ffn: int, out: int, itemsize: int) -> int:
+    """Bytes drop_h's in-place backward holds at its peak, parameters and grad_y aside: x and
+    the preact with grad_h and grad_W2 (h's last use), or with grad_W2, grad_x and grad_W1 (the
+    preact's buffer then holds grad_preact)."""
+    x, preact, grad_w2 = m * d, 2 * m * ffn, out * ffn
+    first = x + preact + m * ffn + grad_w2
+    return itemsize * max(first, x + preact + grad_w2 + m * d + 2 * ffn * d)
+
+
+def fp8_backward_peak(m: int, d: int, ffn: int, itemsize: int, rows: int) -> int:
+    """Bytes the FP8 backward holds at its peak, in its chunk loop, parameters and grad_y
+    aside: x, the FP8 copy and its scales, grad_h (becoming h), grad_x, grad_W1 and one
+    [rows, 2F] grad_preact buffer. grad_W2 comes after the loop, once the copy is freed."""
+    copy = m * 2 * ffn + m * 2 * n_blocks(ffn) * 4  # e4m3 values, fp32 scales
+    return copy + itemsize * (2 * m * d + m * ffn + 2 * ffn * d + min(rows, m) * 2 * ffn)
+
+
+def rows_per_chunk(m: int, d: int, ffn: int, out: int, itemsize: int) -> int:
+    """Rows per chunk of the FP8 backward, for x [m, d], F = ffn and O = out: the most that
+    keep ``fp8_backward_peak`` within ``drop_h_backward_peak``, rounded down to ROW_ALIGN, then
+    evened out over the chunks that takes (a short last chunk wastes a GEMM launch).
+
+    MIN_CHUNK_ROWS wins over the bound where the two disagree (small O and D against F, as at
+    [4096, 1024, 2816, 1024]): the peak is then above drop_h's by the difference, which
+    smaller chunks would buy back in GEMM time.
+    """
+    if m <= MIN_CHUNK_ROWS:
+        return max(m, 1)
+    spare = drop_h_backward_peak(m, d, ffn, out, itemsize) - fp8_backward_peak(
+        m, d, ffn, itemsize, 0
+    )
+    fits = spare // max(2 * ffn * itemsize, 1)
+    rows = max(fits // ROW_ALIGN * ROW_ALIGN, MIN_CHUNK_ROWS)
+    if rows >= m:
+        return m
+    chunks = -(-m // rows)
+    even = -(-m // (chunks * ROW_ALIGN)) * ROW_ALIGN  # ceil(m / chunks), up to ROW_ALIGN
+    return max(even, MIN_CHUNK_ROWS)
+
+
+def row_chunks(m: int, rows: int) -> list[slice]:
+    """Row ranges of ``rows`` rows, the last one shorter; for m = 0 one empty range, so the
+    loop still writes grad_W1's zeros."""
+    return [slice(start, min(start + rows, m)) for start in range(0, max(m, 1), rows)]
+
+
+@eager_op("swiglu_train::swiglu_bwd_fp8_", mutates_args=("grad_h", "grad_preact"))
+def swiglu_bwd_fp8_(
+    q: torch.Tensor, scales: torch.Tensor, grad_h: torch.Tensor, grad_preact: torch.Tensor
+) -> None:
+    """grad_preact [M, 2F] into the given buffer, and h over grad_h [M, F] (a chunk's rows)."""
     if not triton_enabled(grad_h):
-        h, grad_preact = recompute(q, scales, grad_h)
+        h, grad = recompute(q, scales, grad_h)
         grad_h.copy_(h)
-        return grad_preact
-    grad_preact = grad_h.new_empty(grad_h.shape[0], 2 * grad_h.shape[1])
+        grad_preact.copy_(grad)
+        return
     kernels.swiglu_backward_fp8(q, scales, grad_h, grad_preact)
-    return grad_preact
 
 
 @swiglu_bwd_fp8_.register_fake
-def _(q: torch.Tensor, scales: torch.Tensor, grad_h: torch.Tensor) -> torch.Tensor:
-    return grad_h.new_empty(grad_h.shape[0], 2 * grad_h.shape[1])
+def _(q: torch.Tensor, scales: torch.Tensor, grad_h: torch.Tensor, grad_preact: torch.Tensor):
+    return None
 
 
 class _DropHFP8(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, fc1_weight, fc1_bias, fc2_weight, fc2_bias, inplace: bool):
+    def forward(ctx, x, fc1_weight, fc1_bias, fc2_weight, fc2_bias, inplace: bool, rows):
         preact = F.linear(x, fc1_weight, fc1_bias)
         h, q, scales = swiglu_fwd_fp8(preact)
         del preact  # freed before fc2's output is allocated: only the FP8 copy is kept
@@ -158,6 +221,7 @@ class _DropHFP8(torch.autograd.Function):
         ctx.inplace = inplace
         ctx.has_bias = (fc1_bias is not None, fc2_bias is not None)
         ctx.backward_ran = False
+        ctx.rows = rows
         return F.linear(h, fc2_weight, fc2_bias)
 
     @staticmethod
@@ -167,17 +231,38 @@ class _DropHFP8(torch.autograd.Function):
             ctx, SECOND_BACKWARD_ERROR_FP8, SECOND_BACKWARD_FREED_ERROR_FP8
         )
         x, fc1_weight, fc2_weight, q, scales = ctx.saved_tensors
-        need_w2 = ctx.needs_input_grad[3]
+        need_x, need_w1, need_b1, need_w2, need_b2 = ctx.needs_input_grad[:5]
+        need_b1, need_b2 = need_b1 and ctx.has_bias[0], need_b2 and ctx.has_bias[1]
         grad_y = grad_y.contiguous()
-        h = grad_y @ fc2_weight  # grad_h, then h: the kernel writes h over it
-        grad_preact = swiglu_bwd_fp8_(q, scales, h)
-        if consume:  # read once: free it before the GEMMs below allocate their outputs
+        h = grad_y @ fc2_weight  # grad_h; each chunk's kernel writes h over its rows
+        (m, ffn), d = h.shape, x.shape[1]
+        rows = ctx.rows or rows_per_chunk(m, d, ffn, grad_y.shape[1], h.element_size())
+        grad_x = h.new_empty(m, d) if need_x else None
+        grad_w1 = grad_b1 = None
+        buffer = h.new_empty(min(rows, m), 2 * ffn)  # one chunk's grad_preact, reused
+        for part in row_chunks(m, rows):
+            grad_preact = buffer[: part.stop - part.start]
+            swiglu_bwd_fp8_(q[part], scales[part], h[part], grad_preact)
+            if need_x:
+                torch.mm(grad_preact, fc1_weight, out=grad_x[part])
+            if need_w1:  # accumulated by the GEMM in the parameters' dtype (module docstring)
+                if grad_w1 is None:
+                    grad_w1 = grad_preact.t() @ x[part]
+                else:
+                    grad_w1.addmm_(grad_preact.t(), x[part])
+            if need_b1:  # in fp32, rounded once, like the unchunked sum
+                column_sums = grad_preact.sum(0, dtype=torch.float32)
+                grad_b1 = column_sums if grad_b1 is None else grad_b1.add_(column_sums)
+        del buffer, grad_preact
+        if consume:  # read for the last time: free it before grad_W2 is allocated
             q.untyped_storage().resize_(0)
             scales.untyped_storage().resize_(0)
         del q, scales
         grad_w2 = grad_y.t() @ h if need_w2 else None
         del h
-        return *drop_h_grads(ctx, x, fc1_weight, grad_preact, grad_y, grad_w2), None
+        grad_b1 = grad_b1.to(grad_y.dtype) if need_b1 else None
+        grad_b2 = grad_y.sum(0) if need_b2 else None
+        return grad_x, grad_w1, grad_b1, grad_w2, grad_b2, None, None
 
 
 def drop_h_fp8_mlp(
@@ -187,6 +272,10 @@ def drop_h_fp8_mlp(
     fc2_weight: torch.Tensor,
     fc2_bias: torch.Tensor | None,
     inplace: bool = True,
+    chunk_rows: int | None = None,
 ) -> torch.Tensor:
-    """drop_h saving its preactivation in FP8; ``inplace`` frees it once backward read it."""
-    return _DropHFP8.apply(x, fc1_weight, fc1_bias, fc2_weight, fc2_bias, inplace)
+    """drop_h saving its preactivation in FP8; ``inplace`` frees it once backward read it.
+    ``chunk_rows`` sets the backward's rows per chunk (None: ``rows_per_chunk``'s rule)."""
+    if chunk_rows is not None and (type(chunk_rows) is not int or chunk_rows < 1):
+        raise ValueError(f"chunk_rows must be a positive int or None, got {chunk_rows!r}")
+    return _DropHFP8.apply(x, fc1_weight, fc1_bias, fc2_weight, fc2_bias, inplace, chunk_rows)

@@ -1,0 +1,305 @@
+"""drop_h with the FP8-saved preactivation, run in row chunks: the grads against one chunk's, the
+chunk rule, and the backward's peak of live bytes against drop_h's.
+
+What chunking may change. h and grad_preact are elementwise per row, so every chunk computes
+the rows one chunk would; grad_W2 and grad_b2 are computed after the loop from the same h and
+grad_y, so they are equal exactly. grad_x is one GEMM per chunk: a BLAS may reduce a chunk's
+rows in another order than the whole matrix's (MKL does, for some row counts), so it is equal
+to fp32's rounding, and in bf16 to one rounding of the output. grad_b1 sums in fp32 per chunk:
+the same. grad_W1 is accumulated in the parameters' dtype by the GEMM, one rounding per chunk:
+in fp32 that is fp32's rounding; in bf16 each chunk adds at most half an ulp (2**-9) of the
+running sum, and the roundings add up like a random walk, measured at 0.31-0.39 of
+sqrt(chunks) * 2**-8 (norm-relative), which is the bound asserted.
+"""
+
+import math
+import sys
+import weakref
+
+import pytest
+import torch
+from conftest import device_backends
+from helpers import rel_err
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+from swiglu_train.kernels.fp8_format import n_blocks
+from swiglu_train.ops import reference, use_backend
+from swiglu_train.ops.activation import swiglu_bwd_recompute_
+from swiglu_train.ops.fp8_saved import (
+    MIN_CHUNK_ROWS,
+    ROW_ALIGN,
+    drop_h_backward_peak,
+    drop_h_fp8_mlp,
+    fp8_backward_peak,
+    rows_per_chunk,
+    swiglu_bwd_fp8_,
+)
+from swiglu_train.ops.mlp import drop_h_mlp
+
+D, FFN, OUT = 24, 200, 16  # FFN 200: a partial 128-column scale block per half
+NAMES = ("x", "w1", "b1", "w2", "b2")
+NOT_INTERPRETED = [p for p in device_backends() if p.id != "cpu-triton"]
+
+
+def make_inputs(m: int, dtype: torch.dtype, device, bias: bool = True, seed: int = 0):
+    """(x, w1, b1, w2, b2, grad_y), the weights at a trained layer's scale."""
+    g = torch.Generator().manual_seed(seed)
+
+    def rand(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=g) * scale).to(device, dtype)
+
+    x, grad_y = rand(m, D), rand(m, OUT)
+    w1, w2 = rand(2 * FFN, D, scale=D**-0.5), rand(OUT, FFN, scale=FFN**-0.5)
+    b1, b2 = (rand(2 * FFN, scale=0.1), rand(OUT)) if bias else (None, None)
+    return x, w1, b1, w2, b2, grad_y
+
+
+def fp8_grads(inputs, rows: int, backend: str, x_grad: bool = True, **kw) -> dict:
+    *tensors, grad_y = inputs
+    leaves = [None if t is None else t.detach().clone().requires_grad_() for t in tensors]
+    leaves[0].requires_grad_(x_grad)
+    with use_backend(backend):
+        drop_h_fp8_mlp(*leaves, chunk_rows=rows, **kw).backward(grad_y)
+    return {n: None if t is None else t.grad for n, t in zip(NAMES, leaves, strict=True)}
+
+
+def assert_chunked_grads_match(chunked: dict, one: dict, chunks: int, dtype) -> None:
+    fp32 = dtype == torch.float32
+    for name in NAMES:
+        a, b = chunked[name], one[name]
+        assert (a is None) == (b is None), name
+        if a is None:
+            continue
+        assert a.shape == b.shape and a.dtype == b.dtype, name
+        if name in ("w2", "b2"):
+            assert torch.equal(a, b), name
+        elif a.numel():
+            tol = 1e-6 if fp32 else 2.0**-8
+            if name == "w1" and not fp32:
+                tol *= math.sqrt(chunks)
+            assert rel_err(a, b) <= tol, (name, rel_err(a, b), tol)
+
+
+@pytest.mark.parametrize(("device", "backend"), NOT_INTERPRETED)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("m", [1, 37, 48])  # 37: a short last chunk; 48: three whole ones
+@pytest.mark.parametrize("bias", [True, False], ids=["bias", "no-bias"])
+def test_chunked_grads_match_one_chunk(device, backend, dtype, m, bias):
+    inputs = make_inputs(m, dtype, device, bias)
+    one = fp8_grads(inputs, m, backend)
+    chunked = fp8_grads(inputs, 16, backend)
+    assert_chunked_grads_match(chunked, one, -(-m // 16), dtype)
+
+
+def test_chunked_triton_kernels_match_one_chunk():
+    """The Triton backward kernel on a chunk's rows (views into grad_h, the FP8 copy and its
+    scales) under the interpreter; skipped where Triton does not run on CPU."""
+    if not any(p.id == "cpu-triton" for p in device_backends()):
+        pytest.skip("needs TRITON_INTERPRET=1")
+    inputs = make_inputs(37, torch.bfloat16, "cpu")
+    assert_chunked_grads_match(
+        fp8_grads(inputs, 16, "triton"), fp8_grads(inputs, 37, "triton"), 3, torch.bfloat16
+    )
+
+
+@pytest.mark.parametrize(("device", "backend"), NOT_INTERPRETED)
+def test_x_without_grad_gets_none_and_the_weights_the_same_grads(device, backend):
+    inputs = make_inputs(37, torch.float32, device)
+    without = fp8_grads(inputs, 16, backend, x_grad=False)
+    with_x = fp8_grads(inputs, 16, backend)
+    assert without["x"] is None
+    for name in NAMES[1:]:
+        assert torch.equal(without[name], with_x[name]), name
+
+
+@pytest.mark.parametrize("rows", [1, 16])
+def test_no_rows_gives_zero_weight_grads(rows):
+    got = fp8_grads(make_inputs(0, torch.float32, "cpu"), rows, "torch")
+    assert got["x"].shape == (0, D)
+    for name, shape in (("w1", (2 * FFN, D)), ("b1", (2 * FFN,)), ("w2", (OUT, FFN))):
+        assert got[name].shape == shape and not got[name].any(), name
+
+
+def test_bf16_accumulation_over_chunks_stays_near_the_one_chunk_error():
+    """grad_W1's error against float64 with the seed shape's six chunks (``rows_per_chunk``)
+    against one chunk's: the per-chunk bf16 roundings add in quadrature to e4m3's ~3 %."""
+    m = 6 * 256
+    inputs = make_inputs(m, torch.bfloat16, "cpu", bias=False)
+    *tensors, grad_y = inputs
+    exact = [None if t is None else t.double().requires_grad_() for t in tensors]
+    reference.mlp(*exact).backward(grad_y.double())
+    one, six = fp8_grads(inputs, m, "torch"), fp8_grads(inputs, 256, "torch")
+    one_err, six_err = rel_err(one["w1"], exact[1].grad), rel_err(six["w1"], exact[1].grad)
+    assert 1e-2 < one_err < 0.06  # e4m3's rounding, tests/test_fp8_saved.py
+    assert six_err <= 1.02 * one_err, (six_err, one_err)
+
+
+@pytest.mark.parametrize(("device", "backend"), NOT_INTERPRETED)
+def test_inplace_false_keeps_the_copy_for_a_chunked_second_backward(device, backend):
+    x, w1, b1, w2, b2, grad_y = make_inputs(37, torch.float32, device)
+    w1.requires_grad_()
+    with use_backend(backend):
+        y = drop_h_fp8_mlp(x, w1, b1, w2, b2, inplace=False, chunk_rows=16)
+        y.backward(grad_y, retain_graph=True)
+        first = w1.grad.clone()
+        y.backward(grad_y)
+    torch.testing.assert_close(w1.grad, 2 * first)
+
+
+@pytest.mark.parametrize("rows", [0, -3, True, 2.5])
+def test_bad_chunk_rows_are_refused(rows):
+    x, w1, b1, w2, b2, _ = make_inputs(4, torch.float32, "cpu")
+    with pytest.raises(ValueError, match=f"chunk_rows must be a positive int or None, got {rows}"):
+        drop_h_fp8_mlp(x, w1, b1, w2, b2, chunk_rows=rows)
+
+
+def test_torch_compile_fullgraph_with_several_chunks():
+    torch._dynamo.reset()
+    x, w1, b1, w2, b2, grad_y = make_inputs(37, torch.float32, "cpu")
+    x.requires_grad_()
+
+    def step(x):
+        return drop_h_fp8_mlp(x, w1, b1, w2, b2, chunk_rows=16)
+
+    with use_backend("torch"):
+        (expected,) = torch.autograd.grad(step(x), x, grad_y)
+        compiled = torch.compile(step, fullgraph=True, backend="aot_eager")
+        (got,) = torch.autograd.grad(compiled(x), x, grad_y)
+    torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-6)
+
+
+SEED_SHAPE = (11136, 3584, 14336, 3584)  # M, D, F, O: issue 19's
+
+
+def test_rows_per_chunk_at_the_seed_shape():
+    """drop_h's backward peaks at x + preact + grad_h + grad_W2 = 1087.6 MiB; through the FP8
+    loop x, the copy and scales, grad_h, grad_x and grad_W1 hold 966.8 MiB, leaving 120.9 MiB,
+    2210 rows of [2F] bf16: 2176 aligned, 6 chunks, evened out to 1856 and aligned to 1920."""
+    m, d, ffn, out = SEED_SHAPE
+    rows = rows_per_chunk(m, d, ffn, out, 2)
+    assert rows == 1920 and -(-m // rows) == 6
+    assert fp8_backward_peak(m, d, ffn, 2, rows) <= drop_h_backward_peak(m, d, ffn, out, 2)
+    assert round(drop_h_backward_peak(m, d, ffn, out, 2) / 2**20, 1) == 1087.6
+    assert round(fp8_backward_peak(m, d, ffn, 2, rows) / 2**20, 1) == 1071.8
+
+
+@pytest.mark.parametrize(
+    ("shape", "itemsize"),
+    [
+        (SEED_SHAPE, 4),
+        ((8192, 4096, 11008, 4096), 2),
+        ((16384, 2048, 5632, 2048), 2),
+        ((65536, 4096, 14336, 4096), 2),
+        ((12345, 2048, 5000, 2048), 2),  # M and F not multiples of 128
+        ((8192, 2048, 5632, 2048), 2),
+    ],
+)
+def test_rows_per_chunk_keeps_the_peak_within_drop_h_s(shape, itemsize):
+    m, d, ffn, out = shape
+    rows = rows_per_chunk(m, d, ffn, out, itemsize)
+    assert rows % ROW_ALIGN == 0 and MIN_CHUNK_ROWS <= rows < m
+    assert fp8_backward_peak(m, d, ffn, itemsize, rows) <= drop_h_backward_peak(*shape, itemsize)
+    chunks = -(-m // rows)  # no fewer chunks would fit, and they are even to within ROW_ALIGN
+    fewer = ceil_to(-(-m // (chunks - 1)), ROW_ALIGN)
+    assert fp8_backward_peak(m, d, ffn, itemsize, fewer) > drop_h_backward_peak(*shape, itemsize)
+    assert rows - chunks * ROW_ALIGN <= m - (chunks - 1) * rows <= rows
+
+
+def ceil_to(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+def test_rows_per_chunk_small_or_tight_shapes():
+    assert rows_per_chunk(0, 64, 256, 64, 2) == 1  # one empty chunk
+    assert rows_per_chunk(1000, 64, 256, 64, 2) == 1000  # at most MIN_CHUNK_ROWS: one chunk
+    # small D and O against F: the bound allows 336 rows, MIN_CHUNK_ROWS wins
+    assert rows_per_chunk(1025, 64, 256, 64, 2) == MIN_CHUNK_ROWS
+    assert rows_per_chunk(4096, 1024, 2816, 1024, 2) == MIN_CHUNK_ROWS
+    assert fp8_backward_peak(4096, 1024, 2816, 2, MIN_CHUNK_ROWS) > drop_h_backward_peak(
+        4096, 1024, 2816, 1024, 2
+    )
+
+
+KERNEL_BODIES = {op._fn.__code__ for op in (swiglu_bwd_recompute_, swiglu_bwd_fp8_)}
+
+
+class LiveBytes(TorchDispatchMode):
+    """Bytes of the storages that ops create, alive, after each op; and their peak.
+
+    Storages an op's output shares with its inputs (views, in-place and out= ops) are not new.
+    The temporaries of the activation kernels' torch bodies (the backward ops, which write into
+    given buffers) stand for registers of the Triton kernels, which allocate nothing: they are
+    left out while the body runs, and any still alive after it counts from then on.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.storages: weakref.WeakSet = weakref.WeakSet()
+        self.in_kernel: weakref.WeakSet = weakref.WeakSet()
+        self.peak = 0
+
+    def live(self) -> int:
+        return sum(s.nbytes() for s in self.storages)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        known = {id(t.untyped_storage()) for t in tree_leaves((args, kwargs)) if _is_tensor(t)}
+        out = func(*args, **(kwargs or {}))
+        inside = _in_kernel_body()
+        if not inside:
+            self.storages |= self.in_kernel
+            self.in_kernel = weakref.WeakSet()
+        for t in tree_leaves(out):
+            if _is_tensor(t) and id(t.untyped_storage()) not in known:
+                (self.in_kernel if inside else self.storages).add(t.untyped_storage())
+        self.peak = max(self.peak, self.live())
+        return out
+
+
+def _is_tensor(t) -> bool:
+    return isinstance(t, torch.Tensor)
+
+
+def _in_kernel_body() -> bool:
+    frame = sys._getframe(2)
+    while frame is not None:
+        if frame.f_code in KERNEL_BODIES:
+            return True
+        frame = frame.f_back
+    return False
+
+
+def backward_peak(mlp, inputs) -> tuple[int, int]:
+    """(bytes alive after forward, peak during backward) of what the step's ops allocate; the
+    inputs, weights and grad_y exist before and are not counted."""
+    *tensors, grad_y = inputs
+    with use_backend("torch"), LiveBytes() as live:
+        y = mlp(*tensors)
+        after_forward, live.peak = live.live(), 0
+        y.backward(grad_y)
+    return after_forward, live.peak
+
+
+def test_backward_peak_is_within_drop_h_s():
+    """Counted op by op on CPU, the FP8 backward's peak is its model's (the chunk rule's) and
+    at most drop_h's in-place backward's, itself its model's, with the rule's chunk (3 here)."""
+    m, d, ffn, out = 2560, 16, 128, 16
+    rows = rows_per_chunk(m, d, ffn, out, 2)
+    assert -(-m // rows) == 3
+    g = torch.Generator().manual_seed(0)
+    x, w1, w2, grad_y = (
+        torch.randn(*s, generator=g, dtype=torch.bfloat16)
+        for s in ((m, d), (2 * ffn, d), (out, ffn), (m, out))
+    )
+    inputs = (x.requires_grad_(), w1.requires_grad_(), None, w2.requires_grad_(), None, grad_y)
+    drop_h_after, drop_h_peak = backward_peak(drop_h_mlp, inputs)
+    fp8_after, fp8_peak = backward_peak(drop_h_fp8_mlp, inputs)
+    x_bytes, y_bytes, preact = m * d * 2, m * out * 2, m * 2 * ffn * 2
+    copy = m * 2 * ffn + m * 2 * n_blocks(ffn) * 4
+    assert (drop_h_after, fp8_after) == (preact + y_bytes, copy + y_bytes)
+    assert drop_h_peak == drop_h_backward_peak(m, d, ffn, out, 2) - x_bytes + y_bytes
+    assert fp8_peak == fp8_backward_peak(m, d, ffn, 2, rows) - x_bytes + y_bytes
+    assert fp8_peak <= drop_h_peak
+    # one chunk, as before chunking: the copy does not fit where drop_h's preact did
+    _, unchunked = backward_peak(lambda *t: drop_h_fp8_mlp(*t, chunk_rows=m), inputs)
+    assert unchunked > drop_h_peak
