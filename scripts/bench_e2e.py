@@ -1,21 +1,26 @@
 """End-to-end training-step benchmark: whole steps, configurations interleaved in rounds.
 
     python scripts/bench_e2e.py lightning --config 1b --seq-length 4096 --micro-batch-size 8 \
-        --impls normal,drop_h,drop_h_quack,save_factors_quack --checkpoint-layers 0,4,8,12,16 \
-        --budgets-gb 60,80,100 --planner --rounds 3 --json e2e.json --md e2e.md --plot e2e.png
+        --global-batch-size 32 --impls normal,drop_h,drop_h_quack,save_factors_quack \
+        --checkpoint-layers 0,4,8,12,16 --budgets-gb 60,80,100 --planner --rounds 3 \
+        --json e2e.json --md e2e.md --plot e2e.png
     python scripts/bench_e2e.py megatron --impls stock,stock_eager,normal,drop_h --rounds 3 \
         --json m.json --md m.md -- --num-layers 8 --hidden-size 2048 ...   (recipe arguments)
 
 Lightning: every round visits the impls in a fresh random order, builds each one's model once
 on the device, and runs each checkpointed-blocks count of the grid, in random order, for
-``--warmup`` steps and then ``--steps`` timed ones: whole steps of the pretraining module
-(forward, backward, clipping, AdamW) through the planner's own measurer
-(swiglu_train/integrations/lightning/planner.py), so the figures are the ones it decides from.
-Per configuration: tokens/s, after-forward and peak MiB as min/median/max over rounds, and
-MFU where the GPU's peak is known. For each ``--budgets-gb``, each impl's best configuration
-of the grid that fits (its best plan), and with ``--planner`` the planner's own pick (its
-short steps, its bisection) set against the grid. The plot: tokens/s against memory budget,
-per impl. On CUDA the memory is the allocator's peak; on the CPU the planner's estimate.
+``--warmup`` steps and then ``--steps`` timed ones: whole optimizer steps of the pretraining
+module through the planner's own measurer (swiglu_train/integrations/lightning/planner.py),
+so the figures are the ones it decides from. A step is ``--global-batch-size`` sequences
+(default: one micro-batch), accumulated in micro-batches (forward, backward), then clipping
+and AdamW once; tokens/s counts the global batch's tokens over that step, timed as the
+measurer does (its first micro-batch, one accumulating one standing for the rest, and the
+optimizer step). Per configuration: tokens/s, the optimizer step's time, after-forward and
+peak MiB as min/median/max over rounds, and MFU where the GPU's peak is known. For each
+``--budgets-gb``, each impl's best configuration of the grid that fits (its best plan), and
+with ``--planner`` the planner's own pick (its short steps, its bisection, at the same
+batching) set against the grid. The plot: tokens/s against memory budget, per impl. On CUDA
+the memory is the allocator's peak; on the CPU the planner's estimate.
 
 Megatron: each round runs recipes/pretrain_megatron.py once per impl, in a fresh random
 order, each a process of its own (``--launcher``), and reads its summary: tokens/s is the
@@ -48,7 +53,7 @@ from swiglu_train.integrations.lightning.planner import (
     candidates,
     measurer,
 )
-from swiglu_train.memory.plan import NoPlanFits, choose_plan, search
+from swiglu_train.memory.plan import NoPlanFits, accumulation, choose_plan, search
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPE = ROOT / "recipes" / "pretrain_megatron.py"
@@ -76,8 +81,8 @@ def rows(points: list[dict], keys: tuple[str, ...]) -> list[dict]:
             "rounds": len(mine),
             "out_of_memory": sum(p["peak_MiB"] is None for p in mine),
             **{
-                f: spread([p[f] for p in mine])
-                for f in ("tokens_per_s", "after_forward_MiB", "peak_MiB")
+                f: spread([p.get(f) for p in mine])  # optimizer_s: absent in older runs
+                for f in ("tokens_per_s", "optimizer_s", "after_forward_MiB", "peak_MiB")
             },
         }
         for key, mine in out.items()
@@ -124,6 +129,10 @@ def lightning(
     config: Annotated[str, typer.Option(help="a packaged config or YAML path")] = "1b",
     seq_length: Annotated[int | None, typer.Option(help="default: the config's")] = None,
     micro_batch_size: Annotated[int | None, typer.Option()] = None,
+    global_batch_size: Annotated[
+        int | None,
+        typer.Option(help="sequences per optimizer step, accumulated (default: one micro-batch)"),
+    ] = None,
     impls: Annotated[str | None, typer.Option(help="default: every impl that runs here")] = None,
     checkpoint_layers: Annotated[str, typer.Option(help="N,N,... or 'all'")] = "all",
     budgets_gb: Annotated[
@@ -150,6 +159,13 @@ def lightning(
         cfg.model.max_seq_length = max(cfg.model.max_seq_length, seq_length)
     if micro_batch_size is not None:
         cfg.data.micro_batch_size = micro_batch_size
+    if global_batch_size is not None:
+        try:
+            cfg.train.accumulate_grad_batches = accumulation(
+                global_batch_size, cfg.data.micro_batch_size
+            )
+        except ValueError as e:
+            raise ValueError(f"--global-batch-size {global_batch_size}: {e}") from None
     cfg.train.plan_impls = parse_list(impls) if impls else None
     names = candidates(cfg)
     layers = cfg.model.num_layers
@@ -162,6 +178,7 @@ def lightning(
         raise typer.BadParameter(f"counts from 0 to {layers}", param_hint="--checkpoint-layers")
     settings = {"config": config, "seq_length": cfg.data.seq_length, "grid": grid,
                 "micro_batch_size": cfg.data.micro_batch_size, "impls": names,
+                "accumulate_grad_batches": cfg.train.accumulate_grad_batches,
                 "warmup_steps": warmup, "timed_steps": steps, "device": device_name()}  # fmt: skip
     points = prior_points(json_path, settings) if append else []
     first = 1 + max((p["round"] for p in points), default=-1)
@@ -178,6 +195,7 @@ def lightning(
                         "checkpoint_layers": n,
                         "peak_MiB": p.peak_MiB,
                         "tokens_per_s": p.tokens_per_s,
+                        "optimizer_s": p.optimizer_s,
                         "after_forward_MiB": p.after_forward_MiB,
                     }
                 )
@@ -296,23 +314,30 @@ def _fmt(s: dict | None, digits: int = 0) -> str:
     return f"{s['median']:,.{digits}f} [{s['min']:,.{digits}f}, {s['max']:,.{digits}f}]"
 
 
+def _ms(s: dict | None) -> dict | None:
+    return None if s is None else {k: v * 1e3 for k, v in s.items()}
+
+
 def lightning_markdown(result: dict) -> str:
+    a = result.get("accumulate_grad_batches", 1)  # older runs: one micro-batch a step
+    batch = f" x {a} per optimizer step" if a > 1 else ""
     head = (
         f"### Lightning e2e: {result['config']} at seq {result['seq_length']}, micro-batch "
-        f"{result['micro_batch_size']}, {result['precision']}, {result['device']}\n\n"
+        f"{result['micro_batch_size']}{batch}, {result['precision']}, {result['device']}\n\n"
         f"{result['rounds']} rounds interleaved, {result['warmup_steps']} warm-up + "
         f"{result['timed_steps']} timed steps each; median [min, max] over rounds; memory: "
         f"{result['memory']}. Commit {result['commit']}; `{result['command']}`\n\n"
     )
     lines = [
-        "| impl | checkpointed | tokens/s | MFU | after-fwd MiB | peak MiB |",
-        "|---|---|---|---|---|---|",
+        "| impl | checkpointed | tokens/s | MFU | optimizer ms | after-fwd MiB | peak MiB |",
+        "|---|---|---|---|---|---|---|",
     ]
     for r in sorted(result["rows"], key=lambda r: (r["impl"], r["checkpoint_layers"])):
         mfu = "—" if r["mfu"] is None else f"{r['mfu']:.1%}"
         lines.append(
             f"| {r['impl']} | {r['checkpoint_layers']} | {_fmt(r['tokens_per_s'])} | "
-            f"{mfu} | {_fmt(r['after_forward_MiB'])} | {_fmt(r['peak_MiB'])} |"
+            f"{mfu} | {_fmt(_ms(r.get('optimizer_s')), 1)} | {_fmt(r['after_forward_MiB'])} | "
+            f"{_fmt(r['peak_MiB'])} |"
         )
     for b in result["budgets"]:
         lines += [

@@ -67,6 +67,34 @@ def test_lightning_rounds_spreads_budgets_and_planner(tmp_path: Path) -> None:
     assert out["png"].read_bytes().startswith(b"\x89PNG")
 
 
+def test_lightning_steps_accumulate_to_the_global_batch(tmp_path: Path) -> None:
+    """--global-batch-size 4 at micro-batch 2: two micro-batches per optimizer step, as the
+    planner's measurer runs them; the optimizer's time is reported; a global batch the
+    micro-batch does not divide is refused."""
+    bench = load_script("bench_e2e")
+    config = tmp_path / "tiny.yaml"
+    config.write_text(TINY)
+    out = {s: tmp_path / f"e2e.{s}" for s in ("json", "md")}
+    args = ["lightning", "--config", str(config), "--impls", "normal", "--warmup", "0"]
+    args += ["--steps", "1", "--checkpoint-layers", "0", "--rounds", "1"]
+    runner = CliRunner()
+    with use_backend("torch"):
+        bad = runner.invoke(bench.app, [*args, "--global-batch-size", "5"])
+        result = runner.invoke(bench.app, [*args, "--global-batch-size", "4", "--json",
+                                           str(out["json"]), "--md", str(out["md"])])  # fmt: skip
+    assert isinstance(bad.exception, ValueError)
+    assert str(bad.exception) == ("--global-batch-size 5: the global batch 5 is not divisible "
+                                  "by the micro-batch 2: accumulation must be whole")  # fmt: skip
+    assert result.exit_code == 0, result.output
+    r = json.loads(out["json"].read_text())
+    assert r["accumulate_grad_batches"] == 2 and r["micro_batch_size"] == 2
+    [point] = r["points"]
+    assert point["optimizer_s"] > 0 and point["tokens_per_s"] > 0
+    assert r["rows"][0]["optimizer_s"]["median"] == point["optimizer_s"]
+    md = out["md"].read_text()
+    assert "micro-batch 2 x 2 per optimizer step" in md and "| optimizer ms |" in md
+
+
 def test_auto_budgets_fall_between_the_grids_peaks() -> None:
     bench = load_script("bench_e2e")
     table = [{"peak_MiB": {"max": v}} for v in (10_240.0, 30_720.0, 51_100.0)] + [

@@ -13,6 +13,7 @@ from swiglu_train.memory.plan import (
     micro_batches,
     search,
     search_micro_batches,
+    step_tokens_per_s,
 )
 
 LAYERS = 16
@@ -209,3 +210,51 @@ def test_a_micro_batch_measurer_that_answers_for_another_is_refused():
                        r"micro-batch 2"):  # fmt: skip
         search_micro_batches(["normal"], LAYERS, 1e9, [4],
                              lambda i, n, m: at_micro(i, n, 2))  # fmt: skip
+
+
+def test_a_step_counts_its_micro_batches_and_the_optimizer_once():
+    # 4 micro-batches of 100 tokens: the first, 3 accumulating, one optimizer step
+    assert step_tokens_per_s(100, 4, 0.1, 0.2, 1.0) == pytest.approx(400 / (0.1 + 3 * 0.2 + 1.0))
+    assert step_tokens_per_s(100, 1, 0.1, None, 1.0) == pytest.approx(100 / 1.1)
+    with pytest.raises(ValueError, match="needs an accumulating micro-batch timed"):
+        step_tokens_per_s(100, 2, 0.1, None, 1.0)
+    for bad in (0, 1.5, True):
+        with pytest.raises(ValueError, match="accumulation must be a whole number"):
+            step_tokens_per_s(100, bad, 0.1, 0.1, 1.0)
+    with pytest.raises(ValueError, match=r"must add up to a positive time, got 0\.0 s"):
+        step_tokens_per_s(100, 1, 0.0, None, 0.0)
+
+
+SEQ, BATCH, OPTIMIZER_S = 4096, 8, 1.0  # an optimizer step as long as a micro-batch of 10
+
+
+def timed_at(impl: str, n: int, m: int) -> Profile:
+    """Recorded parts at micro-batch m of the global batch BATCH: memory as ``at_micro``; a
+    micro-batch takes 0.1 s a sequence (no faster per token when larger), a checkpointed
+    block a third of its share again; the optimizer step OPTIMIZER_S."""
+    peak = at_micro(impl, n, m).peak_MiB
+    micro_s = 0.1 * m * (1 + n / (3 * LAYERS))
+    a = accumulation(BATCH, m)
+    rate = step_tokens_per_s(m * SEQ, a, micro_s, micro_s if a > 1 else None, OPTIMIZER_S)
+    return Profile(impl, n, peak, rate, peak - STATE, m, a, micro_s, micro_s, OPTIMIZER_S)
+
+
+def test_an_expensive_optimizer_step_counts_once_per_global_batch_not_per_micro_batch():
+    """At 60,000 MiB normal needs 13 blocks checkpointed at micro-batch 8, 9 at 4, none at 2.
+    The optimizer step runs once per 8 sequences whatever the micro-batch, so the recompute
+    decides: micro-batch 2 unchecked. Counted after every micro-batch, the optimizer would have
+    made micro-batch 8 (13 blocks recomputed) look 2.4x faster than micro-batch 2."""
+    probes = search_micro_batches(["normal"], LAYERS, 60_000, micro_batches(BATCH), timed_at)
+    fits = [(p.micro_batch_size, p.checkpoint_layers) for p in probes if p.fits(60_000)]
+    assert {m: min(n for mm, n in fits if mm == m) for m, _ in fits} == {8: 13, 4: 9, 2: 0}
+    plan = choose_plan(probes, 60_000, LAYERS)
+    assert (plan.micro_batch_size, plan.checkpoint_layers) == (2, 0)
+    # 4 micro-batches of 0.2 s and one optimizer step: 8 sequences in 1.8 s
+    assert plan.tokens_per_s == pytest.approx(BATCH * SEQ / (4 * 0.2 + OPTIMIZER_S))
+    big = timed_at("normal", 13, 8)
+    assert big.tokens_per_s == pytest.approx(BATCH * SEQ / (0.8 * (1 + 13 / 48) + OPTIMIZER_S))
+    assert plan.tokens_per_s > big.tokens_per_s
+    # what the bias measured: one micro-batch and the optimizer as a step
+    biased = {m: step_tokens_per_s(m * SEQ, 1, 0.1 * m * (1 + n / 48), None, OPTIMIZER_S)
+              for m, n in ((8, 13), (2, 0))}  # fmt: skip
+    assert biased[8] / biased[2] == pytest.approx(2.38, abs=0.01)

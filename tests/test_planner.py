@@ -8,10 +8,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch.nn.modules.module import register_module_forward_hook
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 from typer.testing import CliRunner
 
 from swiglu_train.cli import app
 from swiglu_train.integrations.lightning.config import load_config
+from swiglu_train.integrations.lightning.model import LlamaDecoder
 from swiglu_train.integrations.lightning.planner import ESTIMATE, Steps, measurer
 from swiglu_train.memory.plan import NoPlanFits, Profile, choose_plan
 from swiglu_train.memory.runs import load_runs
@@ -89,7 +92,9 @@ def test_auto_checkpoints_what_the_budget_needs_and_records_the_plan(small, tmp_
 def test_auto_micro_batch_picks_a_divisor_of_the_global_batch_and_accumulates(small, tmp_path):
     # Global batch 4: micro-batches 4, 2, 1. A budget below drop_h's unchecked peak at 4 and
     # above it at 2 rules the unchecked micro-batch 4 out and the unchecked 2 in.
-    measure = measurer(load_config(str(small)), Steps(warmup=0, measured=1))
+    cfg = load_config(str(small))
+    cfg.train.global_batch_size = 4
+    measure = measurer(cfg, Steps(warmup=0, measured=1))
     at4, at2 = (measure("drop_h", 0, m).peak_MiB for m in (4, 2))
     assert at2 < at4
     budget_MiB = (at2 + at4) / 2
@@ -136,6 +141,53 @@ def test_auto_micro_batch_from_the_yaml_and_its_refusals(small, tmp_path):
     result, _ = pretrain(small, tmp_path, "--micro-batch-size", "two")
     assert result.exit_code != 0 and "must be a whole number or auto, got 'two'" in result.output
     assert not (tmp_path / "run").exists()
+
+
+def test_a_measured_step_accumulates_its_micro_batches_and_steps_the_optimizer_once(small):
+    """Global batch 8 at micro-batches 8, 4 and 2 (1, 2, 4 per optimizer step): each step
+    runs its first micro-batch and one more when it accumulates, adding into the gradients
+    (not zeroed between them), then AdamW once; its tokens/s is the global batch's tokens
+    over the first + (A - 1) x the accumulating micro-batch + the optimizer step."""
+    cfg = load_config(str(small))
+    cfg.train.global_batch_size, cfg.train.gradient_clip_val = 8, 0.0  # unclipped: grads sum
+    events, grads, watched = [], [], []
+
+    def forward(module, args, output):
+        if isinstance(module, LlamaDecoder):
+            events.append("forward")
+            watched[:] = [module.embed.weight]
+            grad = watched[0].grad
+            grads.append(None if grad is None else grad.clone())
+
+    def step(optimizer, args, kwargs):
+        events.append("step")
+        grads.append(watched[0].grad.clone())
+
+    hooks = [register_module_forward_hook(forward), register_optimizer_step_pre_hook(step)]
+    try:
+        measure = measurer(cfg, Steps(warmup=1, measured=2))
+        profiles = {}
+        for a in (1, 2, 4):
+            events.clear()
+            grads.clear()
+            profiles[a] = measure("drop_h", 0, 8 // a)
+            per_step = ["forward", "step"] if a == 1 else ["forward", "forward", "step"]
+            assert events == per_step * 3  # AdamW once per optimizer step (1 warm-up + 2)
+            if a > 1:  # the second micro-batch (same rows) added its gradient to the first's
+                for i in range(3):
+                    first, total = grads[3 * i + 1], grads[3 * i + 2]
+                    torch.testing.assert_close(total, 2 * first, rtol=1e-6, atol=0)
+        with pytest.raises(ValueError, match="needs the global batch it accumulates to"):
+            measurer(load_config(str(small)))("drop_h", 0, 2)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    for a, p in profiles.items():
+        assert (p.micro_batch_size, p.accumulate_grad_batches) == (8 // a, a)
+        assert p.micro_batch_s > 0 and p.optimizer_s > 0
+        assert (p.accumulating_s is None) == (a == 1)
+        step_s = p.micro_batch_s + (a - 1) * (p.accumulating_s or 0.0) + p.optimizer_s
+        assert p.tokens_per_s == pytest.approx(8 * 32 / step_s)  # the global batch's tokens
 
 
 def test_a_budget_nothing_fits_is_refused_naming_the_smallest_peak(small, tmp_path):
@@ -216,6 +268,10 @@ def test_cuda_points_read_the_allocator_and_an_out_of_memory_step_is_a_misfit(sm
     assert p.tokens_per_s > 0 and 0 < p.after_forward_MiB < p.peak_MiB
     state_MiB = sum(q.numel() for q in measure_params(cfg)) * 16 / 2**20  # fp32 + grad + Adam
     assert p.peak_MiB > state_MiB
+    cfg.train.global_batch_size = 2 * cfg.data.micro_batch_size  # two micro-batches a step
+    two = measure("drop_h", 0, cfg.data.micro_batch_size)  # CUDA events time the parts
+    assert two.accumulate_grad_batches == 2 and two.peak_MiB > state_MiB
+    assert two.micro_batch_s > 0 and two.accumulating_s > 0 and two.optimizer_s > 0
     cfg.data.micro_batch_size = 1 << 22  # 2^22 x 32 tokens: far beyond any GPU
     huge = measurer(cfg, Steps(warmup=0, measured=1))("drop_h", 2)
     assert huge.peak_MiB is None and huge.tokens_per_s is None

@@ -16,6 +16,9 @@ here is only what to do with the measurements, so it can be tested against recor
   one would run the same step on less work at a time).
 - :func:`choose_plan` takes the fastest profile that fits; among those within ``tie`` of its
   tokens/s, the one with the smallest peak (headroom costs nothing there).
+- :func:`step_tokens_per_s` is a profile's rate: tokens per second of a whole optimizer step,
+  its micro-batches and the optimizer step once, so that micro-batches compare at one global
+  batch (the optimizer counted after every micro-batch would favour the larger ones).
 """
 
 from __future__ import annotations
@@ -37,6 +40,11 @@ class Profile:
     tokens_per_s: float | None = None  # None: not timed
     after_forward_MiB: float | None = None
     micro_batch_size: int | None = None  # None: the run's own (not planned)
+    # The timed parts of the step that ``tokens_per_s`` counts (:func:`step_tokens_per_s`)
+    accumulate_grad_batches: int = 1  # micro-batches per optimizer step
+    micro_batch_s: float | None = None  # the first: forward, zero_grad, backward
+    accumulating_s: float | None = None  # each further one, adding into the held gradients
+    optimizer_s: float | None = None  # gradient clipping and the optimizer step
 
     def fits(self, budget_MiB: float) -> bool:
         return self.peak_MiB is not None and self.peak_MiB <= budget_MiB
@@ -90,6 +98,28 @@ def accumulation(global_batch_size: int, micro_batch_size: int) -> int:
         raise ValueError(f"the global batch {global_batch_size} is not divisible by the "
                          f"micro-batch {micro_batch_size}: accumulation must be whole")  # fmt: skip
     return global_batch_size // micro_batch_size
+
+
+def step_tokens_per_s(
+    tokens: int,
+    accumulation: int,
+    micro_batch_s: float,
+    accumulating_s: float | None,
+    optimizer_s: float,
+) -> float:
+    """Tokens per second of one optimizer step of ``accumulation`` micro-batches of ``tokens``
+    each, as gradient accumulation runs it: the first micro-batch, ``accumulation - 1`` more
+    at ``accumulating_s`` each (alike: one timed stands for all), and the optimizer once."""
+    if isinstance(accumulation, bool) or not (isinstance(accumulation, int) and accumulation >= 1):
+        raise ValueError(f"accumulation must be a whole number of micro-batches, at least 1; "
+                         f"got {accumulation!r}")  # fmt: skip
+    if accumulation > 1 and accumulating_s is None:
+        raise ValueError(f"a step of {accumulation} micro-batches needs an accumulating "
+                         "micro-batch timed (accumulating_s)")  # fmt: skip
+    step_s = micro_batch_s + (accumulation - 1) * (accumulating_s or 0.0) + optimizer_s
+    if not step_s > 0:
+        raise ValueError(f"a step's timed parts must add up to a positive time, got {step_s} s")
+    return accumulation * tokens / step_s
 
 
 def search(

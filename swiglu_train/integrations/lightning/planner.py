@@ -2,18 +2,24 @@
 model on this device, and pick the MLP impl and the number of checkpointed blocks that fit
 the memory budget at the highest tokens/s (the decision: ``swiglu_train.memory.plan``).
 
-Each measured point is a few whole steps of the pretraining module (forward, zero_grad,
-backward, gradient clipping, AdamW; Lightning's order), at the run's micro-batch, sequence
-length and precision (Lightning Fabric's precision plugin, as the Trainer's), on random
-tokens. The first ``warmup`` steps (Triton compilation and autotuning, optimizer state
-allocation) are left out of both figures.
+Each measured point is a few whole optimizer steps of the pretraining module at the run's
+micro-batch, accumulation, sequence length and precision (Lightning Fabric's precision plugin,
+as the Trainer's), on random tokens, in Lightning's order: the first micro-batch's forward,
+zero_grad, backward; each further micro-batch's forward and backward, adding into the held
+gradients; then gradient clipping and AdamW, once. A step of A micro-batches runs the first
+and, when A > 1, one more (the other A - 2 are alike), each timed apart from the optimizer
+step; its tokens/s is A micro-batches over first + (A - 1) x further + optimizer
+(``step_tokens_per_s``). So the optimizer counts once per global batch, as it runs, at the
+device time of at most two micro-batches per step whatever A is. The first ``warmup`` steps
+(Triton compilation and autotuning, optimizer state allocation) are left out of both figures.
 
-Memory, per step, on CUDA: the allocator's peak over the whole step (the memory profiler's
-forward peak above its step-start allocation, and the backward plus optimizer peak), in
-absolute MiB, which is what the budget bounds. On the CPU there are no allocator figures: the
-peak is estimated as the model state (parameters, gradients, optimizer state: their
-storages, counted) plus the bytes saved for backward (exact, from the profiler). That leaves
-out transient buffers, so a CPU plan is a lower bound; a CPU run needs an explicit budget.
+Memory, per step, on CUDA: the allocator's peak over the whole step (each micro-batch's
+forward and backward peaks, from the memory profiler, the further one's with the accumulated
+gradients held, and the optimizer step's), in absolute MiB, which is what the budget bounds.
+On the CPU there are no allocator figures: the peak is estimated as the model state
+(parameters, gradients, optimizer state: their storages, counted) plus the bytes saved for
+backward (exact, from the profiler). That leaves out transient buffers, so a CPU plan is a
+lower bound; a CPU run needs an explicit budget.
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ import statistics
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
+from itertools import pairwise
 
 import torch
 from lightning.fabric import Fabric
@@ -38,6 +45,7 @@ from swiglu_train.memory.plan import (
     micro_batches,
     search,
     search_micro_batches,
+    step_tokens_per_s,
 )
 from swiglu_train.memory.profiler import MemoryProfiler, MiB
 from swiglu_train.memory.saved import storages
@@ -150,9 +158,10 @@ def measurer(
     cfg: PretrainConfig, steps: Steps = Steps(), log: Callable[[str], None] | None = None
 ) -> Callable[..., Profile]:
     """A ``measure(candidate, n, micro_batch_size=None)`` over the run's model, at the run's
-    micro-batch unless given (a given one is recorded in the profile): one model and optimizer
-    per candidate, built on the device when first asked for and kept while the next points
-    measure the same candidate (only ``checkpoint_layers`` and the micro-batch change)."""
+    micro-batch and accumulation unless a micro-batch is given (then recorded in the profile,
+    and accumulated up to train.global_batch_size): one model and optimizer per candidate,
+    built on the device when first asked for and kept while the next points measure the same
+    candidate (only ``checkpoint_layers`` and the micro-batch change)."""
     fabric = Fabric(accelerator="auto", devices=1, precision=_precision(cfg.train.precision))
     held: dict[str, tuple] = {}
 
@@ -163,8 +172,8 @@ def measurer(
             held[name] = _build(fabric, cfg, name)
         module, optimizer = held[name]
         module.model.checkpoint_layers = n
-        micro = micro_batch_size or cfg.data.micro_batch_size
-        profile = _run_steps(fabric, cfg, module, optimizer, name, n, micro, steps)
+        micro, accumulate = _batching(cfg, micro_batch_size)
+        profile = _run_steps(fabric, cfg, module, optimizer, name, n, micro, accumulate, steps)
         profile = replace(profile, micro_batch_size=micro_batch_size)
         if log is not None:
             log(describe(profile, cfg.model.num_layers))
@@ -173,12 +182,24 @@ def measurer(
     return measure
 
 
+def _batching(cfg: PretrainConfig, micro_batch_size: int | None) -> tuple[int, int]:
+    """(micro-batch, micro-batches per optimizer step) of a measured step."""
+    if micro_batch_size is None:
+        return cfg.data.micro_batch_size, cfg.train.accumulate_grad_batches
+    if cfg.train.global_batch_size is None:
+        raise ValueError(f"measuring at micro-batch {micro_batch_size} needs the global batch "
+                         "it accumulates to: set train.global_batch_size")  # fmt: skip
+    return micro_batch_size, accumulation(cfg.train.global_batch_size, micro_batch_size)
+
+
 def describe(p: Profile, num_layers: int) -> str:
     peak = "out of memory" if p.peak_MiB is None else f"peak {p.peak_MiB:,.0f} MiB"
     rate = "" if p.tokens_per_s is None else f", {p.tokens_per_s:,.0f} tokens/s"
     blocks = f"{p.checkpoint_layers} of {num_layers} blocks checkpointed"
     micro = "" if p.micro_batch_size is None else f"micro-batch {p.micro_batch_size}, "
-    return f"planner: {p.impl}, {micro}{blocks}: {peak}{rate}"
+    a = p.accumulate_grad_batches
+    accumulated = f"{a} micro-batches per optimizer step, " if a > 1 else ""
+    return f"planner: {p.impl}, {micro}{accumulated}{blocks}: {peak}{rate}"
 
 
 def plan_run(
@@ -251,34 +272,39 @@ def _build(fabric: Fabric, cfg: PretrainConfig, name: str):
     return module, optimizer
 
 
-def _run_steps(fabric, cfg, module, optimizer, name: str, n: int, micro: int, steps: Steps):
-    """``steps`` whole training steps of ``micro`` sequences; the measured ones' median time
-    and largest peak."""
+def _run_steps(
+    fabric, cfg, module, optimizer, name: str, n: int, micro: int, accumulate: int, steps: Steps
+) -> Profile:
+    """``steps`` optimizer steps of ``accumulate`` micro-batches of ``micro`` sequences, each
+    running its first micro-batch and at most one further one (module docstring); the
+    measured steps' median parts, their tokens/s and the largest peak."""
     device = fabric.device
     rows = torch.randint(0, cfg.model.vocab_size, (micro, cfg.data.seq_length + 1),
                          device=device)  # fmt: skip
     profiler = MemoryProfiler(module, per_layer=False)
-    seconds, peaks, after = [], [], []
+    parts, peaks, after = [], [], []
     loss, out_of_memory = None, False
     try:
         for i in range(steps.warmup + steps.measured):
-            tic = time.perf_counter()
-            profiler.begin(i)
-            with fabric.autocast():
-                loss = module.loss(rows)
-            optimizer.zero_grad(set_to_none=True)  # Lightning's order: after the forward
-            profiler.forward_done()
-            fabric.backward(loss)
-            loss = None
-            memory = profiler.backward_done()
+            clock, records = _Clock(device), []
+            for k in range(min(accumulate, 2)):
+                profiler.begin(i)
+                with fabric.autocast():
+                    loss = module.loss(rows)
+                if k == 0:  # Lightning's order: after the window's first forward
+                    optimizer.zero_grad(set_to_none=True)
+                profiler.forward_done()
+                fabric.backward(loss)
+                loss = None
+                records.append(profiler.backward_done())
+                clock.mark()
             if cfg.train.gradient_clip_val:
                 fabric.clip_gradients(module, optimizer, max_norm=cfg.train.gradient_clip_val)
             optimizer.step()
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            seconds.append(time.perf_counter() - tic)
-            peaks.append(_peak_MiB(memory, module, optimizer, device))
-            after.append(_after_forward_MiB(memory))
+            clock.mark()
+            parts.append(clock.seconds())
+            peaks.append(_peak_MiB(records, module, optimizer, device))
+            after.append(max(_after_forward_MiB(r) for r in records))
     except torch.OutOfMemoryError:
         out_of_memory = True  # freed below: the exception's frames hold the step's tensors
     if out_of_memory:
@@ -286,23 +312,54 @@ def _run_steps(fabric, cfg, module, optimizer, name: str, n: int, micro: int, st
         loss = None
         optimizer.zero_grad(set_to_none=True)
         _free(device)
-        return Profile(name, n, None, micro_batch_size=micro)
+        return Profile(name, n, None, micro_batch_size=micro, accumulate_grad_batches=accumulate)
+    measured = parts[steps.warmup :]
+    first, *more, opt = (statistics.median(column) for column in zip(*measured, strict=True))
+    further = more[0] if more else None
     tokens = micro * cfg.data.seq_length
     return Profile(
         name,
         n,
         max(peaks[steps.warmup :]),
-        tokens / statistics.median(seconds[steps.warmup :]),
+        step_tokens_per_s(tokens, accumulate, first, further, opt),
         max(after[steps.warmup :]),
         micro,
+        accumulate,
+        first,
+        further,
+        opt,
     )
 
 
-def _peak_MiB(memory, module, optimizer, device: torch.device) -> float:
-    if device.type == "cuda":  # the profiler reset the peak at forward end: backward + step
-        forward = memory.allocated_MiB + memory.forward_peak_MiB
-        return max(forward, torch.cuda.max_memory_allocated(device) / MiB)
-    return (_state_bytes(module, optimizer) + memory.saved_bytes) / MiB
+class _Clock:
+    """Seconds between marks: CUDA events on the GPU, so the parts of a step are timed without
+    a synchronization between them (training has none there); the host's clock elsewhere."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self.marks: list = []
+        self.mark()
+
+    def mark(self) -> None:
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            self.marks.append(event)
+        else:
+            self.marks.append(time.perf_counter())
+
+    def seconds(self) -> list[float]:
+        if not self.cuda:
+            return [b - a for a, b in pairwise(self.marks)]
+        self.marks[-1].synchronize()
+        return [a.elapsed_time(b) / 1e3 for a, b in pairwise(self.marks)]
+
+
+def _peak_MiB(records: list, module, optimizer, device: torch.device) -> float:
+    if device.type == "cuda":  # the profiler reset the peak at the last forward's end
+        micro = max(r.allocated_MiB + r.peak_MiB for r in records)  # absolute, each micro-batch
+        return max(micro, torch.cuda.max_memory_allocated(device) / MiB)  # + the optimizer's
+    return (_state_bytes(module, optimizer) + max(r.saved_bytes for r in records)) / MiB
 
 
 def _after_forward_MiB(memory) -> float:
