@@ -26,8 +26,9 @@ from swiglu_train.ops.fp8_saved import (
     dequantize,
     quantize,
     recompute,
+    saved_buffers,
     swiglu_bwd_fp8_,
-    swiglu_fwd_fp8,
+    swiglu_fwd_fp8_,
 )
 
 FP8_GRAD_MAX, FP8_GRAD_MIN = 0.06, 1e-2
@@ -76,8 +77,11 @@ def awkward_preact(m: int, ffn: int, dtype: torch.dtype, device) -> torch.Tensor
 
 def fp8_pass(preact: torch.Tensor, backend: str, device=None):
     """(h, values, scales) of the forward op on ``device`` (None: preact's), back on preact's."""
+    on_device = preact.to(device)
+    buffers = saved_buffers(preact.shape[0], preact.shape[1] // 2, on_device)
     with use_backend(backend):
-        return tuple(t.to(preact.device) for t in swiglu_fwd_fp8(preact.to(device)))
+        swiglu_fwd_fp8_(on_device, *buffers)
+    return tuple(t.to(preact.device) for t in buffers)
 
 
 @pytest.mark.parametrize("device", KERNEL_DEVICES)
@@ -197,13 +201,15 @@ def test_backward_kernel_matches_the_torch_path(device, dtype):
 
 
 def test_custom_ops_pass_opcheck():
-    """Schema, fake kernels and mutation, as torch.compile relies on. The backward's schema test
-    is left out: it compares inputs by arithmetic torch lacks for float8 on CPU."""
+    """Schema, fake kernels and mutation, as torch.compile relies on. The schema test is left
+    out: it compares inputs by arithmetic torch lacks for float8 on CPU."""
     preact = torch.randn(5, 2 * 130)
     q, scales = quantize(preact)
     no_schema = ("test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic")
     with use_backend("torch"):
-        torch.library.opcheck(swiglu_fwd_fp8.op, (preact,))
+        torch.library.opcheck(
+            swiglu_fwd_fp8_.op, (preact, *saved_buffers(5, 130, preact)), test_utils=no_schema
+        )
         torch.library.opcheck(
             swiglu_bwd_fp8_.op,
             (q, scales, torch.randn(5, 130), torch.empty(5, 260)),

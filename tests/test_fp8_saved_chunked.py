@@ -1,15 +1,18 @@
-"""drop_h with the FP8-saved preactivation, run in row chunks: the grads against one chunk's, the
-chunk rule, and the backward's peak of live bytes against drop_h's.
+"""drop_h with the FP8-saved preactivation, run in row chunks: outputs and grads against one
+chunk's, the chunk rule, and the peak of live bytes against drop_h's, forward and backward.
 
-What chunking may change. h and grad_preact are elementwise per row, so every chunk computes
-the rows one chunk would; grad_W2 and grad_b2 are computed after the loop from the same h and
-grad_y, so they are equal exactly. grad_x is one GEMM per chunk: a BLAS may reduce a chunk's
-rows in another order than the whole matrix's (MKL does, for some row counts), so it is equal
-to fp32's rounding, and in bf16 to one rounding of the output. grad_b1 sums in fp32 per chunk:
-the same. grad_W1 is accumulated in the parameters' dtype by the GEMM, one rounding per chunk:
-in fp32 that is fp32's rounding; in bf16 each chunk adds at most half an ulp (2**-9) of the
-running sum, and the roundings add up like a random walk, measured at 0.31-0.39 of
-sqrt(chunks) * 2**-8 (norm-relative), which is the bound asserted.
+What chunking may change. preact's rows are x's rows times W1; h, the FP8 copy and grad_preact
+are elementwise per row. A BLAS may reduce a chunk's rows in another order than the whole
+matrix's (MKL does, for some row counts), and a last-bit change in the preactivation can move
+an e4m3 code by a whole step; so the tests build x, W1 and b1 from small dyadic numbers, whose
+products and sums fp32 holds exactly: the forward is then the same in any order, and y and the
+saved copy are equal exactly. grad_W2 and grad_b2 come after the loop from the same h and
+grad_y: equal exactly. grad_x is one GEMM per chunk: equal to fp32's rounding, and in bf16 to
+one rounding of the output; grad_b1 sums in fp32 per chunk: the same. grad_W1 is accumulated
+in the parameters' dtype by the GEMM, one rounding per chunk: in fp32 that is fp32's rounding;
+in bf16 each chunk adds at most half an ulp (2**-9) of the running sum, and the roundings add
+up like a random walk, measured at 0.31-0.39 of sqrt(chunks) * 2**-8 (norm-relative), which is
+the bound asserted.
 """
 
 import math
@@ -25,15 +28,17 @@ from torch.utils._pytree import tree_leaves
 
 from swiglu_train.kernels.fp8_format import n_blocks
 from swiglu_train.ops import reference, use_backend
-from swiglu_train.ops.activation import swiglu_bwd_recompute_
+from swiglu_train.ops.activation import swiglu_bwd_recompute_, swiglu_fwd
 from swiglu_train.ops.fp8_saved import (
     MIN_CHUNK_ROWS,
     ROW_ALIGN,
     drop_h_backward_peak,
     drop_h_fp8_mlp,
     fp8_backward_peak,
+    fp8_forward_peak,
     rows_per_chunk,
     swiglu_bwd_fp8_,
+    swiglu_fwd_fp8_,
 )
 from swiglu_train.ops.mlp import drop_h_mlp
 
@@ -43,36 +48,66 @@ NOT_INTERPRETED = [p for p in device_backends() if p.id != "cpu-triton"]
 
 
 def make_inputs(m: int, dtype: torch.dtype, device, bias: bool = True, seed: int = 0):
-    """(x, w1, b1, w2, b2, grad_y), the weights at a trained layer's scale."""
+    """(x, w1, b1, w2, b2, grad_y): x, w1 and b1 of quarters, sixteenths and 64ths below 2,
+    so that preact is exact in fp32 (module docstring); w2 and grad_y random."""
     g = torch.Generator().manual_seed(seed)
+
+    def dyadic(*shape, unit):
+        return (torch.randint(-8, 9, shape, generator=g) * unit).to(device, dtype)
 
     def rand(*shape, scale=1.0):
         return (torch.randn(*shape, generator=g) * scale).to(device, dtype)
 
-    x, grad_y = rand(m, D), rand(m, OUT)
-    w1, w2 = rand(2 * FFN, D, scale=D**-0.5), rand(OUT, FFN, scale=FFN**-0.5)
-    b1, b2 = (rand(2 * FFN, scale=0.1), rand(OUT)) if bias else (None, None)
+    x, w1, w2, grad_y = (
+        dyadic(m, D, unit=0.25),
+        dyadic(2 * FFN, D, unit=1 / 16),
+        rand(OUT, FFN, scale=FFN**-0.5),
+        rand(m, OUT),
+    )
+    b1, b2 = (dyadic(2 * FFN, unit=1 / 64), rand(OUT)) if bias else (None, None)
     return x, w1, b1, w2, b2, grad_y
 
 
-def fp8_grads(inputs, rows: int, backend: str, x_grad: bool = True, **kw) -> dict:
+def random_inputs(m: int, dtype: torch.dtype, seed: int = 0):
+    """(x, w1, None, w2, None, grad_y) of random values at a trained layer's scale."""
+    g = torch.Generator().manual_seed(seed)
+    x, w1 = torch.randn(m, D, generator=g), torch.randn(2 * FFN, D, generator=g) * D**-0.5
+    w2, grad_y = torch.randn(OUT, FFN, generator=g) * FFN**-0.5, torch.randn(m, OUT, generator=g)
+    return x.to(dtype), w1.to(dtype), None, w2.to(dtype), None, grad_y.to(dtype)
+
+
+def fp8_run(inputs, rows: int, backend: str, x_grad: bool = True, **kw) -> dict:
+    """y, the saved copy (values as bytes, scales) and the grads of one step."""
     *tensors, grad_y = inputs
     leaves = [None if t is None else t.detach().clone().requires_grad_() for t in tensors]
     leaves[0].requires_grad_(x_grad)
+    saved = []  # copies: the backward frees the FP8 copy
+
+    def pack(t):
+        saved.append(t.detach().clone())
+        return t
+
+    with use_backend(backend), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        y = drop_h_fp8_mlp(*leaves, chunk_rows=rows, **kw)
     with use_backend(backend):
-        drop_h_fp8_mlp(*leaves, chunk_rows=rows, **kw).backward(grad_y)
-    return {n: None if t is None else t.grad for n, t in zip(NAMES, leaves, strict=True)}
+        y.backward(grad_y)
+    (q,) = (t for t in saved if t.dtype == torch.float8_e4m3fn)
+    (scales,) = (t for t in saved if t.dtype == torch.float32 and t.shape[1] == 2 * n_blocks(FFN))
+    grads = {n: None if t is None else t.grad for n, t in zip(NAMES, leaves, strict=True)}
+    return {"y": y.detach(), "q": q.view(torch.uint8), "scales": scales, **grads}
 
 
-def assert_chunked_grads_match(chunked: dict, one: dict, chunks: int, dtype) -> None:
+def assert_chunked_matches(chunked: dict, one: dict, chunks: int, dtype) -> None:
+    """The module docstring's terms: forward and grad_W2, grad_b2 exact, the others within
+    rounding."""
     fp32 = dtype == torch.float32
-    for name in NAMES:
+    for name in ("y", "q", "scales", *NAMES):
         a, b = chunked[name], one[name]
         assert (a is None) == (b is None), name
         if a is None:
             continue
         assert a.shape == b.shape and a.dtype == b.dtype, name
-        if name in ("w2", "b2"):
+        if name in ("y", "q", "scales", "w2", "b2"):
             assert torch.equal(a, b), name
         elif a.numel():
             tol = 1e-6 if fp32 else 2.0**-8
@@ -85,29 +120,28 @@ def assert_chunked_grads_match(chunked: dict, one: dict, chunks: int, dtype) -> 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("m", [1, 37, 48])  # 37: a short last chunk; 48: three whole ones
 @pytest.mark.parametrize("bias", [True, False], ids=["bias", "no-bias"])
-def test_chunked_grads_match_one_chunk(device, backend, dtype, m, bias):
+def test_chunks_match_one_chunk(device, backend, dtype, m, bias):
     inputs = make_inputs(m, dtype, device, bias)
-    one = fp8_grads(inputs, m, backend)
-    chunked = fp8_grads(inputs, 16, backend)
-    assert_chunked_grads_match(chunked, one, -(-m // 16), dtype)
+    assert_chunked_matches(
+        fp8_run(inputs, 16, backend), fp8_run(inputs, m, backend), -(-m // 16), dtype
+    )
 
 
-def test_chunked_triton_kernels_match_one_chunk():
-    """The Triton backward kernel on a chunk's rows (views into grad_h, the FP8 copy and its
+def test_chunks_match_one_chunk_on_the_triton_kernels():
+    """The Triton kernels on a chunk's rows (views into h or grad_h, the FP8 copy and its
     scales) under the interpreter; skipped where Triton does not run on CPU."""
     if not any(p.id == "cpu-triton" for p in device_backends()):
         pytest.skip("needs TRITON_INTERPRET=1")
     inputs = make_inputs(37, torch.bfloat16, "cpu")
-    assert_chunked_grads_match(
-        fp8_grads(inputs, 16, "triton"), fp8_grads(inputs, 37, "triton"), 3, torch.bfloat16
+    assert_chunked_matches(
+        fp8_run(inputs, 16, "triton"), fp8_run(inputs, 37, "triton"), 3, torch.bfloat16
     )
 
 
 @pytest.mark.parametrize(("device", "backend"), NOT_INTERPRETED)
 def test_x_without_grad_gets_none_and_the_weights_the_same_grads(device, backend):
     inputs = make_inputs(37, torch.float32, device)
-    without = fp8_grads(inputs, 16, backend, x_grad=False)
-    with_x = fp8_grads(inputs, 16, backend)
+    without, with_x = fp8_run(inputs, 16, backend, x_grad=False), fp8_run(inputs, 16, backend)
     assert without["x"] is None
     for name in NAMES[1:]:
         assert torch.equal(without[name], with_x[name]), name
@@ -115,21 +149,21 @@ def test_x_without_grad_gets_none_and_the_weights_the_same_grads(device, backend
 
 @pytest.mark.parametrize("rows", [1, 16])
 def test_no_rows_gives_zero_weight_grads(rows):
-    got = fp8_grads(make_inputs(0, torch.float32, "cpu"), rows, "torch")
-    assert got["x"].shape == (0, D)
+    got = fp8_run(make_inputs(0, torch.float32, "cpu"), rows, "torch")
+    assert got["y"].shape == (0, OUT) and got["x"].shape == (0, D)
     for name, shape in (("w1", (2 * FFN, D)), ("b1", (2 * FFN,)), ("w2", (OUT, FFN))):
         assert got[name].shape == shape and not got[name].any(), name
 
 
 def test_bf16_accumulation_over_chunks_stays_near_the_one_chunk_error():
-    """grad_W1's error against float64 with the seed shape's six chunks (``rows_per_chunk``)
-    against one chunk's: the per-chunk bf16 roundings add in quadrature to e4m3's ~3 %."""
+    """grad_W1's error against float64 with the seed shape's six backward chunks against one
+    chunk's: the per-chunk bf16 roundings add in quadrature to e4m3's ~3 %."""
     m = 6 * 256
-    inputs = make_inputs(m, torch.bfloat16, "cpu", bias=False)
+    inputs = random_inputs(m, torch.bfloat16)
     *tensors, grad_y = inputs
     exact = [None if t is None else t.double().requires_grad_() for t in tensors]
     reference.mlp(*exact).backward(grad_y.double())
-    one, six = fp8_grads(inputs, m, "torch"), fp8_grads(inputs, 256, "torch")
+    one, six = fp8_run(inputs, m, "torch"), fp8_run(inputs, 256, "torch")
     one_err, six_err = rel_err(one["w1"], exact[1].grad), rel_err(six["w1"], exact[1].grad)
     assert 1e-2 < one_err < 0.06  # e4m3's rounding, tests/test_fp8_saved.py
     assert six_err <= 1.02 * one_err, (six_err, one_err)
@@ -163,25 +197,33 @@ def test_torch_compile_fullgraph_with_several_chunks():
         return drop_h_fp8_mlp(x, w1, b1, w2, b2, chunk_rows=16)
 
     with use_backend("torch"):
-        (expected,) = torch.autograd.grad(step(x), x, grad_y)
-        compiled = torch.compile(step, fullgraph=True, backend="aot_eager")
-        (got,) = torch.autograd.grad(compiled(x), x, grad_y)
+        y_eager = step(x)
+        (expected,) = torch.autograd.grad(y_eager, x, grad_y)
+        y = torch.compile(step, fullgraph=True, backend="aot_eager")(x)
+        (got,) = torch.autograd.grad(y, x, grad_y)
+    torch.testing.assert_close(y, y_eager, rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-6)
 
 
 SEED_SHAPE = (11136, 3584, 14336, 3584)  # M, D, F, O: issue 19's
+MiB = 2**20
 
 
 def test_rows_per_chunk_at_the_seed_shape():
-    """drop_h's backward peaks at x + preact + grad_h + grad_W2 = 1087.6 MiB; through the FP8
-    loop x, the copy and scales, grad_h, grad_x and grad_W1 hold 966.8 MiB, leaving 120.9 MiB,
-    2210 rows of [2F] bf16: 2176 aligned, 6 chunks, evened out to 1856 and aligned to 1920."""
+    """drop_h's backward peaks at x + preact + grad_h + grad_W2 = 1087.6 MiB, above its
+    forward's x + preact + h. Through the FP8 backward's loop x, the copy and scales, grad_h,
+    grad_x and grad_W1 hold 966.8 MiB, leaving 120.9 MiB: 2210 rows of [2F] bf16, 2176 aligned,
+    6 chunks, evened out to 1856 and aligned to 1920. Through the forward's, x, h and the copy
+    hold 694.6 MiB, leaving 393.0: 7186 rows, 7168 aligned, 2 chunks, 5568 evened, 5632."""
     m, d, ffn, out = SEED_SHAPE
-    rows = rows_per_chunk(m, d, ffn, out, 2)
-    assert rows == 1920 and -(-m // rows) == 6
-    assert fp8_backward_peak(m, d, ffn, 2, rows) <= drop_h_backward_peak(m, d, ffn, out, 2)
-    assert round(drop_h_backward_peak(m, d, ffn, out, 2) / 2**20, 1) == 1087.6
-    assert round(fp8_backward_peak(m, d, ffn, 2, rows) / 2**20, 1) == 1071.8
+    limit = drop_h_backward_peak(m, d, ffn, out, 2)
+    assert round(limit / MiB, 1) == 1087.6
+    backward = rows_per_chunk(m, d, ffn, out, 2, forward=False)
+    assert backward == 1920 and -(-m // backward) == 6
+    assert round(fp8_backward_peak(m, d, ffn, 2, backward) / MiB, 1) == 1071.8
+    forward = rows_per_chunk(m, d, ffn, out, 2, forward=True)
+    assert forward == 5632 and -(-m // forward) == 2
+    assert round(fp8_forward_peak(m, d, ffn, 2, forward) / MiB, 1) == 1002.6
 
 
 @pytest.mark.parametrize(
@@ -195,14 +237,17 @@ def test_rows_per_chunk_at_the_seed_shape():
         ((8192, 2048, 5632, 2048), 2),
     ],
 )
-def test_rows_per_chunk_keeps_the_peak_within_drop_h_s(shape, itemsize):
-    m, d, ffn, out = shape
-    rows = rows_per_chunk(m, d, ffn, out, itemsize)
+@pytest.mark.parametrize("forward", [True, False], ids=["forward", "backward"])
+def test_rows_per_chunk_keeps_the_peak_within_drop_h_s(shape, itemsize, forward):
+    m, d, ffn, _ = shape
+    peak = fp8_forward_peak if forward else fp8_backward_peak
+    limit = drop_h_backward_peak(*shape, itemsize)
+    rows = rows_per_chunk(*shape, itemsize, forward=forward)
     assert rows % ROW_ALIGN == 0 and MIN_CHUNK_ROWS <= rows < m
-    assert fp8_backward_peak(m, d, ffn, itemsize, rows) <= drop_h_backward_peak(*shape, itemsize)
+    assert peak(m, d, ffn, itemsize, rows) <= limit
     chunks = -(-m // rows)  # no fewer chunks would fit, and they are even to within ROW_ALIGN
-    fewer = ceil_to(-(-m // (chunks - 1)), ROW_ALIGN)
-    assert fp8_backward_peak(m, d, ffn, itemsize, fewer) > drop_h_backward_peak(*shape, itemsize)
+    fewer = m if chunks == 2 else ceil_to(-(-m // (chunks - 1)), ROW_ALIGN)
+    assert peak(m, d, ffn, itemsize, fewer) > limit
     assert rows - chunks * ROW_ALIGN <= m - (chunks - 1) * rows <= rows
 
 
@@ -211,26 +256,30 @@ def ceil_to(n: int, multiple: int) -> int:
 
 
 def test_rows_per_chunk_small_or_tight_shapes():
-    assert rows_per_chunk(0, 64, 256, 64, 2) == 1  # one empty chunk
-    assert rows_per_chunk(1000, 64, 256, 64, 2) == 1000  # at most MIN_CHUNK_ROWS: one chunk
-    # small D and O against F: the bound allows 336 rows, MIN_CHUNK_ROWS wins
-    assert rows_per_chunk(1025, 64, 256, 64, 2) == MIN_CHUNK_ROWS
-    assert rows_per_chunk(4096, 1024, 2816, 1024, 2) == MIN_CHUNK_ROWS
-    assert fp8_backward_peak(4096, 1024, 2816, 2, MIN_CHUNK_ROWS) > drop_h_backward_peak(
-        4096, 1024, 2816, 1024, 2
-    )
+    for forward in (True, False):
+        assert rows_per_chunk(0, 64, 256, 64, 2, forward=forward) == 1  # one empty chunk
+        assert rows_per_chunk(1000, 64, 256, 64, 2, forward=forward) == 1000  # one chunk
+    # small D and O against F: the backward's bound allows 336 rows, MIN_CHUNK_ROWS wins
+    assert rows_per_chunk(1025, 64, 256, 64, 2, forward=False) == MIN_CHUNK_ROWS
+    tight = (4096, 1024, 2816, 1024)
+    assert rows_per_chunk(*tight, 2, forward=False) == MIN_CHUNK_ROWS
+    assert fp8_backward_peak(*tight[:3], 2, MIN_CHUNK_ROWS) > drop_h_backward_peak(*tight, 2)
 
 
-KERNEL_BODIES = {op._fn.__code__ for op in (swiglu_bwd_recompute_, swiglu_bwd_fp8_)}
+# The torch bodies of the activation ops: the Triton kernels they stand for allocate nothing
+# but their outputs (drop_h's swiglu_fwd returns h; the others write into given buffers).
+KERNEL_BODIES = {
+    op._fn.__code__ for op in (swiglu_fwd, swiglu_bwd_recompute_, swiglu_fwd_fp8_, swiglu_bwd_fp8_)
+}
 
 
 class LiveBytes(TorchDispatchMode):
     """Bytes of the storages that ops create, alive, after each op; and their peak.
 
     Storages an op's output shares with its inputs (views, in-place and out= ops) are not new.
-    The temporaries of the activation kernels' torch bodies (the backward ops, which write into
-    given buffers) stand for registers of the Triton kernels, which allocate nothing: they are
-    left out while the body runs, and any still alive after it counts from then on.
+    What the activation ops' torch bodies (``KERNEL_BODIES``) allocate stands for registers of
+    the Triton kernels: left out while the body runs; what is still alive after it (an output)
+    counts from the next op on, before that op's own output.
     """
 
     def __init__(self) -> None:
@@ -269,37 +318,42 @@ def _in_kernel_body() -> bool:
     return False
 
 
-def backward_peak(mlp, inputs) -> tuple[int, int]:
-    """(bytes alive after forward, peak during backward) of what the step's ops allocate; the
-    inputs, weights and grad_y exist before and are not counted."""
+def step_bytes(mlp, inputs) -> tuple[int, int, int]:
+    """(forward's peak, bytes alive after forward, backward's peak) of what the step's ops
+    allocate; the inputs, weights and grad_y exist before and are not counted."""
     *tensors, grad_y = inputs
     with use_backend("torch"), LiveBytes() as live:
         y = mlp(*tensors)
-        after_forward, live.peak = live.live(), 0
+        forward_peak, after_forward, live.peak = live.peak, live.live(), 0
         y.backward(grad_y)
-    return after_forward, live.peak
+    return forward_peak, after_forward, live.peak
 
 
-def test_backward_peak_is_within_drop_h_s():
-    """Counted op by op on CPU, the FP8 backward's peak is its model's (the chunk rule's) and
-    at most drop_h's in-place backward's, itself its model's, with the rule's chunk (3 here)."""
+def test_peaks_are_within_drop_h_s():
+    """Counted op by op on CPU, the FP8 forward's and backward's peaks are their models' (the
+    chunk rule's), and at most drop_h's in-place backward's, itself its model's."""
     m, d, ffn, out = 2560, 16, 128, 16
-    rows = rows_per_chunk(m, d, ffn, out, 2)
-    assert -(-m // rows) == 3
+    rows = {f: rows_per_chunk(m, d, ffn, out, 2, forward=f) for f in (True, False)}
+    assert rows == {True: 1024, False: 1024}  # 3 chunks each
     g = torch.Generator().manual_seed(0)
     x, w1, w2, grad_y = (
         torch.randn(*s, generator=g, dtype=torch.bfloat16)
         for s in ((m, d), (2 * ffn, d), (out, ffn), (m, out))
     )
     inputs = (x.requires_grad_(), w1.requires_grad_(), None, w2.requires_grad_(), None, grad_y)
-    drop_h_after, drop_h_peak = backward_peak(drop_h_mlp, inputs)
-    fp8_after, fp8_peak = backward_peak(drop_h_fp8_mlp, inputs)
-    x_bytes, y_bytes, preact = m * d * 2, m * out * 2, m * 2 * ffn * 2
+    x_bytes, y_bytes, h, preact = m * d * 2, m * out * 2, m * ffn * 2, m * 2 * ffn * 2
     copy = m * 2 * ffn + m * 2 * n_blocks(ffn) * 4
-    assert (drop_h_after, fp8_after) == (preact + y_bytes, copy + y_bytes)
-    assert drop_h_peak == drop_h_backward_peak(m, d, ffn, out, 2) - x_bytes + y_bytes
-    assert fp8_peak == fp8_backward_peak(m, d, ffn, 2, rows) - x_bytes + y_bytes
-    assert fp8_peak <= drop_h_peak
-    # one chunk, as before chunking: the copy does not fit where drop_h's preact did
-    _, unchunked = backward_peak(lambda *t: drop_h_fp8_mlp(*t, chunk_rows=m), inputs)
-    assert unchunked > drop_h_peak
+    not_counted = x_bytes - y_bytes  # x is an input; y is held through backward here
+    drop_h = step_bytes(drop_h_mlp, inputs)
+    fp8 = step_bytes(drop_h_fp8_mlp, inputs)
+    limit = drop_h_backward_peak(m, d, ffn, out, 2) - not_counted
+    assert drop_h == (preact + h + y_bytes, preact + y_bytes, limit)
+    assert fp8 == (
+        fp8_forward_peak(m, d, ffn, 2, rows[True]) - x_bytes,
+        copy + y_bytes,
+        fp8_backward_peak(m, d, ffn, 2, rows[False]) - not_counted,
+    )
+    assert max(fp8) <= max(drop_h)
+    # one chunk, as before chunking: both passes above drop_h's peak
+    forward_peak, _, backward_peak = step_bytes(lambda *t: drop_h_fp8_mlp(*t, chunk_rows=m), inputs)
+    assert forward_peak > limit and backward_peak > limit

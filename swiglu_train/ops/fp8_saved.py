@@ -2,9 +2,9 @@
 
 What is saved for backward: x, and the [M, 2F] preactivation as float8_e4m3fn values with one
 fp32 scale per row per 128 columns of each half (``kernels.fp8_format``): M*2F bytes plus
-M*2*ceil(F/128)*4, about half of drop_h's M*2F*2 for bf16. The bf16 preactivation is freed
-at the end of forward. Forward's h (for fc2, so y) comes from the bf16 preactivation, as in
-drop_h; backward recomputes h (for grad_W2) and grad_preact from the dequantized copy.
+M*2*ceil(F/128)*4, about half of drop_h's M*2F*2 for bf16. Forward's h (for fc2, so y) comes
+from the bf16 preactivation, as in drop_h; backward recomputes h (for grad_W2) and grad_preact
+from the dequantized copy.
 
 Why this format. e4m3 keeps 3 mantissa bits (relative rounding error <= 2**-4, about 2.4 %
 rms for spread-out mantissas); e5m2's extra range is not needed once each block is scaled to
@@ -26,23 +26,34 @@ of the gradients against float64 on the same bf16 inputs, over three shapes up t
                       e4m3, 1 per row      2.50 %       1.99 %       3.48 %
 
 (worst shape shown). The FP8 errors are e4m3's rounding itself, 3.4-10x the bf16 path's: the
-issue's "within 2x of bf16" is not met, and cannot be with 3 mantissa bits. y is drop_h's
-exactly (forward reads the bf16 preactivation).
+issue's "within 2x of bf16" is not met, and cannot be with 3 mantissa bits. y is drop_h's, to
+the fc1 GEMM's rounding on a chunk's rows (below; exactly, in one chunk).
 
-Backward runs in chunks of rows (``rows_per_chunk``). grad_preact cannot go in place over the
-1-byte copy, so each chunk's kernel writes it into one [rows, 2F] buffer reused across chunks,
-and h over grad_h's rows; the chunk's grad_x rows and its share of grad_W1 (accumulated by the
-GEMM, beta = 1) and grad_b1 (in fp32) follow. The rows are the most that keep the loop's live
-set, x + the copy and scales + grad_h + grad_x + grad_W1 + the buffer, within drop_h's backward
-peak: at the seed shape [11136, 3584, 14336, 3584] bf16, 6 chunks of 1920 rows, 1071.8 MiB
-against drop_h's 1087.6 (unchunked, a fresh [M, 2F] grad_preact beside the copy and grad_h
-made it 1303.6). grad_W1
-accumulates in the parameters' dtype: an fp32 accumulator would hold 2F*D*4 bytes, 196 MiB more
-than bf16's at the seed shape, above the whole 121 MiB the chunk buffer may take. Its bf16
-rounding per chunk raises grad_W1's error against float64 by 0.4 % of itself at six chunks
-(2.917 % -> 2.930 % on CPU, [6144, 256, 704]; tests/test_fp8_saved_chunked.py bounds it).
-With ``inplace`` (the default) the copy and its scales are freed after the loop, before grad_W2
-is allocated, so the graph cannot be backpropagated twice (``inplace=False`` keeps them).
+Both passes run in chunks of rows (``rows_per_chunk``), so that the step's peak stays within
+drop_h's: the bf16 preactivation and grad_preact never exist whole next to the copy. Forward:
+each chunk's preactivation goes into one [rows, 2F] buffer reused across chunks (fc1's GEMM,
+out=), and the kernel writes that chunk's h, copy and scales rows. Backward: grad_preact cannot
+go in place over the 1-byte copy, so each chunk's kernel writes it into one reused buffer, and
+h over grad_h's rows; the chunk's grad_x rows (out=) and its share of grad_W1 (accumulated by
+the GEMM, beta = 1) and grad_b1 (in fp32) follow. grad_W2 comes after the loop.
+
+The rows are the most that keep each loop's live set within drop_h's backward peak, x + the
+preact + grad_h + grad_W2 (``drop_h_backward_peak``): forward holds x, h,
+the copy and scales and the buffer (``fp8_forward_peak``); backward x, the copy and scales,
+grad_h, grad_x, grad_W1 and the buffer (``fp8_backward_peak``). At the seed shape
+[11136, 3584, 14336, 3584] bf16: forward 2 chunks of 5632 rows, 1002.6 MiB, backward 6 of 1920,
+1071.8 MiB, against drop_h's 1087.6. Before chunking both were 1303.6 (the whole bf16
+preactivation, or grad_preact, beside the copy and h or grad_h). Rows are multiples of 128 and
+at least 1024, so that a chunk's GEMMs keep rows enough to fill the GPU; that floor wins over
+the bound at small D and O against F. ``scripts/probe_fp8_chunks.py`` times the chunked step.
+
+grad_W1 accumulates in the parameters' dtype: an fp32 accumulator would hold 2F*D*4 bytes, 196
+MiB more than bf16's at the seed shape, above the whole 121 MiB the backward's buffer may take,
+so the peak could not stay within drop_h's. The bf16 rounding per chunk raises grad_W1's error
+against float64 by 0.4 % of itself at six chunks (2.917 % -> 2.930 % on CPU, [6144, 256, 704];
+tests/test_fp8_saved_chunked.py bounds it). With ``inplace`` (the default) the copy and its
+scales are freed after the loop, before grad_W2 is allocated, so the graph cannot be
+backpropagated twice (``inplace=False`` keeps them).
 """
 
 from __future__ import annotations
@@ -55,6 +66,7 @@ from swiglu_train.kernels.fp8_format import (
     E4M3_MAX,
     FP8_DTYPE,
     MIN_AMAX,
+    SCALE_DTYPE,
     n_blocks,
     saved_shapes,
 )
@@ -119,29 +131,37 @@ def recompute_from(preact: torch.Tensor, grad_h: torch.Tensor) -> tuple[torch.Te
     return h, reference.swiglu_grad(preact, grad_h).to(grad_h.dtype)
 
 
-@eager_op("swiglu_train::swiglu_fwd_fp8", mutates_args=())
-def swiglu_fwd_fp8(preact: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(h, e4m3 copy, scales) of a [M, 2F] canonical preact, in one pass over it."""
+@eager_op("swiglu_train::swiglu_fwd_fp8_", mutates_args=("h", "q", "scales"))
+def swiglu_fwd_fp8_(
+    preact: torch.Tensor, h: torch.Tensor, q: torch.Tensor, scales: torch.Tensor
+) -> None:
+    """h, the e4m3 copy and its scales of a [M, 2F] canonical preact (a chunk's rows), written
+    into the given buffers (``saved_buffers``) in one pass over it."""
     if not triton_enabled(preact):
-        return reference.swiglu(preact), *quantize(preact)
-    h, q, scales = _fwd_buffers(preact)
+        h.copy_(reference.swiglu(preact))
+        for buffer, value in zip((q, scales), quantize(preact), strict=True):
+            buffer.copy_(value)
+        return
     kernels.swiglu_forward_fp8(preact, h, q, scales)
-    return h, q, scales
 
 
-@swiglu_fwd_fp8.register_fake
-def _(preact: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return _fwd_buffers(preact)
+@swiglu_fwd_fp8_.register_fake
+def _(preact: torch.Tensor, h: torch.Tensor, q: torch.Tensor, scales: torch.Tensor) -> None:
+    return None
 
 
-def _fwd_buffers(preact: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    q_shape, scale_shape = saved_shapes(preact.shape[0], preact.shape[1] // 2)
-    h = preact.new_empty(preact.shape[0], preact.shape[1] // 2)
-    q = preact.new_empty(q_shape, dtype=FP8_DTYPE)
-    return h, q, preact.new_empty(scale_shape, dtype=torch.float32)
+def saved_buffers(m: int, ffn: int, like: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Empty (h [m, F] in ``like``'s dtype, e4m3 values [m, 2F], fp32 scales) on its device."""
+    q_shape, scale_shape = saved_shapes(m, ffn)
+    h = like.new_empty(m, ffn)
+    return (
+        h,
+        like.new_empty(q_shape, dtype=FP8_DTYPE),
+        like.new_empty(scale_shape, dtype=SCALE_DTYPE),
+    )
 
 
-# Rows per backward chunk: a multiple of ROW_ALIGN (whole GEMM tiles), and at least
+# Rows per chunk: a multiple of ROW_ALIGN (whole GEMM tiles), and at least
 # MIN_CHUNK_ROWS unless M is smaller, so the per-chunk GEMMs keep enough rows to fill the GPU.
 ROW_ALIGN = 128
 MIN_CHUNK_ROWS = 1024
@@ -156,28 +176,38 @@ def drop_h_backward_peak(m: int, d: int, ffn: int, out: int, itemsize: int) -> i
     return itemsize * max(first, x + preact + grad_w2 + m * d + 2 * ffn * d)
 
 
+def fp8_forward_peak(m: int, d: int, ffn: int, itemsize: int, rows: int) -> int:
+    """Bytes the FP8 forward holds at its peak, in its chunk loop, parameters aside: x, h, the
+    FP8 copy and its scales, and one [rows, 2F] preact buffer (freed before fc2's y)."""
+    return _copy_bytes(m, ffn) + itemsize * (m * d + m * ffn + min(rows, m) * 2 * ffn)
+
+
 def fp8_backward_peak(m: int, d: int, ffn: int, itemsize: int, rows: int) -> int:
     """Bytes the FP8 backward holds at its peak, in its chunk loop, parameters and grad_y
     aside: x, the FP8 copy and its scales, grad_h (becoming h), grad_x, grad_W1 and one
     [rows, 2F] grad_preact buffer. grad_W2 comes after the loop, once the copy is freed."""
-    copy = m * 2 * ffn + m * 2 * n_blocks(ffn) * 4  # e4m3 values, fp32 scales
-    return copy + itemsize * (2 * m * d + m * ffn + 2 * ffn * d + min(rows, m) * 2 * ffn)
+    held = 2 * m * d + m * ffn + 2 * ffn * d + min(rows, m) * 2 * ffn
+    return _copy_bytes(m, ffn) + itemsize * held
 
 
-def rows_per_chunk(m: int, d: int, ffn: int, out: int, itemsize: int) -> int:
-    """Rows per chunk of the FP8 backward, for x [m, d], F = ffn and O = out: the most that
-    keep ``fp8_backward_peak`` within ``drop_h_backward_peak``, rounded down to ROW_ALIGN, then
+def _copy_bytes(m: int, ffn: int) -> int:
+    return m * 2 * ffn + m * 2 * n_blocks(ffn) * 4  # e4m3 values, fp32 scales
+
+
+def rows_per_chunk(m: int, d: int, ffn: int, out: int, itemsize: int, *, forward: bool) -> int:
+    """Rows per chunk of the FP8 forward or backward, for x [m, d], F = ffn and O = out: the
+    most that keep its peak (``fp8_forward_peak``, ``fp8_backward_peak``) within
+    ``drop_h_backward_peak``, drop_h's peak over the step, rounded down to ROW_ALIGN, then
     evened out over the chunks that takes (a short last chunk wastes a GEMM launch).
 
-    MIN_CHUNK_ROWS wins over the bound where the two disagree (small O and D against F, as at
-    [4096, 1024, 2816, 1024]): the peak is then above drop_h's by the difference, which
-    smaller chunks would buy back in GEMM time.
+    MIN_CHUNK_ROWS wins over the bound where the two disagree (the backward at small O and D
+    against F, as at [4096, 1024, 2816, 1024]): the peak is then above drop_h's by the
+    difference, which smaller chunks would buy back in GEMM time.
     """
     if m <= MIN_CHUNK_ROWS:
         return max(m, 1)
-    spare = drop_h_backward_peak(m, d, ffn, out, itemsize) - fp8_backward_peak(
-        m, d, ffn, itemsize, 0
-    )
+    peak = fp8_forward_peak if forward else fp8_backward_peak
+    spare = drop_h_backward_peak(m, d, ffn, out, itemsize) - peak(m, d, ffn, itemsize, 0)
     fits = spare // max(2 * ffn * itemsize, 1)
     rows = max(fits // ROW_ALIGN * ROW_ALIGN, MIN_CHUNK_ROWS)
     if rows >= m:
@@ -214,9 +244,20 @@ def _(q: torch.Tensor, scales: torch.Tensor, grad_h: torch.Tensor, grad_preact: 
 class _DropHFP8(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, fc1_weight, fc1_bias, fc2_weight, fc2_bias, inplace: bool, rows):
-        preact = F.linear(x, fc1_weight, fc1_bias)
-        h, q, scales = swiglu_fwd_fp8(preact)
-        del preact  # freed before fc2's output is allocated: only the FP8 copy is kept
+        (m, d), ffn = x.shape, fc1_weight.shape[0] // 2
+        chunk = rows or rows_per_chunk(
+            m, d, ffn, fc2_weight.shape[0], x.element_size(), forward=True
+        )
+        h, q, scales = saved_buffers(m, ffn, x)
+        buffer = x.new_empty(min(chunk, m), 2 * ffn)  # one chunk's preact, reused
+        for part in row_chunks(m, chunk):
+            preact = buffer[: part.stop - part.start]
+            if fc1_bias is None:
+                torch.mm(x[part], fc1_weight.t(), out=preact)
+            else:
+                torch.addmm(fc1_bias, x[part], fc1_weight.t(), out=preact)
+            swiglu_fwd_fp8_(preact, h[part], q[part], scales[part])
+        del buffer, preact  # freed before fc2's output is allocated: only the FP8 copy is kept
         ctx.save_for_backward(x, fc1_weight, fc2_weight, q, scales)
         ctx.inplace = inplace
         ctx.has_bias = (fc1_bias is not None, fc2_bias is not None)
@@ -236,7 +277,9 @@ class _DropHFP8(torch.autograd.Function):
         grad_y = grad_y.contiguous()
         h = grad_y @ fc2_weight  # grad_h; each chunk's kernel writes h over its rows
         (m, ffn), d = h.shape, x.shape[1]
-        rows = ctx.rows or rows_per_chunk(m, d, ffn, grad_y.shape[1], h.element_size())
+        rows = ctx.rows or rows_per_chunk(
+            m, d, ffn, grad_y.shape[1], h.element_size(), forward=False
+        )
         grad_x = h.new_empty(m, d) if need_x else None
         grad_w1 = grad_b1 = None
         buffer = h.new_empty(min(rows, m), 2 * ffn)  # one chunk's grad_preact, reused
