@@ -318,7 +318,8 @@ def drop_h_fp8_mlp(
     chunk_rows: int | None = None,
 ) -> torch.Tensor:
     """drop_h saving its preactivation in FP8; ``inplace`` frees it once backward read it.
-    ``chunk_rows`` sets the backward's rows per chunk (None: ``rows_per_chunk``'s rule)."""
+    ``chunk_rows`` sets the rows per chunk of forward and backward (None: ``rows_per_chunk``'s
+    rule for each; benchmarks and tests set it)."""
     if chunk_rows is not None and (type(chunk_rows) is not int or chunk_rows < 1):
         raise ValueError(f"chunk_rows must be a positive int or None, got {chunk_rows!r}")
     return _DropHFP8.apply(x, fc1_weight, fc1_bias, fc2_weight, fc2_bias, inplace, chunk_rows)
