@@ -16,14 +16,16 @@ import triton.language as tl
 from swiglu_train.kernels.runtime import INTERPRET, SUPPORTED_DTYPES
 
 # The tile is a bandwidth rule, not an autotuner's pick. These kernels are memory-bound; what
-# sets their speed is the bytes each thread keeps in flight. 1024-element programs of 4 warps
-# for the forward (one 16-byte bf16 vector per operand per thread) and 4096-element programs
-# of 8 warps for the backward kernels (two) came within 2.2 % of the best of 15 tiles at each of
-# six [M, F] training shapes on the H200 (benchmarks/results/activation_bandwidth_h200.json),
-# where Triton's autotuner, timing each candidate once, lost up to 35 %
-# (activation_bandwidth_autotuned_h200.json).
+# sets their speed is the bytes each thread keeps in flight: 8 elements per thread, one 16-byte
+# bf16 vector per operand. 1024-element programs of 4 warps (forward) and 2048-element programs
+# of 8 warps (backward and factors) came within 2.2 % of the best of 15 tiles at each of six
+# [M, F] training shapes on the H200 (benchmarks/results/activation_bandwidth_h200.json), where
+# Triton's autotuner, timing each candidate once, lost up to 35 %
+# (activation_bandwidth_autotuned_h200.json). 16 elements per thread is as fast out of place
+# but not in place: drop_h's in-place backward ran 1.33x slower at 4096 elements on 8 warps and
+# at 2048 on 4, and at copy speed at 2048 on 8 (probe_inplace_backward_h200.json, 3 shapes).
 FWD_TILE = (1024, 4)  # (elements per program, warps)
-BWD_TILE = (4096, 8)
+BWD_TILE = (2048, 8)
 INTERPRET_TILE = (16, 32)  # (BLOCK_M, BLOCK_N): small, so CPU tests cross tile edges
 
 
