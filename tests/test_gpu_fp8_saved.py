@@ -133,7 +133,9 @@ def test_seed_shape_peaks_are_within_drop_h_s():
     m, d, ffn, _ = SEED_SHAPE
     drop_h, fp8 = seed_step_bytes(False), seed_step_bytes(True)
     preact, copy = m * 2 * ffn * 2, m * 2 * ffn + m * 2 * n_blocks(ffn) * 4
-    assert drop_h[1] - fp8[1] == preact - copy, (drop_h, fp8)
+    # the caching allocator hands out large blocks in 2 MiB steps (drop_h's preactivation,
+    # 304.5 x 2 MiB, measured 1 MiB over on the H200)
+    assert abs((drop_h[1] - fp8[1]) - (preact - copy)) <= 2 * 2**20, (drop_h, fp8)
     assert max(fp8) <= max(drop_h), (drop_h, fp8)
     x_bytes = m * d * 2
     forward_model = fp8_forward_peak(m, d, ffn, 2, rows_per_chunk(*SEED_SHAPE, 2, forward=True))
