@@ -79,9 +79,10 @@ def main(argv: list[str] | None = None) -> int:
         return f"python3 scripts/fuzz_gpu.py --device {device.type} --repro '{case.to_json()}'"
 
     def report(outcome: fuzz.Outcome) -> None:
-        if outcome.status == "failed":
+        if outcome.status in ("failed", "platform"):
             picked = f" [auto: {outcome.resolved_impl}]" if outcome.case.impl == "auto" else ""
-            print(f"FAILED{picked}: {'; '.join(outcome.problems)}\n  {repro(outcome.case)}")
+            label = outcome.status.upper()
+            print(f"{label}{picked}: {'; '.join(outcome.problems)}\n  {repro(outcome.case)}")
 
     quick = args.tune == "quick" and device.type == "cuda"
     tuned = fuzz_pool.quick_autotune() if quick else 0  # workers do it again, each for itself

@@ -269,3 +269,42 @@ def test_quack_impls_refuse_with_their_own_error(impl):
     ]:
         outcome = fuzz.run_case(case, device)
         assert outcome.status == status, (case, outcome.problems)
+
+
+def test_an_error_torch_s_own_eager_mlp_shares_is_the_platform_s(monkeypatch):
+    """An output over tolerance is a failure unless torch's eager MLP in the same dtype is as
+    far off on the same values (the H200's cuBLAS fp16 case): then it is counted apart."""
+    from swiglu_train.layers.par_mlp import ParMLP
+
+    apply = ParMLP._apply_impl
+    monkeypatch.setattr(
+        ParMLP, "_apply_impl", lambda self, x, *p: (y := apply(self, x, *p)) + 1e-3 * y.detach()
+    )
+    outcome = fuzz.run_case(drop_h_case(), CPU)  # torch's eager MLP is right here
+    assert outcome.status == "failed"
+    own = float(outcome.problems[0].split("relative error ")[1].split(" ")[0])
+    eager = float(outcome.problems[0].split(": ")[-1].rstrip(")"))
+    assert own > fuzz.TOLERANCE["fp32"] > eager
+
+    real = fuzz.eager_errors
+    outcomes = {}
+    for factor in (0.9, 0.5):  # torch's eager MLP as far off (within 1.25x), or not
+        monkeypatch.setattr(fuzz, "eager_errors", lambda *a, f=factor: {**real(*a), "y": f * own})
+        outcomes[factor] = fuzz.run_case(drop_h_case(), CPU)
+        assert "torch's eager MLP in fp32" in outcomes[factor].problems[0]
+    assert [o.status for o in outcomes.values()] == ["platform", "failed"]
+    summary = fuzz.summary(list(outcomes.values()), lambda case: "repro")
+    assert summary["counts"] == {"platform": 1, "failed": 1}
+    assert [e["problems"] for e in summary["platform_errors"]] == [outcomes[0.9].problems]
+    assert [e["problems"] for e in summary["failures"]] == [outcomes[0.5].problems]
+
+
+def test_eager_errors_are_within_tolerance_for_a_correct_case():
+    case = drop_h_case()
+    mlp = fuzz.build(case, CPU)
+    x = fuzz.make_input(case, CPU)
+    grad_y = torch.randn(*case.lead, case.o)
+    expected = fuzz.reference_outputs(mlp, x, grad_y)
+    errors = fuzz.eager_errors(mlp, x, grad_y, expected)
+    assert set(errors) == set(expected)
+    assert max(errors.values()) < fuzz.TOLERANCE[case.dtype]
