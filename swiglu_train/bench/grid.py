@@ -36,7 +36,7 @@ GRID_VARIANTS = (
 DEFAULT_M = (4096, 8000, 16384)  # 8000 tokens: no multiple of 128
 RATIO_DEFINITION = (
     "median over paired samples of (variant's fwd+bwd step time / the six-GEMM floor's in the "
-    "same sample); one layer, O = D"
+    "same sample); step time = max(GPU time queued, host time), see 'timing'; one layer, O = D"
 )
 # A planning estimate for the H200 in bf16, to split the grid into device calls: the floor runs
 # its 18·M·D·F FLOPs at ~650 TFLOP/s (630-720 in crossover_h200.json), the variants average
@@ -210,6 +210,7 @@ def point_rows(point: GridPoint, measured: Sequence[dict]) -> list[dict]:
             "ratio_to_floor": r["full_over_floor"],
             "fwd_ms": r["fwd_ms"],
             "bwd_ms": r["bwd_ms"],
+            "gpu_ms": r["gpu_ms"],
             "host_ms": r["host_ms"],
             "full_p20_ms": r["full_p20_ms"],
             "full_p80_ms": r["full_p80_ms"],

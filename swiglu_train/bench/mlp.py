@@ -273,14 +273,14 @@ def git_commit() -> str | None:
 def to_markdown(result: dict) -> str:
     """The README tables: one row per variant, then the stack table."""
     lines = [
-        "| variant | fwd ms | bwd ms | full ms | full ÷ floor | host ms | after-fwd MiB "
+        "| variant | fwd ms | bwd ms | host ms | step ms | step ÷ floor | after-fwd MiB "
         "| peak MiB |",
         "|---|---|---|---|---|---|---|---|",
     ]
     for r in result["results"]:
         lines.append(
-            f"| {r['variant']} | {r['fwd_ms']:.3f} | {r['bwd_ms']:.3f} | {r['full_ms']:.3f} "
-            f"| {r['full_over_floor']:.3f} | {r['host_ms']:.3f} | {_mib(r['after_forward_MiB'])} "
+            f"| {r['variant']} | {r['fwd_ms']:.3f} | {r['bwd_ms']:.3f} | {r['host_ms']:.3f} "
+            f"| {r['full_ms']:.3f} | {r['full_over_floor']:.3f} | {_mib(r['after_forward_MiB'])} "
             f"| {_mib(r['peak_MiB'])} |"
         )
     if result["stack"]:

@@ -1,0 +1,60 @@
+"""The paired step timer: phases, the host-bound rule, and the GPU hold (CUDA only)."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from swiglu_train.bench import timing
+
+CPU = torch.device("cpu")
+
+
+def sleeping_case(name: str, fwd_s: float, bwd_s: float) -> timing.Case:
+    return timing.Case(name, lambda: time.sleep(fwd_s), lambda _: time.sleep(bwd_s), lambda: None)
+
+
+def test_a_step_is_timed_per_phase_and_full_is_the_larger_of_gpu_and_host():
+    fwd, bwd, gpu, host, full = timing.run_once(sleeping_case("a", 0.02, 0.01), timing.Clock(CPU))
+    assert fwd >= 20 and bwd >= 10  # sleep never returns early
+    assert gpu == pytest.approx(fwd + bwd, rel=1e-6)
+    assert full == max(gpu, host) and host >= gpu * 0.99  # on the CPU the host does the work
+
+
+def test_paired_samples_keep_each_case_s_phases_in_phase_order():
+    cases = [sleeping_case("short", 0.001, 0.0), sleeping_case("long", 0.01, 0.0)]
+    times = timing.paired_samples(cases, 5, CPU, seed=1)
+    assert set(times) == {"short", "long"}
+    assert list(times["long"]) == list(timing.PHASES)
+    assert all(len(v) == 5 for v in times["long"].values())
+    assert (times["long"]["full"] > times["short"]["full"]).all()
+
+
+def test_the_hold_grows_to_twice_a_host_time_that_nears_it():
+    clock = timing.Clock(CPU)
+    assert clock.hold_ms == 0  # no GPU to hold
+    clock.hold_ms = timing.QUEUE_MS
+    clock.saw_host(0.4 * timing.QUEUE_MS)
+    assert clock.hold_ms == timing.QUEUE_MS
+    clock.saw_host(0.6 * timing.QUEUE_MS)
+    assert clock.hold_ms == pytest.approx(1.2 * timing.QUEUE_MS)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_queued_step_does_not_count_the_host_s_latency_to_its_first_kernel():
+    """A forward that idles the host 5 ms before its first kernel: timed from an idle GPU the
+    5 ms count, queued behind the hold they do not (and host records them)."""
+    a = torch.randn(256, 256, device="cuda")
+
+    def forward():
+        time.sleep(0.005)
+        return a @ a
+
+    case = timing.Case("late", forward, lambda _: None, lambda: None)
+    idle = timing.run_once(case, timing.Clock(torch.device("cuda"), queued=False))
+    queued = timing.run_once(case, timing.Clock(torch.device("cuda")))
+    assert idle[2] > 4.5 and queued[2] < 1.0
+    assert queued[3] > 4.5 and queued[4] == queued[3]  # full: host-bound at 5 ms
