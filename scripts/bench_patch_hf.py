@@ -43,7 +43,14 @@ OURS = ("drop_h", "drop_h_quack", "save_factors_quack")
 
 
 def build(library: str, shape: dict, layers: int, seq: int, dtype: torch.dtype, device):
+    """The model, initialized on ``device`` (a CPU init of the 8B-shaped layers and 128k vocab
+    took most of a two-minute GPU call)."""
     torch.manual_seed(0)
+    with torch.device(device):
+        return _build(library, shape, layers, seq, dtype).train()
+
+
+def _build(library: str, shape: dict, layers: int, seq: int, dtype: torch.dtype):
     if library == "hf":
         import transformers
 
@@ -67,7 +74,7 @@ def build(library: str, shape: dict, layers: int, seq: int, dtype: torch.dtype, 
             parallel_residual=False,
         )  # fmt: skip
         model = GPT(config).to(dtype)
-    return model.to(device).train()
+    return model
 
 
 def variants(library: str, base: torch.nn.Module, device, tokens: int) -> dict:
@@ -127,8 +134,10 @@ def main() -> None:
     seq = 32 if args.tiny else args.seq
     dtype = torch.float32 if args.tiny else torch.bfloat16
     tokens = args.batch * seq
+    print(f"building {args.library} Llama, {args.layers} layers on {device}", flush=True)
     base = build(args.library, shape, args.layers, seq, dtype, device)
     models = variants(args.library, base, device, tokens)
+    print(f"variants: {', '.join(models)}; warming up", flush=True)
     live = {n: m for n, m in models.items() if not isinstance(m, str)}
     ids = torch.randint(0, shape["vocab"], (args.batch, seq), device=device)
     grad = torch.randn(args.batch, seq, shape["vocab"], device=device, dtype=dtype)
