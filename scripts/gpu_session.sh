@@ -19,7 +19,8 @@
 #   e2e_1b / e2e_3b  scripts/bench_e2e.py lightning: ~1B (configs/1b.yaml) / ~3B (3b.yaml) at
 #              seq 4096, every impl (quack's and drop_h+fp8 included) x checkpointed blocks
 #              ($E2E_GRID_1B/3B), $E2E_ROUNDS rounds interleaved (default 3), the planner at 4
-#              budgets between the grid's peaks; micro-batch $E2E_MBS_1B (4) / $E2E_MBS_3B (2).
+#              budgets between the grid's peaks; micro-batch $E2E_MBS_1B (4) / $E2E_MBS_3B (2),
+#              global batch $E2E_GBS (32 sequences: the optimizer once per global batch).
 #              Rounds add up across calls of one commit (--append, kept in /tmp/gpu-e2e-COMMIT):
 #              where 3 rounds overrun a call, E2E_ROUNDS=1 E2E_PLANNER=0 twice, then E2E_ROUNDS=1
 #   e2e_megatron  scripts/bench_e2e.py megatron: TP=1 stock (fused and eager bias-SwiGLU) vs our
@@ -30,6 +31,11 @@
 #   megatron_reshard (nvidia-h200-x2) a save_factors TP=2 dist-ckpt resumed by normal at TP=1,
 #              and a drop_h TP=1 one resumed by save_factors at TP=2
 #   lightning_ddp (nvidia-h200-x2) the 125M pretrain under DDP on 2 GPUs
+#   step_gap   scripts/probe_step_gap.py: queued vs idle timing, kernels, host time per variant
+#   fuzz       scripts/fuzz_gpu.py, 1000 cases on 8 workers ($FUZZ_CASES, $FUZZ_SECONDS)
+#   cublas_k   scripts/probe_cublas_k_tail.py: cuBLAS's accuracy around K = 16n + r
+#   patch      scripts/bench_patch_hf.py for HF and LitGPT (carry litgpt and jsonargparse)
+#   fp8_chunks scripts/probe_fp8_chunks.py: FP8-saved drop_h's chunk rows vs drop_h
 #   scale4     (nvidia-h200-x4) Megatron at TP=1, TP=4 and TP=2xDP=2 from one init (--cpu-init),
 #              one global batch, 50 steps ($SCALE4_MODEL; $SCALE4_IMPLS, $SCALE4_LAYOUTS pick a
 #              subset): loss curves, tokens/s, per-GPU memory (scripts/compare_tp.py). Runs add
@@ -189,7 +195,8 @@ for stage in "$@"; do
       else grid=${E2E_GRID_3B:-0,4,8,12,16,20,24,28} mbs=${E2E_MBS_3B:-2}; fi
       impls=$(echo normal drop_h $(quack_impl) drop_h+fp8 | tr ' ' ',')
       python3 scripts/bench_e2e.py lightning --config "$size" --seq-length 4096 \
-        --micro-batch-size "$mbs" --impls "$impls" --checkpoint-layers "$grid" \
+        --micro-batch-size "$mbs" --global-batch-size "${E2E_GBS:-32}" --impls "$impls" \
+        --checkpoint-layers "$grid" \
         --rounds "${E2E_ROUNDS:-3}" --budgets-gb auto:4 $([ "${E2E_PLANNER:-1}" = 1 ] && echo --planner) \
         --commit "$commit" --append \
         --json "$E2E/e2e_${size}_h200.json" --md "$E2E/e2e_${size}_h200.md" \
@@ -343,6 +350,23 @@ PY
         python3 scripts/bench_inference.py --models "$model" --samples 30 --commit "$commit" \
           --json "$RES/inference/$model.json" --md "$RES/inference/$model.md" 2>&1 | tail -40
       done ;;
+    step_gap)  # where a step's time over the floor goes: queued vs idle, kernels, host time
+      python3 scripts/probe_step_gap.py --shapes ${STEP_GAP_SHAPES:-4096,4096,11008 8192,4096,14336 4096,896,4864} \
+        --samples 30 --out "$RES/probe_step_gap_h200.json" 2>&1 | grep "queued\|fresh\|\[" | cut -c1-160 ;;
+    fuzz)  # >= 1000 random cases of every impl against float64, 8 worker processes
+      python3 scripts/fuzz_gpu.py --cases "${FUZZ_CASES:-1000}" --workers 8 \
+        --max-seconds "${FUZZ_SECONDS:-420}" --json "$RES/fuzz_gpu_h200.json" 2>&1 | tail -8 ;;
+    cublas_k)  # where torch's cuBLAS GEMM loses accuracy at a K tail (the fuzz's finding)
+      python3 scripts/probe_cublas_k_tail.py --out "$RES/probe_cublas_k_tail_h200.json" \
+        | grep "over" | head -40 ;;
+    patch)  # issue 20: a patched HF and LitGPT Llama against unpatched (and Liger, HF)
+      for lib in hf litgpt; do
+        python3 scripts/bench_patch_hf.py --library $lib --layers 4 --seq 4096 --samples 30 \
+          --out "$RES/patch_${lib}_h200.json" 2>&1 | tail -12
+      done ;;
+    fp8_chunks)  # issue 19: the FP8-saved drop_h's row chunks against drop_h and the floor
+      python3 scripts/probe_fp8_chunks.py --rows 1024 2816 5632 11136 \
+        --json "$RES/probe_fp8_chunks_h200.json" --md "$RES/probe_fp8_chunks_h200.md" ;;
     grid)  # the JSON is rewritten after every point: a chunk stopped at its bound keeps those
       chunk=${GRID_CHUNK:-1/1} && tag=${chunk/\//of}
       mkdir -p "$RES/grid"
