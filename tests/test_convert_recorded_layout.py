@@ -370,7 +370,7 @@ def test_a_damaged_file_is_named_as_such_not_as_unsafe(tmp_path, trust):
 
 
 # Converting a Lightning checkpoint retargets the impl its saved init args name, so that
-# `load_from_checkpoint` builds a model that takes the new layout (see _fit_hparams_impl).
+# `load_from_checkpoint` builds a model that takes the new layout (see fit_hparams_impl).
 
 
 def original_and_converted(pretrained, tmp_path, impl: str, to: str, chunk: int | None):

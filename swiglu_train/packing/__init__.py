@@ -2,17 +2,12 @@
 layouts, and convert checkpoints, optimizer state included."""
 
 from swiglu_train.layers.layout import CANONICAL, Layout, packed_order, relayout
-from swiglu_train.packing.convert import (
-    Converted,
-    convert_checkpoint,
-    from_hf,
-    hparams_chunk,
-    hparams_impl,
-    records_layout,
-    switch_impl,
-    to_hf,
-)
+from swiglu_train.packing.checkpoint_read import records_layout
+from swiglu_train.packing.convert import Converted, convert_checkpoint
+from swiglu_train.packing.hf import from_hf, to_hf
+from swiglu_train.packing.lightning_meta import hparams_chunk, hparams_impl
 from swiglu_train.packing.optimizer import permute_state
+from swiglu_train.packing.switch import switch_impl
 
 __all__ = [
     "CANONICAL",
