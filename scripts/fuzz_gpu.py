@@ -71,11 +71,11 @@ def main(argv: list[str] | None = None) -> int:
     device = pick_device(args.device)
     if device.type == "cpu":  # before any kernel is defined: kernels run in the interpreter
         os.environ.setdefault("TRITON_INTERPRET", "1")
-    from swiglu_train.bench import fuzz, fuzz_pool
+    from swiglu_train.bench import fuzz, fuzz_cases, fuzz_pool
     from swiglu_train.bench.mlp import git_commit
     from swiglu_train.files import write_json_atomic
 
-    def repro(case: fuzz.Case) -> str:
+    def repro(case: fuzz_cases.Case) -> str:
         return f"python3 scripts/fuzz_gpu.py --device {device.type} --repro '{case.to_json()}'"
 
     def report(outcome: fuzz.Outcome) -> None:
@@ -87,18 +87,18 @@ def main(argv: list[str] | None = None) -> int:
     quick = args.tune == "quick" and device.type == "cuda"
     tuned = fuzz_pool.quick_autotune() if quick else 0  # workers do it again, each for itself
     if args.repro:
-        outcome = fuzz.run_case(fuzz.Case.from_json(args.repro), device)
+        outcome = fuzz.run_case(fuzz_cases.Case.from_json(args.repro), device)
         report(outcome)
         print(f"{outcome.status} ({outcome.resolved_impl}, {outcome.seconds:.2f} s)")
         return 1 if outcome.status == "failed" else 0
-    impls, skipped = fuzz.available_impls(device)
+    impls, skipped = fuzz_cases.available_impls(device)
     if args.impls:
         wanted = args.impls.split(",")
         unknown = sorted(set(wanted) - set(impls) - set(skipped))
         if unknown:
             raise SystemExit(f"error: unknown impls {unknown}; choose from {impls}")
         impls = [i for i in impls if i in wanted]
-    sizes = fuzz.GPU_SIZES if device.type == "cuda" else fuzz.CPU_SIZES
+    sizes = fuzz_cases.GPU_SIZES if device.type == "cuda" else fuzz_cases.CPU_SIZES
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else None
     print(f"{args.cases} cases on {gpu or device.type}, impls {impls}, skipped {skipped}")
     start, done = time.perf_counter(), [0]
@@ -109,8 +109,8 @@ def main(argv: list[str] | None = None) -> int:
         if done[0] % 100 == 0:
             print(f"[{done[0]}/{args.cases}] {time.perf_counter() - start:.0f} s")
 
-    points = fuzz.auto_table_points(device) if "auto" in impls else []
-    cases = fuzz.draw_cases(args.seed, args.cases, impls, sizes, points)
+    points = fuzz_cases.auto_table_points(device) if "auto" in impls else []
+    cases = fuzz_cases.draw_cases(args.seed, args.cases, impls, sizes, points)
     if args.workers == 1:
         outcomes, stopped = fuzz.run_cases(cases, device, progress, args.max_seconds)
     else:

@@ -14,7 +14,7 @@ import pytest
 import torch
 from conftest import HAS_CUDA
 
-from swiglu_train.bench import fuzz, fuzz_pool
+from swiglu_train.bench import fuzz, fuzz_cases, fuzz_pool, fuzz_reference
 from swiglu_train.layers import registry
 from swiglu_train.ops import normal_mlp
 from swiglu_train.ops.quack_mlp import quack_available
@@ -31,16 +31,16 @@ def load_script():
 
 
 def test_a_fixed_seed_cpu_fuzz_passes_and_covers_the_space():
-    impls, skipped = fuzz.available_impls(CPU)
+    impls, skipped = fuzz_cases.available_impls(CPU)
     assert set(skipped) == registry.QUACK_IMPLS  # no quack on a CPU
-    cases = list(fuzz.draw_cases(seed=0, count=150, impls=impls, sizes=fuzz.CPU_SIZES))
+    cases = list(fuzz_cases.draw_cases(seed=0, count=150, impls=impls, sizes=fuzz_cases.CPU_SIZES))
     outcomes, stopped = fuzz.run_cases(cases, CPU)
     failed = [f"{o.problems}: {o.case.to_json()}" for o in outcomes if o.status == "failed"]
     assert stopped is None and not failed, "\n".join(failed)
     assert {o.status for o in outcomes} == {"passed"}  # nothing on a CPU is due to be refused
     assert {c.impl for c in cases} == {*registry.MLP_IMPLS, "auto"} - registry.QUACK_IMPLS
-    assert {c.dtype for c in cases} == set(fuzz.DTYPES)
-    assert {c.input_kind for c in cases} == set(fuzz.INPUT_KINDS)
+    assert {c.dtype for c in cases} == set(fuzz_cases.DTYPES)
+    assert {c.input_kind for c in cases} == set(fuzz_cases.INPUT_KINDS)
     assert (
         {c.grad for c in cases}
         == {c.bias for c in cases}
@@ -60,15 +60,17 @@ def test_some_auto_cases_are_drawn_at_the_crossover_table_s_points():
     """There auto picks from measurements (quack's impls among them), not its fallback; O is
     D or D + 4, which quack's kernels cannot take."""
     points = [(2048, 2048, 5632), (4096, 2048, 5632)]
-    cases = list(fuzz.draw_cases(0, 200, ["normal", "auto"], fuzz.GPU_SIZES, points, 0.25))
+    cases = list(
+        fuzz_cases.draw_cases(0, 200, ["normal", "auto"], fuzz_cases.GPU_SIZES, points, 0.25)
+    )
     at_points = [c for c in cases if (c.m, c.d, c.f) in points]
     assert 20 < len(at_points) < 80 and all(c.impl == "auto" for c in at_points)
     assert {c.o - c.d for c in at_points} == {0, 4}
-    assert fuzz.auto_table_points(CPU) == []  # auto falls back off CUDA: no points to aim at
+    assert fuzz_cases.auto_table_points(CPU) == []  # auto falls back off CUDA: no points to aim at
 
 
-def drop_h_case(**changes) -> fuzz.Case:
-    case = fuzz.Case(
+def drop_h_case(**changes) -> fuzz_cases.Case:
+    case = fuzz_cases.Case(
         impl="drop_h", dtype="fp32", bias=True, lead=(3, 7), d=12, f=20, o=8, grad=True,
         x_grad=True, inplace=True, input_kind="strided", chunk=None, seed=5,
     )  # fmt: skip
@@ -77,7 +79,7 @@ def drop_h_case(**changes) -> fuzz.Case:
 
 def test_a_case_replays_from_its_json():
     case = drop_h_case(lead=(0, 3), chunk=4, impl="save_factors")
-    assert fuzz.Case.from_json(case.to_json()) == case
+    assert fuzz_cases.Case.from_json(case.to_json()) == case
     assert fuzz.run_case(case, CPU).status == "passed"
 
 
@@ -190,7 +192,9 @@ def test_workers_run_the_cases_one_process_runs_and_list_them_in_case_order(monk
     assert (
         [o.case for o in pooled]
         == [o.case for o in in_process]
-        == list(fuzz.draw_cases(3, 10, fuzz.available_impls(CPU)[0], fuzz.CPU_SIZES))
+        == list(
+            fuzz_cases.draw_cases(3, 10, fuzz_cases.available_impls(CPU)[0], fuzz_cases.CPU_SIZES)
+        )
     )
     assert [(o.status, o.resolved_impl, o.problems) for o in pooled] == [
         (o.status, o.resolved_impl, o.problems) for o in in_process
@@ -236,7 +240,9 @@ def test_a_worker_that_dies_stops_the_run_and_names_the_cases_in_flight(monkeypa
     assert stopped.startswith("a worker process died (BrokenProcessPool: ")
     assert stopped.endswith(f"; {40 - len(ran)} of 40 cases not run")
     in_flight = stopped.split("in flight: ")[1].split("; ")[:-1]  # "none" if both had ended
-    cases = list(fuzz.draw_cases(3, 40, fuzz.available_impls(CPU)[0], fuzz.CPU_SIZES))
+    cases = list(
+        fuzz_cases.draw_cases(3, 40, fuzz_cases.available_impls(CPU)[0], fuzz_cases.CPU_SIZES)
+    )
     named = {int(item.split()[1]): item for item in in_flight if item != "none"}
     assert named or in_flight == ["none"]
     assert all(item == f"case {n} {cases[n].to_json()}" for n, item in named.items())
@@ -247,8 +253,8 @@ def test_a_worker_that_dies_stops_the_run_and_names_the_cases_in_flight(monkeypa
 @pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
 def test_a_short_gpu_fuzz_passes():
     device = torch.device("cuda")
-    impls, _ = fuzz.available_impls(device)
-    cases = fuzz.draw_cases(seed=1, count=60, impls=impls, sizes=fuzz.GPU_SIZES)
+    impls, _ = fuzz_cases.available_impls(device)
+    cases = fuzz_cases.draw_cases(seed=1, count=60, impls=impls, sizes=fuzz_cases.GPU_SIZES)
     outcomes, stopped = fuzz.run_cases(cases, device)
     failed = [f"{o.problems}: {o.case.to_json()}" for o in outcomes if o.status == "failed"]
     assert stopped is None and not failed, "\n".join(failed)
@@ -301,10 +307,10 @@ def test_an_error_torch_s_own_eager_mlp_shares_is_the_platform_s(monkeypatch):
 
 def test_eager_errors_are_within_tolerance_for_a_correct_case():
     case = drop_h_case()
-    mlp = fuzz.build(case, CPU)
-    x = fuzz.make_input(case, CPU)
+    mlp = fuzz_cases.build(case, CPU)
+    x = fuzz_cases.make_input(case, CPU)
     grad_y = torch.randn(*case.lead, case.o)
-    expected = fuzz.reference_outputs(mlp, x, grad_y)
-    errors = fuzz.eager_errors(mlp, x, grad_y, expected)
+    expected = fuzz_reference.reference_outputs(mlp, x, grad_y)
+    errors = fuzz_reference.eager_errors(mlp, x, grad_y, expected)
     assert set(errors) == set(expected)
     assert max(errors.values()) < fuzz.TOLERANCE[case.dtype]

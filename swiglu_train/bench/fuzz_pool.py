@@ -21,7 +21,8 @@ from concurrent.futures.process import BrokenProcessPool
 import torch
 
 from swiglu_train.bench import fuzz
-from swiglu_train.bench.fuzz import Case, Outcome
+from swiglu_train.bench.fuzz import Outcome
+from swiglu_train.bench.fuzz_cases import Case
 
 
 def quick_autotune() -> int:
