@@ -15,6 +15,7 @@ from matplotlib.figure import Figure
 from typer.testing import CliRunner
 
 from swiglu_train.bench import grid_auto
+from swiglu_train.bench.crossover import CrossoverConfig
 from swiglu_train.bench.grid import (
     GridConfig,
     GridPoint,
@@ -34,6 +35,7 @@ from swiglu_train.bench.grid_models import (
 )
 from swiglu_train.bench.grid_plot import plot_grid
 from swiglu_train.bench.grid_report import to_markdown
+from swiglu_train.bench.mlp import BenchConfig
 from swiglu_train.cli import app
 from swiglu_train.layers.auto import CrossoverTable, ImplStats, resolve
 
@@ -148,6 +150,16 @@ def test_default_grid_in_two_chunks():
     assert first + second == cfg.all_points() and len(cfg.all_points()) == 3 * len(grid_shapes())
     assert 8000 in cfg.m and 8000 % 128  # an M that is no multiple of 128
     assert cfg.points() == first and sum(map(cfg.estimate_s, second)) < 540
+
+
+def test_grid_and_crossover_points_run_one_layer_with_their_settings():
+    """Both sweeps measure each (M, D, F) as one layer with O = D, under their own settings."""
+    settings = {"samples": 7, "warmup": 1, "dtype": "fp32", "device": "cpu", "seed": 3}
+    want = BenchConfig(shape=(24, 16, 40, 16), variants=IMPLS, stack_layers=0, **settings)
+    grid = GridConfig(grid_shapes(TINY), variants=list(IMPLS), **settings)
+    assert grid.bench_config(GridPoint(24, GridShape(16, 40, ("a-1",), ("a",)))) == want
+    crossover = CrossoverConfig(m=(24,), shapes=((16, 40),), impls=list(IMPLS), **settings)
+    assert crossover.bench_config((24, 16, 40)) == want
 
 
 @pytest.mark.parametrize(

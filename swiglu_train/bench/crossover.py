@@ -15,7 +15,13 @@ from dataclasses import dataclass, field
 
 import torch
 
-from swiglu_train.bench.mlp import PEAK_DEFINITION, BenchConfig, environment, measure_layer
+from swiglu_train.bench.mlp import (
+    PEAK_DEFINITION,
+    BenchConfig,
+    environment,
+    measure_layer,
+    one_layer_config,
+)
 from swiglu_train.layers.auto import (
     SCHEMA,
     TIE_TOLERANCE,
@@ -54,17 +60,7 @@ class CrossoverConfig:
         return [(m, d, f) for d, f in self.shapes for m in self.m]
 
     def bench_config(self, point: Point) -> BenchConfig:
-        m, d, f = point
-        return BenchConfig(
-            shape=(m, d, f, d),
-            dtype=self.dtype,
-            variants=tuple(self.impls),
-            samples=self.samples,
-            warmup=self.warmup,
-            stack_layers=0,
-            device=self.device,
-            seed=self.seed,
-        )
+        return one_layer_config(point, self.impls, self)
 
 
 def parse_m(value: str) -> tuple[int, ...]:

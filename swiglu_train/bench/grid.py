@@ -23,7 +23,13 @@ import torch
 
 from swiglu_train.bench.grid_auto import evaluate_auto
 from swiglu_train.bench.grid_models import GridShape
-from swiglu_train.bench.mlp import PEAK_DEFINITION, BenchConfig, environment, measure_layer
+from swiglu_train.bench.mlp import (
+    PEAK_DEFINITION,
+    BenchConfig,
+    environment,
+    measure_layer,
+    one_layer_config,
+)
 from swiglu_train.layers.auto import gpu_family, packaged_table, resolve_auto, table_filename
 from swiglu_train.ops.quack_mlp import quack_available
 
@@ -99,17 +105,7 @@ class GridConfig:
         return POINT_OVERHEAD_S + (1 + len(self.variants) * MEAN_RATIO) * runs * step_s
 
     def bench_config(self, point: GridPoint) -> BenchConfig:
-        m, d, f = point.dims
-        return BenchConfig(
-            shape=(m, d, f, d),
-            dtype=self.dtype,
-            variants=tuple(self.variants),
-            samples=self.samples,
-            warmup=self.warmup,
-            stack_layers=0,
-            device=self.device,
-            seed=self.seed,
-        )
+        return one_layer_config(point.dims, self.variants, self)
 
 
 def parse_chunk(value: str) -> tuple[int, int]:

@@ -15,6 +15,7 @@ import subprocess
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -51,6 +52,33 @@ class BenchConfig:
     device: str = "cuda"
     seed: int = 0
     extra: dict = field(default_factory=dict)
+
+
+class SweepSettings(Protocol):
+    """What a sweep over shapes (the model grid, the crossover table) sets for every point."""
+
+    samples: int
+    warmup: int
+    dtype: str
+    device: str
+    seed: int
+
+
+def one_layer_config(
+    dims: tuple[int, int, int], variants: Sequence[str], sweep: SweepSettings
+) -> BenchConfig:
+    """One layer (no stack) at (M, D, F) with O = D, as a sweep measures each of its points."""
+    m, d, f = dims
+    return BenchConfig(
+        shape=(m, d, f, d),
+        dtype=sweep.dtype,
+        variants=tuple(variants),
+        samples=sweep.samples,
+        warmup=sweep.warmup,
+        stack_layers=0,
+        device=sweep.device,
+        seed=sweep.seed,
+    )
 
 
 def _inputs(cfg: BenchConfig, layers: int):
