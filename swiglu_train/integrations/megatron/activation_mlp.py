@@ -14,7 +14,8 @@ from __future__ import annotations
 import torch
 from megatron.core.transformer.mlp import MLPSubmodules
 
-from swiglu_train.integrations.megatron.mlp import ParMLPMegatron, check_impl
+from swiglu_train.integrations.megatron.checks import check_impl
+from swiglu_train.integrations.megatron.mlp import ParMLPMegatron
 from swiglu_train.ops import swiglu_activation
 
 ACTIVATION_IMPLS: tuple[str, ...] = ("normal",)

@@ -17,12 +17,8 @@ checkpoints canonical (dist-ckpt writes the global [W_gate; W_up] exactly as the
 does) and converts plain state dicts on load, so checkpoints stay interchangeable with the
 stock MLP and across impls and TP sizes.
 
-Process groups: the TP group is the model's, never a guess. A TransformerLayer hands its
-``pg_collection.tp`` to the stock ``MLP`` only (0.16-0.17 test ``spec.module == MLP``; 0.18+ call
-``as_mlp_submodule`` with the collection, rewrapping a ModuleSpec of ``MLP``), so our classes
-compare equal to ``MLP`` (:class:`MLPDispatch`) and take the stock path on every version. Built
-with no group at all, the MLP takes ``parallel_state``'s global TP group as the stock MLP does,
-and is refused where there is none (:func:`resolve_tp_group`).
+Which TP group it runs on, the collectives around the local math and the DDP hooks of the
+linears it never calls are :mod:`.parallel`'s; what it refuses, :mod:`.checks`'s.
 
 Known gap: with sequence parallelism our Function saves the all-gathered input [s, b, h],
 where the stock ColumnParallelLinear saves its [s/tp, b, h] shard and gathers it again in
@@ -35,31 +31,31 @@ import inspect
 from typing import Any
 
 import torch
-import torch.nn.functional as F
-from megatron.core import parallel_state
-from megatron.core.tensor_parallel import (
-    ColumnParallelLinear,
-    RowParallelLinear,
-    copy_to_tensor_model_parallel_region,
-    gather_from_sequence_parallel_region,
-    reduce_from_tensor_model_parallel_region,
-    reduce_scatter_to_sequence_parallel_region,
-)
 from megatron.core.transformer.mlp import MLP, MLPSubmodules
-from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from swiglu_train.integrations.megatron.checks import (
+    check_chunk,
+    check_config,
+    check_impl,
+    check_input,
+    check_local_linears,
+)
 from swiglu_train.integrations.megatron.packed import (
     convert_on_load,
     pack_sharded_state_dict,
     stamp_packed,
 )
-from swiglu_train.kernels.runtime import SUPPORTED_DTYPES
+from swiglu_train.integrations.megatron.parallel import (
+    MLPDispatch,
+    from_tp_region,
+    resolve_tp_group,
+    run_forward_pre_hooks,
+    to_tp_region,
+)
 from swiglu_train.layers.layout import CANONICAL, Layout, relayout
 from swiglu_train.layers.registry import (
-    AUTO,
     FIXED_CHUNKS,
-    MLP_IMPLS,
     PACKED_IMPLS,
     check_saved_fp8,
     get_impl,
@@ -67,93 +63,8 @@ from swiglu_train.layers.registry import (
 )
 from swiglu_train.ops.inference import grad_needed, swiglu_mlp_inference
 
-SUPPORTED_IMPLS: tuple[str, ...] = MLP_IMPLS
-
 # MLP.__init__ keywords differ across megatron-core versions; pass only those it takes.
 _BASE_INIT_PARAMS = frozenset(inspect.signature(MLP.__init__).parameters)
-
-
-def check_config(
-    config: TransformerConfig, is_expert: bool = False, own_gemms: bool = True
-) -> None:
-    """Refuse, with the reason, configs whose MLP math or kernels this layer cannot run.
-
-    ``own_gemms=False`` (SwiGLUActivationMLP: Megatron's linears run the GEMMs, ours only the
-    activation) skips the checks that concern only our GEMMs: FP8/FP4 among them, which TE's
-    linears quantize themselves (the activation between them runs in bf16, as Megatron's does).
-    """
-    problems = []
-    if not config.gated_linear_unit or config.activation_func is not F.silu:
-        problems.append(
-            "it computes SwiGLU only: set gated_linear_unit=True, activation_func=F.silu"
-        )
-    if own_gemms and (getattr(config, "fp8", None) or getattr(config, "fp4", None)):
-        problems.append(
-            "FP8/FP4 runs on Transformer Engine GEMMs, which this MLP replaces; unset "
-            "config.fp8/fp4, or use get_gpt_layer_spec('normal', backend='te')"
-        )
-    if getattr(config, "use_te_activation_func", False):
-        problems.append("use_te_activation_func would bypass our activation; set it False")
-    if getattr(config, "activation_func_clamp_value", None) is not None:
-        problems.append("activation_func_clamp_value (clamped SwiGLU) is not implemented")
-    if getattr(config, "glu_linear_offset", 0.0):
-        problems.append("glu_linear_offset != 0 is not implemented")
-    if own_gemms and config.gradient_accumulation_fusion:
-        problems.append(
-            "gradient_accumulation_fusion is not supported: our backward writes weight grads "
-            "to param.grad; set gradient_accumulation_fusion=False"
-        )
-    if own_gemms and getattr(config, "gtp_weight_remat_size", 1) > 1:
-        problems.append(
-            "generalized tensor parallelism (gtp_weight_remat_size > 1, megatron-core 0.19) "
-            "shards fc1/fc2 further and regathers them inside the linears, whose GEMMs this MLP "
-            "replaces; set tensor_parallel_num_weight_shards = tensor_model_parallel_size"
-        )
-    if getattr(config, "use_kitchen", False):
-        problems.append("use_kitchen changes the fc1 layout (stride 1); not supported")
-    if is_expert:
-        problems.append("MoE experts use expert-parallel comms; use it for dense MLPs only")
-    if problems:
-        raise ValueError("ParMLPMegatron cannot run this config: " + "; ".join(problems))
-
-
-def check_chunk(impl: str, chunk: int | None) -> None:
-    """``chunk`` belongs to the packed layout: refuse it for a canonical impl before any weight
-    exists (whether it divides F/tp is known only once the TP size is)."""
-    if chunk is not None and impl not in PACKED_IMPLS:
-        raise ValueError(f"chunk applies to packed impls only, not {impl!r}")
-
-
-def check_impl(name: str) -> None:
-    """Fail early, before any weight exists, on a name that is no impl (listing the valid).
-
-    ``auto`` is refused: it picks a layout from a tokens hint per layer, while a Megatron model
-    must have one layout known before its checkpoint factories and optimizer are built.
-    """
-    if name == AUTO:
-        raise ValueError(
-            "impl 'auto' is not supported by the Megatron integration; name one of "
-            f"{', '.join(SUPPORTED_IMPLS)}"
-        )
-    get_impl(name)
-
-
-class MLPDispatch(type(MLP)):
-    """Metaclass under which our MLP classes compare equal to Megatron's ``MLP``.
-
-    megatron-core 0.16-0.17's TransformerLayer passes its model's TP group to the mlp submodule
-    only when ``spec.module == MLP``; any other class is built on no group (and logged as
-    "Unknown MLP type ... Using default kwargs"), so a model with its own ProcessGroupCollection
-    got an MLP on the global group, or none. 0.18+ rewrap a ModuleSpec whose module is in
-    ``(MLP, TEFusedMLP)`` into ``module.as_mlp_submodule`` with the collection. Equal to ``MLP``,
-    a ModuleSpec of our class takes the stock MLP's path, groups included, on every version.
-    Hashing and ``isinstance``/``issubclass`` stay those of a plain class.
-    """
-
-    def __eq__(cls, other: object) -> bool:
-        return other is MLP or super().__eq__(other)
-
-    __hash__ = type.__hash__
 
 
 class ParMLPMegatron(MLP, metaclass=MLPDispatch):
@@ -164,7 +75,8 @@ class ParMLPMegatron(MLP, metaclass=MLPDispatch):
     ``saved_fp8=True`` (``drop_h`` only) saves the preactivation in FP8, as ParMLP's does.
     ``chunk`` is the packed layout's chunk under ``save_factors``; it must divide this rank's
     ffn size F/tp (default: ``gcd(F/tp, 128)``). ``save_factors_quack`` packs with chunk 1.
-    The TP group comes from ``pg_collection`` or ``tp_group`` (see :func:`resolve_tp_group`).
+    The TP group comes from ``pg_collection`` or ``tp_group``
+    (see :func:`~.parallel.resolve_tp_group`).
     """
 
     DEFAULT_IMPL = "drop_h"
@@ -281,46 +193,18 @@ class ParMLPMegatron(MLP, metaclass=MLPDispatch):
             raise ValueError("ParMLPMegatron does not support per_token_scale (MoE experts)")
         fc1, fc2 = self.linear_fc1, self.linear_fc2
         for linear in (fc1, fc2):
-            _run_forward_pre_hooks(linear, hidden_states)
-        self._check_input(hidden_states)
-        x = self._to_tp_region(hidden_states)
+            run_forward_pre_hooks(linear, hidden_states)
+        check_input(hidden_states, fc1.weight)
+        x = to_tp_region(hidden_states, self.config.sequence_parallel, self.tp_group)
         x2d, params = x.reshape(-1, x.shape[-1]), (fc1.weight, fc1.bias, fc2.weight, None)
         if grad_needed(x2d, *params):
             packed = {"chunk": self.fc1_layout.chunk} if self.fc1_layout.packed else {}
             y = self._mlp_function(x2d, *params, inplace=self.inplace, **packed)
         else:  # eval, generation: the inference kernels, nothing saved (as ParMLP does)
             y = swiglu_mlp_inference(x2d, *params, chunk=self.fc1_layout.chunk)
-        y = self._from_tp_region(y.view(*x.shape[:-1], y.shape[-1]))
+        y = y.view(*x.shape[:-1], y.shape[-1])
+        y = from_tp_region(y, self.config.sequence_parallel, self.tp_group)
         return y, fc2.bias
-
-    def _to_tp_region(self, x: torch.Tensor) -> torch.Tensor:
-        """What ColumnParallelLinear does to its input: backward all-reduces (or
-        reduce-scatters, with sequence parallelism) the input gradient over TP."""
-        if self.config.sequence_parallel:
-            return gather_from_sequence_parallel_region(
-                x, tensor_parallel_output_grad=True, group=self.tp_group
-            )
-        return copy_to_tensor_model_parallel_region(x, group=self.tp_group)
-
-    def _from_tp_region(self, y: torch.Tensor) -> torch.Tensor:
-        """What RowParallelLinear does to its partial sums."""
-        if self.config.sequence_parallel:
-            return reduce_scatter_to_sequence_parallel_region(y, group=self.tp_group)
-        return reduce_from_tensor_model_parallel_region(y, group=self.tp_group)
-
-    def _check_input(self, x: torch.Tensor) -> None:
-        weight = self.linear_fc1.weight
-        if x.dtype not in SUPPORTED_DTYPES:
-            raise TypeError(f"ParMLPMegatron supports {SUPPORTED_DTYPES}, got {x.dtype}")
-        if x.dtype != weight.dtype:
-            raise TypeError(
-                f"ParMLPMegatron input is {x.dtype} but its weights are {weight.dtype}; "
-                "wrap the model in Float16Module or cast the input"
-            )
-        if x.shape[-1] != weight.shape[1]:
-            raise ValueError(
-                f"ParMLPMegatron expects a last dim of {weight.shape[1]}, got {tuple(x.shape)}"
-            )
 
     @property
     def impl(self) -> str:
@@ -356,82 +240,9 @@ class ParMLPMegatron(MLP, metaclass=MLPDispatch):
         check_impl(name)
 
     def _check_linears(self, submodules: MLPSubmodules) -> None:
-        """Our forward replaces the linears' own GEMMs, which only the local ones allow."""
-        for label, kind in (
-            ("linear_fc1", ColumnParallelLinear),
-            ("linear_fc2", RowParallelLinear),
-        ):
-            spec = getattr(submodules, label)
-            module = spec.module if isinstance(spec, ModuleSpec) else spec
-            if not (isinstance(module, type) and issubclass(module, kind)):
-                raise ValueError(
-                    f"ParMLPMegatron needs {label} to be a local {kind.__name__}, got "
-                    f"{getattr(module, '__name__', module)}; with Transformer Engine linears use "
-                    "get_gpt_layer_spec(..., backend='te') (impl 'normal' only)"
-                )
+        """Only local linears (overridden where Megatron's linears run their own GEMMs)."""
+        check_local_linears(submodules)
 
     def extra_repr(self) -> str:
         fp8 = ", saved_fp8=True" if self.saved_fp8 else ""
         return f"impl={self.impl!r}{fp8}, inplace={self.inplace}, fc1_layout={self.fc1_layout}"
-
-
-def _run_forward_pre_hooks(linear: torch.nn.Module, hidden_states: torch.Tensor) -> None:
-    """Run ``linear``'s forward pre-hooks, as calling it would: our forward reads its weights
-    without calling it, and Megatron's DDP waits for those weights' all-gather in such a hook
-    (``overlap_param_gather``); skipped, a step reads stale weights or breaks its next gather.
-
-    Each hook gets the MLP's input (fc2's own input never exists outside our kernels); a hook
-    that rewrites the input cannot be honoured and is refused.
-    """
-    for hook_id, hook in linear._forward_pre_hooks.items():
-        if hook_id in linear._forward_pre_hooks_with_kwargs:
-            result = hook(linear, (hidden_states,), {})
-        else:
-            result = hook(linear, (hidden_states,))
-        if result is not None:
-            raise RuntimeError(
-                f"a forward pre-hook on {type(linear).__name__} ({hook!r}) returned a new input; "
-                "ParMLPMegatron runs its own GEMMs and never passes input through the linear"
-            )
-
-
-def resolve_tp_group(
-    tp_group: torch.distributed.ProcessGroup | None,
-    pg_collection: Any | None,
-    owner: str,
-    needs_group: bool = True,
-) -> torch.distributed.ProcessGroup | None:
-    """The TP group this MLP shards and reduces over: the one it was given, never a guess.
-
-    Given a ``pg_collection`` (megatron-core 0.18+ TransformerLayers pass the model's) or a
-    ``tp_group`` (0.16-0.17 pass ``pg_collection.tp``), that group; both must agree. Given
-    neither, ``parallel_state``'s global TP group, as the stock MLP takes. With no
-    ``parallel_state`` either, the model may well have groups of its own that did not reach us:
-    refused rather than built unsharded or on the wrong ranks. Only a single process without
-    torch.distributed and Megatron's own linears (``needs_group=False``) runs without a group.
-    """
-    if pg_collection is not None:
-        if getattr(pg_collection, "tp", None) is None:
-            raise ValueError(f"{owner}: pg_collection has no tp group; set pg_collection.tp")
-        if tp_group is not None and tp_group is not pg_collection.tp:
-            raise ValueError(
-                f"{owner}: tp_group (ranks {_ranks(tp_group)}) and pg_collection.tp (ranks "
-                f"{_ranks(pg_collection.tp)}) are different groups; pass one of them"
-            )
-        return pg_collection.tp
-    if tp_group is not None:
-        return tp_group
-    if parallel_state.model_parallel_is_initialized():
-        return parallel_state.get_tensor_model_parallel_group()
-    if needs_group or torch.distributed.is_initialized():
-        raise ValueError(
-            f"{owner} got no TP process group and megatron.core.parallel_state is not "
-            "initialized, so it cannot know which ranks share its weights: pass tp_group= or "
-            "pg_collection= (TransformerLayer and GPTModel(pg_collection=...) pass the model's), "
-            "or call parallel_state.initialize_model_parallel for the global groups"
-        )
-    return None
-
-
-def _ranks(group: torch.distributed.ProcessGroup) -> list[int]:
-    return torch.distributed.get_process_group_ranks(group)

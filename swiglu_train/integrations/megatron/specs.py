@@ -25,7 +25,8 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_layer import TransformerLayerSubmodules
 
 from swiglu_train.integrations.megatron.activation_mlp import SwiGLUActivationMLP
-from swiglu_train.integrations.megatron.mlp import ParMLPMegatron, check_chunk, check_impl
+from swiglu_train.integrations.megatron.checks import check_chunk, check_impl
+from swiglu_train.integrations.megatron.mlp import ParMLPMegatron
 from swiglu_train.layers.registry import check_saved_fp8
 
 if TYPE_CHECKING:
