@@ -7,6 +7,7 @@ switched on before any kernel is defined, which is why this is read once at impo
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -15,6 +16,7 @@ INTERPRET: bool = os.environ.get("TRITON_INTERPRET", "0") == "1"
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
+@functools.cache  # asked before every kernel launch; an import's outcome holds for the process
 def triton_available() -> bool:
     """True when the Triton package imports (it ships for Linux only)."""
     try:

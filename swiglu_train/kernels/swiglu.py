@@ -9,6 +9,8 @@ the h recomputed in backward is bit-identical to the forward's.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -29,6 +31,10 @@ BWD_TILE = (2048, 8)
 INTERPRET_TILE = (16, 32)  # (BLOCK_M, BLOCK_N): small, so CPU tests cross tile edges
 
 
+# Memoized: triton.next_power_of_2 and triton.cdiv are constexpr functions in Triton 3.6, 1.5-3 us
+# of host time a call, so a launch spent ~12 us on its tile and grid (scripts/probe_host_time.py)
+# while the kernels of a small layer take about that long on the H200.
+@functools.lru_cache(maxsize=4096)
 def tile(
     M: int, F: int, rule: tuple[int, int], interpret: bool = INTERPRET
 ) -> tuple[int, int, int]:
@@ -166,16 +172,25 @@ def _check_preact(preact: torch.Tensor) -> tuple[int, int]:
 
 
 def _check_like(name: str, t: torch.Tensor, ref: torch.Tensor, shape: tuple[int, int]) -> None:
-    if tuple(t.shape) != shape or t.stride(1) != 1:
+    if t.shape != shape or t.stride(1) != 1:
         raise ValueError(f"{name} must be row-major {shape}, got {tuple(t.shape)} {t.stride()}")
     if t.dtype != ref.dtype or t.device != ref.device:
         raise TypeError(f"{name} is {t.dtype} on {t.device}, expected {ref.dtype} on {ref.device}")
 
 
+@functools.lru_cache(maxsize=4096)
+def launch_config(
+    M: int, F: int, rule: tuple[int, int], interpret: bool = INTERPRET
+) -> tuple[tuple[int], int, int, int]:
+    """(grid, BLOCK_M, BLOCK_N, num_warps) of a launch over the [M, F] output (memoized, as
+    ``tile``: M changes from step to step only with the token count)."""
+    block_m, block_n, warps = tile(M, F, rule, interpret)
+    return (-(-M // block_m) * -(-F // block_n),), block_m, block_n, warps
+
+
 def _launch(kernel, M: int, F: int, rule: tuple[int, int], *args, **constexprs) -> None:
     """One launch over a 1D grid of [BLOCK_M, BLOCK_N] tiles of the [M, F] output."""
-    block_m, block_n, warps = tile(M, F, rule)
-    grid = (triton.cdiv(M, block_m) * triton.cdiv(F, block_n),)
+    grid, block_m, block_n, warps = launch_config(M, F, rule)
     kernel[grid](*args, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps, **constexprs)
 
 

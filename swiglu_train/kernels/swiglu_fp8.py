@@ -185,7 +185,7 @@ def _launch(kernel, m: int, ffn: int, rule: tuple[int, int], *args) -> None:
     """One launch over a 1D grid of [BLOCK_M, BLOCK] tiles: the swiglu kernels' rows per
     program for the same element budget, and exactly one scale block of columns."""
     block_m, _, warps = tile(m, BLOCK, rule)
-    grid = (triton.cdiv(m, block_m) * n_blocks(ffn),)
+    grid = (-(-m // block_m) * n_blocks(ffn),)  # not triton.cdiv: ~3 us of host time a call
     kernel[grid](*args, BLOCK_M=block_m, BLOCK_N=BLOCK, INTERPRET=INTERPRET, num_warps=warps)
 
 

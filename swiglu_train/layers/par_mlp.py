@@ -53,6 +53,16 @@ def _named(params: tuple) -> list[tuple[str, torch.Tensor]]:
     return [(name, p) for name, p in zip(_PARAM_NAMES, params, strict=True) if p is not None]
 
 
+def _weight_and_bias(linear: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``(linear.weight, linear.bias)``, read from its parameter dict when both are there:
+    ``Module.__getattr__`` costs about 0.5 us a read, and forward reads four. Anything else
+    (a parametrized weight is a property computed on read) takes the attribute."""
+    params = linear._parameters
+    if "weight" in params and "bias" in params:
+        return params["weight"], params["bias"]
+    return linear.weight, linear.bias
+
+
 class ParMLP(nn.Module, CheckedLoad):
     """y = fc2(silu(x W_gateᵀ) * (x W_upᵀ)), with the autograd behaviour of ``impl``.
 
@@ -189,27 +199,28 @@ class ParMLP(nn.Module, CheckedLoad):
         return self.fc2.in_features
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Per-call host time counts at small layers: the submodules and the named parameters
-        # are read once, not on every check.
-        fc1, fc2 = self.fc1, self.fc2
-        tensors = (x, fc1.weight, fc1.bias, fc2.weight, fc2.bias)
-        params = _named(tensors[1:])
-        self._check_input(x, params)
-        device_type = x.device.type
+        # Per-call host time is a small layer's step time (scripts/probe_host_time.py): the
+        # submodules and parameters are read once, and the checks pass over them once.
+        fc1, fc2 = self._modules["fc1"], self._modules["fc2"]  # as self.fc1, less __getattr__
+        params = (*_weight_and_bias(fc1), *_weight_and_bias(fc2))
+        device = x.device
+        self._check_input(x, fc1.in_features, device, params)
+        device_type = device.type
         if device_type == "meta":  # shapes only (deferred init, tracing): no kernel, no autocast
-            return reference.mlp(*tensors)
+            return reference.mlp(x, *params)
         if torch.is_autocast_enabled(device_type):
             dtype = torch.get_autocast_dtype(device_type)
-            tensors = tuple(None if t is None else t.to(dtype) for t in tensors)
+            tensors = tuple(None if t is None else t.to(dtype) for t in (x, *params))
             with torch.autocast(device_type, enabled=False):
                 return self._apply_impl(*tensors)
-        for name, p in params:
-            if p.dtype != x.dtype:
+        dtype = x.dtype
+        for i, p in enumerate(params):
+            if p is not None and p.dtype != dtype:
                 raise TypeError(
-                    f"ParMLP input is {x.dtype} but its {name} is {p.dtype}; "
+                    f"ParMLP input is {dtype} but its {_PARAM_NAMES[i]} is {p.dtype}; "
                     "cast one of them, or run under torch.autocast"
                 )
-        return self._apply_impl(*tensors)
+        return self._apply_impl(x, *params)
 
     def _params(self) -> list[tuple[str, torch.Tensor]]:
         """The four tensors forward reads, by name (a module converted in part, ``mlp.fc2.half()``
@@ -217,7 +228,10 @@ class ParMLP(nn.Module, CheckedLoad):
         return _named((self.fc1.weight, self.fc1.bias, self.fc2.weight, self.fc2.bias))
 
     def _apply_impl(self, x: torch.Tensor, *params: torch.Tensor | None) -> torch.Tensor:
-        x2d = x.reshape(-1, x.shape[-1])
+        # An [M, D] input goes to the impl as it is: a reshape and a view back would add two
+        # autograd nodes, whose backward costs host time on every step.
+        flat = x.dim() == 2
+        x2d = x if flat else x.reshape(-1, x.shape[-1])
         if transforms_need_torch(x, *params):  # torch.func, forward AD: no kernel runs there
             y = swiglu_mlp_torch(x2d, *params, chunk=self.fc1_layout.chunk)
         elif grad_needed(x, *params):
@@ -226,7 +240,7 @@ class ParMLP(nn.Module, CheckedLoad):
             y = function(x2d, *params, inplace=self.inplace, **packed)
         else:  # eval, generation: every impl computes the same y, and nothing need be saved
             y = swiglu_mlp_inference(x2d, *params, chunk=self.fc1_layout.chunk)
-        return y.view(*x.shape[:-1], y.shape[-1])
+        return y if flat else y.view(*x.shape[:-1], y.shape[-1])
 
     def _function_for(self, dtype: torch.dtype) -> MLPFunction:
         """The impl's autograd function, or for a quack impl ``auto`` picked, its portable twin
@@ -235,19 +249,25 @@ class ParMLP(nn.Module, CheckedLoad):
             return self._mlp_function
         return get_impl(self._impl.removesuffix("_quack"))
 
-    def _check_input(self, x: torch.Tensor, params: list[tuple[str, torch.Tensor]]) -> None:
-        if not x.is_floating_point():
-            raise TypeError(f"ParMLP expects a floating-point input, got {x.dtype}")
+    def _check_input(
+        self, x: torch.Tensor, hidden_size: int, device: torch.device, params: tuple
+    ) -> None:
+        """Refuse an input the impls cannot take, naming the problem; ``params`` in
+        ``_PARAM_NAMES`` order, absent biases as None."""
         if x.dtype not in SUPPORTED_DTYPES:
+            if not x.is_floating_point():
+                raise TypeError(f"ParMLP expects a floating-point input, got {x.dtype}")
             raise TypeError(f"ParMLP supports {SUPPORTED_DTYPES}, got {x.dtype}")
-        if x.dim() == 0 or x.shape[-1] != self.hidden_size:
+        if x.dim() == 0 or x.shape[-1] != hidden_size:
             raise ValueError(
-                f"ParMLP(hidden_size={self.hidden_size}) got an input of shape {tuple(x.shape)}; "
-                f"its last dim must be {self.hidden_size}"
+                f"ParMLP(hidden_size={hidden_size}) got an input of shape {tuple(x.shape)}; "
+                f"its last dim must be {hidden_size}"
             )
-        for name, p in params:
-            if p.device != x.device:
-                raise ValueError(f"ParMLP input is on {x.device} but its {name} is on {p.device}")
+        for i, p in enumerate(params):
+            if p is not None and p.device != device:
+                raise ValueError(
+                    f"ParMLP input is on {device} but its {_PARAM_NAMES[i]} is on {p.device}"
+                )
 
     def check_state_dict(self, state_dict: Mapping, prefix: str = "") -> Layout:
         """The fc1 layout of this module's entries in ``state_dict`` (keys under ``prefix``),

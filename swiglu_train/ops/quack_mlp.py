@@ -50,6 +50,7 @@ def require_quack():
     return gemm_interface
 
 
+@functools.cache  # one partial, not one per GEMM of every step
 def quack_gemm() -> functools.partial:
     """quack's plain GEMM as the quack impls call it: untuned (no per-shape autotune stall),
     static persistent schedule. quack's own MLP runs its backward GEMMs on the dynamic one; the
@@ -102,7 +103,7 @@ def check_quack_inputs(
     portable = impl.removesuffix("_quack")
     if not x.is_cuda:
         raise ValueError(f"impl {impl!r} runs on CUDA only; the input is on {x.device}")
-    major, minor = torch.cuda.get_device_capability(x.device)
+    major, minor = _capability(x.device.index)
     if major < 9:
         raise ValueError(
             f"impl {impl!r} needs compute capability 9.0+ (Hopper); {x.device} is "
@@ -110,13 +111,20 @@ def check_quack_inputs(
         )
     if x.dtype not in QUACK_DTYPES:
         raise TypeError(f"impl {impl!r} needs bf16 or fp16 tensors, got {x.dtype}")
-    sizes = {"hidden": fc1_weight.shape[1], "ffn": fc2_weight.shape[1], "out": fc2_weight.shape[0]}
-    odd = {name: n for name, n in sizes.items() if n % ALIGN}
-    if odd:
+    (out, ffn), hidden = fc2_weight.shape, fc1_weight.shape[1]
+    if hidden % ALIGN or ffn % ALIGN or out % ALIGN:
+        sizes = {"hidden": hidden, "ffn": ffn, "out": out}
+        odd = {name: n for name, n in sizes.items() if n % ALIGN}
         raise ValueError(
             f"impl {impl!r} needs sizes that are multiples of {ALIGN} (16-byte rows "
             f"for TMA); got {odd}: use impl {portable!r}"
         )
+
+
+@functools.cache
+def _capability(device_index: int) -> tuple[int, int]:
+    """A GPU's compute capability, asked once: torch's query costs host time on every step."""
+    return torch.cuda.get_device_capability(device_index)
 
 
 def quack_sizes_ok(hidden_size: int, ffn_hidden_size: int) -> bool:
@@ -189,7 +197,7 @@ FILL_MARGIN = 1.05  # below this gain in fill, keep quack's default
 
 def _hopper(x: torch.Tensor) -> bool:
     """sm_90: the configs here are from quack's SM90 space; other archs keep their defaults."""
-    return torch.cuda.get_device_capability(x.device)[0] == 9
+    return _capability(x.device.index)[0] == 9
 
 
 def wave_fill(m_tiles: int, n_tiles: int, cluster_m: int, cluster_n: int, sms: int) -> float:
