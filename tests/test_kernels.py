@@ -112,3 +112,35 @@ def test_tile_rule_fills_the_element_budget_without_overshooting_f():
     assert kernels.tile(1, 300, bwd, interpret=False) == (1, 512, 8)  # no rows past M
     assert kernels.tile(0, 300, bwd, interpret=False) == (1, 512, 8)
     assert kernels.tile(11136, 14336, bwd, interpret=True) == (16, 32, 1)
+
+
+def test_memoized_launch_config_follows_every_shape():
+    """The tile and grid are cached per (M, F, rule): a new M, F or rule gets its own, and a
+    repeated one the same (a cache keyed on less would launch a stale grid)."""
+    fwd, bwd = kernels.FWD_TILE, kernels.BWD_TILE
+    calls = [
+        ((8000, 896, bwd), ((4000,), 2, 1024, 8)),
+        ((8001, 896, bwd), ((4001,), 2, 1024, 8)),  # one more row: one more program
+        ((8000, 1100, bwd), ((8000,), 1, 2048, 8)),  # F past 1024: wider tiles, one row each
+        ((8000, 2100, bwd), ((16000,), 1, 2048, 8)),  # F past 2048: two tiles a row
+        ((8000, 896, fwd), ((8000,), 1, 1024, 4)),  # the forward rule on the same shape
+        ((8000, 896, bwd), ((4000,), 2, 1024, 8)),
+    ]
+    for (m, f, rule), expected in calls:
+        assert kernels.launch_config(m, f, rule, interpret=False) == expected
+        assert kernels.tile(m, f, rule, interpret=False) == expected[1:]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_new_shape_after_a_launch_is_covered_whole(device):
+    """Launches at one shape, then at more rows and at more columns: every element of each
+    output is written (NaN-filled buffers) and right, so no grid is reused for a new shape."""
+    for m, f in [(20, 40), (50, 40), (50, 72), (20, 40)]:
+        preact = torch.randn(m, 2 * f, device=device)
+        grad_h = torch.randn(m, f, device=device)
+        h = torch.full((m, f), float("nan"), device=device)
+        grad_preact = torch.full((m, 2 * f), float("nan"), device=device)
+        kernels.swiglu_forward(preact, h)
+        assert_within_ulp(h, reference.swiglu(preact), torch.float32)
+        kernels.swiglu_backward(preact, grad_h, grad_preact, None)
+        assert_within_ulp(grad_preact, reference.swiglu_grad(preact, grad_h), torch.float32)
