@@ -15,7 +15,11 @@ from swiglu_train.files import atomic_write
 @app.command("export-hf")
 def export_hf(
     ckpt: Annotated[
-        Path, typer.Argument(help="a pretrain checkpoint (.ckpt), or what import-hf wrote")
+        Path,
+        typer.Argument(
+            help="a pretrain checkpoint (.ckpt, or a sharded one's directory), or what "
+            "import-hf wrote"
+        ),
     ],
     out: Annotated[
         Path, typer.Argument(help="the HF directory to write; new, or empty (written atomically)")
@@ -26,6 +30,7 @@ def export_hf(
     model.safetensors) that transformers loads, with the same logits."""
     import torch
 
+    from swiglu_train.cli.checkpoints import read_sharded
     from swiglu_train.cli.torch_files import load_error
     from swiglu_train.integrations.lightning.hf import export_hf as export
 
@@ -33,7 +38,9 @@ def export_hf(
         raise typer.BadParameter(f"{out} exists and is not an empty directory", param_hint="OUT")
     check_output(out, "OUT", directory=True)
     try:
-        loaded = torch.load(ckpt, map_location="cpu", weights_only=not trust)
+        loaded = read_sharded(ckpt, trust, "CKPT")
+        if loaded is None:
+            loaded = torch.load(ckpt, map_location="cpu", weights_only=not trust)
     except FileNotFoundError:
         raise typer.BadParameter(f"{ckpt} does not exist", param_hint="CKPT") from None
     except Exception as e:  # not a checkpoint, a refused pickle, an empty or damaged file

@@ -165,8 +165,17 @@ def pretrain(
         int | None,
         typer.Option(help="sequences per optimizer step, for --micro-batch-size auto"),
     ] = None,
+    accelerator: Annotated[
+        str | None, typer.Option(help="auto (a GPU where there is one), cpu or gpu")
+    ] = None,
     devices: Annotated[str | None, typer.Option(help="e.g. 1, 2 or auto")] = None,
-    strategy: Annotated[str | None, typer.Option(help="auto, ddp or fsdp")] = None,
+    strategy: Annotated[
+        str | None,
+        typer.Option(
+            help="auto, ddp, fsdp (Lightning's FSDP1, CUDA only) or fsdp2 (torch's fully_shard "
+            "per block over every device; checkpoints are sharded directories: docs/scale.md)"
+        ),
+    ] = None,
     precision: Annotated[str | None, typer.Option(help="auto, bf16-mixed, 32-true")] = None,
     wandb_project: Annotated[str | None, typer.Option()] = None,
     wandb_group: Annotated[str | None, typer.Option()] = None,
@@ -210,6 +219,7 @@ def pretrain(
         (cfg.train, "auto_micro_batch_size", auto_micro or None),
         (cfg.train, "global_batch_size", global_batch_size),
         (cfg.train, "max_steps", max_steps),
+        (cfg.train, "accelerator", accelerator),
         (cfg.train, "devices", int(devices) if devices and devices.isdigit() else devices),
         (cfg.train, "strategy", strategy),
         (cfg.train, "precision", precision),
@@ -257,7 +267,11 @@ def pretrain(
 @app.command()
 def convert(
     src: Annotated[
-        Path, typer.Argument(help="input: a Lightning .ckpt, or a .pt holding a bare state_dict")
+        Path,
+        typer.Argument(
+            help="input: a Lightning .ckpt (or a sharded one's directory), or a .pt holding a "
+            "bare state_dict"
+        ),
     ],
     dst: Annotated[Path, typer.Argument(help="output path (written atomically)")],
     to: Annotated[
@@ -289,6 +303,7 @@ def convert(
     import torch
     from rich.table import Table
 
+    from swiglu_train.cli.checkpoints import read_sharded
     from swiglu_train.layers.layout import CANONICAL, Layout
     from swiglu_train.packing import (
         convert_checkpoint,
@@ -321,7 +336,9 @@ def convert(
         )
     check_output(dst, "DST")  # os.replace would fail only after the whole conversion
     try:
-        ckpt = torch.load(src, map_location="cpu", weights_only=not trust)
+        ckpt = read_sharded(src, trust, "SRC")
+        if ckpt is None:
+            ckpt = torch.load(src, map_location="cpu", weights_only=not trust)
     except FileNotFoundError:
         raise typer.BadParameter(f"{src} does not exist") from None
     except OSError as e:  # unreadable (a directory, permissions), or torch seeking past the

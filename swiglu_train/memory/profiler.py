@@ -215,6 +215,12 @@ class _StepState:
 
     def _pack(self, t: torch.Tensor) -> torch.Tensor:
         self.record.saved_tensors += 1
+        # A parameter, or a view of one (a transposed weight), is the model's, not an
+        # activation; under FSDP2 it is the block's gathered copy, which is no parameter at the
+        # step's start (excluded holds the shards then) and is freed after the block's forward.
+        base = t if t._base is None else t._base
+        if isinstance(base, nn.Parameter):
+            return self.outer[0](t) if self.outer else t
         for key, nbytes in storages(t):
             if key not in self.excluded:
                 self.saved[key] = nbytes

@@ -27,8 +27,9 @@ CONFIG_DIR = Path(__file__).resolve().parent / "configs"  # package data (pyproj
 class TrainConfig:
     max_steps: int = 150
     precision: str = "auto"  # bf16-mixed on CUDA, 32-true on CPU
+    accelerator: str = "auto"  # Lightning's: auto (a GPU where there is one), cpu, gpu, cuda
     devices: int | str = 1
-    strategy: str = "auto"
+    strategy: str = "auto"  # Lightning's (auto, ddp, fsdp...), or fsdp2 (fsdp2.py)
     accumulate_grad_batches: int = 1
     gradient_clip_val: float = 1.0
     val_check_interval: int = 50

@@ -62,6 +62,15 @@ class PretrainModule(pl.LightningModule):
         # that a resume on other data can say so; run_pretrain sets it once the data is loaded.
         self.data_record: dict | None = None
 
+    def configure_model(self) -> None:
+        """Under --strategy fsdp2, shard the model (each block, then the root) over the device
+        mesh that Lightning's ModelParallelStrategy makes; other strategies make none. Lightning
+        calls this hook again on each fit, validate or test: a sharded model is left as is."""
+        from swiglu_train.integrations.lightning.fsdp2 import is_sharded, shard
+
+        if self.device_mesh is not None and not is_sharded(self.model):
+            shard(self.model, self.device_mesh["data_parallel"], self.trainer.precision)
+
     def loss(self, rows: torch.Tensor) -> torch.Tensor:
         logits = self.model(rows[:, :-1])
         return F.cross_entropy(logits.flatten(0, 1).float(), rows[:, 1:].flatten())

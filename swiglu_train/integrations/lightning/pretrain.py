@@ -16,6 +16,7 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_only, rank_zer
 
 from swiglu_train.integrations.lightning.config import PretrainConfig, check_ranges
 from swiglu_train.integrations.lightning.data import PackedTextData
+from swiglu_train.integrations.lightning.fsdp2 import FSDP2, check_fsdp2, trainer_strategy
 from swiglu_train.integrations.lightning.memory_callback import MemoryProfilerCallback
 from swiglu_train.integrations.lightning.model import (
     check_checkpoint_layers,
@@ -25,6 +26,12 @@ from swiglu_train.integrations.lightning.model import (
 from swiglu_train.integrations.lightning.module import LAYOUT_KEY, PretrainModule
 from swiglu_train.integrations.lightning.planner import check_plan_settings, plan_run
 from swiglu_train.integrations.lightning.resume import StepProgressBar, run_loggers
+from swiglu_train.integrations.lightning.sharded_checkpoint import (
+    INDEX,
+    consolidate,
+    is_sharded,
+    read_meta,
+)
 from swiglu_train.layers import check_impl_name
 from swiglu_train.layers.registry import AUTO
 from swiglu_train.memory.wandb_run import CSV_NAME
@@ -70,10 +77,12 @@ class StepCheckpoint(ModelCheckpoint):
             self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))
 
 
-def resolve_precision(precision: str) -> str:
+def resolve_precision(precision: str, accelerator: str = "auto") -> str:
+    """``auto``: bf16-mixed where the run trains on a GPU, 32-true on the CPU."""
     if precision != "auto":
         return precision
-    return "bf16-mixed" if torch.cuda.is_available() else "32-true"
+    gpu = torch.cuda.is_available() and accelerator != "cpu"
+    return "bf16-mixed" if gpu else "32-true"
 
 
 def run_pretrain(
@@ -95,6 +104,9 @@ def run_pretrain(
     check_model_saved_fp8(cfg.model)
     check_ranges(cfg)
     check_checkpoint_layers(cfg.model)
+    precision = resolve_precision(cfg.train.precision, cfg.train.accelerator)
+    if cfg.train.strategy == FSDP2:
+        check_fsdp2(precision, cfg.train.devices)
     check_plan_settings(cfg, resuming=resume is not None)
     if cfg.model.mlp_impl == AUTO and cfg.model.mlp_tokens_hint is None:  # one micro-batch
         cfg.model.mlp_tokens_hint = cfg.data.micro_batch_size * cfg.data.seq_length
@@ -142,9 +154,10 @@ def run_pretrain(
     )
     trainer = pl.Trainer(
         max_steps=cfg.train.max_steps,
-        precision=resolve_precision(cfg.train.precision),
+        precision=precision,
+        accelerator=cfg.train.accelerator,
         devices=cfg.train.devices,
-        strategy=cfg.train.strategy,
+        strategy=trainer_strategy(cfg.train.strategy, cfg.train.devices),
         accumulate_grad_batches=cfg.train.accumulate_grad_batches,
         gradient_clip_val=cfg.train.gradient_clip_val,
         # Lightning counts micro-batches; the config, like max_steps, counts optimizer steps.
@@ -247,7 +260,15 @@ def _check_resumable(path: Path, cfg: PretrainConfig) -> dict:
     elsewhere), whether it holds optimizer state and its step: all that
     PretrainModule.check_layout, _check_data and run_loggers read, so that the checkpoint
     itself is not kept open meanwhile."""
-    ckpt = _read_checkpoint(path, "--resume")
+    sharded = is_sharded(path)
+    if sharded and cfg.train.strategy != FSDP2:
+        raise ValueError(
+            f"--resume: {path} is a sharded checkpoint (a directory, as --strategy fsdp2 "
+            f"writes): resume it with --strategy fsdp2 (any --devices), or write it as one "
+            f"file first (swiglu-train consolidate {path} FILE.ckpt) and resume that"
+        )
+    # A sharded one's weights load shard by shard inside Lightning: here, its meta.pt alone
+    ckpt = read_meta(path, "--resume") if sharded else _read_checkpoint(path, "--resume")
     if not isinstance(ckpt, dict) or "pytorch-lightning_version" not in ckpt:
         raise ValueError(
             f"--resume: {path} is not a pretrain checkpoint (a bare state_dict, as convert "
@@ -281,7 +302,15 @@ def _check_resumable(path: Path, cfg: PretrainConfig) -> dict:
 
 
 def _read_checkpoint(path: Path, flag: str) -> object:
-    """``torch.load`` of a file the user named, refused in one line if it is none."""
+    """``torch.load`` of a file the user named (a sharded checkpoint: its consolidation),
+    refused in one line if it is none."""
+    if is_sharded(path):
+        return consolidate(path, flag)
+    if path.is_dir():
+        raise ValueError(
+            f"{flag}: {path} is a directory but no sharded checkpoint (it has no {INDEX} "
+            "index): pass a .ckpt file or a sharded checkpoint directory"
+        )
     if not path.is_file():
         raise FileNotFoundError(f"{flag}: no checkpoint at {path}")
     if not zipfile.is_zipfile(path):  # torch.save writes a zip; its index sits at the end

@@ -1,0 +1,104 @@
+"""Sharded checkpoints, as ``--strategy fsdp2`` writes them: a directory that
+``torch.distributed.checkpoint`` wrote (a ``.metadata`` index and one ``.distcp`` file per rank,
+holding the weights and optimizer state) with Lightning's ``meta.pt`` (all the rest: step,
+loops, hyper-parameters, our ``swiglu_train`` record).
+
+``--resume`` reads ``meta.pt`` and the index alone; the weights load shard by shard inside
+Lightning, at any world size. What needs the whole model (export-hf, convert, --init-from,
+consolidate) reads it through :func:`consolidate`, into the one-file format a single-device run
+writes, so that each of them takes either.
+
+Reading one unpickles: the index is a pickle, and so are non-tensor entries. The commands that
+take ``--trust`` ask for it (TRUST).
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import torch
+
+INDEX = ".metadata"  # torch.distributed.checkpoint's
+META = "meta.pt"  # Lightning's (lightning.fabric.utilities.load._METADATA_FILENAME)
+OPTIMIZER = re.compile(r"optimizer_(\d+)")  # ModelParallelStrategy's key of optimizer i's state
+TRUST = ("is a sharded checkpoint, whose index torch.distributed.checkpoint pickles; pass "
+         "--trust if you trust it")  # fmt: skip
+
+
+def is_sharded(path: Path) -> bool:
+    return path.is_dir() and (path / INDEX).is_file()
+
+
+def read_meta(path: Path, flag: str) -> dict:
+    """``meta.pt`` of the sharded checkpoint at ``path``, with ``optimizer_states`` naming the
+    optimizers whose state the shards hold (a list, empty where none), as the one-file
+    checkpoint's list holds their states."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    meta = _load_meta(path, flag)
+    try:
+        index = FileSystemReader(path).read_metadata().state_dict_metadata
+    except Exception as e:  # a damaged or cut .metadata: pickle, EOF or OS errors
+        raise ValueError(f"{flag}: {path}/{INDEX} is not a readable shard index "
+                         f"({type(e).__name__}: {e})") from e  # fmt: skip
+    found = {m.group(0) for key in index if (m := OPTIMIZER.match(key.split(".", 1)[0]))}
+    meta["optimizer_states"] = sorted(found, key=lambda k: int(k.split("_")[1]))
+    return meta
+
+
+def consolidate(path: Path, flag: str) -> dict:
+    """The sharded checkpoint at ``path`` as one checkpoint in memory, in the format a
+    single-device run saves: full tensors, and ``optimizer_states`` keyed by parameter index
+    over the param groups, in order (FSDP2 keys them by parameter name). It must fit in CPU
+    memory, as a one-file checkpoint of the same model does."""
+    from lightning.fabric.utilities.load import _load_distributed_checkpoint
+
+    _load_meta(path, flag)  # a missing or damaged meta.pt, named before the shards are read
+    try:  # Lightning's reader of its own format, which needs no process group
+        ckpt = _load_distributed_checkpoint(path)
+    except Exception as e:  # a damaged or missing shard
+        reason = " ".join(str(e).split())[:300]  # DCP's errors span lines and ranks
+        raise ValueError(
+            f"{flag}: {path} is a sharded checkpoint that cannot be read whole "
+            f"({type(e).__name__}: {reason})"
+        ) from e
+    keys = sorted((k for k in ckpt if OPTIMIZER.fullmatch(k)), key=lambda k: int(k[10:]))
+    names = ckpt.get("swiglu_train", {}).get("optimizer_param_names")
+    ckpt["optimizer_states"] = [by_index(ckpt.pop(k), names if i == 0 else None, f"{flag}: {path}")
+                                for i, k in enumerate(keys)]  # fmt: skip
+    return ckpt
+
+
+def by_index(optimizer: dict, names: list[list[str]] | None, where: str) -> dict:
+    """An optimizer state keyed by parameter name (FSDP2's) keyed by index instead, as
+    ``torch.optim.Optimizer.state_dict`` numbers them: through the param groups, in order.
+    ``names``, the checkpoint's own record of each group's parameters, must agree: a state
+    moved onto the wrong parameter would be read without error."""
+    groups = optimizer["param_groups"]
+    order = [list(g["params"]) for g in groups]
+    if names is not None and order != names:
+        raise ValueError(f"{where}: the optimizer's parameter order differs from the one the "
+                         "checkpoint records (swiglu_train.optimizer_param_names)")  # fmt: skip
+    index = {name: i for i, name in enumerate(n for group in order for n in group)}
+    unknown = sorted(set(optimizer["state"]) - set(index))
+    if unknown:
+        raise ValueError(f"{where}: optimizer state for parameters in no param group: {unknown}")
+    return {
+        "state": {index[name]: state for name, state in optimizer["state"].items()},
+        "param_groups": [{**g, "params": [index[n] for n in g["params"]]} for g in groups],
+    }
+
+
+def _load_meta(path: Path, flag: str) -> dict:
+    file = path / META
+    if not file.is_file():
+        raise ValueError(f"{flag}: {path} holds shards but no {META} (Lightning writes it last): "
+                         "an incomplete save; use an earlier checkpoint")  # fmt: skip
+    try:
+        meta = torch.load(file, map_location="cpu", weights_only=False)
+    except Exception as e:  # EOFError, UnpicklingError, RuntimeError... for a damaged file
+        raise ValueError(f"{flag}: {file} is not readable ({type(e).__name__}: {e})") from e
+    if not isinstance(meta, dict):
+        raise ValueError(f"{flag}: {file} holds a {type(meta).__name__}, not a checkpoint dict")
+    return meta
