@@ -33,6 +33,12 @@ def triton_runs_on(device: torch.device) -> bool:
     return device.type == "cuda" or (INTERPRET and device.type == "cpu")
 
 
+def triton_runs_for(t: torch.Tensor) -> bool:
+    """``triton_runs_on(t.device)``, asked before every kernel launch without building the
+    device object, which costs more host time than the rest of the question."""
+    return (t.is_cuda or (INTERPRET and t.is_cpu)) and triton_available()
+
+
 def m_bucket(m: int) -> int:
     """Round the row count up to a power of two so autotuning is keyed by size class.
 

@@ -13,7 +13,7 @@ from collections.abc import Iterator
 
 import torch
 
-from swiglu_train.kernels.runtime import triton_runs_on
+from swiglu_train.kernels.runtime import triton_runs_for
 from swiglu_train.ops import reference
 from swiglu_train.ops.eager import eager_op
 
@@ -43,7 +43,7 @@ def triton_enabled(t: torch.Tensor) -> bool:
     """Whether ops on this tensor run Triton kernels (the backend setting and the device)."""
     if _backend == "torch":
         return False
-    runs = kernels is not None and triton_runs_on(t.device)
+    runs = kernels is not None and triton_runs_for(t)
     if _backend == "triton" and not runs:
         raise RuntimeError(
             f"Triton backend requested but Triton cannot run on {t.device} "

@@ -87,11 +87,12 @@ def backend(gemm: str, a: torch.Tensor, b: torch.Tensor) -> str:
     torch.compile, which traces one graph for every shape)."""
     if torch.compiler.is_compiling():
         return DEFAULTS[gemm]
-    return _lookup(gemm, a.shape[0], b.shape[1], a.shape[1], a.dtype, a.device.index)
+    # get_device(), not device.index: the same index, without building a device object
+    return _lookup(gemm, a.shape[0], b.shape[1], a.shape[1], a.dtype, a.get_device())
 
 
 @functools.lru_cache(maxsize=1024)
-def _lookup(gemm: str, m: int, n: int, k: int, dtype: torch.dtype, device: int | None) -> str:
+def _lookup(gemm: str, m: int, n: int, k: int, dtype: torch.dtype, device: int) -> str:
     """``choice`` memoized per call signature: it runs on every step's GEMMs, where building
     the key and asking for the device's name each time would add host time."""
     return choice(gemm, m, n, k, dtype, torch.cuda.get_device_name(device))

@@ -103,7 +103,7 @@ def check_quack_inputs(
     portable = impl.removesuffix("_quack")
     if not x.is_cuda:
         raise ValueError(f"impl {impl!r} runs on CUDA only; the input is on {x.device}")
-    major, minor = _capability(x.device.index)
+    major, minor = _capability(x.get_device())  # a CUDA tensor's index, as x.device.index
     if major < 9:
         raise ValueError(
             f"impl {impl!r} needs compute capability 9.0+ (Hopper); {x.device} is "
@@ -197,7 +197,7 @@ FILL_MARGIN = 1.05  # below this gain in fill, keep quack's default
 
 def _hopper(x: torch.Tensor) -> bool:
     """sm_90: the configs here are from quack's SM90 space; other archs keep their defaults."""
-    return _capability(x.device.index)[0] == 9
+    return _capability(x.get_device())[0] == 9
 
 
 def wave_fill(m_tiles: int, n_tiles: int, cluster_m: int, cluster_n: int, sms: int) -> float:
