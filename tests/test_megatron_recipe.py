@@ -22,6 +22,9 @@ from megatron.core.models.gpt import GPTModel  # isort: skip
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer  # isort: skip
 
 from swiglu_train.integrations.megatron import get_gpt_layer_spec
+from swiglu_train.integrations.megatron.pretrain import checkpoint
+from swiglu_train.integrations.megatron.pretrain.args import parse_args
+from swiglu_train.integrations.megatron.pretrain.build import transformer_config
 
 LAUNCHER = Path(__file__).with_name("megatron_recipe_cpu.py")
 RECIPE = LAUNCHER.parents[1] / "recipes" / "pretrain_megatron.py"
@@ -129,21 +132,19 @@ def test_recipe_launched_directly_says_how_to_run_on_this_machine(device, messag
 def test_stock_baselines_differ_only_in_the_activation_fusion(impl: str, fused: bool) -> None:
     """Both stock runs build Megatron's own MLP; 'stock_eager' turns its compiled bias-SwiGLU
     off, the knob that isolates the activation when stock is slower than ours on the GPU."""
-    recipe = runpy.run_path(str(RECIPE))
-    args = recipe["parse_args"](["--device", "cpu", "--mlp-impl", impl])
-    config = recipe["transformer_config"](args)
+    args = parse_args(["--device", "cpu", "--mlp-impl", impl])
+    config = transformer_config(args)
     assert config.bias_activation_fusion is fused and config.gated_linear_unit
-    ours = recipe["transformer_config"](recipe["parse_args"](["--device", "cpu"]))
+    ours = transformer_config(parse_args(["--device", "cpu"]))
     assert not ours.bias_activation_fusion
 
 
 def test_saved_fp8_flag_is_for_drop_h(capsys) -> None:
-    recipe = runpy.run_path(str(RECIPE))
-    assert recipe["parse_args"](["--saved-fp8"]).saved_fp8  # drop_h, the default impl
-    assert not recipe["parse_args"]([]).saved_fp8
+    assert parse_args(["--saved-fp8"]).saved_fp8  # drop_h, the default impl
+    assert not parse_args([]).saved_fp8
     for impl, reason in (("normal", "not 'normal': it saves h"), ("stock", "Megatron's own MLP")):
         with pytest.raises(SystemExit):
-            recipe["parse_args"](["--saved-fp8", "--mlp-impl", impl])
+            parse_args(["--saved-fp8", "--mlp-impl", impl])
         assert reason in capsys.readouterr().err
 
 
@@ -200,9 +201,8 @@ def test_tp2_and_dp2_against_tp1_losses_agree_and_drop_h_saves_h_per_rank(tmp_pa
 def _resume_worker(rank: int, world_size: int, rendezvous: str, root: str, impl: str) -> None:
     with megatron_parallel(rank, world_size, rendezvous):
         shim_distributed_optimizer()
-        recipe = runpy.run_path(str(RECIPE))
-        args = recipe["parse_args"]([*TINY, "--mlp-impl", impl])
-        config = recipe["transformer_config"](args)
+        args = parse_args([*TINY, "--mlp-impl", impl])
+        config = transformer_config(args)
 
         def build(seed: int):
             torch.manual_seed(seed)
@@ -222,9 +222,9 @@ def _resume_worker(rank: int, world_size: int, rendezvous: str, root: str, impl:
             state["exp_avg"].normal_()
             state["exp_avg_sq"].uniform_()
             state["step"] = torch.tensor(7.0)
-        recipe["save"](root, 3, model, optimizer)
+        checkpoint.save(root, 3, model, optimizer)
         fresh_model, fresh = build(1)
-        assert recipe["load"](f"{root}/iter_0000003", fresh_model, fresh) == 3
+        assert checkpoint.load(f"{root}/iter_0000003", fresh_model, fresh) == 3
         for ours, theirs in zip(fresh_model.parameters(), model.parameters(), strict=True):
             assert torch.equal(ours, theirs)
         loaded = fresh.chained_optimizers[0]
@@ -263,13 +263,12 @@ def test_distributed_optimizer_resume_restores_weights_moments_and_step(tmp_path
 
 
 def test_recompute_options_reach_megatrons_config_and_bad_combinations_are_refused(capsys):
-    recipe = runpy.run_path(str(RECIPE))
     full = ["--recompute-granularity", "full", "--recompute-method", "block"]
-    args = recipe["parse_args"](["--device", "cpu", *full, "--recompute-num-layers", "3"])
-    config = recipe["transformer_config"](args)
+    args = parse_args(["--device", "cpu", *full, "--recompute-num-layers", "3"])
+    config = transformer_config(args)
     assert (config.recompute_granularity, config.recompute_method) == ("full", "block")
     assert config.recompute_num_layers == 3 and args.mlp_impl == "drop_h"
-    plain = recipe["transformer_config"](recipe["parse_args"](["--device", "cpu"]))
+    plain = transformer_config(parse_args(["--device", "cpu"]))
     assert plain.recompute_granularity is None and plain.recompute_num_layers is None
     for argv, message in (
         (["--recompute-num-layers", "2"], "need --recompute-granularity full"),
@@ -279,33 +278,32 @@ def test_recompute_options_reach_megatrons_config_and_bad_combinations_are_refus
          "selective takes no --recompute-method"),
     ):  # fmt: skip
         with pytest.raises(SystemExit):
-            recipe["parse_args"](argv)
+            parse_args(argv)
         assert message in capsys.readouterr().err
 
 
 def test_a_planner_record_sets_the_impl_and_block_recompute(tmp_path, capsys):
     """--plan takes what `pretrain --activation-checkpointing auto --summary-json` wrote."""
-    recipe = runpy.run_path(str(RECIPE))
     plan = {"impl": "drop_h+fp8", "checkpoint_layers": 2, "num_layers": 4, "why": "..."}
     path = tmp_path / "summary.json"
     path.write_text(json.dumps({"mlp_impl": "drop_h", "plan": plan}))
-    args = recipe["parse_args"](["--plan", str(path)])
+    args = parse_args(["--plan", str(path)])
     assert (args.mlp_impl, args.saved_fp8) == ("drop_h", True)
     assert (args.recompute_granularity, args.recompute_method) == ("full", "block")
     assert args.recompute_num_layers == 2
     path.write_text(json.dumps(plan | {"impl": "normal", "checkpoint_layers": 0}))
-    args = recipe["parse_args"](["--plan", str(path)])
+    args = parse_args(["--plan", str(path)])
     assert args.mlp_impl == "normal" and args.recompute_granularity is None
     for argv, message in (
         (["--num-layers", "8"], "was made for 4 layers, not --num-layers 8"),
         (["--mlp-impl", "normal"], "--plan sets the impl and the recompute; drop --mlp-impl"),
     ):
         with pytest.raises(SystemExit):
-            recipe["parse_args"](["--plan", str(path), *argv])
+            parse_args(["--plan", str(path), *argv])
         assert message in capsys.readouterr().err
     path.write_text("{}")
     with pytest.raises(SystemExit):
-        recipe["parse_args"](["--plan", str(path)])
+        parse_args(["--plan", str(path)])
     assert "no planner record (impl, checkpoint_layers, num_layers)" in capsys.readouterr().err
 
 
@@ -315,7 +313,6 @@ def _recompute_worker(rank: int, world_size: int, rendezvous: str) -> None:
     from swiglu_train.memory import MemoryProfiler
 
     with megatron_parallel(rank, world_size, rendezvous):
-        recipe = runpy.run_path(str(RECIPE))
         tokens = torch.randint(0, 128, (2, 32), generator=torch.Generator().manual_seed(3))
         positions = torch.arange(32).expand(2, 32)
         causal = torch.ones(2, 1, 32, 32, dtype=torch.bool).triu(1)
@@ -323,9 +320,9 @@ def _recompute_worker(rank: int, world_size: int, rendezvous: str) -> None:
             results = []
             for recompute in ([], ["--recompute-granularity", "full", "--recompute-method",
                                    "block", "--recompute-num-layers", "1"]):  # fmt: skip
-                args = recipe["parse_args"]([*TINY, "--mlp-impl", impl, *recompute])
+                args = parse_args([*TINY, "--mlp-impl", impl, *recompute])
                 torch.manual_seed(0)
-                model = GPTModel(recipe["transformer_config"](args), get_gpt_layer_spec(impl),
+                model = GPTModel(transformer_config(args), get_gpt_layer_spec(impl),
                                  vocab_size=128, max_sequence_length=32,
                                  position_embedding_type="rope")  # fmt: skip
                 profiler = MemoryProfiler(model)

@@ -1,0 +1,168 @@
+"""The recipe's command line: Megatron's recompute options checked in the combinations its
+TransformerConfig takes, and ``--plan``, a plan of swiglu-train's planner."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from swiglu_train.integrations.megatron import SUPPORTED_IMPLS
+from swiglu_train.layers.registry import check_saved_fp8
+
+DESCRIPTION = "Pretrain a Megatron-core GPTModel whose MLPs run a swiglu-train impl."
+STOCK = ("stock", "stock_eager")  # Megatron's MLP: the baseline our spec replaces
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=DESCRIPTION)
+    p.add_argument(
+        "--mlp-impl",
+        default=None,
+        choices=[*SUPPORTED_IMPLS, *STOCK],
+        help="ours (default drop_h), or Megatron's own MLP: 'stock' with its fused "
+        "(torch.compile'd) bias-SwiGLU, 'stock_eager' with bias_activation_fusion off",
+    )
+    p.add_argument(
+        "--recompute-granularity",
+        choices=["full", "selective"],
+        default=None,
+        help="Megatron's activation recompute: 'full' checkpoints whole transformer layers "
+        "(with --recompute-method and --recompute-num-layers), 'selective' its core attention",
+    )
+    p.add_argument(
+        "--recompute-method",
+        choices=["uniform", "block"],
+        default=None,
+        help="full recompute: 'block' checkpoints the first --recompute-num-layers layers, "
+        "'uniform' every layer, in units of --recompute-num-layers",
+    )
+    p.add_argument("--recompute-num-layers", type=int, default=None)
+    p.add_argument(
+        "--plan",
+        default=None,
+        help="a plan of swiglu-train's planner (JSON: a pretrain --summary-json, or its 'plan'): "
+        "its impl and checkpointed blocks as --mlp-impl and --recompute-method block",
+    )
+    p.add_argument(
+        "--saved-fp8",
+        action="store_true",
+        help="drop_h only: keep the saved preactivation in FP8 (e4m3, a scale per 128 columns)",
+    )
+    p.add_argument("--tp", type=int, default=1)
+    p.add_argument("--pp", type=int, default=1)
+    p.add_argument("--dp", type=int, default=None, help="checked against WORLD_SIZE/(tp*pp)")
+    p.add_argument("--sequence-parallel", action="store_true", help="needs Apex norms (local spec)")
+    p.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
+    p.add_argument("--max-steps", type=int, default=100)
+    p.add_argument("--num-layers", type=int, default=4)
+    p.add_argument("--hidden-size", type=int, default=1024)
+    p.add_argument("--ffn-hidden-size", type=int, default=2816)
+    p.add_argument("--num-attention-heads", type=int, default=16)
+    p.add_argument("--seq-length", type=int, default=1024)
+    p.add_argument("--vocab-size", type=int, default=32000)
+    p.add_argument("--micro-batch-size", type=int, default=4)
+    p.add_argument("--num-microbatches", type=int, default=1)
+    p.add_argument("--lr", type=float, default=3e-4)
+    p.add_argument("--seed", type=int, default=1234)
+    p.add_argument(
+        "--warmup-steps",
+        type=int,
+        default=5,
+        help="steps the summary's tokens/s leaves out (compilation, autotuning, allocation)",
+    )
+    p.add_argument(
+        "--cpu-init",
+        action="store_true",
+        help="initialize full weights on the CPU from --seed, then shard them (Megatron's "
+        "use_cpu_initialization), so runs at different TP sizes start from the same model",
+    )
+    p.add_argument("--data-path", nargs="*", default=None, help="indexed dataset prefixes")
+    p.add_argument("--save", default=None, help="root of the iter_NNNNNNN dist-ckpt folders")
+    p.add_argument("--save-interval", type=int, default=0, help="0: only at the end")
+    p.add_argument("--load", default=None, help="an iter_NNNNNNN folder to resume from")
+    p.add_argument("--wandb-project", default="swiglu-train-megatron")
+    p.add_argument("--output-dir", default="runs")
+    p.add_argument("--summary-json", default=None, help="rank 0 writes losses, tokens/s, memory")
+    args = p.parse_args(argv)
+    if args.plan is not None:
+        apply_plan(p, args)
+    args.mlp_impl = args.mlp_impl or "drop_h"
+    check_recompute(p, args)
+    if args.warmup_steps < 0:
+        p.error(f"--warmup-steps must be at least 0, got {args.warmup_steps}")
+    if args.saved_fp8 and args.mlp_impl in STOCK:
+        p.error("--saved-fp8 is ours: Megatron's own MLP saves its preactivation in bf16")
+    if args.saved_fp8:
+        try:
+            check_saved_fp8(args.mlp_impl)
+        except ValueError as e:
+            p.error(f"--saved-fp8: {e}")
+    return args
+
+
+def apply_plan(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """--plan: the planner's impl and checkpointed blocks, for a model of its depth. It was
+    measured on the Lightning Llama of swiglu-train's pretrain, whose memory is close to but
+    not Megatron's: the run's own profiler figures say whether it fits here."""
+    try:
+        plan = json.loads(Path(args.plan).read_text())
+    except (OSError, ValueError) as e:
+        p.error(f"--plan {args.plan}: not a readable JSON file ({e})")
+    plan = plan.get("plan", plan) if isinstance(plan, dict) else None
+    if not isinstance(plan, dict) or not {"impl", "checkpoint_layers", "num_layers"} <= set(plan):
+        p.error(
+            f"--plan {args.plan}: no planner record (impl, checkpoint_layers, num_layers); "
+            "pass what pretrain --activation-checkpointing auto --summary-json wrote"
+        )
+    taken = [
+        f
+        for f in ("mlp_impl", "recompute_granularity", "recompute_method", "recompute_num_layers")
+        if getattr(args, f) is not None
+    ]
+    if taken or args.saved_fp8:
+        flags = ", ".join("--" + f.replace("_", "-") for f in taken) or "--saved-fp8"
+        p.error(f"--plan sets the impl and the recompute; drop {flags}")
+    if plan["num_layers"] != args.num_layers:
+        p.error(
+            f"--plan {args.plan} was made for {plan['num_layers']} layers, not "
+            f"--num-layers {args.num_layers}"
+        )
+    impl = plan["impl"]
+    args.saved_fp8 = impl.endswith("+fp8")
+    args.mlp_impl = impl.removesuffix("+fp8")
+    if args.mlp_impl not in SUPPORTED_IMPLS:
+        p.error(f"--plan {args.plan}: impl {impl!r} is not one this recipe runs")
+    if plan["checkpoint_layers"]:
+        args.recompute_granularity, args.recompute_method = "full", "block"
+        args.recompute_num_layers = plan["checkpoint_layers"]
+
+
+def check_recompute(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Megatron's recompute options, in the combinations its TransformerConfig takes (its own
+    check says less, and only once the model is being built)."""
+    granularity, method, n = (
+        args.recompute_granularity,
+        args.recompute_method,
+        args.recompute_num_layers,
+    )
+    if granularity is None and (method is not None or n is not None):
+        p.error("--recompute-method and --recompute-num-layers need --recompute-granularity full")
+    if granularity == "selective" and (method is not None or n is not None):
+        p.error(
+            "--recompute-granularity selective takes no --recompute-method or "
+            "--recompute-num-layers (it recomputes the core attention of every layer)"
+        )
+    if granularity == "full" and (method is None or n is None):
+        p.error(
+            "--recompute-granularity full needs --recompute-method (block or uniform) and "
+            "--recompute-num-layers"
+        )
+    per_stage = args.num_layers // args.pp
+    if method == "block" and not 1 <= n <= per_stage:
+        p.error(
+            f"--recompute-method block: --recompute-num-layers must be from 1 to the "
+            f"layers per pipeline stage, {per_stage}; got {n}"
+        )
+    if method == "uniform" and n < 1:
+        p.error(f"--recompute-num-layers must be at least 1, got {n}")

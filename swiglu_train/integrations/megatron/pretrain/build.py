@@ -1,0 +1,129 @@
+"""What a run is built from: process groups and seeds, the TransformerConfig, the GPTModel
+(our layer spec, or Megatron's own MLP) under Megatron's DDP, and its optimizer."""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+import torch
+import torch.nn.functional as F
+from megatron.core import parallel_state, tensor_parallel
+from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+from megatron.core.models.gpt import GPTModel
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+from megatron.core.transformer.module import Float16Module
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+from swiglu_train.integrations.megatron import get_gpt_layer_spec
+from swiglu_train.integrations.megatron.pretrain.args import STOCK
+
+CPU_SHIMS_ENV = "SWIGLU_TRAIN_MEGATRON_CPU_SHIMS"  # set by tests/megatron_recipe_cpu.py
+
+
+def initialize(args: argparse.Namespace) -> None:
+    smoke = "torchrun --nproc-per-node N tests/megatron_recipe_cpu.py --device cpu ..."
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit(f"--device cuda (the default), but torch sees no CUDA device; the CPU "
+                         f"smoke mode runs as {smoke}")  # fmt: skip
+    if args.device == "cpu" and not os.environ.get(CPU_SHIMS_ENV):
+        raise SystemExit(f"--device cpu needs Megatron's CUDA-only calls (RNG tracker, buffers) "
+                         f"replaced, which the test launcher does: {smoke}")  # fmt: skip
+    backend = "nccl" if args.device == "cuda" else "gloo"
+    if args.device == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    torch.distributed.init_process_group(backend)
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=args.tp, pipeline_model_parallel_size=args.pp
+    )
+    dp = parallel_state.get_data_parallel_world_size()
+    if args.dp is not None and args.dp != dp:
+        raise ValueError(f"--dp {args.dp} but WORLD_SIZE/(tp*pp) gives {dp}")
+    torch.manual_seed(args.seed)
+    tensor_parallel.model_parallel_cuda_manual_seed(args.seed)
+
+
+def transformer_config(args: argparse.Namespace) -> TransformerConfig:
+    bf16 = args.device == "cuda"
+    return TransformerConfig(
+        num_layers=args.num_layers,
+        hidden_size=args.hidden_size,
+        ffn_hidden_size=args.ffn_hidden_size,
+        num_attention_heads=args.num_attention_heads,
+        tensor_model_parallel_size=args.tp,
+        pipeline_model_parallel_size=args.pp,
+        sequence_parallel=args.sequence_parallel,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        bias_activation_fusion=args.mlp_impl == "stock",  # Megatron-LM's default, for stock
+        add_bias_linear=False,
+        normalization="RMSNorm",
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        bf16=bf16,
+        params_dtype=torch.bfloat16 if bf16 else torch.float32,
+        pipeline_dtype=torch.bfloat16 if bf16 else torch.float32,
+        use_cpu_initialization=args.device == "cpu" or args.cpu_init,
+        recompute_granularity=args.recompute_granularity,
+        recompute_method=args.recompute_method,
+        recompute_num_layers=args.recompute_num_layers,
+    )
+
+
+def build_model(args: argparse.Namespace, config: TransformerConfig) -> DistributedDataParallel:
+    if args.mlp_impl in STOCK:
+        spec = get_gpt_layer_local_spec(normalization="RMSNorm")
+    else:
+        spec = get_gpt_layer_spec(args.mlp_impl, saved_fp8=args.saved_fp8)
+    model = GPTModel(
+        config,
+        spec,
+        vocab_size=args.vocab_size,
+        max_sequence_length=args.seq_length,
+        pre_process=parallel_state.is_pipeline_first_stage(),
+        post_process=parallel_state.is_pipeline_last_stage(),
+        position_embedding_type="rope",
+    )
+    if args.device == "cuda":
+        model = model.cuda()
+    if config.bf16:
+        model = Float16Module(config, model)
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True, use_distributed_optimizer=args.device == "cuda"
+    )
+    return DistributedDataParallel(config=config, ddp_config=ddp_config, module=model)
+
+
+class MainGradAdamW:
+    """CPU smoke runs only: torch AdamW on the grads Megatron's DDP reduced into main_grad."""
+
+    def __init__(self, model: DistributedDataParallel, lr: float) -> None:
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(self.params, lr=lr)
+
+    def zero_grad(self) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def step(self) -> None:
+        for p in self.params:
+            p.grad = p.main_grad
+        self.optimizer.step()
+
+
+def build_optimizer(args: argparse.Namespace, config: TransformerConfig, model):
+    if args.device == "cpu":
+        return MainGradAdamW(model, args.lr)
+    optimizer = get_megatron_optimizer(
+        OptimizerConfig(
+            optimizer="adam",
+            lr=args.lr,
+            bf16=config.bf16,
+            params_dtype=config.params_dtype,
+            use_distributed_optimizer=True,
+            clip_grad=1.0,
+        ),
+        [model],
+    )
+    config.grad_scale_func = optimizer.scale_loss
+    return optimizer

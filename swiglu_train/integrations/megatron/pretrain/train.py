@@ -1,0 +1,171 @@
+"""The training loop: Megatron's forward-backward schedule, per-step loss and tokens/s, the
+memory profiler's figures to W&B (rank 0), checkpoints at ``--save-interval``, and the
+``--summary-json`` record."""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from functools import partial
+from pathlib import Path
+
+import torch
+from megatron.core import parallel_state
+from megatron.core.distributed import finalize_model_grads
+from megatron.core.pipeline_parallel import get_forward_backward_func
+
+from swiglu_train.files import write_json_atomic
+from swiglu_train.integrations.megatron.pretrain.args import parse_args
+from swiglu_train.integrations.megatron.pretrain.build import (
+    build_model,
+    build_optimizer,
+    initialize,
+    transformer_config,
+)
+from swiglu_train.integrations.megatron.pretrain.checkpoint import load, save
+from swiglu_train.integrations.megatron.pretrain.data import train_loader
+from swiglu_train.memory import MemoryProfiler
+from swiglu_train.memory.wandb_run import WandbMemoryLogger, init_run
+
+SHAPE_ARGS = ("num_layers", "hidden_size", "ffn_hidden_size", "seq_length", "micro_batch_size")
+
+
+def loss_func(loss_mask: torch.Tensor, on_first: list, output: torch.Tensor):
+    """Mean token loss; the first call marks the end of the profiled forward."""
+    if on_first:
+        on_first.pop()()
+    loss = (output.float() * loss_mask).sum() / loss_mask.sum()
+    # A copy: Megatron divides the returned loss by the micro-batch count in place, which a
+    # detached view would follow (the logged loss was loss / --num-microbatches).
+    return loss, {"lm loss": loss.detach().clone()}
+
+
+def forward_step(device: torch.device | None, on_first: list, data_iterator, model):
+    batch = {k: v.to(device) if device else v for k, v in next(data_iterator).items()}
+    output = model(
+        batch["tokens"], batch["position_ids"], batch["attention_mask"], labels=batch["labels"]
+    )
+    return output, partial(loss_func, batch["loss_mask"].float(), on_first)
+
+
+def main(argv: list[str] | None = None) -> list[float]:
+    """Train; returns the loss of each step run (on the last pipeline stage)."""
+    args = parse_args(argv)
+    initialize(args)
+    config = transformer_config(args)
+    model = build_model(args, config)
+    optimizer = build_optimizer(args, config, model)
+    config.finalize_model_grads_func = finalize_model_grads
+    config.no_sync_func = model.no_sync
+    start = load(args.load, model, optimizer) if args.load else 0
+
+    rank0 = torch.distributed.get_rank() == 0
+    logger = None
+    if rank0:
+        run = init_run(
+            args.wandb_project, name=args.mlp_impl, config=vars(args), directory=args.output_dir
+        )
+        logger = WandbMemoryLogger(run)
+    profiler = MemoryProfiler(model) if rank0 and args.pp == 1 else None
+    device = torch.device("cuda", torch.cuda.current_device()) if args.device == "cuda" else None
+    data = iter(train_loader(args))
+    for _ in range(start * args.num_microbatches):  # resume where the saved run stopped
+        next(data)
+    forward_backward = get_forward_backward_func()
+    tokens_per_step = (
+        args.seq_length
+        * args.micro_batch_size
+        * args.num_microbatches
+        * parallel_state.get_data_parallel_world_size()
+    )
+    losses, rates, records = [], [], []
+    for step in range(start, args.max_steps):
+        tic = time.perf_counter()
+        on_first = []
+        if profiler is not None:
+            profiler.begin(step)
+            on_first.append(profiler.forward_done)
+        model.zero_grad_buffer()
+        optimizer.zero_grad()
+        stats = forward_backward(
+            forward_step_func=partial(forward_step, device, on_first),
+            data_iterator=data,
+            model=[model],
+            num_microbatches=args.num_microbatches,
+            seq_length=args.seq_length,
+            micro_batch_size=args.micro_batch_size,
+            forward_only=False,
+        )
+        record = profiler.backward_done() if profiler is not None else None
+        optimizer.step()
+        if args.device == "cuda":
+            torch.cuda.synchronize()
+        seconds = time.perf_counter() - tic
+        if stats:  # the last pipeline stage
+            # Each DP rank holds the loss of its own micro-batches; the step's is their mean
+            # (equal token counts), as Megatron-LM logs it, so runs at any DP size compare.
+            loss = torch.stack([s["lm loss"] for s in stats]).mean()
+            torch.distributed.all_reduce(loss, group=parallel_state.get_data_parallel_group())
+            loss = loss.item() / parallel_state.get_data_parallel_world_size()
+            losses.append(loss)
+            rates.append(tokens_per_step / seconds)
+            if record is not None:
+                records.append(record)
+            if parallel_state.get_tensor_model_parallel_rank() == 0 and (
+                parallel_state.get_data_parallel_rank() == 0  # one line per step, not per DP rank
+            ):
+                print(f"step {step} loss {loss:.6f} {tokens_per_step / seconds:.0f} tokens/s")
+            if logger is not None and record is not None:
+                extra = {"loss": loss, "tokens_per_s": tokens_per_step / seconds}
+                logger.log(record, extra)
+        done = step + 1
+        if args.save and (
+            done == args.max_steps or (args.save_interval and done % args.save_interval == 0)
+        ):
+            save(args.save, done, model, optimizer)
+    if logger is not None:
+        logger.run.finish()
+    if args.summary_json and rank0 and losses:
+        write_summary(args, losses, rates, records, first_step=start)
+    parallel_state.destroy_model_parallel()
+    torch.distributed.destroy_process_group()
+    return losses
+
+
+def write_summary(
+    args: argparse.Namespace, losses: list, rates: list, records: list, first_step: int
+) -> None:
+    """Losses, median tokens/s past --warmup-steps (compile, autotune) and the profiler's
+    memory figures, as the Lightning recipe's --summary-json writes them; plus the shape, so
+    a comparison across TP sizes (scripts/compare_tp.py) can compute the analytic figures."""
+    steady = rates[args.warmup_steps :] or rates
+    last = records[-1] if records else None
+    peaks = [r.peak_MiB for r in records if r.peak_MiB is not None]  # None off CUDA
+    summary = {
+        "mlp_impl": args.mlp_impl,
+        "saved_fp8": args.saved_fp8,
+        "recompute": {
+            key: getattr(args, f"recompute_{key}")
+            for key in ("granularity", "method", "num_layers")
+        },
+        "plan": args.plan,
+        "tp": args.tp,
+        "dp": parallel_state.get_data_parallel_world_size(),
+        "num_microbatches": args.num_microbatches,  # global batch: micro-batch x this x dp
+        "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
+        "cpu_init": args.device == "cpu" or args.cpu_init,  # one model at every TP size
+        "steps": len(losses),
+        "initial_loss": losses[0],
+        "final_loss": losses[-1],
+        "tokens_per_s": statistics.median(steady),
+        "warmup_steps": len(rates) - len(steady),  # 0 when the run had no more steps
+        "step_tokens_per_s": rates,  # every step's, warm-up included
+        "after_forward_MiB": last.after_forward_MiB if last else None,
+        "peak_MiB": max(peaks) if peaks else None,
+        "saved_MiB": last.saved_bytes / 2**20 if last else None,
+        "mlp_saved_MiB": {k: v / 2**20 for k, v in last.impl_saved_bytes.items()} if last else None,
+        "losses": {str(first_step + i): loss for i, loss in enumerate(losses)},
+        "shape": {key: getattr(args, key) for key in SHAPE_ARGS},
+    }
+    write_json_atomic(Path(args.summary_json), summary)
