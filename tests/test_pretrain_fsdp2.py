@@ -14,7 +14,7 @@ import torch
 from typer.testing import CliRunner
 
 from swiglu_train.cli import app
-from swiglu_train.integrations.lightning.config import load_config
+from swiglu_train.integrations.lightning.config import PretrainConfig, load_config
 from swiglu_train.integrations.lightning.fsdp2 import device_count, mixed_precision
 from swiglu_train.integrations.lightning.pretrain import run_pretrain
 from swiglu_train.integrations.lightning.sharded_checkpoint import TRUST, consolidate
@@ -59,13 +59,22 @@ def config(tmp_path_factory) -> Path:
     return path
 
 
-def one_process(config: Path, corpus: Path, out: Path, impl: str, micro: int) -> dict:
-    """The reference: one process, no sharding, the given micro-batch."""
-    cfg = load_config(str(config))
-    cfg.model.mlp_impl, cfg.model.checkpoint_layers = impl, 1
-    cfg.data.data, cfg.data.micro_batch_size = [str(corpus / "*.py")], micro
-    cfg.output_dir = str(out)
-    return run_pretrain(cfg)
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory, config, corpus):
+    """(impl, micro-batch) -> the summary of the reference: one process, no sharding, its
+    first block checkpointed; each runs once per module."""
+    runs: dict[tuple[str, int], dict] = {}
+
+    def run(impl: str, micro: int) -> dict:
+        if (impl, micro) not in runs:
+            cfg = load_config(str(config))
+            cfg.model.mlp_impl, cfg.model.checkpoint_layers = impl, 1
+            cfg.data.data, cfg.data.micro_batch_size = [str(corpus / "*.py")], micro
+            cfg.output_dir = str(tmp_path_factory.mktemp(f"one_{impl}_{micro}") / "run")
+            runs[impl, micro] = run_pretrain(cfg)
+        return runs[impl, micro]
+
+    return run
 
 
 @pytest.fixture(scope="module")
@@ -95,14 +104,12 @@ def two_ranks(tmp_path_factory, config, corpus):
 
 
 @pytest.mark.parametrize("impl", ["normal", "drop_h"])
-def test_two_fsdp2_ranks_match_one_process_at_the_same_global_batch(
-    two_ranks, config, corpus, tmp_path, impl
-):
+def test_two_fsdp2_ranks_match_one_process_at_the_same_global_batch(two_ranks, one_process, impl):
     """Each rank's 2 sequences, its parameters sharded over both ranks (fc1 included), give the
     losses of one unsharded process on all 4, to fp32 summation order; and the checkpoints
     are sharded directories, each written whole."""
     summary, out = two_ranks(impl)
-    one = one_process(config, corpus, tmp_path / "one", impl, micro=4)
+    one = one_process(impl, micro=4)
     assert summary["mlp_impl"] == impl and summary["steps"] == STEPS
     assert summary["losses"].keys() == one["losses"].keys() == {str(s) for s in range(STEPS)}
     for step, loss in one["losses"].items():
@@ -119,14 +126,21 @@ def test_two_fsdp2_ranks_match_one_process_at_the_same_global_batch(
     ]  # fmt: skip
 
 
-def test_the_memory_profiler_counts_activations_not_gathered_weights(
-    two_ranks, config, corpus, tmp_path
-):
+def test_the_memory_profiler_counts_activations_not_gathered_weights(two_ranks, one_process):
     """A rank saves for backward what one process with its micro-batch saves: FSDP2's gathered
     parameters (no parameter at the step's start) were counted as activations."""
     summary, _ = two_ranks("drop_h")
-    one = one_process(config, corpus, tmp_path / "one", "drop_h", micro=2)
+    one = one_process("drop_h", micro=2)
     assert summary["saved_MiB"] == one["saved_MiB"] > 0
+
+
+def fsdp2_config(config: Path, corpus: Path, out: Path) -> PretrainConfig:
+    """One fsdp2 process on the references' global batch (4 sequences)."""
+    cfg = load_config(str(config))
+    cfg.model.checkpoint_layers, cfg.train.strategy = 1, "fsdp2"
+    cfg.data.data, cfg.data.micro_batch_size = [str(corpus / "*.py")], 4
+    cfg.output_dir = str(out)
+    return cfg
 
 
 @pytest.fixture
@@ -148,24 +162,53 @@ def test_a_sharded_checkpoint_resumes_at_another_world_size(
     batch (4 sequences): the shards are re-split for one rank and steps 2-3 repeat the
     uninterrupted losses."""
     summary, out = two_ranks("drop_h")
-    cfg = load_config(str(config))
-    cfg.model.checkpoint_layers, cfg.train.strategy = 1, "fsdp2"
-    cfg.data.data, cfg.data.micro_batch_size = [str(corpus / "*.py")], 4
-    cfg.output_dir = str(tmp_path / "resumed")
     ckpt = out / "checkpoints" / f"epoch=0-step={EVERY}.ckpt"
-    resumed = run_pretrain(cfg, resume=str(ckpt))
+    resumed = run_pretrain(fsdp2_config(config, corpus, tmp_path / "resumed"), resume=str(ckpt))
     assert list(resumed["losses"]) == [str(s) for s in range(EVERY, STEPS)]
     for step, loss in resumed["losses"].items():
         assert loss == pytest.approx(summary["losses"][step], rel=1e-5), step
 
 
-def test_consolidate_gives_the_single_device_format(two_ranks, config, corpus, tmp_path):
+def test_a_one_file_checkpoint_resumes_under_fsdp2(
+    one_process, config, corpus, tmp_path, restored_environ
+):
+    """A single-device run's step-2 .ckpt continues under fsdp2 with its losses: the weights
+    load through the model's hooks, and the Adam moments by the parameter names the
+    checkpoint records (Lightning's own load numbered them in the model's parameter order,
+    not the param groups': qkv's moments went to a norm's, refused there only by shape)."""
+    one = one_process("drop_h", micro=4)
+    ckpt = Path(one["output_dir"]) / "checkpoints" / f"epoch=0-step={EVERY}.ckpt"
+    resumed = run_pretrain(fsdp2_config(config, corpus, tmp_path / "resumed"), resume=str(ckpt))
+    assert list(resumed["losses"]) == [str(s) for s in range(EVERY, STEPS)]
+    for step, loss in resumed["losses"].items():
+        assert loss == pytest.approx(one["losses"][step], rel=1e-6), step
+
+
+def test_init_from_a_sharded_checkpoint_takes_its_weights(
+    two_ranks, one_process, config, corpus, tmp_path
+):
+    """--init-from reads a sharded checkpoint whole: a run started from the 2-rank run's last
+    weights begins at the loss of one started from the reference's, which match to fp32."""
+    _, out = two_ranks("drop_h")
+    one = one_process("drop_h", micro=4)
+    starts = []
+    for name, source in (("sharded", out), ("file", Path(one["output_dir"]))):
+        cfg = load_config(str(config))
+        cfg.data.data, cfg.data.micro_batch_size = [str(corpus / "*.py")], 4
+        cfg.train.max_steps, cfg.output_dir = 1, str(tmp_path / name)
+        run = run_pretrain(cfg, init_from=str(source / "checkpoints" / "last.ckpt"))
+        starts.append(run["initial_loss"])
+    assert starts[0] == pytest.approx(starts[1], rel=1e-5)
+    assert starts[0] < one["losses"]["0"] - 0.5  # trained weights, not a fresh init
+
+
+def test_consolidate_gives_the_single_device_format(two_ranks, one_process, tmp_path):
     """The sharded last.ckpt read whole is what one process writes after the same steps: the
     same keys, weights and Adam moments to fp32 summation order, optimizer state keyed by
     parameter index; `consolidate` writes it as a file, and refuses to unpickle without
     --trust."""
     _, out = two_ranks("drop_h")
-    one = one_process(config, corpus, tmp_path / "one", "drop_h", micro=4)
+    one = one_process("drop_h", micro=4)
     reference = torch.load(Path(one["output_dir"]) / "checkpoints" / "last.ckpt",
                            weights_only=False)  # fmt: skip
     last = out / "checkpoints" / "last.ckpt"

@@ -19,6 +19,9 @@ import torch
 from lightning.pytorch.strategies import ModelParallelStrategy
 from torch import nn
 
+from swiglu_train.integrations.lightning.module import LAYOUT_KEY
+from swiglu_train.integrations.lightning.sharded_checkpoint import by_name, is_sharded
+
 FSDP2 = "fsdp2"
 # Lightning's ModelParallelStrategy takes these precisions; it refuses the rest in its own words
 # ("Fabric(..., precision=...)"), which name neither the flag nor the strategy.
@@ -80,6 +83,35 @@ class AtomicModelParallelStrategy(ModelParallelStrategy):
             _replace(partial, path)
         self.barrier()
 
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict:
+        """A sharded checkpoint loads as Lightning loads it. A one-file checkpoint (a
+        single-device or ddp run's, or a consolidated one) loads through the model's own
+        load_state_dict, so that a patched host's keys (gate/up) and fc1's layout stamp are
+        read by their hooks; Lightning's sets each parameter apart, missing both. Its
+        optimizer state is keyed by parameter name from the names the checkpoint records:
+        Lightning's keys the i-th state to the model's i-th parameter, but our param groups
+        (decayed, then not) order them otherwise, which moves moments onto other parameters,
+        silently where their shapes agree."""
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            set_model_state_dict,
+            set_optimizer_state_dict,
+        )
+
+        path = Path(self.broadcast(str(checkpoint_path)))
+        if is_sharded(path):
+            return super().load_checkpoint(path, weights_only)
+        ckpt = torch.load(path, map_location="cpu", mmap=True, weights_only=False)
+        strict = self.lightning_module.strict_loading
+        options = StateDictOptions(full_state_dict=True, strict=strict)
+        set_model_state_dict(self.model, ckpt.pop("state_dict"), options=options)
+        names = ckpt.get(LAYOUT_KEY, {}).get("optimizer_param_names")  # the first optimizer's
+        states = ckpt.get("optimizer_states", [])
+        for i, (optimizer, state) in enumerate(zip(self.optimizers, states, strict=True)):
+            named = by_name(state, names if i == 0 else None, f"--resume: {path}")
+            set_optimizer_state_dict(self.model, optimizer, optim_state_dict=named, options=options)
+        return ckpt  # what Lightning restores next: loops, schedulers, callbacks, hooks
+
 
 def _replace(new: Path, path: Path) -> None:
     """Put ``new`` at ``path``, a file or directory, and only then delete what was there. A
@@ -110,7 +142,7 @@ def mixed_precision(precision: str):
     return MixedPrecisionPolicy()
 
 
-def is_sharded(model: nn.Module) -> bool:
+def is_fully_sharded(model: nn.Module) -> bool:
     from torch.distributed.fsdp import FSDPModule
 
     return isinstance(model, FSDPModule)

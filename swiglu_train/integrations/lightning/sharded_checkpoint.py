@@ -90,6 +90,32 @@ def by_index(optimizer: dict, names: list[list[str]] | None, where: str) -> dict
     }
 
 
+def by_name(optimizer: dict, names: list[list[str]] | None, where: str) -> dict:
+    """:func:`by_index`'s inverse, for FSDP2 to load a one-file checkpoint's optimizer state:
+    torch's index-keyed state keyed by the parameter names the checkpoint records for each
+    param group (``names``; None where it records none, which is refused: no order of the
+    model's parameters is sure to be the optimizer's)."""
+    groups = optimizer["param_groups"]
+    if names is None:
+        raise ValueError(
+            f"{where} records no optimizer parameter names (swiglu_train."
+            "optimizer_param_names), which --strategy fsdp2 needs to place the optimizer "
+            "state; resume it with the strategy that wrote it"
+        )
+    if [len(g["params"]) for g in groups] != [len(group) for group in names]:
+        raise ValueError(f"{where}: the optimizer's param groups differ in size from the "
+                         "parameter names the checkpoint records")  # fmt: skip
+    name = {i: n for g, group in zip(groups, names, strict=True)
+            for i, n in zip(g["params"], group, strict=True)}  # fmt: skip
+    unknown = sorted(set(optimizer["state"]) - set(name))
+    if unknown:
+        raise ValueError(f"{where}: optimizer state for parameters in no param group: {unknown}")
+    return {
+        "state": {name[i]: state for i, state in optimizer["state"].items()},
+        "param_groups": [{**g, "params": [name[i] for i in g["params"]]} for g in groups],
+    }
+
+
 def _load_meta(path: Path, flag: str) -> dict:
     file = path / META
     if not file.is_file():
