@@ -24,13 +24,19 @@ reset outside the timed region, medians over samples:
   op:drop_h, op:normal   ``ops.drop_h_mlp`` / ``ops.normal_mlp`` called directly (no module);
   normal, drop_h, drop_h:out_of_place, save_factors   ``ParMLP(impl=...)`` on x [M, D];
   drop_h:3d     ``ParMLP(impl="drop_h")`` on x [2, M/2, D], as a model calls it.
-Then cProfile of ParMLP steps: the top self-time functions of swiglu_train (cProfile's own
-per-call cost inflates every figure; read the ranking, not the µs).
+Then cProfile of ParMLP steps: the top self-time functions of swiglu_train, medians over ten
+runs (cProfile's own per-call cost inflates every figure, and self time includes the torch
+operators a function calls through Python's operators, ``a @ b``: read the ranking).
 
 Each run is stored under ``--label`` in the JSON (other labels kept), with the command and
-commit, so one file holds the before and after of a change, measured by the same command:
+commit, so one file holds the before and after of a change, measured by the same command. The
+"before" code is an exported tree run by this script (outside the checkout, so that the
+exported package is the one imported):
 
-    python scripts/probe_host_time.py --label before --out benchmarks/results/host_time_cpu.json
+    git archive BEFORE swiglu_train | tar -x -C /tmp/before
+    cd /tmp && PYTHONPATH=/tmp/before python /path/to/scripts/probe_host_time.py \
+        --label before --commit BEFORE --out /path/to/benchmarks/results/host_time_cpu.json
+    python scripts/probe_host_time.py --label after --out benchmarks/results/host_time_cpu.json
 """
 
 from __future__ import annotations
@@ -52,6 +58,7 @@ import torch
 import torch.nn.functional as F
 import triton
 
+import swiglu_train
 from swiglu_train.files import write_json_atomic
 from swiglu_train.kernels import swiglu as swiglu_kernels
 from swiglu_train.kernels.runtime import INTERPRET
@@ -59,6 +66,7 @@ from swiglu_train.layers import ParMLP
 from swiglu_train.ops import drop_h_mlp, normal_mlp, reference
 
 PROFILED = ("normal", "drop_h", "save_factors")
+PACKAGE = Path(swiglu_train.__file__).parent
 
 
 class _MinimalDropH(torch.autograd.Function):
@@ -151,30 +159,37 @@ def paired_us(steps: dict[str, Callable[[], None]], reset, samples: int, seed: i
     }
 
 
-def profile(step: Callable[[], None], reset, steps: int, top: int) -> dict:
-    """cProfile of ``steps`` steps: swiglu_train's functions by self time, µs per step."""
-    prof = cProfile.Profile()
-    gc.disable()  # a collection's pause would be charged to whichever call triggered it
-    prof.enable()
-    for _ in range(steps):
-        reset()
-        step()
-    prof.disable()
-    gc.enable()
-    stats = pstats.Stats(prof).stats  # (file, line, name) -> (cc, nc, tottime, cumtime, callers)
-    ours = [
-        (f"{Path(file).relative_to(Path(file).parents[2])}:{line}({name})", row[1], row[2])
-        for (file, line, name), row in stats.items()
-        if "/swiglu_train/" in file
-    ]
-    total = sum(row[2] for row in stats.values())
-    ours.sort(key=lambda r: -r[2])
+def profile(step: Callable[[], None], reset, steps: int, top: int, chunks: int = 10) -> dict:
+    """cProfile of ``steps`` steps in ``chunks`` runs: swiglu_train's functions by self time,
+    µs per step, each the median over the runs (a run the OS preempted would otherwise charge
+    its pause to whichever function it hit)."""
+    per_chunk = steps // chunks
+    totals, ours = [], {}
+    for c in range(chunks):
+        prof = cProfile.Profile()
+        gc.disable()  # a collection's pause would be charged to whichever call triggered it
+        prof.enable()
+        for _ in range(per_chunk):
+            reset()
+            step()
+        prof.disable()
+        gc.enable()
+        stats = pstats.Stats(prof).stats  # (file, line, name) -> (cc, nc, tottime, cumtime, ..)
+        totals.append(sum(row[2] for row in stats.values()) / per_chunk * 1e6)
+        for (file, line, name), row in stats.items():
+            if "/swiglu_train/" in file:
+                where = f"{Path(file).relative_to(Path(file).parents[2])}:{line}({name})"
+                ours.setdefault(where, (row[1] / per_chunk, [0.0] * chunks))[1][c] = (
+                    row[2] / per_chunk * 1e6
+                )
+    medians = {fn: (calls, float(np.median(t))) for fn, (calls, t) in ours.items()}
+    ranked = sorted(medians.items(), key=lambda kv: -kv[1][1])
     return {
-        "profiled_us_per_step": round(total / steps * 1e6, 2),
-        "swiglu_train_self_us_per_step": round(sum(r[2] for r in ours) / steps * 1e6, 2),
+        "profiled_us_per_step": round(float(np.median(totals)), 2),
+        "swiglu_train_self_us_per_step": round(sum(t for _, t in medians.values()), 2),
         "top_self": [
-            {"function": fn, "calls_per_step": calls / steps, "self_us": round(t / steps * 1e6, 2)}
-            for fn, calls, t in ours[:top]
+            {"function": fn, "calls_per_step": calls, "self_us": round(t, 2)}
+            for fn, (calls, t) in ranked[:top]
         ],
     }
 
@@ -205,11 +220,19 @@ def launch_rule_us(m: int, f: int, calls: int = 20000) -> dict:
 
 
 def git(*args: str) -> str | None:
+    """git's answer about the swiglu_train imported here (None outside a checkout)."""
     try:
-        out = subprocess.run(["git", *args], capture_output=True, text=True, check=True)
+        out = subprocess.run(
+            ["git", "-C", str(PACKAGE), *args], capture_output=True, text=True, check=True
+        )
     except (OSError, subprocess.CalledProcessError):
         return None
     return out.stdout.strip()
+
+
+def changed_files() -> list[str]:
+    """swiglu_train's files changed since its commit (another helper's work in progress)."""
+    return [line for line in (git("status", "--porcelain", ".") or "").splitlines() if line]
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -223,6 +246,9 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--profile-steps", type=int, default=3000)
     parser.add_argument("--top", type=int, default=15)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--commit", help="the commit of an exported swiglu_train (default: its checkout's HEAD)"
+    )
     argv = sys.argv[1:] if argv is None else argv
     args = parser.parse_args(argv)
     if INTERPRET:
@@ -231,8 +257,9 @@ def main(argv: list[str] | None = None) -> dict:
     steps, reset = variants(args.m, args.d, args.f)
     run = {
         "command": "python scripts/probe_host_time.py " + shlex.join(argv),
-        "commit": git("rev-parse", "HEAD"),
-        "uncommitted_changes": bool(git("status", "--porcelain", "--", "swiglu_train")),
+        "commit": args.commit or git("rev-parse", "HEAD"),
+        "swiglu_train": str(PACKAGE),
+        "uncommitted": None if args.commit else changed_files(),
         "torch": torch.__version__,
         "shape": {"M": args.m, "D": args.d, "F": args.f, "O": args.d, "dtype": "float32"},
         "samples": args.samples,
