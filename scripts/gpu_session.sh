@@ -44,9 +44,9 @@
 #              runs (20 steps, 5 warm-up, impl order rotated); summarize_runs.py per layout
 #   scale4_reshard (nvidia-h200-x4) a save_factors TP=4 dist-ckpt resumed by normal and stock at
 #              TP=1 and by drop_h at TP=2 ($MEGATRON_GPU)
-#   scale4_lightning (nvidia-h200-x4) pretrain 125M on 4 GPUs (--strategy fsdp: Lightning's FSDP1;
-#              pretrain has no FSDP2 strategy yet) against 1 GPU at the same global batch, each
-#              impl, and the planner's choice at 1B
+#   scale4_lightning (nvidia-h200-x4) pretrain 125M on 4 GPUs (--strategy fsdp2: fully_shard per
+#              block) against 1 GPU at the same global batch, each impl, and the planner's choice
+#              at 1B
 #   inference  swiglu-train bench-inference: gated projection and whole MLP, Qwen-2.5 x M grid
 #              ($INFERENCE_MODELS), one JSON per model to merge into the dispatch table
 #   grid       swiglu-train bench-grid: every impl and peer, and auto's pick, at public models'
@@ -308,7 +308,7 @@ for stage in "$@"; do
       mkdir -p "$RES/scale4"
       for impl in ${SCALE4_LIGHTNING_IMPLS:-normal drop_h save_factors $(quack_impl)}; do
         for gpus in 4 1; do
-          if [ "$gpus" = 4 ]; then extra="--strategy fsdp"; else extra="--micro-batch-size 32"; fi
+          if [ "$gpus" = 4 ]; then extra="--strategy fsdp2"; else extra="--micro-batch-size 32"; fi
           python3 -m swiglu_train pretrain --config 125m --mlp-impl "$impl" --devices "$gpus" \
             $extra --max-steps 40 --output-dir "$SCRATCH/pt${gpus}-$impl" \
             --summary-json "$RES/scale4/lightning_${gpus}gpu_$impl.json" \

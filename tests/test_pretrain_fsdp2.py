@@ -15,7 +15,8 @@ from typer.testing import CliRunner
 
 from swiglu_train.cli import app
 from swiglu_train.integrations.lightning.config import PretrainConfig, load_config
-from swiglu_train.integrations.lightning.fsdp2 import device_count, mixed_precision
+from swiglu_train.integrations.lightning.fsdp2 import device_count, mixed_precision, shard
+from swiglu_train.integrations.lightning.model import LlamaDecoder, ModelConfig
 from swiglu_train.integrations.lightning.pretrain import run_pretrain
 from swiglu_train.integrations.lightning.sharded_checkpoint import TRUST, consolidate
 from swiglu_train.ops import use_backend
@@ -297,6 +298,29 @@ def test_bf16_mixed_gathers_bf16_and_reduces_fp32():
     assert (policy.param_dtype, policy.reduce_dtype) == (torch.bfloat16, torch.float32)
     policy = mixed_precision("32-true")
     assert (policy.param_dtype, policy.reduce_dtype) == (None, None)
+
+
+@pytest.mark.parametrize(("precision", "gathered"), [("bf16-mixed", torch.bfloat16),
+                                                     ("32-true", torch.float32)])  # fmt: skip
+def test_shard_makes_each_block_and_the_root_a_unit_with_the_run_s_precision(
+    one_rank_gloo, precision, gathered
+):
+    """Each block computes with its gathered parameters in the policy's dtype while the shards
+    the optimizer steps stay fp32; the root (embedding, head) is a unit of its own."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import FSDPModule
+
+    model = LlamaDecoder(ModelConfig(hidden_size=32, ffn_hidden_size=64, num_heads=2))
+    shard(model, init_device_mesh("cpu", (1,)), precision)
+    assert all(isinstance(m, FSDPModule) for m in (model, *model.layers))
+    seen = []
+    for block in model.layers:
+        block.mlp.register_forward_pre_hook(lambda m, args: seen.append(m.fc1.weight.dtype))
+    model(torch.randint(0, 320, (2, 8))).float().sum().backward()
+    assert seen == [gathered, gathered]
+    assert {type(p).__name__ for p in model.parameters()} == {"DTensor"}
+    assert {p.dtype for p in model.parameters()} == {p.grad.dtype for p in model.parameters()}
+    assert {p.dtype for p in model.parameters()} == {torch.float32}
 
 
 def test_device_count_as_lightning_counts_them():
