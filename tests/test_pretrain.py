@@ -239,6 +239,20 @@ def test_accumulation_counts_steps_and_the_final_step_is_checkpointed(tmp_path, 
     assert [(train_task(b).completed, train_task(b).total) for b in bars] == [(14, 14)] * 2
 
 
+def test_an_accumulated_step_s_loss_is_the_mean_over_its_rows(tmp_path, corpus):
+    """Two micro-batches of 2 sequences are one step of 4: the summary read the loss Lightning
+    hands on_train_batch_end, which is divided by the accumulation (half the loss at 2)."""
+    data = [str(corpus / "*.py")]
+    runs = []
+    for micro, accumulate in ((4, 1), (2, 2)):
+        cfg = small_config(tmp_path / f"{micro}x{accumulate}", data, "drop_h", 3)
+        cfg.data.micro_batch_size, cfg.train.accumulate_grad_batches = micro, accumulate
+        runs.append(run_pretrain(cfg)["losses"])
+    assert runs[1].keys() == runs[0].keys() == {"0", "1", "2"}
+    for step, loss in runs[0].items():
+        assert runs[1][step] == pytest.approx(loss, rel=1e-5), step
+
+
 def test_resume_with_the_other_impl_continues_the_same_function(tmp_path, corpus):
     data = [str(corpus / "*.py")]
     cfg = small_config(tmp_path, data, "normal", 5)

@@ -50,9 +50,10 @@ class LossAndThroughput(pl.Callback):
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx: int) -> None:
         # Each rank's loss is its own rows'; the step's is their mean (equal row counts), so a
-        # run on N devices reads as one device at the same global batch.
+        # run on N devices reads as one device at the same global batch. Lightning hands on
+        # the loss that backward took: divided by the accumulation.
         loss = trainer.strategy.reduce(outputs["loss"].detach(), reduce_op="mean")
-        self._micro.append(float(loss))
+        self._micro.append(float(loss) * trainer.accumulate_grad_batches)
         if (batch_idx + 1) % trainer.accumulate_grad_batches:
             return
         step = trainer.global_step - 1
