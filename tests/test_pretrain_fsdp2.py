@@ -293,6 +293,22 @@ def test_a_precision_fsdp2_cannot_run_is_refused_before_the_run(config, tmp_path
     assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.parametrize(
+    ("accelerator", "message"),
+    [("foo", r"train.accelerator must be one of auto, gpu, .*cpu.*; got 'foo'"),
+     pytest.param("gpu", r"'gpu', but this machine has no CUDA GPU; use cpu",
+                  marks=pytest.mark.skipif(torch.cuda.is_available(), reason="has CUDA"))],
+)  # fmt: skip
+def test_an_accelerator_lightning_would_fail_on_is_refused_before_the_run(
+    config, tmp_path, accelerator, message
+):
+    cfg = load_config(str(config))
+    cfg.train.accelerator, cfg.output_dir = accelerator, str(tmp_path / "run")
+    with pytest.raises(ValueError, match=message):
+        run_pretrain(cfg)
+    assert not (tmp_path / "run").exists()
+
+
 def test_bf16_mixed_gathers_bf16_and_reduces_fp32():
     policy = mixed_precision("bf16-mixed")
     assert (policy.param_dtype, policy.reduce_dtype) == (torch.bfloat16, torch.float32)

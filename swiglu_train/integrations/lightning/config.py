@@ -112,11 +112,25 @@ def check_ranges(cfg: PretrainConfig) -> None:
             if value < low:
                 raise ValueError(f"{part}.{key} must be at least {low}, got {value}")
     check_devices(cfg.train.devices)
+    check_accelerator(cfg.train.accelerator)
     if not cfg.optim.lr > 0 or not cfg.data.val_fraction < 1 or not cfg.optim.min_lr_ratio <= 1:
         raise ValueError(
             f"need optim.lr > 0, data.val_fraction < 1 and optim.min_lr_ratio <= 1; got "
             f"{cfg.optim.lr}, {cfg.data.val_fraction}, {cfg.optim.min_lr_ratio}"
         )
+
+
+def check_accelerator(name: str) -> None:
+    """train.accelerator as Lightning names them; a wrong one, or a GPU where there is none,
+    fails inside the Trainer, once the run's W&B run and output dir exist."""
+    import torch
+    from lightning.pytorch.accelerators import AcceleratorRegistry
+
+    names = ["auto", "gpu", *AcceleratorRegistry.available_accelerators()]
+    if name not in names:
+        raise ValueError(f"train.accelerator must be one of {', '.join(names)}; got {name!r}")
+    if name in ("gpu", "cuda") and not torch.cuda.is_available():
+        raise ValueError(f"train.accelerator={name!r}, but this machine has no CUDA GPU; use cpu")
 
 
 def check_devices(devices: int | str) -> None:
