@@ -273,11 +273,26 @@ def test_a_sharded_checkpoint_under_another_strategy_or_incomplete_is_refused(
         with pytest.raises(ValueError, match=r"is a sharded checkpoint .*--strategy fsdp2 .*"
                            r"swiglu-train consolidate"):  # fmt: skip
             run_pretrain(cfg, resume=str(last))
-    cfg.train.strategy = "fsdp2"
+    whole = tmp_path / "whole.ckpt"  # resumable under ddp, but not into the fsdp2 run's dir
+    torch.save(consolidate(last, "test"), whole)
+    cfg.output_dir = str(out)
+    refused = r"holds sharded checkpoints \(epoch=0-step=2\.ckpt, \.\.\.\), which the one-file"
+    with pytest.raises(ValueError, match=refused + " saves of --strategy ddp cannot replace"):
+        run_pretrain(cfg, resume=str(whole))
+    cfg.train.strategy, cfg.model.mlp_impl = "fsdp2", "save_factors"  # another fc1 layout
+    with pytest.raises(ValueError, match=r"checkpoint fc1 layout is \{'kind': 'canonical'"):
+        run_pretrain(cfg, resume="last")
+    cfg.model.mlp_impl, cfg.output_dir = "drop_h", str(tmp_path / "ddp")
     incomplete = tmp_path / "incomplete.ckpt"
     shutil.copytree(last, incomplete, ignore=shutil.ignore_patterns("meta.pt"))
     with pytest.raises(ValueError, match=r"holds shards but no meta\.pt .*incomplete save"):
         run_pretrain(cfg, resume=str(incomplete))
+    cut = tmp_path / "cut.ckpt"  # a shard cut short: named, not read as garbage
+    shutil.copytree(last, cut)
+    (cut / "__1_0.distcp").write_bytes((last / "__1_0.distcp").read_bytes()[:1000])
+    with pytest.raises(ValueError, match=r"cut\.ckpt is a sharded checkpoint that cannot be "
+                       r"read whole \(EOFError\)"):  # fmt: skip
+        run_pretrain(cfg, init_from=str(cut))
     (tmp_path / "empty").mkdir()
     with pytest.raises(ValueError, match=r"is a directory but no sharded checkpoint"):
         run_pretrain(cfg, resume=str(tmp_path / "empty"))

@@ -28,15 +28,14 @@ FSDP2 = "fsdp2"
 PRECISIONS = ("32-true", "bf16-mixed", "bf16-true", "16-true")
 
 
-def check_fsdp2(precision: str, devices: int | str) -> None:
-    """Refuse, in one line, what --strategy fsdp2 cannot run; ``precision`` as resolved."""
+def check_fsdp2(precision: str) -> None:
+    """Refuse, in one line, a precision --strategy fsdp2 cannot run (``precision`` as
+    resolved). Any device count runs, one included; tensor parallel is not offered."""
     if precision not in PRECISIONS:
         raise ValueError(
             f"--strategy fsdp2 (Lightning's ModelParallelStrategy) does not run precision "
             f"{precision!r}; use one of {', '.join(PRECISIONS)}"
         )
-    if device_count(devices) < 1:
-        raise ValueError(f"--strategy fsdp2 found no device for --devices {devices!r}")
 
 
 def device_count(devices: int | str) -> int:
@@ -133,8 +132,8 @@ def _remove(path: Path) -> None:
 
 def mixed_precision(precision: str):
     """The FSDP2 policy for Lightning's ``precision``: bf16 gathers with fp32 gradient
-    reduction for bf16-mixed; none otherwise (32-true trains in fp32, and the ``-true``
-    precisions convert the whole model before it is sharded)."""
+    reduction for bf16-mixed; none otherwise (32-true trains in fp32, and for bf16-true and
+    16-true Lightning converts the sharded model itself, shards and optimizer included)."""
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
     if precision == "bf16-mixed":

@@ -107,7 +107,7 @@ def run_pretrain(
     check_checkpoint_layers(cfg.model)
     precision = resolve_precision(cfg.train.precision, cfg.train.accelerator)
     if cfg.train.strategy == FSDP2:
-        check_fsdp2(precision, cfg.train.devices)
+        check_fsdp2(precision)
     check_plan_settings(cfg, resuming=resume is not None)
     if cfg.model.mlp_impl == AUTO and cfg.model.mlp_tokens_hint is None:  # one micro-batch
         cfg.model.mlp_tokens_hint = cfg.data.micro_batch_size * cfg.data.seq_length
@@ -251,7 +251,15 @@ def _checkpoint(
             )
         return None, None
     path = out / "checkpoints" / "last.ckpt" if resume == "last" else Path(resume)
-    return str(path), _check_resumable(path, cfg)
+    resumed = _check_resumable(path, cfg)
+    sharded = [p.name for p in sorted((out / "checkpoints").glob("*.ckpt")) if p.is_dir()]
+    if sharded and cfg.train.strategy != FSDP2:  # Lightning's file save fails on a directory
+        raise ValueError(
+            f"--resume: {out / 'checkpoints'} holds sharded checkpoints ({sharded[0]}, ...), "
+            f"which the one-file saves of --strategy {cfg.train.strategy} cannot replace: "
+            "resume with --strategy fsdp2, or into another --output-dir"
+        )
+    return str(path), resumed
 
 
 def _check_resumable(path: Path, cfg: PretrainConfig) -> dict:

@@ -19,6 +19,8 @@ from pathlib import Path
 
 import torch
 
+from swiglu_train.integrations.lightning.module import LAYOUT_KEY
+
 INDEX = ".metadata"  # torch.distributed.checkpoint's
 META = "meta.pt"  # Lightning's (lightning.fabric.utilities.load._METADATA_FILENAME)
 OPTIMIZER = re.compile(r"optimizer_(\d+)")  # ModelParallelStrategy's key of optimizer i's state
@@ -42,8 +44,8 @@ def read_meta(path: Path, flag: str) -> dict:
     except Exception as e:  # a damaged or cut .metadata: pickle, EOF or OS errors
         raise ValueError(f"{flag}: {path}/{INDEX} is not a readable shard index "
                          f"({type(e).__name__}: {e})") from e  # fmt: skip
-    found = {m.group(0) for key in index if (m := OPTIMIZER.match(key.split(".", 1)[0]))}
-    meta["optimizer_states"] = sorted(found, key=lambda k: int(k.split("_")[1]))
+    found = {key.split(".", 1)[0] for key in index}
+    meta["optimizer_states"] = sorted(filter(OPTIMIZER.fullmatch, found), key=_position)
     return meta
 
 
@@ -53,18 +55,19 @@ def consolidate(path: Path, flag: str) -> dict:
     over the param groups, in order (FSDP2 keys them by parameter name). It must fit in CPU
     memory, as a one-file checkpoint of the same model does."""
     from lightning.fabric.utilities.load import _load_distributed_checkpoint
+    from torch.distributed.checkpoint.api import CheckpointException
 
-    _load_meta(path, flag)  # a missing or damaged meta.pt, named before the shards are read
+    read_meta(path, flag)  # a missing or damaged meta.pt or index, named before the shards
     try:  # Lightning's reader of its own format, which needs no process group
         ckpt = _load_distributed_checkpoint(path)
-    except Exception as e:  # a damaged or missing shard
-        reason = " ".join(str(e).split())[:300]  # DCP's errors span lines and ranks
+    except (Exception, CheckpointException) as e:  # a damaged or missing shard (DCP's
+        # CheckpointException is a BaseException)
+        reason = _cause(e)
         raise ValueError(
-            f"{flag}: {path} is a sharded checkpoint that cannot be read whole "
-            f"({type(e).__name__}: {reason})"
+            f"{flag}: {path} is a sharded checkpoint that cannot be read whole ({reason})"
         ) from e
-    keys = sorted((k for k in ckpt if OPTIMIZER.fullmatch(k)), key=lambda k: int(k[10:]))
-    names = ckpt.get("swiglu_train", {}).get("optimizer_param_names")
+    keys = sorted(filter(OPTIMIZER.fullmatch, ckpt), key=_position)
+    names = ckpt.get(LAYOUT_KEY, {}).get("optimizer_param_names")
     ckpt["optimizer_states"] = [by_index(ckpt.pop(k), names if i == 0 else None, f"{flag}: {path}")
                                 for i, k in enumerate(keys)]  # fmt: skip
     return ckpt
@@ -114,6 +117,20 @@ def by_name(optimizer: dict, names: list[list[str]] | None, where: str) -> dict:
         "state": {name[i]: state for i, state in optimizer["state"].items()},
         "param_groups": [{**g, "params": [name[i] for i in g["params"]]} for g in groups],
     }
+
+
+def _cause(e: BaseException) -> str:
+    """What failed, in one line: DCP's CheckpointException holds each rank's (exception,
+    stack) and prints their tracebacks."""
+    failures = getattr(e, "failures", None) or {0: e}
+    causes = [c[0] if isinstance(c, tuple) else c for c in failures.values()]
+    said = [(type(c).__name__, " ".join(str(c).split())) for c in causes]
+    return "; ".join(f"{kind}: {text}" if text else kind for kind, text in said)[:300]
+
+
+def _position(key: str) -> int:
+    """i of ``optimizer_i``."""
+    return int(OPTIMIZER.fullmatch(key).group(1))
 
 
 def _load_meta(path: Path, flag: str) -> dict:
