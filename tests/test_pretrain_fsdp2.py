@@ -358,3 +358,31 @@ def test_device_count_as_lightning_counts_them():
     assert [device_count(d) for d in (3, "2", "0,1,3")] == [3, 2, 3]
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 1
     assert device_count("auto") == gpus
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("impl", ["drop_h", "save_factors"])
+def test_fsdp2_on_one_gpu_matches_the_unsharded_run_in_bf16(
+    config, corpus, tmp_path, restored_environ, impl
+):
+    """On CUDA (NCCL, Triton kernels, bf16-mixed): one fsdp2 process, whose blocks compute
+    with bf16 gathered weights, follows the unsharded autocast run to bf16 accuracy, and the
+    allocator figures are measured."""
+    runs = []
+    with use_backend("auto"):
+        for strategy in ("auto", "fsdp2"):
+            cfg = load_config(str(config))
+            cfg.model.mlp_impl, cfg.train.strategy = impl, strategy
+            cfg.train.precision, cfg.train.accelerator = "bf16-mixed", "gpu"
+            cfg.data.data, cfg.data.micro_batch_size = [str(corpus / "*.py")], 4
+            cfg.output_dir = str(tmp_path / strategy)
+            runs.append(run_pretrain(cfg))
+    unsharded, sharded = runs
+    assert sharded["mlp_impl"] == impl and sharded["steps"] == STEPS
+    for step, loss in unsharded["losses"].items():
+        assert sharded["losses"][step] == pytest.approx(loss, rel=2e-2), step
+    assert sharded["after_forward_MiB"] > 0 and sharded["peak_MiB"] > 0
+    # The unsharded run also holds autocast's bf16 copies of the weights for backward; FSDP2
+    # frees its gathered ones after each block's forward, so they are not counted.
+    assert 0 < sharded["saved_MiB"] <= unsharded["saved_MiB"]
