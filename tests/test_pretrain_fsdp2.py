@@ -203,6 +203,35 @@ def test_init_from_a_sharded_checkpoint_takes_its_weights(
     assert starts[0] < one["losses"]["0"] - 0.5  # trained weights, not a fresh init
 
 
+def test_a_patched_hf_model_shards_block_by_block_and_saves_in_its_own_keys(
+    corpus, tmp_path, restored_environ
+):
+    """--model hf:...: the host's decoder layers are the FSDP2 units; its patched, packed
+    (save_factors) MLPs train as unsharded, and the sharded checkpoint holds HF's gate/up/down
+    keys with the unsharded run's values."""
+    transformers = pytest.importorskip("transformers")
+    transformers.LlamaConfig(
+        vocab_size=320, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+    ).save_pretrained(tmp_path / "llama")  # fmt: skip
+    source, runs = f"hf:{tmp_path / 'llama' / 'config.json'}", []
+    for strategy in ("auto", "fsdp2"):
+        cfg = PretrainConfig(model=ModelConfig(source=source, mlp_impl="save_factors"))
+        cfg.data.data, cfg.data.seq_length = [str(corpus / "*.py")], 32
+        cfg.data.micro_batch_size, cfg.train.max_steps, cfg.train.strategy = 2, 3, strategy
+        cfg.output_dir = str(tmp_path / strategy)
+        runs.append(run_pretrain(cfg))
+    for step, loss in runs[0]["losses"].items():
+        assert runs[1]["losses"][step] == pytest.approx(loss, rel=1e-5), step
+    reference = torch.load(tmp_path / "auto" / "checkpoints" / "last.ckpt", weights_only=False)
+    whole = consolidate(tmp_path / "fsdp2" / "checkpoints" / "last.ckpt", "test")
+    mlp = "model.host.model.layers.0.mlp."
+    assert {mlp + n for n in ("gate_proj.weight", "up_proj.weight")} <= whole["state_dict"].keys()
+    assert whole["state_dict"].keys() == reference["state_dict"].keys()
+    for key, value in reference["state_dict"].items():
+        torch.testing.assert_close(whole["state_dict"][key], value, rtol=1e-4, atol=1e-6)
+
+
 def test_consolidate_gives_the_single_device_format(two_ranks, one_process, tmp_path):
     """The sharded last.ckpt read whole is what one process writes after the same steps: the
     same keys, weights and Adam moments to fp32 summation order, optimizer state keyed by
