@@ -316,10 +316,16 @@ for stage in "$@"; do
         done
         echo "$impl W&B offline runs (4 GPUs): $(ls -d $SCRATCH/pt4-$impl/wandb/offline-run-* | wc -l)"
       done
-      python3 -m swiglu_train pretrain --config 1b --activation-checkpointing auto --devices 4 \
-        --strategy fsdp --max-steps 20 --output-dir "$SCRATCH/pt4-plan" \
-        --summary-json "$RES/scale4/lightning_4gpu_planner.json" > "$RES/scale4/lightning_4gpu_planner.log" 2>&1 \
-        || tail -5 "$RES/scale4/lightning_4gpu_planner.log"
+      # the planner measures one device: plan on 1 GPU, then run its choice on 4 under fsdp2
+      python3 -m swiglu_train pretrain --config 1b --activation-checkpointing auto --devices 1 \
+        --max-steps 20 --output-dir "$SCRATCH/pt1-plan" \
+        --summary-json "$RES/scale4/lightning_1gpu_planner.json" > "$RES/scale4/lightning_1gpu_planner.log" 2>&1 \
+        || tail -5 "$RES/scale4/lightning_1gpu_planner.log"
+      read -r plan_impl plan_layers < <(python3 -c "import json, sys; p = json.load(open(sys.argv[1]))['plan']; print(p['impl'], p['checkpoint_layers'])" "$RES/scale4/lightning_1gpu_planner.json")
+      python3 -m swiglu_train pretrain --config 1b --mlp-impl "$plan_impl" --checkpoint-layers "$plan_layers" \
+        --devices 4 --strategy fsdp2 --max-steps 20 --output-dir "$SCRATCH/pt4-plan" \
+        --summary-json "$RES/scale4/lightning_4gpu_planned.json" > "$RES/scale4/lightning_4gpu_planned.log" 2>&1 \
+        || tail -5 "$RES/scale4/lightning_4gpu_planned.log"
       python3 - "$RES/scale4" <<'PY'
 import json, pathlib, statistics, sys
 from swiglu_train.files import write_json_atomic
