@@ -25,7 +25,7 @@ import triton
 import triton.language as tl
 
 from swiglu_train.bench.mlp import environment
-from swiglu_train.bench.timing import Clock
+from swiglu_train.bench.timing import paired_fresh_calls
 from swiglu_train.files import write_json_atomic
 from swiglu_train.kernels import swiglu
 
@@ -115,19 +115,14 @@ def probe(m: int, f: int, samples: int, seed: int) -> dict:
     calls, new_pre, new_h = variants(m, f)
     diffs = check(calls, new_pre, new_h, m, f)
     gen = torch.Generator(device="cuda").manual_seed(seed)
-    clock, rng, names = Clock(torch.device("cuda")), np.random.default_rng(seed), list(calls)
-    times = {n: [] for n in names}
-    for _ in range(samples):
-        for i in rng.permutation(len(names)):
-            p = torch.randn(m, 2 * f, device="cuda", dtype=torch.bfloat16, generator=gen)
-            g = torch.randn(m, f, device="cuda", dtype=torch.bfloat16, generator=gen)
-            clock.sync()
-            clock.hold()
-            t0 = clock.mark()
-            calls[names[i]](p, g)
-            t1 = clock.mark()
-            clock.sync()
-            times[names[i]].append(clock.ms(t0, t1))
+
+    def fresh() -> tuple:
+        return (
+            torch.randn(m, 2 * f, device="cuda", dtype=torch.bfloat16, generator=gen),
+            torch.randn(m, f, device="cuda", dtype=torch.bfloat16, generator=gen),
+        )
+
+    times = paired_fresh_calls(calls, fresh, samples, torch.device("cuda"), seed)
     moved = 6 * m * f * 2
     return {
         "M": m, "F": f, "rule_tile": list(swiglu.tile(m, f, swiglu.BWD_TILE)),

@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from swiglu_train.bench.mlp import BenchConfig, _available, _inputs, environment, floor_case
-from swiglu_train.bench.timing import Clock, paired_samples, run_once
+from swiglu_train.bench.timing import Clock, paired_fresh_calls, paired_samples, run_once
 from swiglu_train.files import write_json_atomic
 from swiglu_train.kernels import swiglu
 
@@ -77,21 +77,7 @@ def fresh_input_kernels(m: int, f: int, samples: int, seed: int) -> dict:
         pass
     for fn in calls.values():  # compile
         fn(*pair())
-    rng = np.random.default_rng(seed)
-    times: dict[str, list[float]] = {name: [] for name in calls}
-    clock = Clock(torch.device("cuda"))
-    names = list(calls)
-    for _ in range(samples):
-        for i in rng.permutation(len(names)):
-            p, gh = pair()
-            clock.sync()
-            clock.hold()
-            t0 = clock.mark()
-            calls[names[i]](p, gh)
-            t1 = clock.mark()
-            clock.sync()
-            times[names[i]].append(clock.ms(t0, t1))
-            del p, gh
+    times = paired_fresh_calls(calls, pair, samples, torch.device("cuda"), seed)
     el = 2
     moved = {"ours_inplace": 6, "ours_out_of_place": 6, "ours_forward": 3, "liger_inplace": 5}
     return {

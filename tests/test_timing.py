@@ -58,3 +58,17 @@ def test_a_queued_step_does_not_count_the_host_s_latency_to_its_first_kernel():
     queued = timing.run_once(case, timing.Clock(torch.device("cuda")))
     assert idle[2] > 4.5 and queued[2] < 1.0
     assert queued[3] > 4.5 and queued[4] == queued[3]  # full: host-bound at 5 ms
+
+
+def test_fresh_calls_each_get_inputs_no_other_call_has_written():
+    """An in-place call doubles its input; were inputs shared, later samples would see 2**k."""
+    seen: list[float] = []
+
+    def double_in_place(t: torch.Tensor) -> None:
+        seen.append(t.item())
+        t.mul_(2)
+
+    calls = {"a": double_in_place, "b": double_in_place}
+    times = timing.paired_fresh_calls(calls, lambda: (torch.ones(()),), 4, CPU, seed=2)
+    assert seen == [1.0] * 8
+    assert {name: t.shape for name, t in times.items()} == {"a": (4,), "b": (4,)}

@@ -136,6 +136,32 @@ def paired_samples(
     return {name: dict(zip(PHASES, t, strict=True)) for name, t in times.items()}
 
 
+def paired_fresh_calls(
+    calls: dict[str, Callable[..., object]],
+    make_inputs: Callable[[], tuple],
+    samples: int,
+    device: torch.device,
+    seed: int = 0,
+) -> dict[str, np.ndarray]:
+    """Milliseconds of each call, shape [samples], every call on inputs made for it alone, in
+    a fresh random order per sample: for kernels that write their inputs (in place), whose
+    repeated calls on one buffer would time values drifting to inf."""
+    clock, rng, names = Clock(device), np.random.default_rng(seed), list(calls)
+    times = {name: np.zeros(samples) for name in names}
+    for s in range(samples):
+        for i in rng.permutation(len(names)):
+            inputs = make_inputs()
+            clock.sync()
+            clock.hold()
+            t0 = clock.mark()
+            calls[names[i]](*inputs)
+            t1 = clock.mark()
+            clock.sync()
+            times[names[i]][s] = clock.ms(t0, t1)
+            del inputs
+    return times
+
+
 def memory_mib(case: Case, device: torch.device) -> tuple[float | None, float | None]:
     """(after-forward, peak) MiB above what was allocated before forward; None off CUDA.
 
