@@ -51,7 +51,8 @@
 #              ($INFERENCE_MODELS), one JSON per model to merge into the dispatch table
 #   grid       swiglu-train bench-grid: every impl and peer, and auto's pick, at public models'
 #              MLP shapes x M; one chunk per call ($GRID_CHUNK=I/N, default 1/1; $GRID_MODELS and
-#              $GRID_M pick a subset). Merge the chunks' JSON with
+#              $GRID_M pick a subset), its points compiled first in $GRID_PREWARM processes
+#              (default 8; 0: compile while timing). Merge the chunks' JSON with
 #              `swiglu-train bench-grid --merge A B --json --md --plot` (the auto evaluation).
 # Every stage writes under $RES; on exit it is packed into $OUT/results.tgz, since the device
 # tool returns at most 8 files, and re-packed after every stage, so a call killed at its limit
@@ -375,8 +376,10 @@ PY
         --json "$RES/probe_fp8_chunks_h200.json" --md "$RES/probe_fp8_chunks_h200.md" ;;
     grid)  # the JSON is rewritten after every point: a chunk stopped at its bound keeps those
       chunk=${GRID_CHUNK:-1/1} && tag=${chunk/\//of}
+      PREWARM=${GRID_PREWARM:-8}  # workers that compile every point first: 16 cores, 1 GPU
       mkdir -p "$RES/grid"
       python3 -m swiglu_train bench-grid --commit "$commit" --chunk "$chunk" \
+        --prewarm-workers "$PREWARM" \
         ${GRID_MODELS:+--models $GRID_MODELS} ${GRID_M:+--m $GRID_M} \
         --json "$RES/grid/grid_h200_$tag.json" --md "$RES/grid/grid_h200_$tag.md" \
         --plot "$RES/grid/grid_h200_$tag.png" 2>&1 | grep -v "^ " | tail -60 ;;

@@ -7,6 +7,7 @@ an H200 run would have them (``as_h200``); every ratio stays the measured one.
 
 import copy
 import json
+import os
 import re
 
 import pytest
@@ -16,15 +17,7 @@ from typer.testing import CliRunner
 
 from swiglu_train.bench import grid_auto
 from swiglu_train.bench.crossover import CrossoverConfig
-from swiglu_train.bench.grid import (
-    GridConfig,
-    GridPoint,
-    merge_results,
-    missing_points,
-    parse_chunk,
-    run_grid,
-    split_chunks,
-)
+from swiglu_train.bench.grid import merge_results, missing_points, run_grid
 from swiglu_train.bench.grid_models import (
     MODELS,
     GridShape,
@@ -33,7 +26,16 @@ from swiglu_train.bench.grid_models import (
     select_models,
     shapes_for,
 )
+from swiglu_train.bench.grid_plan import (
+    PREWARM_POINT_S,
+    SHAPE_COMPILE_S,
+    GridConfig,
+    GridPoint,
+    parse_chunk,
+    split_chunks,
+)
 from swiglu_train.bench.grid_plot import plot_grid
+from swiglu_train.bench.grid_prewarm import WORKER_START_S
 from swiglu_train.bench.grid_report import to_markdown
 from swiglu_train.bench.mlp import BenchConfig
 from swiglu_train.cli import app
@@ -137,19 +139,19 @@ def test_split_chunks_is_an_ordered_partition_with_the_least_largest_chunk():
     shape = GridShape(8, 8, ("x",), ("x",))
     points = [GridPoint(m, shape) for m in (1, 2, 3, 4, 5, 6)]
     costs = {1: 5.0, 2: 1.0, 3: 1.0, 4: 1.0, 5: 4.0, 6: 2.0}
-    chunks = split_chunks(points, 3, lambda p: costs[p.m])
+    chunks = split_chunks(points, 3, lambda run: sum(costs[p.m] for p in run))
     assert [[p.m for p in c] for c in chunks] == [[1], [2, 3, 4], [5, 6]]  # largest: 6
-    assert split_chunks(points, 1, lambda p: 1.0) == [points]
+    assert split_chunks(points, 1, len) == [points]
     with pytest.raises(ValueError, match="6 grid points cannot be split into 7 chunks"):
-        split_chunks(points, 7, lambda p: 1.0)
+        split_chunks(points, 7, len)
 
 
-def test_default_grid_in_two_chunks():
-    cfg = GridConfig(grid_shapes(), chunk=(1, 2))
+def test_default_grid_in_two_chunks_with_a_prewarm():
+    cfg = GridConfig(grid_shapes(), chunk=(1, 2), prewarm_workers=8)
     first, second = cfg.chunks()
     assert first + second == cfg.all_points() and len(cfg.all_points()) == 3 * len(grid_shapes())
     assert 8000 in cfg.m and 8000 % 128  # an M that is no multiple of 128
-    assert cfg.points() == first and sum(map(cfg.estimate_s, second)) < 540
+    assert cfg.points() == first and max(cfg.chunk_s(first), cfg.chunk_s(second)) < 540
 
 
 def test_grid_and_crossover_points_run_one_layer_with_their_settings():
@@ -160,6 +162,23 @@ def test_grid_and_crossover_points_run_one_layer_with_their_settings():
     assert grid.bench_config(GridPoint(24, GridShape(16, 40, ("a-1",), ("a",)))) == want
     crossover = CrossoverConfig(m=(24,), shapes=((16, 40),), impls=list(IMPLS), **settings)
     assert crossover.bench_config((24, 16, 40)) == want
+
+
+def test_estimates_charge_a_compile_per_shape_in_the_timing_pass_or_the_prewarm():
+    shapes = grid_shapes(TINY)  # 3 shapes x 2 M
+    plain = GridConfig(shapes, m=(24, 40))
+    warm = GridConfig(shapes, m=(24, 40), prewarm_workers=2)
+    points = plain.all_points()
+    timing = sum(plain.estimate_s(p) for p in points)
+    assert plain.chunk_s(points) == pytest.approx(timing + 3 * SHAPE_COMPILE_S)
+    assert [c for _, c in plain.compiling(points)] == [True, False] * 3
+    assert [c for _, c in warm.compiling(points)] == [False] * 6 and plain.prewarm_s(points) == 0
+    # a shape: its compile and its 2 points' warm-up (steps of ~ns here), in one worker
+    shape_s = SHAPE_COMPILE_S + 2 * PREWARM_POINT_S
+    assert warm.prewarm_s(points) == pytest.approx(WORKER_START_S + 2 * shape_s)  # 3 on 2
+    three = GridConfig(shapes, m=(24, 40), prewarm_workers=3)
+    assert three.prewarm_s(points) == pytest.approx(WORKER_START_S + shape_s)
+    assert warm.chunk_s(points) == pytest.approx(warm.prewarm_s(points) + timing)
 
 
 @pytest.mark.parametrize(
@@ -347,6 +366,39 @@ def test_cli_chunks_and_merge(chunks, tmp_path):
     assert merged["meta"]["command"] == f"{a['meta']['command']} && {b['meta']['command']}"
     assert "| 16x40 | 16 | 40 |" in (tmp_path / "m.md").read_text()
     assert (tmp_path / "m.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_cli_prewarm_times_the_same_points_and_records_itself(chunks, tmp_path):
+    """--prewarm-workers 2: the points are first run in worker processes, then the same points
+    and variants are timed as in the chunks run without a pre-warm."""
+    _, (a, b) = chunks
+    out = tmp_path / "warm.json"
+    args = ["bench-grid", "--device", "cpu", "--dtype", "fp32", "--shapes", "16x40,32x64"]
+    args += ["--m", "24", "--variants", "normal,drop_h", "--samples", "2", "--warmup", "1"]
+    result = runner.invoke(app, [*args, "--prewarm-workers", "2", "--json", str(out)])
+    assert result.exit_code == 0, result.output
+    warm = json.loads(out.read_text())
+
+    def measured(r: dict) -> dict:
+        return {
+            (p["M"], p["D"], p["F"]): sorted(
+                row["variant"] for row in r["rows"] if (row["M"], row["D"], row["F"]) == dims
+            )
+            for p in r["points"]
+            for dims in [(p["M"], p["D"], p["F"])]
+        }
+
+    assert measured(warm) == measured(a) | measured(b)
+    assert list(measured(warm)) == [(24, 16, 40), (24, 32, 64)] and warm["meta"]["complete"]
+    assert [p["skipped"] for p in warm["points"]] == [a["points"][0]["skipped"], {}]
+    record = warm["meta"]["prewarm"]
+    assert record["workers"] == 2 and record["points"] == 2 and record["worker_errors"] == []
+    assert 0 < record["elapsed_s"] <= warm["meta"]["elapsed_s"]
+    assert a["meta"]["prewarm"] == {"workers": 0, "estimated_s": 0, "elapsed_s": 0.0}
+    text = re.sub(r"\s+", " ", result.output)
+    pids = re.findall(r"\[pre-warm [12]/2\] M=24 D=(\d+) F=\d+: \d+ s in worker (\d+)", text)
+    assert sorted(d for d, _ in pids) == ["16", "32"]
+    assert all(int(pid) != os.getpid() for _, pid in pids) and "not warmed" not in text
 
 
 @pytest.mark.parametrize(

@@ -3,56 +3,32 @@
 At each point (M, D, F), one layer (O = D) of every impl and peer runs against the six-GEMM
 floor of the same shape with ``bench/mlp.py``'s ``measure_layer`` (paired samples in random
 order, medians, allocator readings), and ``impl="auto"``'s pick there is recorded: the impl
-``ParMLP(impl="auto", tokens_hint=M)`` resolves to on this GPU. A grid too long for one device
-call runs in chunks (``--chunk I/N``, balanced by estimated time) that ``merge_results`` joins;
+``ParMLP(impl="auto", tokens_hint=M)`` resolves to on this GPU. With ``prewarm_workers``, the
+points are first compiled in that many worker processes (``grid_prewarm``). A grid too long
+for one device call runs in chunks (``grid_plan``) that ``merge_results`` joins;
 ``grid_auto`` judges auto's picks on the whole.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import gc
-import itertools
 import json
-import math
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
 
 import torch
 
 from swiglu_train.bench.grid_auto import evaluate_auto
-from swiglu_train.bench.grid_models import GridShape
-from swiglu_train.bench.mlp import (
-    PEAK_DEFINITION,
-    BenchConfig,
-    environment,
-    measure_layer,
-    one_layer_config,
-)
+from swiglu_train.bench.grid_plan import Dims, GridConfig, GridPoint
+from swiglu_train.bench.grid_prewarm import Warmed, prewarm, release
+from swiglu_train.bench.mlp import PEAK_DEFINITION, environment, measure_layer
 from swiglu_train.layers.auto import gpu_family, packaged_table, resolve_auto, table_filename
 from swiglu_train.ops.quack_mlp import quack_available
 
-# Every impl and every peer (quack's mlp_func untuned, Liger in-place, torch.compile, FLA);
-# a peer that does not import or run here is skipped on record.
-GRID_VARIANTS = (
-    *("normal", "drop_h", "save_factors", "drop_h_quack", "save_factors_quack"),
-    *("quack", "liger", "compile", "fla"),
-)
-DEFAULT_M = (4096, 8000, 16384)  # 8000 tokens: no multiple of 128
 RATIO_DEFINITION = (
     "median over paired samples of (variant's fwd+bwd step time / the six-GEMM floor's in the "
     "same sample); step time = max(GPU time queued, host time), see 'timing'; one layer, O = D"
 )
-# A planning estimate for the H200 in bf16, to split the grid into device calls: the floor runs
-# its 18·M·D·F FLOPs at ~650 TFLOP/s (630-720 in crossover_h200.json), the variants average
-# ~1.08x it, and each point pays a fixed cost for autotuning, compiling its shape
-# (torch.compile included) and the allocator readings; the crossover run spent ~10 s a point
-# beyond its timed steps with 5 impls. Each point's measured elapsed_s is recorded beside it.
-FLOOR_FLOPS_PER_S = 650e12
-MEAN_RATIO = 1.08
-POINT_OVERHEAD_S = 15.0
-EXTRA_STEPS = 2  # the correctness step and the memory reading, besides warm-up and samples
 # Keys every chunk of one merged grid must share: a merge never mixes GPUs, dtypes, code, or
 # auto tables (auto's picks were resolved from the one the run shipped).
 SAME_KEYS = (
@@ -60,103 +36,35 @@ SAME_KEYS = (
     *("variants", "quack_available", "auto_table"),
 )
 Progress = Callable[[str, int], Callable[[], None]]
-Dims = tuple[int, int, int]  # (M, D, F)
-
-
-@dataclass(frozen=True)
-class GridPoint:
-    m: int
-    shape: GridShape
-
-    @property
-    def dims(self) -> Dims:
-        return self.m, self.shape.d, self.shape.f
-
-
-@dataclass
-class GridConfig:
-    shapes: Sequence[GridShape]
-    m: Sequence[int] = DEFAULT_M
-    variants: Sequence[str] = GRID_VARIANTS
-    samples: int = 30
-    warmup: int = 2
-    dtype: str = "bf16"
-    device: str = "cuda"
-    seed: int = 0
-    commit: str | None = None
-    chunk: tuple[int, int] = (1, 1)  # (I, N): the I-th of N chunks
-    command: str | None = None  # the command line, recorded with every (partial) result
-
-    def all_points(self) -> list[GridPoint]:
-        """Shape-major, smallest D·F first: a chunk cut short keeps the most points."""
-        return [GridPoint(m, shape) for shape in self.shapes for m in self.m]
-
-    def chunks(self) -> list[list[GridPoint]]:
-        return split_chunks(self.all_points(), self.chunk[1], self.estimate_s)
-
-    def points(self) -> list[GridPoint]:
-        return self.chunks()[self.chunk[0] - 1]
-
-    def estimate_s(self, point: GridPoint) -> float:
-        """Seconds this point is expected to take on an H200 in bf16 (see FLOOR_FLOPS_PER_S)."""
-        m, d, f = point.dims
-        step_s = 18 * m * d * f / FLOOR_FLOPS_PER_S
-        runs = self.warmup + self.samples + EXTRA_STEPS
-        return POINT_OVERHEAD_S + (1 + len(self.variants) * MEAN_RATIO) * runs * step_s
-
-    def bench_config(self, point: GridPoint) -> BenchConfig:
-        return one_layer_config(point.dims, self.variants, self)
-
-
-def parse_chunk(value: str) -> tuple[int, int]:
-    """``"2/3"`` -> (2, 3); a ValueError names what is wrong."""
-    parts = value.split("/")
-    if len(parts) != 2 or not all(p.strip().isdigit() for p in parts):
-        raise ValueError(f"--chunk {value!r}: expected I/N, e.g. 1/2")
-    index, count = (int(p) for p in parts)
-    if not 1 <= index <= count:
-        raise ValueError(f"--chunk {value!r}: I must be between 1 and N")
-    return index, count
-
-
-def split_chunks(
-    points: Sequence[GridPoint], count: int, cost: Callable[[GridPoint], float]
-) -> list[list[GridPoint]]:
-    """``points`` cut, in order, into ``count`` non-empty runs whose largest estimated cost is
-    as small as it can be (the device call's limit binds the longest chunk)."""
-    n = len(points)
-    if not 1 <= count <= n:
-        raise ValueError(f"--chunk: {n} grid points cannot be split into {count} chunks")
-    prefix = list(itertools.accumulate((cost(p) for p in points), initial=0.0))
-    # worst[k][i]: the least possible largest chunk over the first i points in k chunks
-    worst = [[math.inf] * (n + 1) for _ in range(count + 1)]
-    cut = [[0] * (n + 1) for _ in range(count + 1)]
-    worst[0][0] = 0.0
-    for k in range(1, count + 1):
-        for i in range(k, n + 1):
-            for j in range(k - 1, i):
-                value = max(worst[k - 1][j], prefix[i] - prefix[j])
-                if value < worst[k][i]:
-                    worst[k][i], cut[k][i] = value, j
-    bounds, i = [], n
-    for k in range(count, 0, -1):
-        bounds.append((cut[k][i], i))
-        i = cut[k][i]
-    return [list(points[j:i]) for j, i in reversed(bounds)]
 
 
 def run_grid(
-    cfg: GridConfig, progress: Progress, on_point: Callable[[dict], None] = lambda _: None
+    cfg: GridConfig,
+    progress: Progress,
+    on_point: Callable[[dict], None] = lambda _: None,
+    on_prewarm: Callable[[Warmed], None] = lambda _: None,
 ) -> dict:
-    """Measure the chunk's points; ``on_point(result so far)`` after each (the CLI writes the
-    JSON there, so a call killed at its limit keeps what finished). A point or variant that
-    fails (out of memory, a peer that cannot run) is skipped on record."""
+    """Measure the chunk's points; ``on_point(result so far)`` after each, and after the
+    pre-warm (the CLI writes the JSON there, so a call killed at its limit keeps what
+    finished); ``on_prewarm`` sees each pre-warmed point. A point or variant that fails (out
+    of memory, a peer that cannot run) is skipped on record."""
     device = torch.device(cfg.device)
     start = time.perf_counter()
     points = cfg.points()
     result = {"meta": _meta(cfg, device, points), "points": [], "rows": [], "skipped_points": []}
+    if cfg.prewarm_workers:
+        tick = progress("pre-warm", len(points))
+
+        def warmed(outcome: Warmed) -> None:
+            tick()
+            on_prewarm(outcome)
+
+        configs = [cfg.bench_config(p) for p in points]
+        result["meta"]["prewarm"] |= prewarm(configs, cfg.prewarm_workers, warmed)
+        result["meta"]["elapsed_s"] = round(time.perf_counter() - start, 1)
+        on_point(result)
     tick = progress("grid points", len(points))  # one bar: a point's own bars would pile up
-    for point in points:
+    for point, compiles in cfg.compiling(points):
         began = time.perf_counter()
         m, d, f = point.dims
         try:
@@ -166,7 +74,7 @@ def run_grid(
             result["skipped_points"].append(
                 {"M": m, "D": d, "F": f, "reason": f"OutOfMemoryError: {e}".splitlines()[0]}
             )
-        _release(device)
+        release(device)
         tick()
         if measured:
             result["rows"] += point_rows(point, measured)
@@ -182,7 +90,7 @@ def run_grid(
                     "skipped": skipped,
                     "rel_err_reference": reference,
                     "elapsed_s": round(time.perf_counter() - began, 1),
-                    "estimated_s": round(cfg.estimate_s(point), 1),
+                    "estimated_s": round(cfg.estimate_s(point, compiles), 1),
                 }
             )
         result["meta"]["elapsed_s"] = round(time.perf_counter() - start, 1)
@@ -239,7 +147,14 @@ def _meta(cfg: GridConfig, device: torch.device, points: Sequence[GridPoint]) ->
         "command": cfg.command,
         "chunk": f"{cfg.chunk[0]}/{cfg.chunk[1]}",
         "planned_points": [list(p.dims) for p in points],
-        "estimated_s": round(sum(cfg.estimate_s(p) for p in points)),
+        "estimated_s": round(cfg.chunk_s(points)),
+        # the processes that compiled the points before timing (their wall seconds are part of
+        # meta's elapsed_s; each point's elapsed_s is its timing alone)
+        "prewarm": {
+            "workers": cfg.prewarm_workers,
+            "estimated_s": round(cfg.prewarm_s(points)),
+            "elapsed_s": 0.0,
+        },
         "quack_available": cuda and quack_available(),
         "auto_table": _table_summary(family),
         "ratio_definition": RATIO_DEFINITION,
@@ -265,16 +180,6 @@ def _table_summary(family: str | None) -> dict | None:
 
 def _quiet(label: str, total: int) -> Callable[[], None]:
     return lambda: None
-
-
-def _release(device: torch.device) -> None:
-    """Free the point's weights and compiled graphs before the next shape: each point compiles
-    its own static shape (dynamo would otherwise recompile the same code with dynamic sizes,
-    and fall back to eager past its recompile limit) from an empty allocator cache."""
-    torch._dynamo.reset()
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
 
 
 def merge_results(parts: Mapping[str, dict]) -> dict:
@@ -309,13 +214,16 @@ def merge_results(parts: Mapping[str, dict]) -> dict:
     planned = [tuple(p) for c in chunks for p in c["meta"]["planned_points"]]
     shapes = {(s["D"], s["F"]): s for c in chunks for s in c["meta"]["shapes"]}
     meta = {
-        **chunks[0]["meta"],
+        **{k: v for k, v in chunks[0]["meta"].items() if k != "prewarm"},  # per chunk below
         "command": " && ".join(str(c["meta"].get("command")) for c in chunks),
         "chunk": "merged",
         "chunks": [
             {
                 "source": source,
-                **{k: c["meta"].get(k) for k in ("chunk", "command", "date", "elapsed_s")},
+                **{
+                    k: c["meta"].get(k)
+                    for k in ("chunk", "command", "date", "elapsed_s", "prewarm")
+                },
                 "complete": c["meta"]["complete"],
             }
             for source, c in parts.items()

@@ -45,6 +45,15 @@ def bench_grid(
     chunk: Annotated[
         str, typer.Option(help="I/N: run the I-th of N chunks, balanced by estimated time")
     ] = "1/1",
+    prewarm_workers: Annotated[
+        int,
+        typer.Option(
+            min=0,
+            help="compile the chunk's points first in N spawned processes, so the timing pass "
+            "finds quack's, Triton's and inductor's disk caches warm (8 suits the 16-core H200 "
+            "box; 0: compile while timing)",
+        ),
+    ] = 0,
     dry_run: Annotated[
         bool, typer.Option(help="print every chunk's points and estimated seconds; run nothing")
     ] = False,
@@ -79,13 +88,9 @@ def bench_grid(
     leave-one-family-out tables fitted from the grid.
     """
     from swiglu_train.bench.crossover import parse_m, parse_shapes
-    from swiglu_train.bench.grid import (
-        GRID_VARIANTS,
-        GridConfig,
-        merge_results,
-        parse_chunk,
-    )
+    from swiglu_train.bench.grid import merge_results
     from swiglu_train.bench.grid_models import MODELS, grid_shapes, select_models, shapes_for
+    from swiglu_train.bench.grid_plan import GRID_VARIANTS, GridConfig, parse_chunk
     from swiglu_train.bench.grid_report import to_markdown
     from swiglu_train.bench.mlp import DTYPES
     from swiglu_train.bench.variants import BUILDERS
@@ -138,6 +143,7 @@ def bench_grid(
                 grid = grid_shapes()
             cfg = GridConfig(grid, parse_m(m), names, samples, warmup, dtype, device, seed, commit)
             cfg.chunk, cfg.command = parse_chunk(chunk), invocation()
+            cfg.prewarm_workers = prewarm_workers
             cfg.chunks()  # a chunk count above the number of points is refused here
         except ValueError as e:
             raise typer.BadParameter(str(e)) from e
@@ -157,6 +163,12 @@ def _run_grid(cfg, json_path: Path | None) -> dict:
     from swiglu_train.bench.grid import run_grid
 
     total = len(cfg.points())
+    warmed = 0
+
+    def on_prewarm(outcome) -> None:
+        nonlocal warmed
+        warmed += 1
+        console.print(f"[pre-warm {warmed}/{total}] {outcome.describe()}", markup=False)
 
     def on_point(result: dict) -> None:
         done = len(result["points"]) + len(result["skipped_points"])
@@ -171,17 +183,23 @@ def _run_grid(cfg, json_path: Path | None) -> dict:
             write_json_atomic(json_path, result)
 
     with progress_bars() as progress:
-        return run_grid(cfg, progress, on_point)
+        return run_grid(cfg, progress, on_point, on_prewarm)
 
 
 def _print_plan(cfg) -> None:
-    """Every chunk of ``cfg``'s grid: its points and estimated seconds on an H200 in bf16."""
+    """Every chunk of ``cfg``'s grid: its points and estimated seconds on an H200 in bf16
+    (the pre-warm's included: it runs in the same call, before the timing)."""
     for i, points in enumerate(cfg.chunks(), start=1):
-        seconds = sum(cfg.estimate_s(p) for p in points)
         mark = " <- this chunk" if i == cfg.chunk[0] else ""
-        console.print(f"chunk {i}/{cfg.chunk[1]}: {len(points)} points, ~{seconds:.0f} s{mark}")
-        for p in points:
+        console.print(
+            f"chunk {i}/{cfg.chunk[1]}: {len(points)} points, ~{cfg.chunk_s(points):.0f} s{mark}"
+        )
+        if cfg.prewarm_workers:
+            console.print(
+                f"  pre-warm on {cfg.prewarm_workers} workers: ~{cfg.prewarm_s(points):.0f} s"
+            )
+        for p, compiles in cfg.compiling(points):
             console.print(
                 f"  M={p.m} D={p.shape.d} F={p.shape.f} ({p.shape.label}): "
-                f"~{cfg.estimate_s(p):.0f} s"
+                f"~{cfg.estimate_s(p, compiles):.0f} s"
             )
