@@ -21,6 +21,10 @@ E4M3_MAX = 448.0  # largest finite float8_e4m3fn
 MIN_AMAX = E4M3_MAX * 2.0**-126
 FP8_DTYPE = torch.float8_e4m3fn
 SCALE_DTYPE = torch.float32
+# The kernels convert to and from Triton's float8e4nv (e4m3), which Triton's CUDA backend
+# compiles for compute capability 8.9 (Ada) and up only (fp8e4nv joins its supported fp8 types
+# at sm_89); below that the first launch would fail to compile, mid-step.
+MIN_CAPABILITY = (8, 9)
 
 
 def n_blocks(ffn: int) -> int:
@@ -31,3 +35,16 @@ def n_blocks(ffn: int) -> int:
 def saved_shapes(m: int, ffn: int) -> tuple[tuple[int, int], tuple[int, int]]:
     """Shapes of the FP8 values and of their scales for a [m, 2 * ffn] preactivation."""
     return (m, 2 * ffn), (m, 2 * n_blocks(ffn))
+
+
+def capability_error(capability: tuple[int, int], device: str) -> str | None:
+    """Why the FP8 kernels cannot run on ``device`` of this compute capability, or None."""
+    if tuple(capability) >= MIN_CAPABILITY:
+        return None
+    major, minor = capability
+    return (
+        f"saved_fp8=True needs a GPU with FP8 (e4m3) support, compute capability "
+        f"{MIN_CAPABILITY[0]}.{MIN_CAPABILITY[1]}+ (Ada, Hopper or newer): its Triton kernels "
+        f"store float8e4nv, which Triton compiles for sm_89 and up only; {device} is "
+        f"{major}.{minor}. Leave saved_fp8 off there (drop_h keeps its preactivation in bf16)"
+    )

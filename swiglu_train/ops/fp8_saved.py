@@ -58,6 +58,8 @@ backpropagated twice (``inplace=False`` keeps them).
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
@@ -67,6 +69,7 @@ from swiglu_train.kernels.fp8_format import (
     FP8_DTYPE,
     MIN_AMAX,
     SCALE_DTYPE,
+    capability_error,
     n_blocks,
     saved_shapes,
 )
@@ -91,6 +94,20 @@ SECOND_BACKWARD_FREED_ERROR_FP8 = (
     "backpropagate more than once, build the layer with inplace=False and pass "
     "retain_graph=True to every backward but the last."
 )
+
+
+def check_fp8_gpu(device_index: int) -> None:
+    """A ValueError naming the reason when CUDA device ``device_index`` cannot run the FP8
+    kernels (``fp8_format.MIN_CAPABILITY``)."""
+    reason = capability_error(_capability(device_index), f"cuda:{device_index}")
+    if reason is not None:
+        raise ValueError(reason)
+
+
+@functools.cache
+def _capability(device_index: int) -> tuple[int, int]:
+    """Asked once per device: torch's query costs host time on every step."""
+    return torch.cuda.get_device_capability(device_index)
 
 
 def quantize(preact: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -322,4 +339,6 @@ def drop_h_fp8_mlp(
     rule for each; benchmarks and tests set it)."""
     if chunk_rows is not None and (type(chunk_rows) is not int or chunk_rows < 1):
         raise ValueError(f"chunk_rows must be a positive int or None, got {chunk_rows!r}")
+    if x.is_cuda and triton_enabled(x):  # before any GEMM: the kernels would fail to compile
+        check_fp8_gpu(x.get_device())
     return _DropHFP8.apply(x, fc1_weight, fc1_bias, fc2_weight, fc2_bias, inplace, chunk_rows)

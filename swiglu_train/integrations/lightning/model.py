@@ -19,6 +19,7 @@ from swiglu_train.layers.registry import (
     check_saved_fp8,
     packed_chunk,
 )
+from swiglu_train.ops.fp8_saved import check_fp8_gpu
 
 
 @dataclass
@@ -82,10 +83,13 @@ def check_checkpoint_layers(cfg: ModelConfig) -> None:
         )
 
 
-def check_model_saved_fp8(cfg: ModelConfig) -> None:
-    """model.saved_fp8 against the impl, in the config's words (ParMLP's say the same later)."""
+def check_model_saved_fp8(cfg: ModelConfig, gpu: int | None = None) -> None:
+    """model.saved_fp8 against the impl, and against CUDA device ``gpu`` where the run trains on
+    one, in the config's words (ParMLP's say the same later, at the first forward)."""
     try:
         check_saved_fp8(cfg.mlp_impl, cfg.saved_fp8)
+        if cfg.saved_fp8 and gpu is not None:
+            check_fp8_gpu(gpu)
     except (TypeError, ValueError) as e:
         raise ValueError(f"model.saved_fp8 (--saved-fp8): {e}") from None
 
