@@ -102,7 +102,8 @@ def run_pretrain(
     weights = None if init_from is None else _initial_weights(Path(init_from), cfg)
     check_impl_name(cfg.model.mlp_impl)  # an unknown impl fails here, listing the valid ones
     check_mlp_chunk(cfg.model)  # again: command-line flags are set after the config is built
-    check_model_saved_fp8(cfg.model)
+    on_gpu = torch.cuda.is_available() and cfg.train.accelerator != "cpu"
+    check_model_saved_fp8(cfg.model, gpu=torch.cuda.current_device() if on_gpu else None)
     check_ranges(cfg)
     check_checkpoint_layers(cfg.model)
     precision = resolve_precision(cfg.train.precision, cfg.train.accelerator)
@@ -188,6 +189,8 @@ def run_pretrain(
     return {
         "mlp_impl": mlp.impl,  # what ran: "auto" is resolved when the model is built
         "mlp_auto_reason": mlp.auto_reason,
+        "saved_fp8": mlp.saved_fp8,  # mlp_impl's saved preactivation in FP8
+        "seed": cfg.train.seed,
         "steps": trainer.global_step,
         "initial_loss": losses[0] if losses else None,
         "final_loss": losses[-1] if losses else None,
