@@ -1,6 +1,6 @@
 """scripts/bench_e2e.py on CPU: the Lightning harness at a tiny config (rounds, spreads, best
 plan per budget, the planner set against the grid, JSON, markdown and plot), and the Megatron
-harness' per-round pairing."""
+harness' per-round pairing (swiglu_train/bench/e2e*.py)."""
 
 import json
 from pathlib import Path
@@ -9,6 +9,8 @@ import pytest
 from test_scripts import load_script
 from typer.testing import CliRunner
 
+from swiglu_train.bench.e2e_lightning import parse_budgets
+from swiglu_train.bench.e2e_megatron import megatron_rows
 from swiglu_train.integrations.lightning.planner import ESTIMATE
 from swiglu_train.ops import use_backend
 
@@ -96,16 +98,14 @@ def test_lightning_steps_accumulate_to_the_global_batch(tmp_path: Path) -> None:
 
 
 def test_auto_budgets_fall_between_the_grids_peaks() -> None:
-    bench = load_script("bench_e2e")
     table = [{"peak_MiB": {"max": v}} for v in (10_240.0, 30_720.0, 51_100.0)] + [
         {"peak_MiB": None}  # out of memory every round
     ]
-    assert bench.parse_budgets("auto:3", table) == [20_455, 30_670, 40_885]
-    assert bench.parse_budgets("40,60.5", table) == [40_960, 61_952]
+    assert parse_budgets("auto:3", table) == [20_455, 30_670, 40_885]
+    assert parse_budgets("40,60.5", table) == [40_960, 61_952]
 
 
 def test_megatron_rows_pair_each_round_with_stock() -> None:
-    bench = load_script("bench_e2e")
     recorded = {  # (round, impl): tokens/s, warm-up steps' tokens/s
         (0, "stock"): (100.0, [10.0, 90.0]),
         (0, "drop_h"): (110.0, [50.0, 100.0]),
@@ -117,7 +117,7 @@ def test_megatron_rows_pair_each_round_with_stock() -> None:
          "after_forward_MiB": 1.0, "peak_MiB": 2.0}
         for (r, impl), (rate, warm) in recorded.items()
     ]  # fmt: skip
-    rows = {x["impl"]: x for x in bench.megatron_rows(points)}
+    rows = {x["impl"]: x for x in megatron_rows(points)}
     # paired: 1.10 and 1.05, median 1.075 (unpaired medians would give 118 / 110)
     assert rows["drop_h"]["vs_stock"] == {"min": 1.05, "median": pytest.approx(1.075),
                                           "max": pytest.approx(1.1)}  # fmt: skip

@@ -1,0 +1,89 @@
+"""What the end-to-end harnesses share (scripts/bench_e2e.py; the Lightning one in e2e_lightning,
+the Megatron one in e2e_megatron): their rounds, a figure's spread over rounds, one row per
+configuration, adding rounds to an earlier run, and writing the outputs."""
+
+from __future__ import annotations
+
+import json
+import random
+import statistics
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from swiglu_train.files import atomic_write, write_json_atomic
+
+# The figures of a point that a row spreads over rounds (optimizer_s: absent in older runs).
+FIGURES = ("tokens_per_s", "optimizer_s", "after_forward_MiB", "peak_MiB")
+
+
+def parse_list(value: str, cast=str) -> list:
+    return [cast(v) for v in value.split(",") if v.strip()]
+
+
+def device_name() -> str:
+    return torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+
+
+def spread(values: list[float | None]) -> dict | None:
+    """min/median/max of the measured values; None when none was measured (out of memory)."""
+    values = [v for v in values if v is not None]
+    if not values:
+        return None
+    return {"min": min(values), "median": statistics.median(values), "max": max(values)}
+
+
+def rows(points: list[dict], keys: tuple[str, ...]) -> list[dict]:
+    """One row per configuration (the ``keys`` of its points), its figures' spreads."""
+    out = {}
+    for p in points:
+        out.setdefault(tuple(p[k] for k in keys), []).append(p)
+    return [
+        {k: v for k, v in zip(keys, key, strict=True)}
+        | {
+            "rounds": len(mine),
+            "out_of_memory": sum(p["peak_MiB"] is None for p in mine),
+            **{f: spread([p.get(f) for p in mine]) for f in FIGURES},
+        }
+        for key, mine in out.items()
+    ]
+
+
+def prior_points(json_path: Path | None, settings: dict) -> list[dict]:
+    """The points of an earlier run in ``json_path`` with these settings, to add rounds to."""
+    if json_path is None or not json_path.is_file():
+        return []
+    earlier = json.loads(json_path.read_text())
+    differ = {k: (earlier.get(k), v) for k, v in settings.items() if earlier.get(k) != v}
+    if differ:
+        raise ValueError(f"--append: {json_path} was made with other settings: {differ}")
+    return earlier["points"]
+
+
+def next_rounds(points: list[dict], rounds: int, seed: int) -> tuple[range, random.Random]:
+    """The ``rounds`` rounds numbered on from ``points``' last, and the visiting order's
+    generator, seeded by the first of them so an added call does not repeat an earlier order."""
+    first = 1 + max((p["round"] for p in points), default=-1)
+    return range(first, first + rounds), random.Random(seed + first)
+
+
+def write_result(
+    result: dict,
+    json_path: Path | None,
+    md: Path | None,
+    plot: Path | None,
+    markdown: Callable[[dict], str],
+    draw: Callable[[dict], object] | None,
+) -> None:
+    """Print the markdown, then write each output asked for, atomically."""
+    if json_path is not None:
+        write_json_atomic(json_path, result)
+    text = markdown(result)
+    print(text)
+    if md is not None:
+        with atomic_write(md) as f:
+            f.write(text)
+    if plot is not None and draw is not None:
+        with atomic_write(plot, "wb") as f:
+            draw(result).savefig(f, format="png", dpi=120)

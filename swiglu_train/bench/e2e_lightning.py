@@ -1,0 +1,228 @@
+"""The Lightning end-to-end harness: whole optimizer steps of the pretraining module, impl x
+checkpointed blocks, in rounds; each impl's best plan per memory budget, and the planner's pick.
+
+Every round visits the impls in a fresh random order, builds each one's model once on the
+device, and runs each checkpointed-blocks count of the grid, in random order, for the warm-up
+steps and then the timed ones, through the planner's own measurer
+(swiglu_train/integrations/lightning/planner.py), so the figures are the ones it decides from.
+A step is the global batch, accumulated in micro-batches (forward, backward), then clipping and
+AdamW once; tokens/s counts the global batch's tokens over that step, timed as the measurer
+does (its first micro-batch, one accumulating one standing for the rest, and the optimizer
+step). Per configuration: tokens/s, the optimizer step's time, after-forward and peak MiB as
+min/median/max over rounds, and MFU where the GPU's peak is known. On CUDA the memory is the
+allocator's peak; on the CPU the planner's estimate.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from swiglu_train.bench.e2e import device_name, next_rounds, parse_list, rows
+from swiglu_train.bench.mlp import git_commit
+from swiglu_train.integrations.lightning.config import PretrainConfig, load_config
+from swiglu_train.integrations.lightning.planner import (
+    ALLOCATOR,
+    ESTIMATE,
+    Steps,
+    measurer,
+)
+from swiglu_train.memory.plan import NoPlanFits, accumulation, choose_plan, search
+
+# Dense bf16 tensor-core peaks (the SXM datasheets), for MFU; other devices get none.
+PEAK_FLOPS = {"H100": 989.4e12, "H200": 989.4e12, "A100": 312e12}
+
+
+def configure(
+    config: str,
+    seq_length: int | None,
+    micro_batch_size: int | None,
+    global_batch_size: int | None,
+    impls: str | None,
+) -> PretrainConfig:
+    """The packaged config or YAML file, with the command line's overrides."""
+    cfg = load_config(config)
+    if seq_length is not None:
+        cfg.data.seq_length = seq_length
+        cfg.model.max_seq_length = max(cfg.model.max_seq_length, seq_length)
+    if micro_batch_size is not None:
+        cfg.data.micro_batch_size = micro_batch_size
+    if global_batch_size is not None:
+        try:
+            cfg.train.accumulate_grad_batches = accumulation(
+                global_batch_size, cfg.data.micro_batch_size
+            )
+        except ValueError as e:
+            raise ValueError(f"--global-batch-size {global_batch_size}: {e}") from None
+    cfg.train.plan_impls = parse_list(impls) if impls else None
+    return cfg
+
+
+def lightning_settings(
+    config: str, cfg: PretrainConfig, names: list[str], grid: list[int], warmup: int, steps: int
+) -> dict:
+    """What a run is measured with: rounds added to it later must be measured alike."""
+    return {"config": config, "seq_length": cfg.data.seq_length, "grid": grid,
+            "micro_batch_size": cfg.data.micro_batch_size, "impls": names,
+            "accumulate_grad_batches": cfg.train.accumulate_grad_batches,
+            "warmup_steps": warmup, "timed_steps": steps, "device": device_name()}  # fmt: skip
+
+
+def run_lightning(
+    cfg: PretrainConfig,
+    settings: dict,
+    points: list[dict],
+    *,
+    rounds: int,
+    seed: int,
+    budgets_gb: str,
+    planner: bool,
+    command: str,
+    commit: str | None,
+) -> dict:
+    """Measure ``rounds`` rounds after ``points`` (an earlier run's, or none), then the rows and
+    MFU over all of them and each budget's plans (``budgets_gb``: see ``parse_budgets``)."""
+    names, grid = settings["impls"], settings["grid"]
+    schedule, order = next_rounds(points, rounds, seed)
+    points = list(points)
+    measure = measurer(cfg, Steps(settings["warmup_steps"], settings["timed_steps"]), log=print)
+    for r in schedule:
+        for impl in order.sample(names, len(names)):
+            for n in order.sample(grid, len(grid)):
+                p = measure(impl, n)
+                points.append(
+                    {
+                        "round": r,
+                        "impl": impl,
+                        "checkpoint_layers": n,
+                        "peak_MiB": p.peak_MiB,
+                        "tokens_per_s": p.tokens_per_s,
+                        "optimizer_s": p.optimizer_s,
+                        "after_forward_MiB": p.after_forward_MiB,
+                    }
+                )
+    table = rows(points, ("impl", "checkpoint_layers"))
+    flops, peak = flops_per_token(cfg.model, cfg.data.seq_length), peak_flops()
+    for r in table:
+        rate = r["tokens_per_s"]
+        r["mfu"] = rate["median"] * flops / peak if rate and peak else None
+    budgets = parse_budgets(budgets_gb, table)
+    plans = [budget_plans(b, table, names, cfg, planner) for b in budgets]
+    return settings | {
+        "command": command,
+        "commit": git_commit() or commit,
+        "memory": ALLOCATOR if torch.cuda.is_available() else ESTIMATE,
+        "model": {
+            k: getattr(cfg.model, k)
+            for k in ("hidden_size", "ffn_hidden_size", "num_layers", "num_heads")
+        },
+        "precision": measure_precision(cfg),
+        "rounds": schedule.stop,
+        "flops_per_token": flops,
+        "peak_flops": peak,
+        "rows": table,
+        "budgets": plans,
+        "points": points,
+    }
+
+
+def best_per_impl(table: list[dict], budget_MiB: float) -> dict[str, dict]:
+    """Each impl's fastest configuration (median tokens/s) whose largest peak fits."""
+    best: dict[str, dict] = {}
+    for r in table:
+        if r["peak_MiB"] is None or r["out_of_memory"] or r["peak_MiB"]["max"] > budget_MiB:
+            continue
+        mine = best.get(r["impl"])
+        if mine is None or r["tokens_per_s"]["median"] > mine["tokens_per_s"]["median"]:
+            best[r["impl"]] = r
+    return best
+
+
+def flops_per_token(cfg, seq: int) -> float:
+    """Model FLOPs of a training step per token (PaLM's 6N + 12·L·D·S; recompute not counted):
+    N the matmul weights (blocks and head; the embedding is a lookup)."""
+    d, f, layers = cfg.hidden_size, cfg.ffn_hidden_size, cfg.num_layers
+    weights = layers * (4 * d * d + 3 * d * f) + d * cfg.vocab_size
+    return 6 * weights + 12 * layers * d * seq
+
+
+def peak_flops() -> float | None:
+    if not torch.cuda.is_available():
+        return None
+    name = torch.cuda.get_device_name()
+    return next((v for k, v in PEAK_FLOPS.items() if k in name), None)
+
+
+def parse_budgets(value: str, table: list[dict]) -> list[float]:
+    """MiB: a list of GiB, or ``auto:K``: K budgets evenly between the smallest and the
+    largest peak of the grid (whole MiB), where impls need different checkpointing."""
+    if not value.startswith("auto:"):
+        return [gb * 1024 for gb in parse_list(value, float)]
+    peaks = [r["peak_MiB"]["max"] for r in table if r["peak_MiB"]]
+    k, low, high = int(value.removeprefix("auto:")), min(peaks), max(peaks)
+    return [float(round(low + (high - low) * (i + 1) / (k + 1))) for i in range(k)]
+
+
+def measure_precision(cfg: PretrainConfig) -> str:
+    from swiglu_train.integrations.lightning.pretrain import resolve_precision
+
+    return resolve_precision(cfg.train.precision)
+
+
+def budget_plans(
+    budget_MiB: float, table: list[dict], names: list[str], cfg: PretrainConfig, planner: bool
+) -> dict:
+    """At one budget: each impl's best plan in the grid, the fastest of them, best drop_h* over
+    best normal, and with ``planner`` the planner's own pick."""
+    best = best_per_impl(table, budget_MiB)
+    out = {
+        "budget_GiB": budget_MiB / 1024,
+        "best_per_impl": {
+            i: {
+                "checkpoint_layers": r["checkpoint_layers"],
+                "tokens_per_s": r["tokens_per_s"]["median"],
+                "peak_MiB": r["peak_MiB"]["max"],
+            }
+            for i, r in best.items()
+        },
+    }
+    top = max(best.values(), key=lambda r: r["tokens_per_s"]["median"], default=None)
+    out["best"] = (
+        None
+        if top is None
+        else {"impl": top["impl"], "checkpoint_layers": top["checkpoint_layers"]}
+    )
+    if "normal" in best and top is not None:
+        drop = [r for i, r in best.items() if i.startswith("drop_h")]
+        if drop:
+            ratio = max(r["tokens_per_s"]["median"] for r in drop)
+            out["best_drop_h_vs_normal"] = ratio / best["normal"]["tokens_per_s"]["median"]
+    if planner:
+        out["planner"] = planner_pick(budget_MiB, table, names, cfg, top)
+    return out
+
+
+def planner_pick(
+    budget_MiB: float, table: list[dict], names: list[str], cfg: PretrainConfig, top: dict | None
+) -> dict:
+    """The planner's own short steps and bisection at this budget, its pick set against the
+    grid's median tokens/s for that configuration (None when the grid lacks it)."""
+    print(f"planner at {budget_MiB / 1024:g} GiB")
+    layers = cfg.model.num_layers
+    probes = search(names, layers, budget_MiB, measurer(cfg, Steps(), log=print))
+    try:
+        plan = choose_plan(probes, budget_MiB, layers)
+    except NoPlanFits as e:
+        return {"error": str(e), "probes": len(probes)}
+    grid = {(r["impl"], r["checkpoint_layers"]): r for r in table}
+    same = grid.get((plan.impl, plan.checkpoint_layers))
+    ratio = None
+    if same is not None and top is not None and same["tokens_per_s"]:
+        ratio = same["tokens_per_s"]["median"] / top["tokens_per_s"]["median"]
+    return {
+        "impl": plan.impl,
+        "checkpoint_layers": plan.checkpoint_layers,
+        "why": plan.why,
+        "probes": len(probes),
+        "pick_tokens_per_s": plan.tokens_per_s,  # the planner's own short measurement
+        "pick_vs_best_in_grid": ratio,  # the grid's median for its pick, if the grid has it
+    }

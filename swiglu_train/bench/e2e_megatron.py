@@ -1,0 +1,95 @@
+"""The Megatron end-to-end harness: each round runs recipes/pretrain_megatron.py once per impl,
+in a fresh random order, each a process of its own (the launcher), and reads its summary:
+tokens/s is the median over the steps after the warm-up, and the warm-up steps' own rates are
+kept, since compilation (stock's torch.compile'd bias-SwiGLU) lands there."""
+
+from __future__ import annotations
+
+import json
+import shlex
+import statistics
+import subprocess
+import tempfile
+from pathlib import Path
+
+from swiglu_train.bench.e2e import device_name, next_rounds, rows, spread
+from swiglu_train.bench.mlp import git_commit
+
+
+def megatron_settings(names: list[str], recipe_args: list[str], warmup: int, steps: int) -> dict:
+    """What a run is measured with: rounds added to it later must be measured alike."""
+    return {"impls": names, "recipe_args": recipe_args, "warmup_steps": warmup,
+            "timed_steps": steps, "device": device_name()}  # fmt: skip
+
+
+def run_megatron(
+    settings: dict,
+    points: list[dict],
+    *,
+    launcher: str,
+    rounds: int,
+    seed: int,
+    command: str,
+    commit: str | None,
+) -> dict:
+    """Run ``rounds`` rounds after ``points`` (an earlier run's, or none), the recipe's summary
+    read back from each, then the rows over all of them."""
+    names, warmup, steps = settings["impls"], settings["warmup_steps"], settings["timed_steps"]
+    schedule, order = next_rounds(points, rounds, seed)
+    points = list(points)
+    with tempfile.TemporaryDirectory() as scratch:
+        for r in schedule:
+            for impl in order.sample(names, len(names)):
+                summary = Path(scratch) / f"{impl}_{r}.json"
+                run = [
+                    *shlex.split(launcher),
+                    "--mlp-impl",
+                    impl,
+                    "--max-steps",
+                    str(warmup + steps),
+                    "--warmup-steps",
+                    str(warmup),
+                    "--summary-json",
+                    str(summary),
+                    "--output-dir",
+                    str(Path(scratch) / "runs"),
+                    *settings["recipe_args"],
+                ]
+                done = subprocess.run(run, capture_output=True, text=True)
+                if done.returncode:
+                    raise RuntimeError(f"{shlex.join(run)} failed:\n{done.stderr[-3000:]}")
+                s = json.loads(summary.read_text())
+                rates = s["step_tokens_per_s"]
+                print(f"round {r} {impl}: {s['tokens_per_s']:,.0f} tokens/s")
+                points.append(
+                    {
+                        "round": r,
+                        "impl": impl,
+                        "tokens_per_s": s["tokens_per_s"],
+                        "warmup_tokens_per_s": rates[: s["warmup_steps"]],
+                        "after_forward_MiB": s["after_forward_MiB"],
+                        "peak_MiB": s["peak_MiB"],
+                        "final_loss": s["final_loss"],
+                    }
+                )
+    return settings | {
+        "command": command,
+        "commit": git_commit() or commit,
+        "rounds": schedule.stop,
+        "rows": megatron_rows(points),
+        "points": points,
+    }
+
+
+def megatron_rows(points: list[dict]) -> list[dict]:
+    """Per impl: the spreads, the ratio to stock's tokens/s paired per round, and the median
+    rate of each warm-up step (where compilation and autotuning show)."""
+    table = rows(points, ("impl",))
+    base = {p["round"]: p["tokens_per_s"] for p in points if p["impl"] == "stock"}
+    for r in table:
+        mine = [p for p in points if p["impl"] == r["impl"]]
+        r["vs_stock"] = spread([p["tokens_per_s"] / base[p["round"]] for p in mine
+                                if p["round"] in base])  # fmt: skip
+        warm = [p["warmup_tokens_per_s"] for p in mine]
+        r["warmup_tokens_per_s_median"] = [statistics.median(s) for s in zip(*warm, strict=False)]
+    return table
