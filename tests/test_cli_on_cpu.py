@@ -11,7 +11,7 @@ from typer.testing import CliRunner
 
 from swiglu_train.bench.memory_stack import to_markdown
 from swiglu_train.cli import app
-from swiglu_train.cli.bench import CPU_SHAPE
+from swiglu_train.cli.bench_memory import CPU_SHAPE
 from swiglu_train.memory.profiler import NOT_MEASURED
 from swiglu_train.ops import use_backend
 

@@ -17,7 +17,7 @@ from swiglu_train.cli.app import (
     progress_bars,
     require_device,
 )
-from swiglu_train.cli.bench import write_results
+from swiglu_train.cli.bench_results import write_results
 from swiglu_train.files import write_json_atomic
 
 
