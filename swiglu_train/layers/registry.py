@@ -101,6 +101,17 @@ def check_saved_fp8(name: str, saved_fp8: bool = True) -> None:
         )
 
 
+# How an impl with saved_fp8 is named where runs and tables are compared (the planner's candidates,
+# the memory profiler's per-impl figures, bench_e2e's rows): "drop_h+fp8" stands apart from the
+# bf16 "drop_h", whose parameters and impl name it shares.
+FP8_LABEL = "+fp8"
+
+
+def impl_label(name: str, saved_fp8: bool) -> str:
+    """``name``, with ``+fp8`` when its saved preactivation is stored in FP8."""
+    return name + FP8_LABEL if saved_fp8 else name
+
+
 def get_impl(name: str, saved_fp8: bool = False) -> MLPFunction:
     """The MLP function for a concrete impl name (its FP8-saving variant with ``saved_fp8``),
     or a ValueError that lists the valid names or says why the impl has no FP8 variant.

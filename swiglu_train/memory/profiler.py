@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from swiglu_train.layers import MLP_IMPLS, ParMLP
+from swiglu_train.layers.registry import impl_label
 from swiglu_train.memory.saved import storages
 
 MiB = 2**20
@@ -51,7 +52,7 @@ class StepMemory:
     step: int
     saved_bytes: int
     layers: list[LayerMemory] = field(default_factory=list)
-    impl_saved_bytes: dict[str, int] = field(default_factory=dict)
+    impl_saved_bytes: dict[str, int] = field(default_factory=dict)  # by mlp_label
     after_forward_MiB: float | None = None
     forward_peak_MiB: float | None = None
     backward_peak_MiB: float | None = None
@@ -90,6 +91,12 @@ def is_swiglu_mlp(module: nn.Module) -> bool:
     return isinstance(module, ParMLP) or getattr(module, "impl", None) in MLP_IMPLS
 
 
+def mlp_label(module: nn.Module) -> str:
+    """The MLP's impl as runs are compared by: ``drop_h+fp8`` when it saves its preactivation in
+    FP8 (ParMLP and the Megatron adapter both say so in ``saved_fp8``), else the impl's name."""
+    return impl_label(module.impl, getattr(module, "saved_fp8", False))
+
+
 def find_layers(
     model: nn.Module,
 ) -> tuple[list[tuple[str, nn.Module]], list[tuple[str, nn.Module]]]:
@@ -112,9 +119,10 @@ def find_layers(
 
 
 def model_config(model: nn.Module) -> dict[str, object]:
-    """What a memory comparison needs to know about a model: its MLP impls and shape."""
+    """What a memory comparison needs to know about a model: its MLP impls (``mlp_label``) and
+    shape."""
     layers, mlps = find_layers(model)
-    impls = sorted({m.impl for _, m in mlps})
+    impls = sorted({mlp_label(m) for _, m in mlps})
     config: dict[str, object] = {"num_layers": len(layers), "mlp_impl": ",".join(impls) or None}
     for key in ("hidden_size", "ffn_hidden_size"):
         value = getattr(mlps[0][1], key, None) if mlps else None
@@ -194,7 +202,7 @@ class _StepState:
         self.stack: list[str] = []
         self.record = StepMemory(step=step, saved_bytes=0)
         self.layer_index = {name: i for i, (name, _) in enumerate(profiler.layers)}
-        self.mlp_impl = {name: m.impl for name, m in profiler.mlps}
+        self.mlp_impl = {name: mlp_label(m) for name, m in profiler.mlps}  # as this step runs
         self.forward_open = True
         self.handles = []
         tracked = dict(profiler.layers) | dict(profiler.mlps)
