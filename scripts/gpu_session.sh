@@ -36,6 +36,13 @@
 #   cublas_k   scripts/probe_cublas_k_tail.py: cuBLAS's accuracy around K = 16n + r
 #   patch      scripts/bench_patch_hf.py for HF and LitGPT (carry litgpt and jsonargparse)
 #   fp8_chunks scripts/probe_fp8_chunks.py: FP8-saved drop_h's chunk rows vs drop_h
+#   fp8_loss_ab  (issue 19) 125M pretrain, drop_h bf16 vs --saved-fp8 at seeds 1 and 2 (init and
+#              data order), $FP8_AB_STEPS steps (1000) at the config's micro-batch of 8 x 2048
+#              tokens ($FP8_AB_MBS), then scripts/plot_loss_ab.py: final losses (mean of the last
+#              100 steps) against bf16's seed spread, and the curves. 217k tokens/s
+#              (pretrain_125m_h200.json, drop_h) is 75 s per 1000 steps, ~25 s more per run for
+#              start-up, one validation and one checkpoint: ~7 min for the four. A run done is
+#              skipped (kept in /tmp/gpu-fp8ab-COMMIT), so a call cut short is finished by the next
 #   scale4     (nvidia-h200-x4) Megatron at TP=1, TP=4 and TP=2xDP=2 from one init (--cpu-init),
 #              one global batch, 50 steps ($SCALE4_MODEL; $SCALE4_IMPLS, $SCALE4_LAYOUTS pick a
 #              subset): loss curves, tokens/s, per-GPU memory (scripts/compare_tp.py). Runs add
@@ -374,6 +381,37 @@ PY
     fp8_chunks)  # issue 19: the FP8-saved drop_h's row chunks against drop_h and the floor
       python3 scripts/probe_fp8_chunks.py --rows 1024 2816 5632 11136 \
         --json "$RES/probe_fp8_chunks_h200.json" --md "$RES/probe_fp8_chunks_h200.md" ;;
+    fp8_loss_ab)  # issue 19 item 4: bf16 and FP8-saved drop_h from the same seeds, interleaved
+      AB=/tmp/gpu-fp8ab-$commit && steps=${FP8_AB_STEPS:-1000} && mkdir -p "$AB" "$RES/fp8_loss_ab"
+      for seed in 1 2; do
+        python3 - "$seed" "$steps" "$AB/125m_seed$seed.yaml" <<'PY'
+import sys, yaml
+from swiglu_train.integrations.lightning.config import resolve_config_path
+seed, steps, path = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+cfg = yaml.safe_load(resolve_config_path("125m").read_text())
+cfg["data"]["seed"] = seed  # the run's seed draws the data order as well as the init
+cfg["train"].update(seed=seed, max_steps=steps, val_check_interval=steps, checkpoint_every=steps)
+open(path, "w").write(yaml.safe_dump(cfg))
+PY
+        for arm in bf16 fp8; do
+          run="ab_${arm}_seed$seed" && [ -f "$AB/$run.json" ] && continue
+          fp8=$([ "$arm" = fp8 ] && echo --saved-fp8 || echo --no-saved-fp8)
+          python3 -m swiglu_train pretrain --config "$AB/125m_seed$seed.yaml" --mlp-impl drop_h \
+            $fp8 ${FP8_AB_MBS:+--micro-batch-size $FP8_AB_MBS} --output-dir "$SCRATCH/$run" \
+            --summary-json "$AB/$run.json" > "$AB/$run.log" 2>&1 || tail -5 "$AB/$run.log"
+          rm -rf "$SCRATCH/$run/checkpoints"  # 1.5 GB a run, not needed
+          python3 -c "import json, sys; s = json.load(open(sys.argv[1])); print(sys.argv[2], {k: s[k] for k in ('final_loss', 'val_loss', 'tokens_per_s')})" "$AB/$run.json" "$run" 2>/dev/null
+        done
+      done
+      cp "$AB"/ab_* "$RES/fp8_loss_ab/" 2>/dev/null
+      if [ "$(ls "$AB"/ab_*_seed*.json 2>/dev/null | wc -l)" = 4 ]; then
+        python3 scripts/plot_loss_ab.py "$AB"/ab_*_seed*.json --last 100 --smooth 50 --commit "$commit" \
+          --title "125M Lightning pretrain, bf16-mixed, $steps steps: drop_h saving its preactivation in FP8 vs bf16, seeds 1 and 2" \
+          --command "bash scripts/gpu_session.sh fp8_loss_ab" --json "$RES/fp8_loss_ab_125m_h200.json" \
+          --md "$RES/fp8_loss_ab_125m_h200.md" --plot "$RES/fp8_loss_ab_125m_h200.png"
+      else
+        echo "fp8_loss_ab: $(ls "$AB"/ab_*_seed*.json 2>/dev/null | wc -l) of 4 runs done; call the stage again"
+      fi ;;
     grid)  # the JSON is rewritten after every point: a chunk stopped at its bound keeps those
       chunk=${GRID_CHUNK:-1/1} && tag=${chunk/\//of}
       PREWARM=${GRID_PREWARM:-8}  # workers that compile every point first: 16 cores, 1 GPU
