@@ -339,6 +339,8 @@ def drop_h_fp8_mlp(
     rule for each; benchmarks and tests set it)."""
     if chunk_rows is not None and (type(chunk_rows) is not int or chunk_rows < 1):
         raise ValueError(f"chunk_rows must be a positive int or None, got {chunk_rows!r}")
-    if x.is_cuda and triton_enabled(x):  # before any GEMM: the kernels would fail to compile
+    # Before any GEMM: the kernels would fail to compile. Not while torch.compile traces this
+    # (it would trace torch's capability query into the graph); pretrain checks before the run.
+    if x.is_cuda and not torch.compiler.is_compiling() and triton_enabled(x):
         check_fp8_gpu(x.get_device())
     return _DropHFP8.apply(x, fc1_weight, fc1_bias, fc2_weight, fc2_bias, inplace, chunk_rows)
