@@ -15,16 +15,21 @@ from torch import nn
 
 from swiglu_train.bench.timing import Case, paired_samples
 from swiglu_train.layers import ParMLP
+from swiglu_train.layers.registry import FP8_LABEL
 from swiglu_train.memory import MemoryProfiler
 from swiglu_train.memory.profiler import NOT_MEASURED
 
 
 def build_stack(impl: str, layers: int, shape: Sequence[int], dtype, device) -> nn.Sequential:
+    name, fp8 = impl.removesuffix(FP8_LABEL), impl.endswith(FP8_LABEL)  # "drop_h+fp8"
     _, d, f, o = shape
     if layers > 1 and o != d:
         raise ValueError(f"a stack of {layers} layers needs O == D, got shape {tuple(shape)}")
     return nn.Sequential(
-        *[ParMLP(d, f, o, impl=impl, device=device, dtype=dtype) for _ in range(layers)]
+        *[
+            ParMLP(d, f, o, impl=name, saved_fp8=fp8, device=device, dtype=dtype)
+            for _ in range(layers)
+        ]
     )
 
 

@@ -54,12 +54,13 @@ def bench_memory(
     from swiglu_train.bench import memory_stack
     from swiglu_train.bench.mlp import DTYPES
     from swiglu_train.layers import get_impl
+    from swiglu_train.layers.registry import FP8_LABEL
 
     impls = [i for i in mlp_impl.split(",") if i]
     if not impls:
         raise typer.BadParameter("no impls given", param_hint="'--mlp-impl'")
     for impl in impls:
-        get_impl(impl)  # a clear error listing the valid impls
+        get_impl(impl.removesuffix(FP8_LABEL), impl.endswith(FP8_LABEL))  # names the valid ones
     if dtype not in DTYPES:
         raise typer.BadParameter(f"dtype must be one of {list(DTYPES)}")
     require_device(device)

@@ -36,7 +36,7 @@ from lightning.fabric import Fabric
 
 from swiglu_train.integrations.lightning.config import PretrainConfig
 from swiglu_train.integrations.lightning.module import PretrainModule
-from swiglu_train.layers.registry import PORTABLE_IMPLS, QUACK_IMPLS, check_saved_fp8
+from swiglu_train.layers.registry import FP8_LABEL, PORTABLE_IMPLS, QUACK_IMPLS, check_saved_fp8
 from swiglu_train.memory.plan import (
     Plan,
     Profile,
@@ -52,7 +52,7 @@ from swiglu_train.memory.saved import storages
 
 MODES = ("manual", "auto")
 MARGIN = 0.05  # the default budget: the device's memory less 5 % (fragmentation, context)
-FP8 = "+fp8"  # a candidate "drop_h+fp8": drop_h with its FP8-saved preactivation
+FP8 = FP8_LABEL  # a candidate "drop_h+fp8": drop_h with its FP8-saved preactivation
 ALLOCATOR = "cuda allocator peak"
 ESTIMATE = "model state + saved-for-backward bytes (CPU estimate, no transients)"
 
