@@ -24,7 +24,13 @@ import sys
 import numpy as np
 import torch
 
-from swiglu_train.bench.mlp import BenchConfig, _available, _inputs, environment, floor_case
+from swiglu_train.bench.mlp import (
+    BenchConfig,
+    available_cases,
+    environment,
+    floor_case,
+    layer_inputs,
+)
 from swiglu_train.bench.timing import Clock, paired_fresh_calls, paired_samples, run_once
 from swiglu_train.files import write_json_atomic
 from swiglu_train.kernels import swiglu
@@ -92,8 +98,8 @@ def fresh_input_kernels(m: int, f: int, samples: int, seed: int) -> dict:
 def probe_shape(m: int, d: int, f: int, variants: list[str], samples: int, seed: int) -> dict:
     torch.manual_seed(seed)
     cfg = BenchConfig(shape=(m, d, f, d), variants=variants, samples=samples)
-    weights, x, grad_y = _inputs(cfg, 1)
-    cases, skipped = _available(variants, weights, x, grad_y)
+    weights, x, grad_y = layer_inputs(cfg, 1)
+    cases, skipped = available_cases(variants, weights, x, grad_y)
     floor = floor_case(weights[0], x, grad_y)
     working = [floor]
     for case in cases:

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from swiglu_train.bench.mlp import BenchConfig, _available, _inputs
+from swiglu_train.bench.mlp import BenchConfig, available_cases, layer_inputs
 from swiglu_train.bench.timing import Clock, run_once
 
 log = logging.getLogger(__name__)
@@ -99,8 +99,8 @@ def warm_point(cfg: BenchConfig) -> Warmed:
 
 
 def _warm_variants(cfg: BenchConfig, device: torch.device) -> tuple[list[str], dict[str, str]]:
-    weights, x, grad_y = _inputs(cfg, 1)
-    cases, not_warmed = _available(cfg.variants, weights, x, grad_y)
+    weights, x, grad_y = layer_inputs(cfg, 1)
+    cases, not_warmed = available_cases(cfg.variants, weights, x, grad_y)
     warmed = []
     for case in cases:
         try:

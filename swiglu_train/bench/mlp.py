@@ -81,7 +81,9 @@ def one_layer_config(
     )
 
 
-def _inputs(cfg: BenchConfig, layers: int):
+def layer_inputs(cfg: BenchConfig, layers: int):
+    """Random weights for ``layers`` layers, x and grad_y at ``cfg.shape``: every variant of a
+    run (and the grid's pre-warm workers) steps on the same values."""
     m, d, f, o = cfg.shape
     dtype, device = DTYPES[cfg.dtype], cfg.device
     weights = [LayerWeights.random(d, f, o, dtype, device) for _ in range(layers)]
@@ -139,7 +141,8 @@ def _rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a - b).norm() / b.norm()).item()
 
 
-def _available(names: Sequence[str], weights, x, grad_y) -> tuple[list[Case], dict[str, str]]:
+def available_cases(names: Sequence[str], weights, x, grad_y) -> tuple[list[Case], dict[str, str]]:
+    """A case per variant that imports here, and why each other one was skipped."""
     cases, skipped = [], {}
     for name in names:
         try:
@@ -156,8 +159,8 @@ def measure_layer(
     skipped (with why), and the variant the errors are relative to."""
     device = torch.device(cfg.device)
     torch.manual_seed(cfg.seed)
-    weights, x, grad_y = _inputs(cfg, 1)
-    cases, skipped = _available(cfg.variants, weights, x, grad_y)
+    weights, x, grad_y = layer_inputs(cfg, 1)
+    cases, skipped = available_cases(cfg.variants, weights, x, grad_y)
     floor = floor_case(weights[0], x, grad_y)
 
     tick = progress("warm-up and correctness", len(cases))
@@ -219,9 +222,9 @@ def _stack_table(cfg: BenchConfig, device: torch.device, progress, measured) -> 
     if cfg.shape[1] != cfg.shape[3]:
         return []  # a stack needs O == D
     torch.manual_seed(cfg.seed)
-    weights, x, grad_y = _inputs(cfg, cfg.stack_layers)
+    weights, x, grad_y = layer_inputs(cfg, cfg.stack_layers)
     names = [r["variant"] for r in measured if r["variant"] != "floor"]
-    cases, _ = _available(names, weights, x, grad_y)
+    cases, _ = available_cases(names, weights, x, grad_y)
     tick = progress(f"{cfg.stack_layers}-layer stack memory", len(cases))
     rows = []
     for case in cases:
