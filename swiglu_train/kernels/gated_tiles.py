@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 import triton
 
-from swiglu_train.kernels.runtime import INTERPRET
+from swiglu_train.kernels.runtime import INTERPRET, device_capability
 from swiglu_train.tables import check_header, read_json
 
 SCHEMA = 1
@@ -122,18 +122,13 @@ def pinned_tile(k: int, f: int, m: int) -> dict | None:
     return None
 
 
-@functools.cache
-def _major(device_index: int) -> int:
-    return torch.cuda.get_device_capability(device_index)[0]
-
-
 def pinned_config(
     x: torch.Tensor, f: int, chunk: int, aux: str, *, has_bias: bool, use_tma: bool
 ) -> triton.Config | None:
     """The launch config pinned for this call, or None where the table does not apply: a bias
     or the pointer path (x unaligned for TMA) is another kernel, whose best tile was not timed."""
     measured_call = chunk == f and aux == "none" and not has_bias and x.dtype in PINNED_DTYPES
-    on_sm90 = use_tma and x.is_cuda and _major(x.device.index or 0) == 9
+    on_sm90 = use_tma and x.is_cuda and device_capability(x.device.index or 0)[0] == 9
     where_measured = INTERPRET or on_sm90
     if not (measured_call and where_measured):
         return None

@@ -46,3 +46,10 @@ def m_bucket(m: int) -> int:
     power of two keeps a good config without re-tuning on every new M.
     """
     return 1 << max(m - 1, 0).bit_length()
+
+
+@functools.cache
+def device_capability(device_index: int) -> tuple[int, int]:
+    """A CUDA GPU's compute capability, asked once per device: torch's query costs host time,
+    and the kernels' dispatch asks on every step."""
+    return torch.cuda.get_device_capability(device_index)

@@ -58,8 +58,6 @@ backpropagated twice (``inplace=False`` keeps them).
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import torch.nn.functional as F
 
@@ -73,6 +71,7 @@ from swiglu_train.kernels.fp8_format import (
     n_blocks,
     saved_shapes,
 )
+from swiglu_train.kernels.runtime import device_capability
 from swiglu_train.ops import reference
 from swiglu_train.ops.activation import triton_enabled
 from swiglu_train.ops.eager import eager_op
@@ -99,15 +98,9 @@ SECOND_BACKWARD_FREED_ERROR_FP8 = (
 def check_fp8_gpu(device_index: int) -> None:
     """A ValueError naming the reason when CUDA device ``device_index`` cannot run the FP8
     kernels (``fp8_format.MIN_CAPABILITY``)."""
-    reason = capability_error(_capability(device_index), f"cuda:{device_index}")
+    reason = capability_error(device_capability(device_index), f"cuda:{device_index}")
     if reason is not None:
         raise ValueError(reason)
-
-
-@functools.cache
-def _capability(device_index: int) -> tuple[int, int]:
-    """Asked once per device: torch's query costs host time on every step."""
-    return torch.cuda.get_device_capability(device_index)
 
 
 def quantize(preact: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

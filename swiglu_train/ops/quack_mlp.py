@@ -23,6 +23,7 @@ import functools
 
 import torch
 
+from swiglu_train.kernels.runtime import device_capability
 from swiglu_train.ops import gemm_choice
 from swiglu_train.ops.mlp import (
     SECOND_BACKWARD_ERROR,
@@ -78,7 +79,7 @@ def _unavailable_reason(device_index: int) -> str | None:
     """Per device, once: the no-grad dispatch asks on every call."""
     if device_index < 0:
         return "no CUDA GPU"
-    major, minor = torch.cuda.get_device_capability(device_index)
+    major, minor = device_capability(device_index)
     if major < 9:
         return f"compute capability {major}.{minor} is below 9.0 (Hopper)"
     try:
@@ -103,7 +104,7 @@ def check_quack_inputs(
     portable = impl.removesuffix("_quack")
     if not x.is_cuda:
         raise ValueError(f"impl {impl!r} runs on CUDA only; the input is on {x.device}")
-    major, minor = _capability(x.get_device())  # a CUDA tensor's index, as x.device.index
+    major, minor = device_capability(x.get_device())  # a CUDA tensor's index, as x.device.index
     if major < 9:
         raise ValueError(
             f"impl {impl!r} needs compute capability 9.0+ (Hopper); {x.device} is "
@@ -119,12 +120,6 @@ def check_quack_inputs(
             f"impl {impl!r} needs sizes that are multiples of {ALIGN} (16-byte rows "
             f"for TMA); got {odd}: use impl {portable!r}"
         )
-
-
-@functools.cache
-def _capability(device_index: int) -> tuple[int, int]:
-    """A GPU's compute capability, asked once: torch's query costs host time on every step."""
-    return torch.cuda.get_device_capability(device_index)
 
 
 def quack_sizes_ok(hidden_size: int, ffn_hidden_size: int) -> bool:
@@ -197,7 +192,7 @@ FILL_MARGIN = 1.05  # below this gain in fill, keep quack's default
 
 def _hopper(x: torch.Tensor) -> bool:
     """sm_90: the configs here are from quack's SM90 space; other archs keep their defaults."""
-    return _capability(x.get_device())[0] == 9
+    return device_capability(x.get_device())[0] == 9
 
 
 def wave_fill(m_tiles: int, n_tiles: int, cluster_m: int, cluster_n: int, sms: int) -> float:
