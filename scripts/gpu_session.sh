@@ -141,9 +141,14 @@ for stage in "$@"; do
       for d in .whlw .whlt .whlm; do  # whichever this call carried
         if [ -d $d ]; then python3 -m pip install -q --no-index --no-deps --no-compile $d/*.whl; fi
       done ;;
-    tests)  # in parallel where pytest-xdist is carried (.whlt): Triton compiles are CPU-bound
+    tests)  # in parallel where pytest-xdist is carried (.whlt): Triton compiles are CPU-bound.
+      # -v: a call cut at its limit still shows each test's outcome. The gpu_alone tests time
+      # the GPU and run after the rest, alone. Carry .whlw too: pretrain's tests log to W&B.
       workers=$(python3 -c "import xdist" 2>/dev/null && echo "-n 12" || true)
-      python3 -m pytest -q -m gpu -p no:cacheprovider $workers --durations=12 2>&1 | tee "$RES/pytest.log" | tail -15 ;;
+      python3 -m pytest -v -rfE -m "gpu and not gpu_alone" -p no:cacheprovider $workers \
+        --durations=12 > "$RES/pytest.log" 2>&1
+      python3 -m pytest -v -rfE -m "gpu and gpu_alone" -p no:cacheprovider >> "$RES/pytest.log" 2>&1
+      grep -E "(FAILED|ERROR) |passed|failed" "$RES/pytest.log" | tail -25 ;;
     quack_tiles)  # the wave-fill rule's choice against every quack config, M <= 512
       python3 scripts/probe_quack_tiles.py --samples 30 --commit "$commit" \
         --models "${QUACK_TILE_MODELS:-0.5b,7b,32b,72b}" --extra-tiles "${QUACK_EXTRA_TILES:-}" \
