@@ -8,6 +8,14 @@ in the shapes that sorts them. So the choice is measured per shape, by
 ``swiglu-train pretune`` before a run (``bench/pretune.py``), and cached on disk keyed by GPU,
 torch and quack versions, dtype and the GEMM's [m, k] @ [k, n] sizes. A shape the cache does
 not hold keeps the default below: a training step never stalls to time anything.
+
+The defaults are each GEMM's better library over those four shapes: cuBLAS for fc2 (quack
+0.95-1.13x of it, slower at 3 of 4) and for grad_x and grad_W1 of the packed layout (1.04-1.15x
+and 1.03-1.45x at 3 of 4); quack for grad_W2 (0.94-0.99x at 3 of 4). The whole steps agree:
+in the H200 model grid's step profiles, ``save_factors_quack``'s three quack GEMMs (fc2, grad_W2,
+grad_x) took 4-11 % longer than cuBLAS's same products in the floor
+(probe_step_gap_host_h200.json at [4096, 4096, 11008], probe_step_gap_h200.json at
+[8192, 4096, 14336]).
 """
 
 from __future__ import annotations
@@ -24,8 +32,8 @@ import torch
 from swiglu_train.files import write_json_atomic
 
 QUACK, CUBLAS = "quack", "cublas"
-# Without a measurement: what the impls ran before this cache existed.
-DEFAULTS = {"fc2": QUACK, "grad_w2": QUACK, "grad_x_packed": QUACK, "grad_w1_packed": CUBLAS}
+# Without a measurement: the library that won at most measured shapes (see above).
+DEFAULTS = {"fc2": CUBLAS, "grad_w2": QUACK, "grad_x_packed": CUBLAS, "grad_w1_packed": CUBLAS}
 SCHEMA = 1
 
 

@@ -5,12 +5,13 @@ Backward is one GEMM that computes grad_h = grad_y @ W2 and, in its epilogue, bo
 (from the saved preactivation) and h again for fc2's weight grad (``gemm_dgated``): grad_h
 never reaches memory. With ``inplace`` grad_preact is written over the saved preactivation;
 each output tile reads its own preact tile before writing it, so the aliasing is safe, and
-backward allocates no [M, 2F] buffer. Every GEMM runs on quack with its static persistent
-schedule: at the seed shape quack's plain GEMM beats cuBLAS on fc2, grad_W2 and grad_x, and the
-static schedule beats the dynamic one on each (benchmarks/results/probe_gemm_backends_h200.json).
-This is the route to the six-GEMM floor that our Triton
-GEMMs cannot take on the H200 (Triton 3.6 trails cuBLAS by 4-17 % there, and its Hopper warp
-specialization miscompiles the gated GEMM: benchmarks/results/probe_ws_h200.json).
+backward allocates no [M, 2F] buffer. grad_x and grad_W1 run on quack's plain GEMM with its
+static persistent schedule (the static schedule beat the dynamic one on each backward GEMM,
+probe_quack_schedulers_h200.json), since only quack reads the interleaved grad_preact against
+the canonical fc1 (``concat_layout``); fc2 and grad_W2 run on quack or cuBLAS as
+``ops.gemm_choice`` says. Fusing SwiGLU into the GEMM epilogues is the route to the floor that
+our Triton GEMMs cannot take on the H200 (Triton 3.6 trails cuBLAS by 4-17 % there, and its
+Hopper warp specialization miscompiles the gated GEMM: benchmarks/results/probe_ws_h200.json).
 
 Saved tensors are drop_h's (x and the [M, 2F] preactivation). quack keeps the preactivation
 gate/up interleaved per column, but its ``concat_layout`` reads fc1 and writes fc1's grads in

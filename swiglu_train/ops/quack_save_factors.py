@@ -8,8 +8,8 @@ reaches memory; grad_x and grad_W1 take grad_preact packed as it is.
 
 The other GEMMs are plain products: each runs on quack's plain GEMM (static persistent
 schedule, untuned) or cuBLAS, whichever ``swiglu-train pretune`` measured faster for the shape
-on this GPU (``ops.gemm_choice``); unmeasured, quack, but cuBLAS for grad_W1, as at the seed
-shape (benchmarks/results/probe_gemm_backends_h200.json).
+on this GPU (``ops.gemm_choice``); unmeasured, cuBLAS but for grad_W2 (the library that won
+at most shapes measured).
 
 quack pairs adjacent output columns, so fc1 is packed with chunk 1 ([g_0, u_0, g_1, u_1, ...]);
 checkpoints stay canonical through the layout stamp, as for ``save_factors``. Saved tensors
