@@ -96,11 +96,18 @@ def test_planned_times_each_gemm_once():
 
 
 @pytest.mark.parametrize(
-    ("ratio", "expected"), [(0.95, "cublas"), (0.995, "quack"), (1.05, "quack")]
+    ("ratio", "default", "expected"),
+    [
+        (0.95, "quack", "cublas"),
+        (0.995, "quack", "quack"),
+        (0.995, "cublas", "cublas"),
+        (1.005, "cublas", "cublas"),
+        (1.05, "cublas", "quack"),
+    ],
 )
-def test_cublas_is_chosen_only_past_the_margin(ratio, expected):
+def test_a_library_is_chosen_past_the_margin_and_a_tie_keeps_the_default(ratio, default, expected):
     quack = np.full(30, 2.0)
-    measured, backend = pretune.decide(quack, quack * ratio)
+    measured, backend = pretune.decide(quack, quack * ratio, default)
     assert measured == pytest.approx(ratio) and backend == expected
 
 

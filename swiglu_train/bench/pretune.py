@@ -4,7 +4,8 @@ and cache the faster one (``ops.gemm_choice``) for training runs to read.
 Each GEMM is timed on the operands, strides and dtype the impls give it, the two libraries in
 a random order per sample (paired), each sample a batch of back-to-back calls between two
 CUDA events so that launch latency is not counted, and cuBLAS is chosen only where its median
-paired ratio to quack is below ``1 - MARGIN``: a tie keeps the default.
+paired ratio to quack is below ``1 - MARGIN``, quack where it is above ``1 + MARGIN``; within
+the margin the GEMM keeps its default (``gemm_choice.DEFAULTS``).
 """
 
 from __future__ import annotations
@@ -64,10 +65,13 @@ def operands(gemm: str, m: int, n: int, k: int, dtype: torch.dtype) -> tuple:
     return a, b
 
 
-def decide(quack_ms: np.ndarray, cublas_ms: np.ndarray) -> tuple[float, str]:
-    """(median paired cuBLAS/quack ratio, the backend to cache)."""
+def decide(quack_ms: np.ndarray, cublas_ms: np.ndarray, default: str) -> tuple[float, str]:
+    """(median paired cuBLAS/quack ratio, the backend to cache): the faster one past MARGIN,
+    else ``default``, so a measured tie caches what an unmeasured shape would run anyway."""
     ratio = float(np.median(cublas_ms / quack_ms))
-    return ratio, gemm_choice.CUBLAS if ratio < 1 - MARGIN else gemm_choice.QUACK
+    if ratio < 1 - MARGIN:
+        return ratio, gemm_choice.CUBLAS
+    return ratio, gemm_choice.QUACK if ratio > 1 + MARGIN else default
 
 
 def _time_pair(calls: dict[str, Callable[[], object]], samples: int, seed: int) -> dict:
@@ -104,7 +108,7 @@ def _measure(
     a, b = operands(gemm, m, n, k, dtype)
     quack = quack_gemm()
     times = _time_pair({"quack": lambda: quack(a, b), "cublas": lambda: a @ b}, samples, seed)
-    ratio, backend = decide(times["quack"], times["cublas"])
+    ratio, backend = decide(times["quack"], times["cublas"], gemm_choice.DEFAULTS[gemm])
     quack_ms, cublas_ms = float(np.median(times["quack"])), float(np.median(times["cublas"]))
     return Measured(gemm, m, n, k, quack_ms, cublas_ms, ratio, backend)
 
