@@ -170,7 +170,7 @@ for stage in "$@"; do
         --overhead-samples 30 --json "$RES/stack_h200.json" 2>&1 | tail -20 ;;
     crossover)
       python3 scripts/bench_crossover.py --commit "$commit" --json "$RES/crossover_h200.json" \
-        --table "$RES/table/crossover_h200.json" 2>&1 | tail -40 ;;
+        --auto-model "$RES/auto_h200.json" 2>&1 | tail -40 ;;
     pretrain)
       for round in $(seq "${PRETRAIN_ROUNDS:-2}"); do  # 125M tokens/s moves ±5 % run to run
         for impl in normal drop_h save_factors $(quack_impl); do

@@ -1,4 +1,4 @@
-"""The JSON tables measured on a GPU and shipped in the package (auto's crossover table, the
+"""The JSON tables measured on a GPU and shipped in the package (auto's cost model, the
 inference dispatch table): the file reading and header checks they share, so both name the
 file and the spot of any problem the same way."""
 

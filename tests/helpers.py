@@ -53,36 +53,42 @@ def run_outputs(mlp: torch.nn.Module, x: torch.Tensor, grad_y: torch.Tensor) -> 
     return {"y": y.detach(), "x": x.grad, **{n: p.grad for n, p in mlp.named_parameters()}}
 
 
-def crossover_table(points: dict, family: str = "H200") -> dict:
-    """A synthetic crossover table: ``{(M, D, F): {impl: (ratio_to_floor, after_fwd_MiB)}}``."""
+def auto_model(impls: dict, family: str = "H200", ds: tuple = (16, 8192)) -> dict:
+    """A synthetic auto model file, fitted (it says) at D in ``ds``. ``impls`` maps an impl to
+    (c, after_forward_per_mf): a = 0 and a negligible host time, so c is its predicted ratio
+    at every shape; or to (c, a, host_ms, after_forward_per_mf) in full."""
+    terms = {name: v if len(v) == 4 else (v[0], 0.0, 1e-9, v[1]) for name, v in impls.items()}
     return {
         "schema": 1,
         "gpu_family": family,
         "device_name": f"NVIDIA {family}",
         "commit": "abc1234",
         "dtype": "bf16",
-        "points": [
-            {
-                "M": m,
-                "D": d,
-                "F": f,
-                "impls": {
-                    name: {"ms": 10.0 * ratio, "ratio_to_floor": ratio, "after_forward_MiB": mib}
-                    for name, (ratio, mib) in impls.items()
-                },
+        "measured_with": "swiglu-train bench-grid",
+        "command": "swiglu-train bench-grid --merge grid.json --auto-model auto.json",
+        "floor_tflops": 800.0,
+        "points": [[4096, d, 4 * d] for d in ds],
+        "impls": {
+            name: {
+                "c": c,
+                "a": a,
+                "host_ms": host_ms,
+                "after_forward_per_md": 2.0,
+                "after_forward_per_mf": per_mf,
+                "gpu_points": 2 * len(ds),
             }
-            for (m, d, f), impls in points.items()
-        ],
+            for name, (c, a, host_ms, per_mf) in terms.items()
+        },
     }
 
 
-def pretend_gpu(monkeypatch, table: dict, device_name: str = "NVIDIA H200") -> None:
-    """Make impl="auto" see this GPU and this table, so its resolution is testable on CPU."""
+def pretend_gpu(monkeypatch, model: dict, device_name: str = "NVIDIA H200") -> None:
+    """Make impl="auto" see this GPU and this model, so its resolution is testable on CPU."""
     from swiglu_train.layers import auto
 
-    parsed = auto.CrossoverTable.from_dict(table)
+    parsed = auto.AutoModel.from_dict(model)
     monkeypatch.setattr(auto, "target_device_name", lambda device: device_name)
-    monkeypatch.setattr(auto, "packaged_table", lambda family: parsed)
+    monkeypatch.setattr(auto, "packaged_model", lambda family: parsed)
 
 
 def dispatch_table(shapes: dict | None = None) -> dict:

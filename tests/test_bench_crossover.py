@@ -7,23 +7,22 @@ import torch
 from typer.testing import CliRunner
 
 from swiglu_train.bench import crossover
+from swiglu_train.bench.auto_fit import fit_auto_model
 from swiglu_train.bench.crossover import (
     CrossoverConfig,
-    lookup_table,
     parse_m,
     parse_shapes,
     point_rows,
     to_markdown,
 )
 from swiglu_train.cli import app
-from swiglu_train.files import write_json_atomic
-from swiglu_train.layers.auto import CrossoverTable, resolve
+from swiglu_train.layers.auto import AutoModel, resolve
 
 runner = CliRunner()
 
 
 def measured(ratios: dict, memory: dict | None = None, floor_ms: float = 10.0) -> list[dict]:
-    """Rows shaped like ``measure_layer``'s: the floor first, then each impl."""
+    """Rows shaped like ``measure_layer``'s: the floor first, then each impl (GPU-bound)."""
     rows = [{"variant": "floor", "full_ms": floor_ms, "full_over_floor": 1.0}]
     for name, ratio in ratios.items():
         mib = None if memory is None else memory[name]
@@ -32,6 +31,8 @@ def measured(ratios: dict, memory: dict | None = None, floor_ms: float = 10.0) -
                 "variant": name,
                 "full_ms": floor_ms * ratio,
                 "full_over_floor": ratio,
+                "gpu_ms": floor_ms * ratio,
+                "host_ms": 1.5,
                 "after_forward_MiB": mib,
                 "peak_MiB": None if mib is None else 2 * mib,
                 "rel_err_vs_reference": 0.0 if name == "normal" else 1e-3,
@@ -59,19 +60,20 @@ def test_point_rows_carry_the_measurements_and_flag_winners():
     ]
     assert rows[1]["ms"] == pytest.approx(10.58) and rows[1]["floor_ms"] == 10.0
     assert rows[1]["peak_MiB"] == 1370.0 and rows[1]["rel_err_vs_reference"] == 1e-3
+    assert rows[1]["gpu_ms"] == pytest.approx(10.58) and rows[1]["host_ms"] == 1.5
     assert flags(rows, "fastest") == ["normal"]
     assert flags(rows, "least_memory") == ["drop_h"]
-    assert flags(rows, "auto_choice") == ["drop_h"]  # within 1 % of normal, less memory
+    assert flags(rows, "rule_choice") == ["drop_h"]  # within 1 % of normal, less memory
 
 
-def test_auto_choice_is_the_fastest_outside_the_tie():
+def test_the_rule_s_choice_is_the_fastest_outside_the_tie():
     rows = point_rows((4096, 2048, 5632), measured({"normal": 1.05, "drop_h": 1.07}, MEMORY))
-    assert flags(rows, "auto_choice") == flags(rows, "fastest") == ["normal"]
+    assert flags(rows, "rule_choice") == flags(rows, "fastest") == ["normal"]
 
 
 def test_without_memory_readings_nothing_is_least():
     rows = point_rows((24, 16, 40), measured({"normal": 2.0, "drop_h": 1.5}))
-    assert flags(rows, "least_memory") == [] and flags(rows, "auto_choice") == ["drop_h"]
+    assert flags(rows, "least_memory") == [] and flags(rows, "rule_choice") == ["drop_h"]
 
 
 def result_with(points: dict, skipped: list | None = None) -> dict:
@@ -97,6 +99,7 @@ def test_markdown_has_one_line_per_point_and_the_skips():
     )
     lines = to_markdown(result).splitlines()
     assert lines[0].startswith("| M | D | F | floor ms | normal | drop_h | save_factors |")
+    assert lines[0].endswith("| fastest | least memory | rule's pick |")
     assert lines[2] == (
         "| 2048 | 2048 | 5632 | 10.000 | 1.050x, 990 MiB | 1.058x, 685 MiB | 1.020x, 700 MiB "
         "| save_factors | drop_h | save_factors |"
@@ -105,29 +108,32 @@ def test_markdown_has_one_line_per_point_and_the_skips():
     assert lines[-1] == ("- skipped M=16384 D=8192 F=28672, every impl: failed: OutOfMemoryError")
 
 
-def test_lookup_table_is_valid_and_resolves_like_the_rows(tmp_path):
-    result = result_with(
-        {
-            (2048, 2048, 5632): {"normal": 1.05, "drop_h": 1.058, "save_factors": 1.02},
-            (8192, 2048, 5632): {"normal": 1.05123456, "drop_h": 1.08},
-        }
-    )
-    path = tmp_path / "crossover_h200.json"
-    write_json_atomic(path, lookup_table(result))
-    table = CrossoverTable.from_dict(json.loads(path.read_text()))
-    assert table.commit == "abc1234" and len(table.points) == 2
-    assert table.points[1].impls["normal"].ratio_to_floor == 1.0512  # rounded, compact
-    assert set(table.points[1].impls) == {"normal", "drop_h"}  # an impl that failed is absent
-    for m, d, f in [(2048, 2048, 5632), (8192, 2048, 5632)]:
-        picked = next(r["impl"] for r in result["rows"] if r["M"] == m and r["auto_choice"])
-        assert resolve(m, d, f, "NVIDIA H200", table).impl == picked
+def test_the_auto_model_fits_from_crossover_rows():
+    """The same model format as bench-grid's, from the crossover's rows (impl, not variant)."""
+    memory = {"normal": 990.0, "drop_h": 685.0}
+    points = {
+        (m, d, 4 * d): {"normal": 1.0 + 40 / d, "drop_h": 1.01 + 40 / d}
+        for m in (8192, 16384)
+        for d in (2048, 8192)  # the floor's step 3-70 ms: GPU-bound (host 1.5 ms)
+    }
+    rows = [
+        r
+        for (m, d, f), ratios in points.items()
+        for r in point_rows((m, d, f), measured(ratios, memory, 18 * m * d * f / 8e11))
+    ]
+    result = result_with({})
+    result["rows"] = rows
+    model = AutoModel.from_dict(fit_auto_model(result, "swiglu-train bench-crossover"))
+    assert model.commit == "abc1234" and model.floor_tflops == pytest.approx(800.0)
+    assert model.impls["normal"].c == pytest.approx(1.0) and model.impls["drop_h"].a == 40
+    assert resolve(4096, 2048, 8192, "NVIDIA H200", model).impl == "normal"
 
 
-def test_lookup_table_needs_cuda_readings():
+def test_the_auto_model_needs_cuda_readings():
     result = result_with({(2048, 2048, 5632): {"normal": 1.0}})
     result["meta"]["gpu_family"] = None
-    with pytest.raises(ValueError, match="needs CUDA measurements"):
-        lookup_table(result)
+    with pytest.raises(ValueError, match="needs CUDA readings"):
+        fit_auto_model(result, "fit")
 
 
 def test_run_records_skips_and_keeps_going(monkeypatch):
@@ -180,7 +186,7 @@ def test_parse_shapes():
 def test_cli_help_shows_the_default_grid():
     result = runner.invoke(app, ["bench-crossover", "--help"], env={"COLUMNS": "200"})
     assert result.exit_code == 0
-    for text in ("2048,4096,8192,16384", "8192x28672", "--samples", "--table", "--json"):
+    for text in ("2048,4096,8192,16384", "8192x28672", "--samples", "--auto-model", "--json"):
         assert text in result.output
 
 
@@ -190,7 +196,7 @@ def test_cli_help_shows_the_default_grid():
         (["--shapes", "2048"], "is not DxF"),
         (["--m", "0"], "positive token counts"),
         (["--dtype", "int8"], "dtype must be one of"),
-        (["--device", "cpu", "--table", "t.json"], "--table needs allocator readings"),
+        (["--device", "cpu", "--auto-model", "t.json"], "--auto-model is fitted from CUDA"),
     ],
 )
 def test_cli_rejects_bad_arguments(args, message):

@@ -1,21 +1,25 @@
 """The model-grid benchmark: the model list, chunking, a real CPU run, merge, auto's evaluation.
 
-The evaluation of impl="auto" needs allocator readings, which only CUDA has: it is tested on a
-real CPU grid run whose device name, memory readings and shipped-table record are then set as
-an H200 run would have them (``as_h200``); every ratio stays the measured one.
+The evaluation of impl="auto" needs allocator readings and GPU time, which only CUDA has: it is
+tested on a real CPU grid run whose device name, memory readings, GPU and host times and the
+auto-model record are then set as an H200 run would have them (``as_h200``); every ratio stays
+the measured one. The committed H200 grid is judged again and must read as committed.
 """
 
 import copy
 import json
 import os
 import re
+from pathlib import Path
 
 import pytest
 import torch
+from helpers import auto_model
 from matplotlib.figure import Figure
 from typer.testing import CliRunner
 
 from swiglu_train.bench import grid_auto
+from swiglu_train.bench.auto_fit import fit_auto_model
 from swiglu_train.bench.crossover import CrossoverConfig
 from swiglu_train.bench.grid import merge_results, missing_points, run_grid
 from swiglu_train.bench.grid_models import (
@@ -37,14 +41,19 @@ from swiglu_train.bench.grid_plan import (
 from swiglu_train.bench.grid_plot import plot_grid
 from swiglu_train.bench.grid_prewarm import WORKER_START_S
 from swiglu_train.bench.grid_report import to_markdown
+from swiglu_train.bench.measured_rule import ImplStats
 from swiglu_train.bench.mlp import BenchConfig
 from swiglu_train.cli import app
-from swiglu_train.layers.auto import CrossoverTable, ImplStats, resolve
+from swiglu_train.layers.auto import AutoModel, resolve
 
+ROOT = Path(__file__).resolve().parents[1]
 runner = CliRunner()
 IMPLS = ("normal", "drop_h", "save_factors")
-# after-forward MiB an H200 run would read (x + preact for drop_h, + h for the others)
-MEMORY = {"normal": 3.0, "drop_h": 2.0, "save_factors": 3.0}
+# after-forward bytes per M·D and per M·F (x, preact, and h but for drop_h), scaled up 1000x
+# so that the tiny shapes read whole MiB
+MEMORY = {"normal": (2e3, 6e3), "drop_h": (2e3, 4e3), "save_factors": (2e3, 6e3)}
+# GPU time over the floor an H200 run would read, c + a/D (save_factors fastest at D = 16)
+GPU_TERMS = {"normal": (1.0, 0.8), "drop_h": (1.01, 0.8), "save_factors": (1.03, 0.16)}
 # families a and b share (16, 40); b also has (24, 48); c alone has (32, 64)
 TINY = (
     Model("a-1", "a", "org/a-1", 16, 40),
@@ -69,19 +78,26 @@ def tiny_run() -> dict:
 
 
 def as_h200(result: dict, table_points=((24, 16, 40),)) -> dict:
-    """The CPU run with what only an H200 run records: device, memory, the table auto read."""
+    """The CPU run with what only an H200 run records: device, memory, GPU-bound step times
+    (the floor at 800 TFLOP/s, each impl's GPU time from GPU_TERMS), the model auto read."""
     out = copy.deepcopy(result)
     meta = out["meta"]
     meta |= {"device_name": "NVIDIA H200", "gpu_family": "H200", "quack_available": False}
+    meta["command"] = "swiglu-train bench-grid --device cpu"  # run_grid called directly: None
     meta["auto_table"] = {
-        "file": "crossover_h200.json",
+        "file": "auto_h200.json",
         "commit": "abc1234",
         "device_name": "NVIDIA H200",
         "dtype": "bf16",
         "points": [list(p) for p in table_points],
     }
     for r in out["rows"]:
-        r["after_forward_MiB"], r["peak_MiB"] = MEMORY[r["variant"]], 2 * MEMORY[r["variant"]]
+        c, a = GPU_TERMS[r["variant"]]
+        per_md, per_mf = MEMORY[r["variant"]]
+        r["after_forward_MiB"] = (per_md * r["M"] * r["D"] + per_mf * r["M"] * r["F"]) / 2**20
+        r["peak_MiB"] = 2 * r["after_forward_MiB"]
+        r["floor_ms"] = 18 * r["M"] * r["D"] * r["F"] / 800e9
+        r["gpu_ms"], r["host_ms"] = (c + a / r["D"]) * r["floor_ms"], r["floor_ms"] / 10
     out["auto_eval"] = grid_auto.evaluate_auto(out)
     return out
 
@@ -207,7 +223,7 @@ def test_cpu_run_records_every_point_variant_and_auto_pick(tiny_run):
     assert first["skipped"]["liger"].startswith("not importable")
     assert first["auto"]["impl"] == "drop_h" and "not on a CUDA device" in first["auto"]["reason"]
     assert result["auto_eval"] == {
-        "skipped": "needs a CUDA run: the rule breaks ties by allocator readings"
+        "skipped": "needs a CUDA run: the model is fitted from allocator readings"
     }
 
 
@@ -217,7 +233,7 @@ def test_markdown_and_plot_of_a_cpu_run(tiny_run):
     line = next(x for x in text.splitlines() if x.startswith("| a-1, b-1 | 16 | 40 |"))
     measured = ratios(tiny_run, 24, 16, 40)
     assert f"**{min(measured.values()):.3f}**" in line
-    assert line.endswith(f"| drop_h {measured['drop_h']:.3f} |")
+    assert line.endswith(f"| drop_h {measured['drop_h']:.3f} | — |")  # run's pick; no model
     assert "No allocator readings" in text
     assert "- liger at every point: not importable" in text
     fig = plot_grid(tiny_run)
@@ -235,9 +251,9 @@ def test_markdown_and_plot_of_a_cpu_run(tiny_run):
 
 def test_judge_the_tolerance_and_the_memory_rule():
     stats = {
-        "normal": ImplStats(10.5, 1.05, 990.0),
-        "drop_h": ImplStats(10.58, 1.058, 685.0),
-        "save_factors": ImplStats(10.2, 1.02, 700.0),
+        "normal": ImplStats(1.05, 990.0),
+        "drop_h": ImplStats(1.058, 685.0),
+        "save_factors": ImplStats(1.02, 700.0),
     }
     slow = grid_auto.judge("drop_h", stats)
     assert slow["fastest"] == "save_factors" and slow["rule_pick"] == "save_factors"
@@ -250,81 +266,131 @@ def test_judge_the_tolerance_and_the_memory_rule():
     assert absent["pick_ratio"] is None and not absent["within_tolerance"]
 
 
-def test_shipped_table_picks_are_judged_and_flagged_in_sample(tiny_run):
+def test_picks_during_the_run_are_judged_and_flagged_in_sample(tiny_run):
     evaluation = as_h200(tiny_run)["auto_eval"]
-    shipped = evaluation["shipped"]
-    assert len(shipped) == 6
-    for e in shipped:
+    during = evaluation["during_run"]
+    assert len(during) == 6
+    for e in during:
         measured = ratios(tiny_run, e["M"], e["D"], e["F"])
         fastest = min(measured, key=measured.get)
-        assert e["pick"] == "drop_h" and e["fastest"] == fastest
+        assert e["pick"] == "drop_h" and e["fastest"] == fastest  # the CPU run's fallback
         assert e["pick_over_fastest"] == pytest.approx(measured["drop_h"] / measured[fastest])
         assert e["within_tolerance"] == (measured["drop_h"] <= measured[fastest] * 1.01)
-        assert e["shape_in_table"] == ((e["D"], e["F"]) == (16, 40))
-        assert e["point_in_table"] == ((e["M"], e["D"], e["F"]) == (24, 16, 40))
-    out = evaluation["shipped_out_of_sample_summary"]
+        assert e["in_sample"] == ((e["D"], e["F"]) == (16, 40))
+    out = evaluation["during_run_out_of_sample_summary"]
     assert out["picks"] == 4
-    assert out["within_tolerance"] == sum(e["within_tolerance"] for e in shipped[2:])
+    assert out["within_tolerance"] == sum(e["within_tolerance"] for e in during[2:])
 
 
-def test_leave_one_family_out_tables_hold_out_every_shape_of_the_family(tiny_run):
+def test_the_shipped_model_is_judged_at_every_point(tiny_run):
+    """The package's H200 model was fitted at D 896-8192: the tiny grid's D 16-32 are out of
+    its reach, so it falls back, out of sample; a model fitted from the tiny grid itself,
+    judged in its place, predicts every point in sample."""
     result = as_h200(tiny_run)
-    tables = {f: grid_auto.lofo_table(result, f) for f in ("a", "b", "c")}
-    shapes = {f: {(p.D, p.F) for p in t.points} for f, t in tables.items()}
-    assert shapes == {"a": {(24, 48), (32, 64)}, "b": {(32, 64)}, "c": {(16, 40), (24, 48)}}
+    shipped = result["auto_eval"]["shipped"]
+    assert shipped["file"] == "auto_h200.json" and shipped["commit"] == "146ad2e"
+    assert list(shipped["points"]) == ["without_quack"]  # the run had no quack
+    for e in shipped["points"]["without_quack"]:
+        assert e["pick"] == "drop_h" and "D=" in e["reason"] and "outside the range" in e["reason"]
+        assert not e["in_sample"] and e["predicted_ratio"] is None
+    fitted = AutoModel.from_dict(fit_auto_model(result, "fit"))
+    mine = grid_auto.evaluate_auto(result, (fitted, "tiny.json"))["shipped"]
+    assert mine["file"] == "tiny.json"
+    entries = mine["points"]["without_quack"]
+    assert [e["pick"] for e in entries] == ["save_factors"] * 2 + ["normal"] * 4
+    for e in entries:
+        auto = resolve(e["M"], e["D"], e["F"], "NVIDIA H200", fitted, quack=False)
+        assert e["in_sample"] and e["pick"] == auto.impl and e["reason"] == auto.reason
+        c, a = GPU_TERMS[e["pick"]]
+        assert e["predicted_ratio"] == pytest.approx(c + a / e["D"], rel=1e-4)
+    assert mine["summary"]["without_quack"]["picks"] == 6
+    assert mine["out_of_sample_summary"]["without_quack"]["picks"] == 0
+
+
+def test_leave_one_family_out_models_hold_out_every_shape_of_the_family(tiny_run):
+    result = as_h200(tiny_run)
+    shapes = {f: {(d, f_) for _, d, f_ in grid_auto.lofo_model(result, f).points} for f in "ac"}
+    assert shapes == {"a": {(24, 48), (32, 64)}, "c": {(16, 40), (24, 48)}}
+    with pytest.raises(ValueError, match="c \\+ a/D needs two D or more"):
+        grid_auto.lofo_model(result, "b")  # only (32, 64) is left
     evaluation = {e["family"]: e for e in result["auto_eval"]["lofo"]}
-    judged = {f: [(p["M"], p["D"], p["F"]) for p in e["points"]] for f, e in evaluation.items()}
-    assert judged == {
-        "a": [(24, 16, 40), (40, 16, 40)],
-        "b": [(24, 16, 40), (40, 16, 40), (24, 24, 48), (40, 24, 48)],
-        "c": [(24, 32, 64), (40, 32, 64)],
+    assert evaluation["b"]["skipped"].startswith("no model to fit: normal: GPU-bound points")
+    judged = {
+        f: [(p["M"], p["D"], p["F"]) for p in evaluation[f]["points"]["without_quack"]]
+        for f in "ac"
     }
-    for family, e in evaluation.items():
-        assert e["table_shapes"] == sorted(shapes[family])
-        for p in e["points"]:
-            m, d, f = p["M"], p["D"], p["F"]
-            auto = resolve(m, d, f, "NVIDIA H200", tables[family], output_size=d)
+    assert judged == {"a": [(24, 16, 40), (40, 16, 40)], "c": [(24, 32, 64), (40, 32, 64)]}
+    for family in "ac":
+        model = grid_auto.lofo_model(result, family)
+        assert evaluation[family]["model_shapes"] == sorted(shapes[family])
+        for p in evaluation[family]["points"]["without_quack"]:
+            auto = resolve(p["M"], p["D"], p["F"], "NVIDIA H200", model, quack=False)
             assert p["pick"] == auto.impl and p["reason"] == auto.reason
-            assert (p["D"], p["F"]) not in shapes[family]  # out of sample
-    assert result["auto_eval"]["lofo_summary"]["picks"] == 8
+            assert not p["in_sample"] and (p["D"], p["F"]) not in shapes[family]
+    assert result["auto_eval"]["lofo_summary"]["without_quack"]["picks"] == 4
 
 
-def test_a_family_with_every_shape_has_no_table_to_fit(tiny_run):
+def test_a_family_with_every_shape_has_no_model_to_fit(tiny_run):
     result = as_h200(tiny_run)
     for p in result["points"]:
         p["families"] = [*p["families"], "all"]
-    assert grid_auto.lofo_table(result, "all") is None
+    with pytest.raises(ValueError, match="no rows of our impls"):
+        grid_auto.lofo_model(result, "all")
     [entry] = [e for e in grid_auto.evaluate_auto(result)["lofo"] if e["family"] == "all"]
-    assert entry["skipped"] == "no other shape to fit a table from" and "points" not in entry
+    assert entry["skipped"].startswith("no model to fit: no rows") and "points" not in entry
 
 
-def test_the_evaluation_keeps_quack_impls_that_ran_on_the_gpu():
-    """Judged on a CPU machine, a table's quack impl stays eligible when the run had quack."""
-    impls = {
-        "normal": {"ms": 1.1, "ratio_to_floor": 1.05, "after_forward_MiB": 300.0},
-        "drop_h_quack": {"ms": 1.0, "ratio_to_floor": 1.0, "after_forward_MiB": 200.0},
-    }
-    table = CrossoverTable.from_dict(
-        {"schema": 1, "gpu_family": "H200", "device_name": "NVIDIA H200", "commit": "abc",
-         "dtype": "bf16", "points": [{"M": 4096, "D": 4096, "F": 11008, "impls": impls}]}
-    )  # fmt: skip
-    picks = {q: resolve(4096, 4096, 11008, "NVIDIA H200", table, quack=q).impl for q in (1, 0)}
-    assert picks == {1: "drop_h_quack", 0: "normal"}
+def test_with_quack_in_the_run_both_impl_sets_are_judged(tiny_run):
+    """Judged on a CPU machine, a model's quack impl stays eligible when the run had quack,
+    and the portable impls are judged again as on a machine without it."""
+    result = as_h200(tiny_run)
+    result["meta"]["quack_available"] = True
+    quack_fastest = auto_model({"normal": (1.05, 6.0), "drop_h_quack": (1.0, 4.0)})
+    evaluation = grid_auto.evaluate_auto(result, (AutoModel.from_dict(quack_fastest), "q.json"))
+    assert evaluation["impl_sets"] == ["with_quack", "without_quack"]
+    shipped = evaluation["shipped"]["points"]
+    assert {e["pick"] for e in shipped["with_quack"]} == {"drop_h_quack"}  # not measured:
+    assert all(e["pick_ratio"] is None and not e["within_tolerance"] for e in shipped["with_quack"])
+    assert {e["pick"] for e in shipped["without_quack"]} == {"normal"}
+    assert set(evaluation["lofo_summary"]) == {"with_quack", "without_quack"}
 
 
 def test_markdown_of_the_evaluation(tiny_run):
     result = as_h200(tiny_run)
     text = to_markdown(result)
-    assert "**Shipped table** (crossover_h200.json, commit abc1234): " in text
-    e = result["auto_eval"]["shipped"][0]
+    assert "- **Picked during the run** (what ParMLP resolved to on the GPU, from " in text
+    assert "auto_h200.json, commit abc1234): " in text
+    e = result["auto_eval"]["during_run"][0]
     verdict = "yes" if e["within_tolerance"] else "**no**"
     row = (
         f"| 24 | 16 | 40 | a-1, b-1 | yes (in sample) | drop_h | {e['fastest']} "
         f"| {e['pick_over_fastest']:.3f} | {verdict} | {e['rule_pick']} |"
     )
     assert row in text.splitlines()
-    assert any(x.startswith("| b | 40 | 24 | 48 | ") for x in text.splitlines())
-    assert "| a-1, b-1 | 24 | 16 | 40 | 3 / 6 | 2 / 4 | 3 / 6 | — |" in text.splitlines()
+    assert "#### Shipped model, without quack (portable impls only)" in text
+    assert "#### Leave one family out, without quack (portable impls only)" in text
+    lofo = result["auto_eval"]["lofo"][0]["points"]["without_quack"][0]  # family a
+    assert any(
+        x.startswith(f"| a | 24 | 16 | 40 | {lofo['pick']} | {lofo['predicted_ratio']:.3f} |")
+        for x in text.splitlines()
+    )
+    assert "- b: no model to fit: normal: GPU-bound points" in text
+    assert "| a-1, b-1 | 24 | 16 | 40 | 6 / 12 | 4 / 9 | 6 / 12 | — |" in text.splitlines()
+
+
+def test_the_committed_h200_grid_reads_as_judged_now():
+    """Judged again with the shipped model, the committed grid's evaluation and markdown are
+    the committed ones (the LOFO and shipped summaries the docs quote among them)."""
+    grid = json.loads((ROOT / "benchmarks/results/grid_h200.json").read_text())
+    evaluation = grid_auto.evaluate_auto(grid)
+    assert json.loads(json.dumps(evaluation)) == grid["auto_eval"]
+    assert to_markdown(grid) == (ROOT / "benchmarks/results/grid_h200.md").read_text()
+    lofo = evaluation["lofo_summary"]
+    line = next(x for x in to_markdown(grid).splitlines() if "**Leave one family out**" in x)
+    for name, label in (("with_quack", "with quack"), ("without_quack", "without quack")):
+        count = f"{lofo[name]['within_tolerance']}/{lofo[name]['picks']} within tolerance"
+        assert f"{label}" in line and count in line
+    assert lofo["with_quack"]["picks"] == lofo["without_quack"]["picks"] == 57
 
 
 # the command and merge
@@ -399,6 +465,44 @@ def test_cli_prewarm_times_the_same_points_and_records_itself(chunks, tmp_path):
     pids = re.findall(r"\[pre-warm [12]/2\] M=24 D=(\d+) F=\d+: \d+ s in worker (\d+)", text)
     assert sorted(d for d, _ in pids) == ["16", "32"]
     assert all(int(pid) != os.getpid() for _, pid in pids) and "not warmed" not in text
+
+
+def test_cli_merge_fits_the_auto_model_and_judges_it(tiny_run, tmp_path, monkeypatch):
+    """--auto-model: the model fitted from the merged rows is written, cites the command, and
+    is the one judged as shipped; the merged file merged again alone stays as it is."""
+    chunk = tmp_path / "h200.json"
+    chunk.write_text(json.dumps(as_h200(tiny_run)))
+    out, model_path = tmp_path / "merged.json", tmp_path / "auto_tiny.json"
+    args = ["bench-grid", "--merge", str(chunk), "--json", str(out)]
+    args += ["--auto-model", str(model_path)]
+    monkeypatch.setattr("sys.argv", ["swiglu-train", *args])
+    result = runner.invoke(app, args)
+    assert result.exit_code == 0, result.output
+    merged, written = json.loads(out.read_text()), json.loads(model_path.read_text())
+    assert written["command"] == "swiglu-train " + " ".join(args)
+    assert written == fit_auto_model(merged, written["command"])
+    shipped = merged["auto_eval"]["shipped"]
+    assert shipped["file"] == "auto_tiny.json" and shipped["command"] == written["command"]
+    assert all(e["in_sample"] for e in shipped["points"]["without_quack"])
+    again = merge_results({"merged.json": merged})
+    assert {k: again[k] for k in ("meta", "points", "rows", "skipped_points")} == {
+        k: merged[k] for k in ("meta", "points", "rows", "skipped_points")
+    }
+    assert again["auto_eval"]["shipped"]["file"] == "auto_h200.json"  # the package's, now
+
+
+def test_cli_auto_model_needs_cuda_readings(chunks, tmp_path):
+    path, _ = chunks
+    out, model_path = tmp_path / "m.json", tmp_path / "auto.json"
+    args = ["bench-grid", "--merge", str(path / "a.json"), str(path / "b.json")]
+    result = runner.invoke(app, [*args, "--json", str(out), "--auto-model", str(model_path)])
+    assert result.exit_code == 2
+    assert "needs CUDA readings" in re.sub(r"\s+", " ", result.output)
+    assert json.loads(out.read_text())["meta"]["chunk"] == "merged"  # written all the same
+    assert not model_path.exists()
+    result = runner.invoke(app, ["bench-grid", "--device", "cpu", "--auto-model", "a.json"])
+    assert result.exit_code == 2
+    assert "an auto model is fitted from CUDA readings" in re.sub(r"\s+", " ", result.output)
 
 
 @pytest.mark.parametrize(

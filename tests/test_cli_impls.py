@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from helpers import crossover_table, pretend_gpu
+from helpers import auto_model, pretend_gpu
 from typer.testing import CliRunner
 
 from swiglu_train.cli import app
@@ -32,10 +32,10 @@ def test_off_cuda_quack_is_unavailable_and_auto_falls_back():
     assert "auto -> drop_h (fallback to drop_h: not on a CUDA device" in output
 
 
-def test_auto_s_pick_comes_from_the_table_of_this_gpu(monkeypatch):
-    impls = {"normal": (1.0, 990.0), "drop_h": (1.05, 686.0)}
-    pretend_gpu(monkeypatch, crossover_table({(4096, 4096, 11008): impls}))
-    assert "auto -> normal (normal: fastest (1.000x floor) at the nearest" in run(*SHAPE)
+def test_auto_s_pick_comes_from_the_model_of_this_gpu(monkeypatch):
+    pretend_gpu(monkeypatch, auto_model({"normal": (1.0, 6.0), "drop_h": (1.05, 4.0)}))
+    expected = "auto -> normal (normal: fastest predicted (1.000x the six-GEMM floor) at M=4096"
+    assert expected in run(*SHAPE)
 
 
 def test_a_quack_install_hint_keeps_its_brackets(monkeypatch):

@@ -56,8 +56,8 @@ def test_a_fixed_seed_cpu_fuzz_passes_and_covers_the_space():
     assert any(c.grad and not c.x_grad for c in cases)
 
 
-def test_some_auto_cases_are_drawn_at_the_crossover_table_s_points():
-    """There auto picks from measurements (quack's impls among them), not its fallback; O is
+def test_some_auto_cases_are_drawn_at_the_auto_model_s_points():
+    """There auto picks from its model (quack's impls among them), not its fallback; O is
     D or D + 4, which quack's kernels cannot take."""
     points = [(2048, 2048, 5632), (4096, 2048, 5632)]
     cases = list(

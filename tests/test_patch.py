@@ -7,7 +7,7 @@ import sys
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import crossover_table, pretend_gpu
+from helpers import auto_model, pretend_gpu
 from torch import nn
 
 import swiglu_train
@@ -149,8 +149,7 @@ def test_auto_resolves_per_layer_shape_from_the_tokens_hint(monkeypatch):
     report = swiglu_train.patch(model, "auto", tokens_hint=4096)  # CPU: the drop_h fallback
     assert report.replaced[0].impl == "drop_h"
     assert "not on a CUDA device" in report.replaced[0].auto_reason
-    table = crossover_table({(4096, 16, 24): {"drop_h": (1.10, 30.0), "save_factors": (1.0, 40.0)}})
-    pretend_gpu(monkeypatch, table)
+    pretend_gpu(monkeypatch, auto_model({"drop_h": (1.10, 4.0), "save_factors": (1.0, 6.0)}))
     report = swiglu_train.patch(Net(MyMLP()), "auto", tokens_hint=4096)
     assert report.replaced[0].impl == "save_factors"
     assert "save_factors: fastest" in report.summary()

@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from helpers import crossover_table, pretend_gpu
+from helpers import auto_model, pretend_gpu
 from lightning.fabric.utilities.types import _Stateful
 from typer.testing import CliRunner
 
@@ -426,8 +426,8 @@ def test_a_resume_into_another_fc1_layout_is_refused_before_anything_starts(
     """The layout error comes in one line, before W&B or the Trainer: the output dir is left
     exactly as it was (no W&B run, no CSV, no checkpoint), the exit code is the CLI's 1."""
     _, last = finished
-    impls = {"drop_h": (1.10, 9.0), "save_factors": (1.0, 9.0)}  # auto: save_factors at M=256
-    pretend_gpu(monkeypatch, crossover_table({(256, 64, 160): impls}))
+    impls = {"drop_h": (1.10, 4.0), "save_factors": (1.0, 6.0)}  # auto: save_factors
+    pretend_gpu(monkeypatch, auto_model(impls))
     monkeypatch.setattr(sys, "excepthook", sys.excepthook)  # Typer installs its own
     monkeypatch.delenv("SWIGLU_TRAIN_DEBUG", raising=False)
     run = tmp_path / "run"
@@ -561,10 +561,10 @@ def replace_output(cfg: PretrainConfig, out: Path) -> PretrainConfig:
 
 
 def test_auto_resolves_from_one_micro_batch_and_stamps_its_choice(tmp_path, corpus, monkeypatch):
-    # A micro-batch is 4 x 64 = 256 tokens; at that point the (pretend) H200 table picks
-    # save_factors, which is packed: the checkpoint must record what auto resolved to.
-    impls = {"drop_h": (1.10, 9.0), "save_factors": (1.0, 9.0)}
-    pretend_gpu(monkeypatch, crossover_table({(256, 64, 160): impls}))
+    # A micro-batch is 4 x 64 = 256 tokens; there the (pretend) H200 model picks save_factors,
+    # which is packed: the checkpoint must record what auto resolved to.
+    impls = {"drop_h": (1.10, 4.0), "save_factors": (1.0, 6.0)}
+    pretend_gpu(monkeypatch, auto_model(impls))
     cfg = small_config(tmp_path, [str(corpus / "*.py")], "auto", 5)
     with pytest.warns(UserWarning, match="val_check_interval=10 is more than max_steps=5"):
         summary = run_pretrain(cfg)  # the interval is past the run: said, not silent

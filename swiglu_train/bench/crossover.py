@@ -2,8 +2,8 @@
 
 Every point is one ParMLP layer (O = D) measured with the harness of ``bench/mlp.py``: paired
 samples in random order against the six-GEMM floor of the same shape, medians, allocator
-readings. The compact lookup table built from it is what ``impl="auto"`` reads
-(``layers/auto.py``), so winners here are picked by the same rule.
+readings, GPU and host time per step. Winners are marked by the rule auto is judged by
+(``measured_rule``); ``auto_fit`` fits auto's cost model from the rows, as from the model grid's.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from swiglu_train.bench.measured_rule import TIE_TOLERANCE, ImplStats, measured_pick
 from swiglu_train.bench.mlp import (
     PEAK_DEFINITION,
     BenchConfig,
@@ -22,14 +23,7 @@ from swiglu_train.bench.mlp import (
     measure_layer,
     one_layer_config,
 )
-from swiglu_train.layers.auto import (
-    SCHEMA,
-    TIE_TOLERANCE,
-    CrossoverTable,
-    ImplStats,
-    choose,
-    gpu_family,
-)
+from swiglu_train.layers.auto import gpu_family
 from swiglu_train.layers.registry import PORTABLE_IMPLS, QUACK_IMPLS
 from swiglu_train.ops.quack_mlp import quack_available
 
@@ -99,6 +93,8 @@ def point_rows(point: Point, measured: Sequence[dict]) -> list[dict]:
             "impl": r["variant"],
             "ms": r["full_ms"],
             "ratio_to_floor": r["full_over_floor"],
+            "gpu_ms": r["gpu_ms"],
+            "host_ms": r["host_ms"],
             "floor_ms": floor["full_ms"],
             "after_forward_MiB": r["after_forward_MiB"],
             "peak_MiB": r["peak_MiB"],
@@ -112,22 +108,22 @@ def point_rows(point: Point, measured: Sequence[dict]) -> list[dict]:
 
 
 def mark_winners(rows: list[dict]) -> None:
-    """Flag, within one point, the fastest impl, the least after-forward memory, and auto's
-    choice (the same rule as ``layers.auto.choose``). Off CUDA there is no memory reading:
-    nothing is least, and auto's choice is the fastest."""
+    """Flag, within one point, the fastest impl, the least after-forward memory, and the
+    measured rule's choice (``measured_rule``). Off CUDA there is no memory reading: nothing
+    is least, and the rule's choice is the fastest."""
     fastest = min(rows, key=lambda r: r["ratio_to_floor"])["impl"]
     if all(r["after_forward_MiB"] is not None for r in rows):
         least = min(rows, key=lambda r: r["after_forward_MiB"])["impl"]
-        chosen, _ = choose({r["impl"]: _stats(r) for r in rows})
+        chosen = measured_pick({r["impl"]: _stats(r) for r in rows})
     else:
         least, chosen = None, fastest
     for r in rows:
         r["fastest"], r["least_memory"] = r["impl"] == fastest, r["impl"] == least
-        r["auto_choice"] = r["impl"] == chosen
+        r["rule_choice"] = r["impl"] == chosen
 
 
 def _stats(row: dict) -> ImplStats:
-    return ImplStats(row["ms"], row["ratio_to_floor"], row["after_forward_MiB"])
+    return ImplStats(row["ratio_to_floor"], row["after_forward_MiB"])
 
 
 def run_crossover(cfg: CrossoverConfig, progress: Progress) -> dict:
@@ -162,7 +158,7 @@ def run_crossover(cfg: CrossoverConfig, progress: Progress) -> dict:
         "impls": list(cfg.impls),
         "peak_definition": PEAK_DEFINITION,
         "winner_rule": "fastest by median paired ratio to the floor; among impls within "
-        f"{TIE_TOLERANCE:.0%} of it, least after-forward memory (layers/auto.py)",
+        f"{TIE_TOLERANCE:.0%} of it, least after-forward memory (bench/measured_rule.py)",
         "elapsed_s": round(time.perf_counter() - start, 1),
     }
     return {"meta": meta, "rows": rows, "skipped": skipped}
@@ -194,19 +190,19 @@ def to_markdown(result: dict) -> str:
     """One line per point: each impl's ratio to the floor and after-forward MiB, the winners."""
     names = result["meta"]["impls"]
     lines = [
-        f"| M | D | F | floor ms | {' | '.join(names)} | fastest | least memory | auto |",
+        f"| M | D | F | floor ms | {' | '.join(names)} | fastest | least memory | rule's pick |",
         "|---" * (7 + len(names)) + "|",
     ]
     for (m, d, f), impls in _by_point(result["rows"]).items():
         cells = [_cell(impls.get(name)) for name in names]
         winner = {
             flag: next((n for n, r in impls.items() if r[flag]), "—")
-            for flag in ("fastest", "least_memory", "auto_choice")
+            for flag in ("fastest", "least_memory", "rule_choice")
         }
         floor_ms = next(iter(impls.values()))["floor_ms"]
         lines.append(
             f"| {m} | {d} | {f} | {floor_ms:.3f} | {' | '.join(cells)} | {winner['fastest']} "
-            f"| {winner['least_memory']} | {winner['auto_choice']} |"
+            f"| {winner['least_memory']} | {winner['rule_choice']} |"
         )
     if result["skipped"]:
         lines.append("")
@@ -221,38 +217,3 @@ def _cell(row: dict | None) -> str:
         return "—"
     memory = row["after_forward_MiB"]
     return f"{row['ratio_to_floor']:.3f}x" + ("" if memory is None else f", {memory:.0f} MiB")
-
-
-def lookup_table(result: dict) -> dict:
-    """The compact table ``impl="auto"`` reads, validated against its schema before return."""
-    meta = result["meta"]
-    if meta["gpu_family"] is None:
-        raise ValueError("a lookup table needs CUDA measurements (allocator readings)")
-    points = [
-        {
-            "M": m,
-            "D": d,
-            "F": f,
-            "impls": {
-                name: {
-                    "ms": round(r["ms"], 4),
-                    "ratio_to_floor": round(r["ratio_to_floor"], 4),
-                    "after_forward_MiB": round(r["after_forward_MiB"], 1),
-                }
-                for name, r in impls.items()
-            },
-        }
-        for (m, d, f), impls in _by_point(result["rows"]).items()
-    ]
-    table = {
-        "schema": SCHEMA,
-        "gpu_family": meta["gpu_family"],
-        "device_name": meta["device_name"],
-        "commit": meta["commit"],
-        "dtype": meta["dtype"],
-        "source": "swiglu-train bench-crossover",
-        "command": meta["command"],
-        "points": points,
-    }
-    CrossoverTable.from_dict(table, "built from the crossover run")
-    return table

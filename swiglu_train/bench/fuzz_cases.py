@@ -92,12 +92,13 @@ def available_impls(device: torch.device) -> tuple[list[str], dict[str, str]]:
 
 
 def auto_table_points(device: torch.device, limit: int = 1 << 25) -> list[tuple[int, int, int]]:
-    """(M, D, F) of the points of this GPU's crossover table with M * max(D, F) <= ``limit``:
-    where ``auto`` picks from measurements (quack's impls among them), not the fallback."""
+    """(M, D, F) of the points this GPU's auto model was fitted at with M * max(D, F) <=
+    ``limit``: where ``auto`` picks from the model (quack's impls among them), not the
+    fallback."""
     if device.type != "cuda":
         return []
-    table = auto.packaged_table(auto.gpu_family(auto.target_device_name(device)))
-    points = [] if table is None else [p.dims for p in table.points]
+    model = auto.packaged_model(auto.gpu_family(auto.target_device_name(device)))
+    points = [] if model is None else list(model.points)
     return sorted(p for p in points if p[0] * max(p[1:]) <= limit)
 
 

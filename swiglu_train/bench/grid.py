@@ -6,7 +6,7 @@ order, medians, allocator readings), and ``impl="auto"``'s pick there is recorde
 ``ParMLP(impl="auto", tokens_hint=M)`` resolves to on this GPU. With ``prewarm_workers``, the
 points are first compiled in that many worker processes (``grid_prewarm``). A grid too long
 for one device call runs in chunks (``grid_plan``) that ``merge_results`` joins;
-``grid_auto`` judges auto's picks on the whole.
+``grid_auto`` judges auto's picks on the whole, and ``auto_fit`` fits auto's model from it.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from swiglu_train.bench.grid_auto import evaluate_auto
 from swiglu_train.bench.grid_plan import Dims, GridConfig, GridPoint
 from swiglu_train.bench.grid_prewarm import Warmed, prewarm, release
 from swiglu_train.bench.mlp import PEAK_DEFINITION, environment, measure_layer
-from swiglu_train.layers.auto import gpu_family, packaged_table, resolve_auto, table_filename
+from swiglu_train.layers.auto import gpu_family, model_filename, packaged_model, resolve_auto
 from swiglu_train.ops.quack_mlp import quack_available
 
 RATIO_DEFINITION = (
@@ -30,7 +30,8 @@ RATIO_DEFINITION = (
     "same sample); step time = max(GPU time queued, host time), see 'timing'; one layer, O = D"
 )
 # Keys every chunk of one merged grid must share: a merge never mixes GPUs, dtypes, code, or
-# auto tables (auto's picks were resolved from the one the run shipped).
+# auto models (auto's picks were resolved from the one the run shipped; the key keeps the name
+# of the crossover tables that came before, so older results merge alike).
 SAME_KEYS = (
     *("device_name", "dtype", "commit", "samples", "warmup", "versions", "timing"),
     *("variants", "quack_available", "auto_table"),
@@ -156,7 +157,7 @@ def _meta(cfg: GridConfig, device: torch.device, points: Sequence[GridPoint]) ->
             "elapsed_s": 0.0,
         },
         "quack_available": cuda and quack_available(),
-        "auto_table": _table_summary(family),
+        "auto_table": _model_summary(family),
         "ratio_definition": RATIO_DEFINITION,
         "peak_definition": PEAK_DEFINITION,
         "complete": False,
@@ -164,17 +165,17 @@ def _meta(cfg: GridConfig, device: torch.device, points: Sequence[GridPoint]) ->
     }
 
 
-def _table_summary(family: str | None) -> dict | None:
-    """Which crossover table auto read here, and its points (for the in-sample flags)."""
-    table = packaged_table(family) if family else None
-    if table is None:
+def _model_summary(family: str | None) -> dict | None:
+    """Which auto model ParMLP read here, and its fitted points (for the in-sample flags)."""
+    model = packaged_model(family) if family else None
+    if model is None:
         return None
     return {
-        "file": table_filename(family),
-        "commit": table.commit,
-        "device_name": table.device_name,
-        "dtype": table.dtype,
-        "points": [list(p.dims) for p in table.points],
+        "file": model_filename(family),
+        "commit": model.commit,
+        "device_name": model.device_name,
+        "dtype": model.dtype,
+        "points": [list(p) for p in model.points],
     }
 
 
@@ -184,11 +185,18 @@ def _quiet(label: str, total: int) -> Callable[[], None]:
 
 def merge_results(parts: Mapping[str, dict]) -> dict:
     """One result from chunks (``source -> result``) of one grid: they must share the GPU,
-    dtype, commit, versions, variants and auto table, and no point may be in two of them."""
+    dtype, commit, versions, variants and auto model, and no point may be in two of them. A
+    merged result given alone comes back as it is, with auto judged again."""
     if not parts:
         raise ValueError("nothing to merge")
     for source, part in parts.items():
         _check_part(part, source)
+    if len(parts) == 1 and next(iter(parts.values()))["meta"]["chunk"] == "merged":
+        # a merged result alone: its record stays as it is, and auto is judged again (the
+        # shipped model may be newer than the run)
+        merged = {k: v for k, v in next(iter(parts.values())).items() if k != "auto_eval"}
+        merged["auto_eval"] = evaluate_auto(merged)
+        return merged
     for key in SAME_KEYS:
         values = {
             source: json.dumps(p["meta"].get(key), sort_keys=True) for source, p in parts.items()
@@ -265,7 +273,8 @@ def _check_part(part: object, source: str) -> None:
     missing = sorted({"meta", "points", "rows", "skipped_points"} - set(part))
     if missing:
         raise ValueError(f"{source}: not a bench-grid --json result: missing keys {missing}")
-    needed = {*SAME_KEYS, "planned_points", "shapes", "m", "complete", "elapsed_s", "estimated_s"}
+    needed = {*SAME_KEYS, "chunk", "planned_points", "shapes", "m", "complete"}
+    needed |= {"elapsed_s", "estimated_s"}
     missing = sorted(needed - set(part["meta"]))
     if missing:
         raise ValueError(f"{source}: not a bench-grid --json result: meta lacks {missing}")

@@ -15,9 +15,10 @@ def to_markdown(result: dict) -> str:
         "",
         "Each cell is the median over paired samples of the training step (forward + backward) "
         "over the six-GEMM floor's in the same sample: lower is faster, **bold** is the fastest "
-        "at the point, — did not run (see the skips below). `auto` is the impl "
-        '`ParMLP(impl="auto", tokens_hint=M)` resolves to on the device measured, with that '
-        "impl's ratio.",
+        "at the point, — did not run (see the skips below). `auto, run` is the impl "
+        '`ParMLP(impl="auto", tokens_hint=M)` resolved to on the device measured, during the '
+        "run, with that impl's ratio; `auto, model` is the shipped cost model's pick there "
+        "(with every impl the run had).",
     ]
     lines += _ratio_tables(result)
     lines += _memory_table(result)
@@ -36,29 +37,44 @@ def _by_point(rows: Sequence[dict]) -> dict[tuple, dict[str, dict]]:
 
 def _ratio_tables(result: dict) -> list[str]:
     variants, rows = result["meta"]["variants"], _by_point(result["rows"])
+    model_picks = _model_picks(result.get("auto_eval"))
     lines = []
     for m in sorted({p["M"] for p in result["points"]}):
         lines += ["", f"### M = {m}", ""]
         lines += [
-            f"| models | D | F | floor ms | {' | '.join(variants)} | auto |",
-            "|---" * (len(variants) + 5) + "|",
+            f"| models | D | F | floor ms | {' | '.join(variants)} | auto, run | auto, model |",
+            "|---" * (len(variants) + 6) + "|",
         ]
         for p in (p for p in result["points"] if p["M"] == m):
-            measured = rows.get((p["M"], p["D"], p["F"]), {})
+            dims = (p["M"], p["D"], p["F"])
+            measured = rows.get(dims, {})
             best = min((r["ratio_to_floor"] for r in measured.values()), default=None)
             cells = [_ratio_cell(measured.get(name), best) for name in variants]
-            pick = p["auto"]["impl"]
-            picked = measured.get(pick)
-            auto = f"{pick} " + (
-                "(not measured)" if picked is None else f"{picked['ratio_to_floor']:.3f}"
-            )
             floor_ms = next(iter(measured.values()))["floor_ms"] if measured else None
             floor = "—" if floor_ms is None else f"{floor_ms:.3f}"
+            auto = [
+                _pick_cell(pick, measured) for pick in (p["auto"]["impl"], model_picks.get(dims))
+            ]
             lines.append(
                 f"| {', '.join(p['models'])} | {p['D']} | {p['F']} | {floor} "
-                f"| {' | '.join(cells)} | {auto} |"
+                f"| {' | '.join(cells)} | {' | '.join(auto)} |"
             )
     return lines
+
+
+def _model_picks(evaluation: dict | None) -> dict[tuple, str]:
+    """The shipped model's pick per point, with every impl the run had; none unjudged."""
+    if not evaluation or "skipped" in evaluation or "skipped" in evaluation["shipped"]:
+        return {}
+    entries = evaluation["shipped"]["points"][evaluation["impl_sets"][0]]
+    return {(e["M"], e["D"], e["F"]): e["pick"] for e in entries}
+
+
+def _pick_cell(pick: str | None, measured: dict[str, dict]) -> str:
+    if pick is None:
+        return "—"
+    picked = measured.get(pick)
+    return f"{pick} " + ("(not measured)" if picked is None else f"{picked['ratio_to_floor']:.3f}")
 
 
 def _ratio_cell(row: dict | None, best: float | None) -> str:
@@ -95,6 +111,9 @@ def _mib(row: dict | None) -> str:
     return f"{row['after_forward_MiB']:.0f} / {row['peak_MiB']:.0f}"
 
 
+SET_LABELS = {"with_quack": "with quack", "without_quack": "without quack (portable impls only)"}
+
+
 def _auto_section(evaluation: dict | None, table: dict | None) -> list[str]:
     lines = ["", '### impl="auto" against the fastest impl', ""]
     if evaluation is None:
@@ -103,53 +122,101 @@ def _auto_section(evaluation: dict | None, table: dict | None) -> list[str]:
         return [*lines, f"Not evaluated: {evaluation['skipped']}."]
     tolerance = f"{evaluation['tolerance']:.0%}"
     lines += [
-        f"A pick passes when its ratio is within {tolerance} of the fastest of our impls at the "
-        f"point (peers excluded: auto picks among our impls). The rule: the fastest, or among "
-        f"impls within {tolerance} of it the one with the least after-forward memory.",
+        f"A pick passes when its measured ratio is within {tolerance} of the fastest of the "
+        f"impls auto could pick at the point (peers excluded). The rule's pick, on the "
+        f"measurements: the fastest, or among impls within {tolerance} of it the one with the "
+        f"least after-forward memory. Auto's cost model predicts each impl's step and applies "
+        f"the same rule to its predictions, with a {evaluation['predicted_tie']:.1%} tie "
+        f"(`swiglu_train/layers/auto.py`). Without quack, auto and the fastest are among the "
+        f"portable impls only.",
         "",
     ]
-    source = "no table" if table is None else f"{table['file']}, commit {table['commit']}"
+    source = "no file" if table is None else f"{table['file']}, commit {table['commit']}"
     lines += [
-        f"**Shipped table** ({source}): {_count(evaluation['shipped_summary'])}; out of sample "
-        f"(the point's D, F not in the table): "
-        f"{_count(evaluation['shipped_out_of_sample_summary'])}.",
+        f"- **Picked during the run** (what ParMLP resolved to on the GPU, from {source}): "
+        f"{_count(evaluation['during_run_summary'])}; out of sample (the point's D, F not "
+        f"in that file): {_count(evaluation['during_run_out_of_sample_summary'])}.",
+    ]
+    shipped, sets = evaluation["shipped"], evaluation["impl_sets"]
+    if "skipped" in shipped:
+        lines.append(f"- **Shipped model**: not evaluated: {shipped['skipped']}.")
+    else:
+        entries = shipped["points"][sets[0]]
+        inside = sum(e["in_sample"] for e in entries)
+        lines.append(
+            f"- **Shipped model** ({shipped['file']}, fitted from measurements at commit "
+            f"{shipped['commit']}; {inside} of the {len(entries)} points in sample): "
+            + "; ".join(f"{SET_LABELS[s]}: {_count(shipped['summary'][s])}" for s in sets)
+            + "."
+        )
+        if inside < len(entries):
+            lines[-1] += " Out of sample: " + "; ".join(
+                f"{SET_LABELS[s]}: {_count(shipped['out_of_sample_summary'][s])}" for s in sets
+            )
+    lines += [
+        "- **Leave one family out** (a model fitted from the grid without any shape of the "
+        "family predicts its points: every pick out of sample): "
+        + "; ".join(f"{SET_LABELS[s]}: {_count(evaluation['lofo_summary'][s])}" for s in sets)
+        + ".",
         "",
-        f"| M | D | F | models | D, F in table | pick | fastest | pick ÷ fastest "
+        "#### Picked during the run",
+        "",
+        f"| M | D | F | models | D, F in file | pick | fastest | pick ÷ fastest "
         f"| within {tolerance} | rule's pick |",
         "|---" * 10 + "|",
     ]
-    for e in evaluation["shipped"]:
-        in_table = {None: "—", True: "yes (in sample)", False: "no"}[e["shape_in_table"]]
+    for e in evaluation["during_run"]:
+        in_table = {None: "—", True: "yes (in sample)", False: "no"}[e["in_sample"]]
         lines.append(
             f"| {e['M']} | {e['D']} | {e['F']} | {', '.join(e['models'])} | {in_table} "
             f"| {_judged(e)} |"
         )
-    lines += [
-        "",
-        f"**Leave one family out** (a table fitted from the grid without any shape of the "
-        f"family): {_count(evaluation['lofo_summary'])}.",
-        "",
-        f"| family left out | M | D | F | pick | fastest | pick ÷ fastest | within {tolerance} "
-        "| rule's pick |",
-        "|---" * 9 + "|",
-    ]
+    for s in sets if "skipped" not in shipped else ():
+        lines += [
+            "",
+            f"#### Shipped model, {SET_LABELS[s]}",
+            "",
+            f"| M | D | F | models | in sample | pick | predicted | fastest | pick ÷ fastest "
+            f"| within {tolerance} | rule's pick |",
+            "|---" * 11 + "|",
+        ]
+        for e in shipped["points"][s]:
+            lines.append(
+                f"| {e['M']} | {e['D']} | {e['F']} | {', '.join(e['models'])} "
+                f"| {'yes' if e['in_sample'] else 'no'} | {_judged(e, predicted=True)} |"
+            )
     skipped = []
-    for family in evaluation["lofo"]:
-        if "skipped" in family:
-            skipped.append(f"- {family['family']}: {family['skipped']}")
-        for e in family.get("points", []):
-            lines.append(f"| {family['family']} | {e['M']} | {e['D']} | {e['F']} | {_judged(e)} |")
+    for s in sets:
+        lines += [
+            "",
+            f"#### Leave one family out, {SET_LABELS[s]}",
+            "",
+            f"| family left out | M | D | F | pick | predicted | fastest | pick ÷ fastest "
+            f"| within {tolerance} | rule's pick |",
+            "|---" * 10 + "|",
+        ]
+        for family in evaluation["lofo"]:
+            if "skipped" in family and s == sets[0]:
+                skipped.append(f"- {family['family']}: {family['skipped']}")
+            for e in family.get("points", {}).get(s, []):
+                lines.append(
+                    f"| {family['family']} | {e['M']} | {e['D']} | {e['F']} "
+                    f"| {_judged(e, predicted=True)} |"
+                )
     return lines + (["", *skipped] if skipped else [])
 
 
-def _judged(e: dict) -> str:
+def _judged(e: dict, predicted: bool = False) -> str:
     over = "—" if e["pick_over_fastest"] is None else f"{e['pick_over_fastest']:.3f}"
     verdict = "yes" if e["within_tolerance"] else "**no**"
-    return f"{e['pick']} | {e['fastest']} | {over} | {verdict} | {e['rule_pick']}"
+    cells = [e["pick"]]
+    if predicted:  # None: a fallback, which predicts nothing
+        cells.append("—" if e["predicted_ratio"] is None else f"{e['predicted_ratio']:.3f}")
+    return " | ".join([*cells, e["fastest"], over, verdict, e["rule_pick"]])
 
 
 def _count(summary: dict) -> str:
-    text = f"{summary['within_tolerance']}/{summary['picks']} picks within tolerance"
+    text = f"{summary['within_tolerance']}/{summary['picks']} within tolerance"
     worst = summary["worst"]
     if worst is not None:
         text += (

@@ -1,5 +1,6 @@
 """``swiglu-train bench-crossover``: where each impl wins, by time and memory, over a grid of
-(M, D, F), and the lookup table impl="auto" ships (logic in ``bench/crossover.py``)."""
+(M, D, F), and impl="auto"'s cost model fitted from it (logic in ``bench/crossover.py`` and
+``bench/auto_fit.py``)."""
 
 from __future__ import annotations
 
@@ -37,19 +38,22 @@ def bench_crossover(
     seed: int = 0,
     commit: Annotated[str | None, typer.Option(help="commit to record if git is absent")] = None,
     json_path: Annotated[Path | None, typer.Option("--json", help="write results here")] = None,
-    table: Annotated[
+    auto_model: Annotated[
         Path | None,
-        typer.Option(help="write the lookup table for impl='auto' here (CUDA only)"),
+        typer.Option(
+            help="fit the cost model impl='auto' reads from the rows and write it here (CUDA only)"
+        ),
     ] = None,
 ) -> None:
     """Where each impl wins, by time and memory, over a grid of (M, D, F).
 
-    normal, drop_h and save_factors, and the quack impls where quack runs. Ship the --table file
-    as swiglu_train/layers/crossover_<gpu family>.json.
+    normal, drop_h and save_factors, and the quack impls where quack runs. The --auto-model
+    file has the format bench-grid --auto-model writes; ship it as
+    swiglu_train/layers/auto_<gpu family>.json.
     """
+    from swiglu_train.bench.auto_fit import fit_auto_model
     from swiglu_train.bench.crossover import (
         CrossoverConfig,
-        lookup_table,
         parse_m,
         parse_shapes,
         run_crossover,
@@ -63,13 +67,16 @@ def bench_crossover(
         raise typer.BadParameter(str(e)) from e
     if dtype not in DTYPES:
         raise typer.BadParameter(f"dtype must be one of {list(DTYPES)}")
-    if table is not None and device != "cuda":
-        raise typer.BadParameter("--table needs allocator readings: run with --device cuda")
-    if table is not None and not (commit or git_commit()):
-        raise typer.BadParameter("--table records the commit measured; pass --commit (no git)")
+    if auto_model is not None and device != "cuda":
+        raise typer.BadParameter(
+            "--auto-model is fitted from CUDA readings (GPU and host time, allocator memory): "
+            "run with --device cuda"
+        )
+    if auto_model is not None and not (commit or git_commit()):
+        raise typer.BadParameter("--auto-model records the commit measured; pass --commit (no git)")
     require_device(device)
     check_results_path(json_path, (".md",))
-    check_output(table, "'--table'")
+    check_output(auto_model, "'--auto-model'")
     if samples < 30:
         console.print(f"[yellow]{samples} samples: results are not claimable (need >= 30)")
     cfg = CrossoverConfig(grid_m, grid_shapes, samples, warmup, dtype, device, seed, commit)
@@ -83,6 +90,6 @@ def bench_crossover(
         with atomic_write(json_path.with_suffix(".md")) as f:
             f.write(markdown)
         console.print(f"wrote {escape(str(json_path))} (.md)")
-    if table is not None:
-        write_json_atomic(table, lookup_table(result))
-        console.print(f"wrote {escape(str(table))}")
+    if auto_model is not None:
+        write_json_atomic(auto_model, fit_auto_model(result, invocation()))
+        console.print(f"wrote {escape(str(auto_model))}")

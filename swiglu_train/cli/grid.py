@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
+from rich.markup import escape
 
 from swiglu_train.cli.app import (
     app,
@@ -73,6 +74,13 @@ def bench_grid(
         list[Path] | None,
         typer.Option(help="merge these --json chunks (same GPU, dtype, commit) instead of running"),
     ] = None,
+    auto_model: Annotated[
+        Path | None,
+        typer.Option(
+            help="fit the cost model impl='auto' reads from the result's rows and write it here "
+            "(CUDA results only; ship it as swiglu_train/layers/auto_<gpu family>.json)"
+        ),
+    ] = None,
     more_merge: Annotated[
         list[Path] | None,
         typer.Argument(
@@ -84,8 +92,9 @@ def bench_grid(
 ) -> None:
     """Every impl and peer against the six-GEMM floor at the MLP shapes of public models.
 
-    Also judges impl="auto" there: the shipped table's picks (in sample or not) and
-    leave-one-family-out tables fitted from the grid.
+    Also judges impl="auto" there: the picks made during the run, the shipped cost model's
+    (or, with --auto-model, the one fitted here), and leave-one-family-out models fitted from
+    the grid.
     """
     from swiglu_train.bench.crossover import parse_m, parse_shapes
     from swiglu_train.bench.grid import merge_results
@@ -102,8 +111,14 @@ def bench_grid(
     if more_merge and not merge:
         raise typer.BadParameter(f"unexpected arguments {[str(p) for p in more_merge]}")
     merge = [*(merge or []), *(more_merge or [])]
-    for path, option in ((json_path, "'--json'"), (md_path, "'--md'"), (plot_path, "'--plot'")):
+    outputs = [(json_path, "'--json'"), (md_path, "'--md'"), (plot_path, "'--plot'")]
+    for path, option in [*outputs, (auto_model, "'--auto-model'")]:
         check_output(path, option)
+    if auto_model is not None and not merge and device != "cuda":
+        raise typer.BadParameter(
+            "an auto model is fitted from CUDA readings: run with --device cuda",
+            param_hint="'--auto-model'",
+        )
     if plot_path is not None:
         try:
             import matplotlib  # noqa: F401
@@ -154,7 +169,28 @@ def bench_grid(
         if samples < 30:
             console.print(f"[yellow]{samples} samples: results are not claimable (need >= 30)")
         result = _run_grid(cfg, json_path)
+    fit_error = None
+    if auto_model is not None:
+        try:
+            _write_auto_model(result, auto_model)
+        except ValueError as e:  # the measurements are written all the same
+            fit_error = typer.BadParameter(str(e), param_hint="'--auto-model'")
     write_results(result, to_markdown(result), json_path, md_path, plot_path, _grid_figure)
+    if fit_error is not None:
+        raise fit_error
+
+
+def _write_auto_model(result: dict, path: Path) -> None:
+    """Fit auto's model from ``result``, write it, and judge it as the one to ship; a result
+    it cannot be fitted from raises ValueError."""
+    from swiglu_train.bench.auto_fit import fit_auto_model
+    from swiglu_train.bench.grid_auto import evaluate_auto
+    from swiglu_train.layers.auto_model import AutoModel
+
+    fitted = fit_auto_model(result, invocation())
+    write_json_atomic(path, fitted)
+    console.print(f"wrote {escape(str(path))}")
+    result["auto_eval"] = evaluate_auto(result, (AutoModel.from_dict(fitted, str(path)), path.name))
 
 
 def _run_grid(cfg, json_path: Path | None) -> dict:

@@ -76,11 +76,11 @@ class ParMLP(nn.Module, CheckedLoad):
     transforms (per-sample grads with vmap and grad, jacrev, jvp) and forward-mode AD, which
     our kernels and autograd Functions do not support, it computes the same y in plain torch.
 
-    ``impl="auto"`` picks a concrete impl here, once, from the crossover table of this GPU
-    family at ``tokens_hint`` (tokens per micro-batch); see ``swiglu_train.layers.auto`` for
+    ``impl="auto"`` picks a concrete impl here, once, from the cost model fitted on this GPU
+    family, at ``tokens_hint`` (tokens per micro-batch); see ``swiglu_train.layers.auto`` for
     the rule, the drop_h fallback and why it cannot change per forward. ``impl`` then names
     the impl chosen and ``auto_reason`` says why (None when the impl was named explicitly).
-    The table is measured in bf16 and resolves fp32 models too (trained under autocast, they
+    The model is fitted in bf16 and resolves fp32 models too (trained under autocast, they
     run bf16): a quack impl auto picked runs its portable twin (same fc1 layout, same saved
     tensors) on fp32 inputs, which quack's kernels cannot take; named explicitly, it refuses.
 

@@ -32,7 +32,7 @@ class ModelConfig:
     max_seq_length: int = 128
     rope_theta: float = 10000.0
     norm_eps: float = 1e-5
-    mlp_impl: str = "drop_h"  # or "auto": chosen per layer from the crossover table
+    mlp_impl: str = "drop_h"  # or "auto": chosen per layer by the fitted cost model
     mlp_tokens_hint: int | None = None  # tokens per micro-batch, for mlp_impl="auto"
     # fc1's pack chunk under save_factors (None: the largest power of two up to 128 dividing
     # ffn_hidden_size); see check_mlp_chunk for the impls that take one

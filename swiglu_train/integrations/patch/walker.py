@@ -30,7 +30,7 @@ def patch(
     """Replace every SwiGLU MLP of ``model`` (Hugging Face, LitGPT, torchtitan layouts) with a
     PatchedSwiGLU running ``impl``; return and log what was replaced and what was left, why.
 
-    ``impl="auto"`` picks per layer shape from the crossover table at ``tokens_hint`` (tokens
+    ``impl="auto"`` picks per layer shape from its cost model at ``tokens_hint`` (tokens
     per micro-batch); ``chunk`` and ``inplace`` are ParMLP's. Checkpoints keep the host's keys
     and values. Create the optimizer after this call: one created before holds the replaced
     weights, and its first step raises. Every replacement is built (and its options checked)
