@@ -33,7 +33,7 @@ from swiglu_train.bench.inference import (
 from swiglu_train.bench.mlp import write_probe_result
 from swiglu_train.bench.timing import Case, paired_samples
 from swiglu_train.files import write_json_atomic
-from swiglu_train.kernels import gated_gemm, gated_tiles
+from swiglu_train.kernels import gated_autotune, gated_gemm, gated_kernels, gated_tiles
 from swiglu_train.kernels.runtime import m_bucket
 from swiglu_train.ops import reference
 
@@ -48,7 +48,7 @@ def extra_config(spec: str) -> triton.Config:
         {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 8, "PERSISTENT": bool(persistent)},
         num_stages=stages,
         num_warps=warps,
-        pre_hook=gated_gemm._set_block_shapes,
+        pre_hook=gated_autotune.set_block_shapes,
     )
 
 
@@ -67,7 +67,7 @@ def label(c: triton.Config) -> str:
 def candidates(m: int, f: int, weight: torch.Tensor, extra: list[triton.Config]) -> list:
     """The kernel's own pruning of its list plus the extra tiles, for this shape."""
     named = {"F": f, "b_ptr": weight, "M_BUCKET": m_bucket(m)}
-    return gated_gemm._prune(list(gated_gemm._configs()) + extra, named, CHUNK=f)
+    return gated_autotune.prune_configs(gated_autotune.autotune_configs() + extra, named, CHUNK=f)
 
 
 def measure(m: int, k: int, f: int, samples: int, seed: int, extra: list) -> dict:
@@ -75,7 +75,7 @@ def measure(m: int, k: int, f: int, samples: int, seed: int, extra: list) -> dic
     copies = weight_copies(k, f, torch.bfloat16, device)
     x = torch.randn(m, k, device=device, dtype=torch.bfloat16)
     expected = reference.swiglu(torch.nn.functional.linear(x.double(), copies[0].fc1.double()))
-    kernel = gated_gemm._gated_gemm_kernel
+    kernel = gated_kernels._gated_gemm_kernel
     own = list(kernel.configs)
 
     def gated(i: int) -> torch.Tensor:

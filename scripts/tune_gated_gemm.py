@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from swiglu_train.bench.timing import Case, paired_samples
-from swiglu_train.kernels import gated_gemm
+from swiglu_train.kernels import gated_gemm, gated_kernels
 from swiglu_train.layers.layout import CANONICAL, Layout, order
 from swiglu_train.ops.activation import swiglu_fwd
 
@@ -28,7 +28,7 @@ QWEN_7B = [(m, 3584, 18944) for m in (1, 16, 128, 512, 2048, 4096)]
 
 
 def _top_configs(n: int = 4) -> list[str]:
-    timings = getattr(gated_gemm._gated_gemm_kernel, "configs_timings", None) or {}
+    timings = getattr(gated_kernels._gated_gemm_kernel, "configs_timings", None) or {}
     ranked = sorted(timings.items(), key=lambda kv: kv[1][0] if isinstance(kv[1], list) else kv[1])
     return [f"{t[0] if isinstance(t, list) else t:.4f}ms {c}" for c, t in ranked[:n]]
 

@@ -9,6 +9,7 @@ from swiglu_train.layers.layout import CANONICAL, Layout, order
 from swiglu_train.ops.save_factors import swiglu_packed
 
 kernels = pytest.importorskip("swiglu_train.kernels.gated_gemm")
+gated_autotune = pytest.importorskip("swiglu_train.kernels.gated_autotune")
 TRITON = [p for p in device_backends() if p.values[1] == "triton"]
 
 
@@ -96,17 +97,21 @@ def test_prune_fits_configs_to_the_chunk_the_dtype_and_m():
     narrower than every tile left no config at all."""
     configs = [_config(128, 128, 64), _config(64, 64, 128), _config(16, 64, 128)]
     bf16 = {"b_ptr": torch.empty(1, dtype=torch.bfloat16)}
-    big = kernels._prune(configs, {"F": 4096, "M_BUCKET": 16384, **bf16}, CHUNK=128)
+    big = gated_autotune.prune_configs(configs, {"F": 4096, "M_BUCKET": 16384, **bf16}, CHUNK=128)
     assert _tiles(big) == _tiles(configs)  # training shapes in bf16: nothing changes
-    narrow = kernels._prune(configs, {"F": 64, "M_BUCKET": 16384, **bf16}, CHUNK=16)
+    narrow = gated_autotune.prune_configs(configs, {"F": 64, "M_BUCKET": 16384, **bf16}, CHUNK=16)
     assert {n for _, n, _ in _tiles(narrow)} == {16}
-    canonical = kernels._prune(configs, {"F": 48, "M_BUCKET": 16384, **bf16}, CHUNK=48)
+    canonical = gated_autotune.prune_configs(
+        configs, {"F": 48, "M_BUCKET": 16384, **bf16}, CHUNK=48
+    )
     assert _tiles(canonical) == _tiles(configs)  # canonical tiles may cross F (clipped)
     fp32 = {"b_ptr": torch.empty(1)}
-    for c in kernels._prune(configs, {"F": 4096, "M_BUCKET": 16384, **fp32}, CHUNK=128):
+    for c in gated_autotune.prune_configs(
+        configs, {"F": 4096, "M_BUCKET": 16384, **fp32}, CHUNK=128
+    ):
         per_stage = (c.kwargs["BLOCK_M"] + 2 * c.kwargs["BLOCK_N"]) * c.kwargs["BLOCK_K"] * 4
-        assert per_stage * c.num_stages <= kernels.SHARED_MEMORY_BYTES
-    decode = kernels._prune(configs, {"F": 4096, "M_BUCKET": 1, **bf16}, CHUNK=128)
+        assert per_stage * c.num_stages <= gated_autotune.SHARED_MEMORY_BYTES
+    decode = gated_autotune.prune_configs(configs, {"F": 4096, "M_BUCKET": 1, **bf16}, CHUNK=128)
     assert _tiles(decode) == {(16, 64, 128)}
 
 

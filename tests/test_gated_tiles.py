@@ -120,9 +120,9 @@ def test_a_pinned_tile_is_launched_and_gives_the_same_h(device, backend, monkeyp
     w = (torch.randn(2 * f, k, device=device) / k**0.5).to(torch.bfloat16)
     autotuned, _ = gated_gemm.gated_gemm(x, w, None, chunk=f)
     launched = []
-    real = gated_gemm._set_block_shapes
+    real = gated_gemm.set_block_shapes
     monkeypatch.setattr(
-        gated_gemm, "_set_block_shapes", lambda nargs: (launched.append(nargs), real(nargs))
+        gated_gemm, "set_block_shapes", lambda nargs: (launched.append(nargs), real(nargs))
     )
     with gated_tiles.use_tiles(_table({f"{k}x{f}": {"16": _tile(bn=32, bk=16)}})):
         h, _ = gated_gemm.gated_gemm(x, w, None, chunk=f)
