@@ -21,7 +21,7 @@ after-forward memory among impls within 1 % of the fastest) is reported beside i
 
 from __future__ import annotations
 
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 
 from swiglu_train.bench.auto_fit import fit_auto_model
 from swiglu_train.bench.measured_rule import TIE_TOLERANCE, ImplStats, measured_pick
@@ -145,7 +145,7 @@ def _picks(
     stats: Mapping[Dims, Mapping[str, ImplStats]],
     model: AutoModel,
     impls: Collection[str],
-    in_sample,
+    in_sample: Callable[[Dims], bool],
     shapes: Collection[tuple[int, int]] | None = None,
 ) -> list[dict]:
     """``model``'s pick at every measured point (of ``shapes`` when given) among ``impls``,

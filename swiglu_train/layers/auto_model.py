@@ -21,13 +21,13 @@ factor of two of its fitted range (``d_range``).
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from importlib.resources.abc import Traversable
 from pathlib import Path
 
 from swiglu_train.layers.registry import MLP_IMPLS
-from swiglu_train.tables import check_header, read_json
+from swiglu_train.tables import Fail, check_header, read_json
 
 SCHEMA = 1
 GEMM_FLOPS_PER_MDF = 18  # six GEMMs of 2·M·(2F)·D, 2·M·F·D (fwd) and twice that (bwd)
@@ -38,8 +38,6 @@ _MODEL_KEYS = {
     *("floor_tflops", "points", "impls"),
 }
 _IMPL_KEYS = ("c", "a", "host_ms", "after_forward_per_md", "after_forward_per_mf", "gpu_points")
-
-Fail = Callable[[str, str], ValueError]
 
 
 class TableError(ValueError):
