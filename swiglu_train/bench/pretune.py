@@ -17,13 +17,14 @@ import numpy as np
 import torch
 
 from swiglu_train.ops import gemm_choice
+from swiglu_train.ops.concat_gemm import concat_grad_x
 from swiglu_train.ops.quack_mlp import quack_gemm
 
 MARGIN = 0.01  # within 1 % the measurement cannot tell the two apart: keep the default
 BATCH = 5
 # The GEMMs each impl runs as plain products: (name, m, n, k) from the layer's M, D, F, O.
 IMPL_GEMMS = {
-    "drop_h_quack": ("fc2", "grad_w2"),
+    "drop_h_quack": ("fc2", "grad_w2", "grad_x_concat"),
     "save_factors_quack": ("fc2", "grad_w2", "grad_x_packed", "grad_w1_packed"),
 }
 
@@ -46,6 +47,7 @@ def gemm_sizes(gemm: str, tokens: int, hidden: int, ffn: int, out: int) -> tuple
         "fc2": (tokens, out, ffn),  # h @ W2ᵀ
         "grad_w2": (out, ffn, tokens),  # grad_yᵀ @ h
         "grad_x_packed": (tokens, hidden, 2 * ffn),  # grad_preact @ W1
+        "grad_x_concat": (tokens, hidden, 2 * ffn),  # grad_preact (interleaved) @ W1 (canonical)
         "grad_w1_packed": (2 * ffn, hidden, tokens),  # grad_preactᵀ @ x
     }[gemm]
 
@@ -63,6 +65,19 @@ def operands(gemm: str, m: int, n: int, k: int, dtype: torch.dtype) -> tuple:
     else:
         b = torch.randn(k, n, device=device, dtype=dtype)
     return a, b
+
+
+def calls(gemm: str, a: torch.Tensor, b: torch.Tensor) -> dict[str, Callable[[], object]]:
+    """The two ways the impls compute ``gemm``: quack's (with ``concat_layout`` where it reads
+    the interleaved grad_preact against the canonical fc1) and cuBLAS's (after interleaving
+    fc1's rows, ``ops.concat_gemm``)."""
+    quack = quack_gemm()
+    if gemm == "grad_x_concat":
+        return {
+            "quack": lambda: quack(a, b, concat_layout=("B",)),
+            "cublas": lambda: concat_grad_x(a, b),
+        }
+    return {"quack": lambda: quack(a, b), "cublas": lambda: a @ b}
 
 
 def decide(quack_ms: np.ndarray, cublas_ms: np.ndarray, default: str) -> tuple[float, str]:
@@ -106,8 +121,7 @@ def _measure(
     gemm: str, m: int, n: int, k: int, dtype: torch.dtype, samples: int, seed: int
 ) -> Measured:
     a, b = operands(gemm, m, n, k, dtype)
-    quack = quack_gemm()
-    times = _time_pair({"quack": lambda: quack(a, b), "cublas": lambda: a @ b}, samples, seed)
+    times = _time_pair(calls(gemm, a, b), samples, seed)
     ratio, backend = decide(times["quack"], times["cublas"], gemm_choice.DEFAULTS[gemm])
     quack_ms, cublas_ms = float(np.median(times["quack"])), float(np.median(times["cublas"]))
     return Measured(gemm, m, n, k, quack_ms, cublas_ms, ratio, backend)

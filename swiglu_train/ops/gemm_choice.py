@@ -9,7 +9,7 @@ in the shapes that sorts them. So the choice is measured per shape, by
 torch and quack versions, dtype and the GEMM's [m, k] @ [k, n] sizes. A shape the cache does
 not hold keeps the default below: a training step never stalls to time anything.
 
-The defaults are each GEMM's better library over those four shapes: cuBLAS for fc2 (quack
+The plain defaults are each GEMM's better library over those four shapes: cuBLAS for fc2 (quack
 0.95-1.13x of it, slower at 3 of 4) and for grad_x and grad_W1 of the packed layout (1.04-1.15x
 and 1.03-1.45x at 3 of 4); quack for grad_W2 (0.94-0.99x at 3 of 4). The whole steps agree:
 in the H200 model grid's step profiles, ``save_factors_quack``'s three quack GEMMs (fc2, grad_W2,
@@ -33,7 +33,16 @@ from swiglu_train.files import write_json_atomic
 
 QUACK, CUBLAS = "quack", "cublas"
 # Without a measurement: the library that won at most measured shapes (see above).
-DEFAULTS = {"fc2": CUBLAS, "grad_w2": QUACK, "grad_x_packed": CUBLAS, "grad_w1_packed": CUBLAS}
+DEFAULTS = {
+    "fc2": CUBLAS,
+    "grad_w2": QUACK,
+    "grad_x_packed": CUBLAS,
+    "grad_w1_packed": CUBLAS,
+    # drop_h_quack's grad_x: quack reads the interleaved grad_preact against the canonical fc1
+    # in one GEMM (concat_layout); cuBLAS needs fc1's rows interleaved first, a copy per step
+    # (``ops.concat_gemm``). Unmeasured at the step level, so quack until pretune says otherwise.
+    "grad_x_concat": QUACK,
+}
 SCHEMA = 1
 
 

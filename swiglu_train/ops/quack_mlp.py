@@ -5,13 +5,14 @@ Backward is one GEMM that computes grad_h = grad_y @ W2 and, in its epilogue, bo
 (from the saved preactivation) and h again for fc2's weight grad (``gemm_dgated``): grad_h
 never reaches memory. With ``inplace`` grad_preact is written over the saved preactivation;
 each output tile reads its own preact tile before writing it, so the aliasing is safe, and
-backward allocates no [M, 2F] buffer. grad_x and grad_W1 run on quack's plain GEMM with its
-static persistent schedule (the static schedule beat the dynamic one on each backward GEMM,
-probe_quack_schedulers_h200.json), since only quack reads the interleaved grad_preact against
-the canonical fc1 (``concat_layout``); fc2 and grad_W2 run on quack or cuBLAS as
-``ops.gemm_choice`` says. Fusing SwiGLU into the GEMM epilogues is the route to the floor that
-our Triton GEMMs cannot take on the H200 (Triton 3.6 trails cuBLAS by 4-17 % there, and its
-Hopper warp specialization miscompiles the gated GEMM: benchmarks/results/probe_ws_h200.json).
+backward allocates no [M, 2F] buffer. grad_W1 runs on quack's plain GEMM with its static
+persistent schedule (the static schedule beat the dynamic one on each backward GEMM,
+probe_quack_schedulers_h200.json), since only quack writes the interleaved grad_preact's
+product in the canonical fc1 row order (``concat_layout``); fc2, grad_W2 and grad_x run on
+quack or cuBLAS as ``ops.gemm_choice`` says (grad_x on cuBLAS through ``ops.concat_gemm``).
+Fusing SwiGLU into the GEMM epilogues is the route to the floor that our Triton GEMMs cannot
+take on the H200 (Triton 3.6 trails cuBLAS by 4-17 % there, and its Hopper warp specialization
+miscompiles the gated GEMM: benchmarks/results/probe_ws_h200.json).
 
 Saved tensors are drop_h's (x and the [M, 2F] preactivation). quack keeps the preactivation
 gate/up interleaved per column, but its ``concat_layout`` reads fc1 and writes fc1's grads in
@@ -26,6 +27,7 @@ import torch
 
 from swiglu_train.kernels.runtime import device_capability
 from swiglu_train.ops import gemm_choice
+from swiglu_train.ops.concat_gemm import concat_grad_x
 from swiglu_train.ops.mlp import (
     SECOND_BACKWARD_ERROR,
     SECOND_BACKWARD_FREED_ERROR,
@@ -237,6 +239,13 @@ def n_clustered_config(tile_n: int):
     )  # fmt: skip
 
 
+def _grad_x(grad_preact: torch.Tensor, fc1_weight: torch.Tensor) -> torch.Tensor:
+    """grad_preact (interleaved) @ fc1 (canonical) on the library ``gemm_choice`` has here."""
+    if gemm_choice.backend("grad_x_concat", grad_preact, fc1_weight) == gemm_choice.CUBLAS:
+        return concat_grad_x(grad_preact, fc1_weight)
+    return quack_gemm()(grad_preact, fc1_weight, concat_layout=("B",))
+
+
 def _canonical_bias_grad(grad_preact: torch.Tensor) -> torch.Tensor:
     """Sum of the interleaved [g0, u0, g1, u1, ...] grad over rows, as [grad_gate; grad_up]."""
     return grad_preact.sum(0).view(-1, 2).t().reshape(-1)
@@ -271,7 +280,7 @@ class _DropHQuack(torch.autograd.Function):
         gemm = quack_gemm()
         grad_w2 = chosen_gemm("grad_w2", grad_y.t(), h) if need_w2 else None
         del h  # frees [M, F] before the two largest GEMM outputs are allocated
-        grad_x = gemm(grad_preact, fc1_weight, concat_layout=("B",)) if need_x else None
+        grad_x = _grad_x(grad_preact, fc1_weight) if need_x else None
         grad_w1 = gemm(grad_preact.t(), x, concat_layout=("out",)) if need_w1 else None
         grad_b1 = _canonical_bias_grad(grad_preact) if need_b1 and ctx.has_bias[0] else None
         grad_b2 = grad_y.sum(0) if need_b2 and ctx.has_bias[1] else None
