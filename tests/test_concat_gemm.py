@@ -6,7 +6,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from swiglu_train.ops.concat_gemm import ROW_ALIGN, chunk_rows, concat_grad_x, interleaved_rows
+from swiglu_train.ops.concat_gemm import (
+    ROW_ALIGN,
+    chunk_rows,
+    concat_grad_w1,
+    concat_grad_x,
+    interleaved_rows,
+)
 
 
 def _interleave_columns(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
@@ -28,6 +34,21 @@ def test_concat_grad_x_is_the_de_interleaved_product(m, d, ffn):
     fc1 = torch.randn(2 * ffn, d, dtype=torch.float64)  # canonical [W_gate; W_up]
     expected = grad_gate @ fc1[:ffn] + grad_up @ fc1[ffn:]
     actual = concat_grad_x(_interleave_columns(grad_gate, grad_up), fc1)
+    torch.testing.assert_close(actual, expected, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize(
+    ("m", "d", "ffn"),
+    [(16, 64, 40), (16, 64, 37), (512, 16, 24), (1, 8, 3), (300, 96, 200)],
+    ids=["five-chunks", "odd-F", "one-chunk", "tiny", "uneven"],
+)
+def test_concat_grad_w1_is_the_canonical_weight_grad(m, d, ffn):
+    torch.manual_seed(2)
+    grad_gate = torch.randn(m, ffn, dtype=torch.float64)
+    grad_up = torch.randn(m, ffn, dtype=torch.float64)
+    x = torch.randn(m, d, dtype=torch.float64)
+    expected = torch.cat((grad_gate.t() @ x, grad_up.t() @ x))  # [grad_W_gate; grad_W_up]
+    actual = concat_grad_w1(_interleave_columns(grad_gate, grad_up), x)
     torch.testing.assert_close(actual, expected, rtol=1e-12, atol=1e-12)
 
 

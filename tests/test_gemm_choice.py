@@ -29,7 +29,7 @@ def test_without_a_cache_every_gemm_keeps_its_default():
     # the library that won at most of the four shapes of probe_quack_gemms_h200.json
     assert gemm_choice.DEFAULTS == {
         "fc2": "cublas", "grad_w2": "quack", "grad_x_packed": "cublas", "grad_w1_packed": "cublas",
-        "grad_x_concat": "quack",  # not yet measured at the step level: quack, as before
+        "grad_x_concat": "quack", "grad_w1_concat": "quack",  # not yet measured in a step
     }  # fmt: skip
 
 
@@ -85,14 +85,16 @@ def test_gemm_sizes_are_the_products_the_impls_run():
     assert pretune.gemm_sizes("grad_x_packed", m, d, f, o) == (m, d, 2 * f)
     assert pretune.gemm_sizes("grad_w1_packed", m, d, f, o) == (2 * f, d, m)
     assert pretune.gemm_sizes("grad_x_concat", m, d, f, o) == (m, d, 2 * f)
+    assert pretune.gemm_sizes("grad_w1_concat", m, d, f, o) == (2 * f, d, m)
 
 
 def test_planned_times_each_gemm_once():
     shapes = [(8000, 4096, 11008, 4096), (4096, 4096, 11008, 4096)]
     plan = pretune.planned(shapes, ["drop_h_quack", "save_factors_quack"])
-    assert len(plan) == len(set(plan)) == 10  # 5 GEMMs x 2 token counts, fc2/grad_w2 shared
+    assert len(plan) == len(set(plan)) == 12  # 6 GEMMs x 2 token counts, fc2/grad_w2 shared
     assert pretune.planned(shapes[:1], ["drop_h_quack"]) == [
         ("fc2", 8000, 4096, 11008),
+        ("grad_w1_concat", 22016, 4096, 8000),
         ("grad_w2", 4096, 11008, 8000),
         ("grad_x_concat", 8000, 4096, 22016),
     ]

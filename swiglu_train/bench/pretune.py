@@ -17,14 +17,14 @@ import numpy as np
 import torch
 
 from swiglu_train.ops import gemm_choice
-from swiglu_train.ops.concat_gemm import concat_grad_x
+from swiglu_train.ops.concat_gemm import concat_grad_w1, concat_grad_x
 from swiglu_train.ops.quack_mlp import quack_gemm
 
 MARGIN = 0.01  # within 1 % the measurement cannot tell the two apart: keep the default
 BATCH = 5
 # The GEMMs each impl runs as plain products: (name, m, n, k) from the layer's M, D, F, O.
 IMPL_GEMMS = {
-    "drop_h_quack": ("fc2", "grad_w2", "grad_x_concat"),
+    "drop_h_quack": ("fc2", "grad_w2", "grad_x_concat", "grad_w1_concat"),
     "save_factors_quack": ("fc2", "grad_w2", "grad_x_packed", "grad_w1_packed"),
 }
 
@@ -48,6 +48,7 @@ def gemm_sizes(gemm: str, tokens: int, hidden: int, ffn: int, out: int) -> tuple
         "grad_w2": (out, ffn, tokens),  # grad_yᵀ @ h
         "grad_x_packed": (tokens, hidden, 2 * ffn),  # grad_preact @ W1
         "grad_x_concat": (tokens, hidden, 2 * ffn),  # grad_preact (interleaved) @ W1 (canonical)
+        "grad_w1_concat": (2 * ffn, hidden, tokens),  # grad_preact (interleaved)ᵀ @ x
         "grad_w1_packed": (2 * ffn, hidden, tokens),  # grad_preactᵀ @ x
     }[gemm]
 
@@ -56,7 +57,7 @@ def operands(gemm: str, m: int, n: int, k: int, dtype: torch.dtype) -> tuple:
     """a [m, k] and b [k, n] with the strides the impls pass: a transposed view where the impl
     passes one (grad_yᵀ, grad_preactᵀ, W2ᵀ)."""
     device = "cuda"
-    if gemm in ("grad_w2", "grad_w1_packed"):  # a = (an [k, m] activation)ᵀ
+    if gemm in ("grad_w2", "grad_w1_packed", "grad_w1_concat"):  # a = (an [k, m] activation)ᵀ
         a = torch.randn(k, m, device=device, dtype=dtype).t()
     else:
         a = torch.randn(m, k, device=device, dtype=dtype)
@@ -68,14 +69,19 @@ def operands(gemm: str, m: int, n: int, k: int, dtype: torch.dtype) -> tuple:
 
 
 def calls(gemm: str, a: torch.Tensor, b: torch.Tensor) -> dict[str, Callable[[], object]]:
-    """The two ways the impls compute ``gemm``: quack's (with ``concat_layout`` where it reads
-    the interleaved grad_preact against the canonical fc1) and cuBLAS's (after interleaving
-    fc1's rows, ``ops.concat_gemm``)."""
+    """The two ways the impls compute ``gemm``: quack's (with ``concat_layout`` where it pairs
+    the interleaved grad_preact with the canonical fc1) and cuBLAS's (``ops.concat_gemm``
+    there)."""
     quack = quack_gemm()
     if gemm == "grad_x_concat":
         return {
             "quack": lambda: quack(a, b, concat_layout=("B",)),
             "cublas": lambda: concat_grad_x(a, b),
+        }
+    if gemm == "grad_w1_concat":  # a = grad_preactᵀ
+        return {
+            "quack": lambda: quack(a, b, concat_layout=("out",)),
+            "cublas": lambda: concat_grad_w1(a.t(), b),
         }
     return {"quack": lambda: quack(a, b), "cublas": lambda: a @ b}
 

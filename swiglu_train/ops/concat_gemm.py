@@ -1,13 +1,15 @@
-"""drop_h_quack's grad_x on cuBLAS: grad_preact, gate/up interleaved per column as quack writes
-it, times fc1 in our canonical [W_gate; W_up] rows.
+"""drop_h_quack's grad_x and grad_W1 on cuBLAS. quack writes grad_preact with gate and up
+interleaved per column ([g_0, u_0, g_1, u_1, ...]) while fc1 and its grad are our canonical
+[W_gate; W_up] rows.
 
-quack's GEMM reads that pairing directly (``concat_layout``), but at three of four H200
-training shapes its concat grad_x ran 1.10-1.63x cuBLAS's plain one
-(benchmarks/results/probe_quack_gemms_h200.json). cuBLAS needs fc1's rows in the same pair
-order as grad_preact's columns, which is a copy of fc1 each step. The copy is made in row
-chunks, each at most the bytes of the [M, F] h that backward has just freed, so that the peak
-does not rise; each chunk's product accumulates into grad_x. Whether the copy pays is a
-per-shape question for ``swiglu-train pretune`` (``ops.gemm_choice``, GEMM ``grad_x_concat``).
+quack's GEMM reads and writes that pairing directly (``concat_layout``), but at three of four
+H200 training shapes its concat grad_x ran 1.10-1.63x cuBLAS's plain one and its grad_W1
+1.03-1.45x (benchmarks/results/probe_quack_gemms_h200.json). cuBLAS needs the pair order on
+both sides: grad_x reads fc1's rows interleaved, a copy; grad_W1 comes out interleaved and is
+scattered into the canonical rows. Both go in row chunks, each temporary at most the bytes of
+the [M, F] h that backward has just freed, so that the peak does not rise. Whether the copies
+pay is a per-shape question for ``swiglu-train pretune`` (``ops.gemm_choice``: GEMMs
+``grad_x_concat`` and ``grad_w1_concat``).
 """
 
 from __future__ import annotations
@@ -45,3 +47,18 @@ def concat_grad_x(grad_preact: torch.Tensor, fc1_weight: torch.Tensor) -> torch.
         grad_x = part @ weight if grad_x is None else grad_x.addmm_(part, weight)
         del weight  # the next chunk's copy reuses this one's memory
     return grad_x
+
+
+def concat_grad_w1(grad_preact: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """grad_preact (interleaved)ᵀ @ x [M, D], as canonical [grad_W_gate; grad_W_up] rows, on
+    cuBLAS: each chunk's interleaved [2·rows, D] product scattered into its gate and up rows."""
+    m, ffn, d = x.shape[0], grad_preact.shape[1] // 2, x.shape[1]
+    grad_w1 = torch.empty(2 * ffn, d, dtype=x.dtype, device=x.device)
+    rows = chunk_rows(m, d, ffn)
+    for start in range(0, ffn, rows):
+        stop = min(start + rows, ffn)
+        pairs = (grad_preact[:, 2 * start : 2 * stop].t() @ x).view(stop - start, 2, d)
+        grad_w1[start:stop] = pairs[:, 0]
+        grad_w1[ffn + start : ffn + stop] = pairs[:, 1]
+        del pairs
+    return grad_w1

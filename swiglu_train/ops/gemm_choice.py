@@ -38,10 +38,11 @@ DEFAULTS = {
     "grad_w2": QUACK,
     "grad_x_packed": CUBLAS,
     "grad_w1_packed": CUBLAS,
-    # drop_h_quack's grad_x: quack reads the interleaved grad_preact against the canonical fc1
-    # in one GEMM (concat_layout); cuBLAS needs fc1's rows interleaved first, a copy per step
-    # (``ops.concat_gemm``). Unmeasured at the step level, so quack until pretune says otherwise.
+    # drop_h_quack's grad_x and grad_W1: quack pairs the interleaved grad_preact with the
+    # canonical fc1 inside one GEMM (concat_layout); cuBLAS needs a chunked copy or scatter per
+    # step (``ops.concat_gemm``). Unmeasured at the step level: quack until pretune says so.
     "grad_x_concat": QUACK,
+    "grad_w1_concat": QUACK,
 }
 SCHEMA = 1
 

@@ -5,11 +5,11 @@ Backward is one GEMM that computes grad_h = grad_y @ W2 and, in its epilogue, bo
 (from the saved preactivation) and h again for fc2's weight grad (``gemm_dgated``): grad_h
 never reaches memory. With ``inplace`` grad_preact is written over the saved preactivation;
 each output tile reads its own preact tile before writing it, so the aliasing is safe, and
-backward allocates no [M, 2F] buffer. grad_W1 runs on quack's plain GEMM with its static
-persistent schedule (the static schedule beat the dynamic one on each backward GEMM,
-probe_quack_schedulers_h200.json), since only quack writes the interleaved grad_preact's
-product in the canonical fc1 row order (``concat_layout``); fc2, grad_W2 and grad_x run on
-quack or cuBLAS as ``ops.gemm_choice`` says (grad_x on cuBLAS through ``ops.concat_gemm``).
+backward allocates no [M, 2F] buffer. The other four GEMMs run on quack (untuned, static
+persistent schedule: it beat the dynamic one on each backward GEMM,
+probe_quack_schedulers_h200.json) or cuBLAS, as ``ops.gemm_choice`` says; grad_x and grad_W1
+pair the interleaved grad_preact with the canonical fc1, which quack does inside its GEMM
+(``concat_layout``) and cuBLAS through ``ops.concat_gemm``.
 Fusing SwiGLU into the GEMM epilogues is the route to the floor that our Triton GEMMs cannot
 take on the H200 (Triton 3.6 trails cuBLAS by 4-17 % there, and its Hopper warp specialization
 miscompiles the gated GEMM: benchmarks/results/probe_ws_h200.json).
@@ -27,7 +27,7 @@ import torch
 
 from swiglu_train.kernels.runtime import device_capability
 from swiglu_train.ops import gemm_choice
-from swiglu_train.ops.concat_gemm import concat_grad_x
+from swiglu_train.ops.concat_gemm import concat_grad_w1, concat_grad_x
 from swiglu_train.ops.mlp import (
     SECOND_BACKWARD_ERROR,
     SECOND_BACKWARD_FREED_ERROR,
@@ -246,6 +246,13 @@ def _grad_x(grad_preact: torch.Tensor, fc1_weight: torch.Tensor) -> torch.Tensor
     return quack_gemm()(grad_preact, fc1_weight, concat_layout=("B",))
 
 
+def _grad_w1(grad_preact: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """grad_preact (interleaved)ᵀ @ x as canonical fc1 rows, on the library chosen here."""
+    if gemm_choice.backend("grad_w1_concat", grad_preact.t(), x) == gemm_choice.CUBLAS:
+        return concat_grad_w1(grad_preact, x)
+    return quack_gemm()(grad_preact.t(), x, concat_layout=("out",))
+
+
 def _canonical_bias_grad(grad_preact: torch.Tensor) -> torch.Tensor:
     """Sum of the interleaved [g0, u0, g1, u1, ...] grad over rows, as [grad_gate; grad_up]."""
     return grad_preact.sum(0).view(-1, 2).t().reshape(-1)
@@ -277,11 +284,10 @@ class _DropHQuack(torch.autograd.Function):
             grad_y, fc2_weight, preact, activation="swiglu", tuned=False,
             dynamic_scheduler=False, dx_out=preact if inplace else None,
         )  # fmt: skip
-        gemm = quack_gemm()
         grad_w2 = chosen_gemm("grad_w2", grad_y.t(), h) if need_w2 else None
         del h  # frees [M, F] before the two largest GEMM outputs are allocated
         grad_x = _grad_x(grad_preact, fc1_weight) if need_x else None
-        grad_w1 = gemm(grad_preact.t(), x, concat_layout=("out",)) if need_w1 else None
+        grad_w1 = _grad_w1(grad_preact, x) if need_w1 else None
         grad_b1 = _canonical_bias_grad(grad_preact) if need_b1 and ctx.has_bias[0] else None
         grad_b2 = grad_y.sum(0) if need_b2 and ctx.has_bias[1] else None
         return grad_x, grad_w1, grad_b1, grad_w2, grad_b2, None
