@@ -1,7 +1,9 @@
 """The quack impls' per-shape GEMM library choice: the cache, its keys and defaults, the
 pretune decision, and the command's refusals (the timing itself runs on the GPU)."""
 
+import importlib.util
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -11,6 +13,8 @@ from typer.testing import CliRunner
 from swiglu_train.bench import pretune
 from swiglu_train.cli import app
 from swiglu_train.ops import gemm_choice
+
+ROOT = Path(__file__).resolve().parents[1]
 
 H200 = "NVIDIA H200"
 
@@ -156,3 +160,22 @@ def test_cublas_choices_compute_the_same_mlp(cache_dir):
     rows = pretune.pretune([(m, d, f, d)], ["save_factors_quack"], torch.bfloat16, samples=30)
     assert {r.gemm for r in rows} == set(gemm_choice.DEFAULTS)
     assert all(r.backend in ("quack", "cublas") and r.quack_ms > 0 for r in rows)
+
+
+def test_the_defaults_probe_counts_wins_past_the_margin_per_gemm():
+    """scripts/probe_gemm_defaults.py's summary: a 1 % tie counts for neither library, and the
+    majority decides (quack on an even split)."""
+    spec = importlib.util.spec_from_file_location(
+        "probe_gemm_defaults", ROOT / "scripts/probe_gemm_defaults.py"
+    )
+    probe = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(probe)
+    rows = [{"gemm": "fc2", "cublas_over_quack": r} for r in (0.95, 0.97, 1.005, 1.03)]
+    rows += [{"gemm": "grad_w2", "cublas_over_quack": r} for r in (0.95, 1.05)]
+    summary = probe.summarise(rows, 0.01)
+    assert summary["fc2"] == {
+        "shapes": 4, "cublas_wins": 2, "quack_wins": 1,
+        "median_cublas_over_quack": pytest.approx(0.9875), "min": 0.95, "max": 1.03,
+        "majority": "cublas",
+    }  # fmt: skip
+    assert summary["grad_w2"]["majority"] == "quack"

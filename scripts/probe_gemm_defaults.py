@@ -1,0 +1,81 @@
+"""quack against cuBLAS on every GEMM choice of the quack impls (``ops.gemm_choice``), at the
+model grid's shapes: the evidence for each GEMM's default library (issue 18).
+
+A default holds for every shape no one pretuned, so it should be the library that wins at
+most shapes users train, not at one. This times each GEMM the way ``swiglu-train pretune``
+does (paired, random order, batches between events) at every (M, D, F) of the grid, in a
+throwaway cache, and summarises per GEMM: how often cuBLAS is more than 1 % faster, more than
+1 % slower, and the median ratio. Set ``gemm_choice.DEFAULTS`` from the summary.
+
+    python scripts/probe_gemm_defaults.py --json $OUT/probe_gemm_defaults_h200.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import sys
+import tempfile
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+from swiglu_train.bench.grid_models import grid_shapes
+from swiglu_train.bench.mlp import environment, git_commit
+from swiglu_train.files import write_json_atomic
+
+GRID_M = (4096, 8000, 16384)
+
+
+def summarise(rows: Sequence[dict], margin: float) -> dict[str, dict]:
+    """Per GEMM: shapes measured, cuBLAS wins and losses past ``margin``, the median and range
+    of cuBLAS / quack, and the library that wins more often (quack on a tie)."""
+    out = {}
+    for gemm in sorted({r["gemm"] for r in rows}):
+        ratios = np.array([r["cublas_over_quack"] for r in rows if r["gemm"] == gemm])
+        wins, losses = int((ratios < 1 - margin).sum()), int((ratios > 1 + margin).sum())
+        out[gemm] = {
+            "shapes": len(ratios), "cublas_wins": wins, "quack_wins": losses,
+            "median_cublas_over_quack": float(np.median(ratios)),
+            "min": float(ratios.min()), "max": float(ratios.max()),
+            "majority": "cublas" if wins > losses else "quack",
+        }  # fmt: skip
+    return out
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--json", required=True)
+    parser.add_argument("--m", type=int, nargs="*", default=list(GRID_M))
+    parser.add_argument("--samples", type=int, default=30)
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("error: this probe needs a CUDA GPU")
+    os.environ["SWIGLU_TRAIN_CACHE_DIR"] = tempfile.mkdtemp()  # never the user's cache
+    from swiglu_train.bench.pretune import IMPL_GEMMS, MARGIN, pretune
+    from swiglu_train.ops import gemm_choice
+
+    gemm_choice.forget()
+    shapes = [(m, s.d, s.f, s.d) for s in grid_shapes() for m in args.m]
+    rows = []
+    for shape in shapes:  # one shape at a time, so a call cut short keeps what it measured
+        for r in pretune([shape], list(IMPL_GEMMS), torch.bfloat16, args.samples):
+            rows.append({"M": shape[0], "D": shape[1], "F": shape[2], **dataclasses.asdict(r)})
+            print(f"{shape} {r.gemm}: cuBLAS / quack {r.cublas_over_quack:.3f}", flush=True)
+        result = {
+            "command": " ".join([os.path.basename(sys.executable), *sys.argv]),
+            "commit": git_commit(), "environment": environment(torch.device("cuda"), None),
+            "dtype": "bf16", "samples": args.samples, "margin": MARGIN,
+            "defaults_now": dict(gemm_choice.DEFAULTS),
+            "summary": summarise(rows, MARGIN), "rows": rows,
+        }  # fmt: skip
+        write_json_atomic(args.json, result)
+    for gemm, s in result["summary"].items():
+        print(gemm, s)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
