@@ -1,6 +1,9 @@
 #!/usr/bin/env bash
 # The GPU work of the open issues, in stages, for the device tool (each stage < 10 minutes):
 #   bash scripts/gpu_session.sh STAGE [STAGE...]      results land in $OUT (default ./gpu-out)
+# To run committed code while the working tree changes: `bash scripts/device_snapshot.sh` here,
+# carry .src with the wheel folders, and `bash scripts/device_run.sh STAGE[:SECONDS]...` on the
+# box (a fresh folder per call, setup included, every result file copied flat into $OUT).
 # Stages:
 #   setup      install carried wheels (.whl + .whlx: peers; .whlw: wandb, megatron-core;
 #              .whlt: pytest-xdist; .whlm: megatron-core alone) when present
