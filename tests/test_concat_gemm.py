@@ -14,17 +14,19 @@ from swiglu_train.ops.concat_gemm import (
     interleaved_rows,
 )
 
+SHAPES = pytest.mark.parametrize(
+    ("m", "d", "ffn"),
+    [(16, 64, 40), (16, 64, 37), (512, 16, 24), (1, 8, 3), (300, 96, 200)],
+    ids=["five-chunks", "odd-F", "one-chunk", "tiny", "uneven"],
+)
+
 
 def _interleave_columns(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """[g_0, u_0, g_1, u_1, ...] per row, as quack writes grad_preact."""
     return torch.stack((gate, up), dim=2).reshape(gate.shape[0], -1)
 
 
-@pytest.mark.parametrize(
-    ("m", "d", "ffn"),
-    [(16, 64, 40), (16, 64, 37), (512, 16, 24), (1, 8, 3), (300, 96, 200)],
-    ids=["five-chunks", "odd-F", "one-chunk", "tiny", "uneven"],
-)
+@SHAPES
 def test_concat_grad_x_is_the_de_interleaved_product(m, d, ffn):
     torch.manual_seed(0)
     grad_gate, grad_up = (
@@ -37,11 +39,7 @@ def test_concat_grad_x_is_the_de_interleaved_product(m, d, ffn):
     torch.testing.assert_close(actual, expected, rtol=1e-12, atol=1e-12)
 
 
-@pytest.mark.parametrize(
-    ("m", "d", "ffn"),
-    [(16, 64, 40), (16, 64, 37), (512, 16, 24), (1, 8, 3), (300, 96, 200)],
-    ids=["five-chunks", "odd-F", "one-chunk", "tiny", "uneven"],
-)
+@SHAPES
 def test_concat_grad_w1_is_the_canonical_weight_grad(m, d, ffn):
     torch.manual_seed(2)
     grad_gate = torch.randn(m, ffn, dtype=torch.float64)
