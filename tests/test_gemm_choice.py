@@ -179,3 +179,29 @@ def test_the_defaults_probe_counts_wins_past_the_margin_per_gemm():
         "majority": "cublas",
     }  # fmt: skip
     assert summary["grad_w2"]["majority"] == "quack"
+
+
+def test_pretune_takes_a_model_s_shapes_from_its_pretrain_config():
+    from swiglu_train.cli.tune import pretune_shapes
+    from swiglu_train.integrations.lightning.config import load_config
+
+    cfg = load_config("1b")
+    d, f = cfg.model.hidden_size, cfg.model.ffn_hidden_size
+    tokens = cfg.data.micro_batch_size * cfg.data.seq_length
+    assert pretune_shapes("1b", None, None, None, None) == [(tokens, d, f, d)]
+    # options beside the config override it
+    assert pretune_shapes("1b", None, None, "512,1024", None) == [(512, d, f, d), (1024, d, f, d)]
+    assert pretune_shapes(None, 64, 128, "256", 32) == [(256, 64, 128, 32)]
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--hidden-size", "64", "--tokens", "256"], "give --config (a pretrain config), or"),
+        (["--config", "nope"], "config 'nope' not found; named configs:"),
+    ],
+)
+def test_pretune_names_what_is_missing_or_unknown(args, message):
+    result = CliRunner().invoke(app, ["pretune", *args])
+    assert result.exit_code != 0
+    assert message in " ".join(result.output.split())

@@ -14,13 +14,47 @@ from swiglu_train.cli.app import app, console, parse_ints, progress_bars
 DTYPES = ("bf16", "fp16")
 
 
+def pretune_shapes(
+    config: str | None,
+    hidden_size: int | None,
+    ffn_hidden_size: int | None,
+    tokens: str | None,
+    output_size: int | None,
+) -> list[tuple[int, int, int, int]]:
+    """The (M, D, F, O) to time: from the options, or from a pretrain config's model and
+    micro-batch x sequence length, which options given beside it override."""
+    if config is not None:
+        from swiglu_train.integrations.lightning.config import load_config
+
+        try:
+            cfg = load_config(config)
+        except (FileNotFoundError, ValueError) as e:
+            raise typer.BadParameter(str(e), param_hint="'--config'") from None
+        hidden_size = hidden_size or cfg.model.hidden_size
+        ffn_hidden_size = ffn_hidden_size or cfg.model.ffn_hidden_size
+        tokens = tokens or str(cfg.data.micro_batch_size * cfg.data.seq_length)
+    if hidden_size is None or ffn_hidden_size is None or tokens is None:
+        raise typer.BadParameter(
+            "give --config (a pretrain config), or --hidden-size, --ffn-hidden-size and --tokens"
+        )
+    out = output_size or hidden_size
+    return [(m, hidden_size, ffn_hidden_size, out) for m in parse_ints(tokens, "'--tokens'")]
+
+
 @app.command()
 def pretune(
-    hidden_size: Annotated[int, typer.Option(min=1, help="D, the model width")],
-    ffn_hidden_size: Annotated[int, typer.Option(min=1, help="F, per tensor-parallel rank")],
+    config: Annotated[
+        str | None,
+        typer.Option(help="a pretrain config (name or YAML): D, F and M from its model and data"),
+    ] = None,
+    hidden_size: Annotated[int | None, typer.Option(min=1, help="D, the model width")] = None,
+    ffn_hidden_size: Annotated[
+        int | None, typer.Option(min=1, help="F, per tensor-parallel rank")
+    ] = None,
     tokens: Annotated[
-        str, typer.Option(help="M, tokens per micro-batch (batch x sequence), comma-separated")
-    ],
+        str | None,
+        typer.Option(help="M, tokens per micro-batch (batch x sequence), comma-separated"),
+    ] = None,
     output_size: Annotated[
         int | None, typer.Option(min=1, help="fc2's output size O (default: D)")
     ] = None,
@@ -47,12 +81,10 @@ def pretune(
         )
     if dtype not in DTYPES:
         raise typer.BadParameter(f"one of {list(DTYPES)}, got {dtype!r}", param_hint="'--dtype'")
-    counts = parse_ints(tokens, "'--tokens'")
+    shapes = pretune_shapes(config, hidden_size, ffn_hidden_size, tokens, output_size)
     reason = quack_unavailable_reason()
     if reason is not None:
         raise typer.BadParameter(f"the quack impls cannot run here: {reason}")
-    out = output_size or hidden_size
-    shapes = [(m, hidden_size, ffn_hidden_size, out) for m in counts]
     torch_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
     with progress_bars() as progress:
         tick = progress("timing quack and cuBLAS", len(planned(shapes, names)))
