@@ -54,14 +54,14 @@ def main() -> int:
     if not torch.cuda.is_available():
         raise SystemExit("error: this probe needs a CUDA GPU")
     os.environ["SWIGLU_TRAIN_CACHE_DIR"] = tempfile.mkdtemp()  # never the user's cache
-    from swiglu_train.bench.pretune import IMPL_GEMMS, MARGIN, pretune
+    from swiglu_train.bench.pretune import MARGIN, pretune
     from swiglu_train.ops import gemm_choice
 
     gemm_choice.forget()
     shapes = [(m, s.d, s.f, s.d) for s in grid_shapes() for m in args.m]
     rows = []
     for shape in shapes:  # one shape at a time, so a call cut short keeps what it measured
-        for r in pretune([shape], list(IMPL_GEMMS), torch.bfloat16, args.samples):
+        for r in pretune([shape], list(gemm_choice.IMPL_GEMMS), torch.bfloat16, args.samples):
             rows.append({"M": shape[0], "D": shape[1], "F": shape[2], **dataclasses.asdict(r)})
             print(f"{shape} {r.gemm}: cuBLAS / quack {r.cublas_over_quack:.3f}", flush=True)
         result = {

@@ -84,12 +84,12 @@ def test_an_unreadable_cache_warns_and_keeps_the_defaults(cache_dir, content):
 
 def test_gemm_sizes_are_the_products_the_impls_run():
     m, d, f, o = 8000, 4096, 11008, 4096
-    assert pretune.gemm_sizes("fc2", m, d, f, o) == (m, o, f)  # h [M, F] @ W2ᵀ [F, O]
-    assert pretune.gemm_sizes("grad_w2", m, d, f, o) == (o, f, m)  # grad_yᵀ [O, M] @ h
-    assert pretune.gemm_sizes("grad_x_packed", m, d, f, o) == (m, d, 2 * f)
-    assert pretune.gemm_sizes("grad_w1_packed", m, d, f, o) == (2 * f, d, m)
-    assert pretune.gemm_sizes("grad_x_concat", m, d, f, o) == (m, d, 2 * f)
-    assert pretune.gemm_sizes("grad_w1_concat", m, d, f, o) == (2 * f, d, m)
+    assert gemm_choice.gemm_sizes("fc2", m, d, f, o) == (m, o, f)  # h [M, F] @ W2ᵀ [F, O]
+    assert gemm_choice.gemm_sizes("grad_w2", m, d, f, o) == (o, f, m)  # grad_yᵀ [O, M] @ h
+    assert gemm_choice.gemm_sizes("grad_x_packed", m, d, f, o) == (m, d, 2 * f)
+    assert gemm_choice.gemm_sizes("grad_w1_packed", m, d, f, o) == (2 * f, d, m)
+    assert gemm_choice.gemm_sizes("grad_x_concat", m, d, f, o) == (m, d, 2 * f)
+    assert gemm_choice.gemm_sizes("grad_w1_concat", m, d, f, o) == (2 * f, d, m)
 
 
 def test_planned_times_each_gemm_once():
@@ -144,7 +144,7 @@ def test_cublas_choices_compute_the_same_mlp(cache_dir):
     m, d, f = 1000, 256, 512
     name = torch.cuda.get_device_name()
     entries = {
-        gemm_choice.key(g, *pretune.gemm_sizes(g, m, d, f, d), torch.bfloat16, name): {
+        gemm_choice.key(g, *gemm_choice.gemm_sizes(g, m, d, f, d), torch.bfloat16, name): {
             "backend": "cublas"
         }
         for g in gemm_choice.DEFAULTS
@@ -205,3 +205,33 @@ def test_pretune_names_what_is_missing_or_unknown(args, message):
     result = CliRunner().invoke(app, ["pretune", *args])
     assert result.exit_code != 0
     assert message in " ".join(result.output.split())
+
+
+def test_untimed_lists_the_gemms_no_pretune_chose_at_that_shape(cache_dir):
+    shape = (8000, 4096, 11008, 4096)
+    timed = gemm_choice.key("fc2", *gemm_choice.gemm_sizes("fc2", *shape), torch.bfloat16, H200)
+    gemm_choice.record({timed: {"backend": "cublas"}})
+    assert gemm_choice.untimed("save_factors_quack", shape, torch.bfloat16, H200) == [
+        "grad_w2", "grad_x_packed", "grad_w1_packed"
+    ]  # fmt: skip
+    assert "fc2" in gemm_choice.untimed("save_factors_quack", shape, torch.float16, H200)
+    assert gemm_choice.untimed("drop_h", shape, torch.bfloat16, H200) == []  # no choices
+
+
+def test_pretrain_names_the_untimed_gemms_and_the_command_that_times_them(cache_dir):
+    from swiglu_train.integrations.lightning.pretune_hint import hints
+
+    layers = [("drop_h_quack", 4096, 11008, 4096)] * 3  # one line per distinct layer
+    (line,) = hints(layers, 8192, torch.bfloat16, H200)
+    assert line.startswith("drop_h_quack at [M, D, F] = [8192, 4096, 11008]: fc2, grad_w2, ")
+    assert (
+        "`swiglu-train pretune --hidden-size 4096 --ffn-hidden-size 11008 --tokens 8192 "
+        "--impls drop_h_quack` times them once" in line
+    )
+    entries = {
+        gemm_choice.key(g, *gemm_choice.gemm_sizes(g, 8192, 4096, 11008, 4096), torch.bfloat16,
+                        H200): {"backend": "quack"}
+        for g in gemm_choice.IMPL_GEMMS["drop_h_quack"]
+    }  # fmt: skip
+    gemm_choice.record(entries)
+    assert hints(layers, 8192, torch.bfloat16, H200) == []  # all timed: nothing to say

@@ -22,11 +22,6 @@ from swiglu_train.ops.quack_mlp import quack_gemm
 
 MARGIN = 0.01  # within 1 % the measurement cannot tell the two apart: keep the default
 BATCH = 5
-# The GEMMs each impl runs as plain products: (name, m, n, k) from the layer's M, D, F, O.
-IMPL_GEMMS = {
-    "drop_h_quack": ("fc2", "grad_w2", "grad_x_concat", "grad_w1_concat"),
-    "save_factors_quack": ("fc2", "grad_w2", "grad_x_packed", "grad_w1_packed"),
-}
 
 
 @dataclass(frozen=True)
@@ -39,18 +34,6 @@ class Measured:
     cublas_ms: float
     cublas_over_quack: float
     backend: str
-
-
-def gemm_sizes(gemm: str, tokens: int, hidden: int, ffn: int, out: int) -> tuple[int, int, int]:
-    """(m, n, k) of the product [m, k] @ [k, n] that ``gemm`` is in a layer of these sizes."""
-    return {
-        "fc2": (tokens, out, ffn),  # h @ W2ᵀ
-        "grad_w2": (out, ffn, tokens),  # grad_yᵀ @ h
-        "grad_x_packed": (tokens, hidden, 2 * ffn),  # grad_preact @ W1
-        "grad_x_concat": (tokens, hidden, 2 * ffn),  # grad_preact (interleaved) @ W1 (canonical)
-        "grad_w1_concat": (2 * ffn, hidden, tokens),  # grad_preact (interleaved)ᵀ @ x
-        "grad_w1_packed": (2 * ffn, hidden, tokens),  # grad_preactᵀ @ x
-    }[gemm]
 
 
 def operands(gemm: str, m: int, n: int, k: int, dtype: torch.dtype) -> tuple:
@@ -119,8 +102,8 @@ def planned(
     shapes: Iterable[tuple[int, int, int, int]], impls: Iterable[str]
 ) -> list[tuple[str, int, int, int]]:
     """(gemm, m, n, k) for every GEMM the ``impls`` run at each (M, D, F, O), each once."""
-    gemms = {g for impl in impls for g in IMPL_GEMMS[impl]}
-    return sorted({(g, *gemm_sizes(g, *shape)) for shape in shapes for g in gemms})
+    gemms = {g for impl in impls for g in gemm_choice.IMPL_GEMMS[impl]}
+    return sorted({(g, *gemm_choice.gemm_sizes(g, *shape)) for shape in shapes for g in gemms})
 
 
 def _measure(

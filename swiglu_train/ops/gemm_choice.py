@@ -45,6 +45,23 @@ DEFAULTS = {
     "grad_w1_concat": QUACK,
 }
 SCHEMA = 1
+# The GEMMs each impl runs on a library chosen here.
+IMPL_GEMMS = {
+    "drop_h_quack": ("fc2", "grad_w2", "grad_x_concat", "grad_w1_concat"),
+    "save_factors_quack": ("fc2", "grad_w2", "grad_x_packed", "grad_w1_packed"),
+}
+
+
+def gemm_sizes(gemm: str, tokens: int, hidden: int, ffn: int, out: int) -> tuple[int, int, int]:
+    """(m, n, k) of the product [m, k] @ [k, n] that ``gemm`` is in a layer of these sizes."""
+    return {
+        "fc2": (tokens, out, ffn),  # h @ W2ᵀ
+        "grad_w2": (out, ffn, tokens),  # grad_yᵀ @ h
+        "grad_x_packed": (tokens, hidden, 2 * ffn),  # grad_preact @ W1
+        "grad_x_concat": (tokens, hidden, 2 * ffn),  # grad_preact (interleaved) @ W1 (canonical)
+        "grad_w1_concat": (2 * ffn, hidden, tokens),  # grad_preact (interleaved)ᵀ @ x
+        "grad_w1_packed": (2 * ffn, hidden, tokens),  # grad_preactᵀ @ x
+    }[gemm]
 
 
 def cache_path() -> Path:
@@ -114,6 +131,22 @@ def _lookup(gemm: str, m: int, n: int, k: int, dtype: torch.dtype, device: int) 
     """``choice`` memoized per call signature: it runs on every step's GEMMs, where building
     the key and asking for the device's name each time would add host time."""
     return choice(gemm, m, n, k, dtype, torch.cuda.get_device_name(device))
+
+
+def untimed(
+    impl: str,
+    shape: tuple[int, int, int, int],
+    dtype: torch.dtype,
+    device_name: str,
+) -> list[str]:
+    """The GEMMs ``impl`` runs at (M, D, F, O) whose library no pretune chose on this GPU and
+    software: they run on their default (``[]`` for an impl with no such GEMMs)."""
+    choices = _choices(cache_path())
+    return [
+        g
+        for g in IMPL_GEMMS.get(impl, ())
+        if key(g, *gemm_sizes(g, *shape), dtype, device_name) not in choices
+    ]
 
 
 def forget() -> None:

@@ -25,6 +25,7 @@ from swiglu_train.integrations.lightning.model import (
 )
 from swiglu_train.integrations.lightning.module import LAYOUT_KEY, PretrainModule
 from swiglu_train.integrations.lightning.planner import check_plan_settings, plan_run
+from swiglu_train.integrations.lightning.pretune_hint import log_pretune_hints
 from swiglu_train.integrations.lightning.resume import StepProgressBar, run_loggers
 from swiglu_train.integrations.lightning.sharded_checkpoint import (
     INDEX,
@@ -123,6 +124,8 @@ def run_pretrain(
         rank_zero_info(f"plan: {plan['why']}")
     pl.seed_everything(cfg.train.seed, workers=True)
     module = PretrainModule(cfg.model, cfg.optim, cfg.train.max_steps)
+    if cfg.train.accelerator != "cpu":
+        log_pretune_hints(module, cfg.data.micro_batch_size * cfg.data.seq_length, precision)
     if weights is not None:  # ParMLP's load hook packs or unpacks fc1 for its impl
         module.load_state_dict(weights)
     if resumed is not None:
