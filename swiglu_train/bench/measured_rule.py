@@ -9,6 +9,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from swiglu_train.layers.auto import fastest_or_leanest
+
 TIE_TOLERANCE = 0.01  # impls measured within 1 % of the fastest count as equally fast
 
 
@@ -23,6 +25,8 @@ class ImplStats:
 def measured_pick(impls: Mapping[str, ImplStats]) -> str:
     """The rule at one point. Fastest by ratio to floor (paired, so it cancels clock drift that
     unpaired ms medians keep); within TIE_TOLERANCE, least memory wins."""
-    best = min(s.ratio_to_floor for s in impls.values())
-    close = [n for n in impls if impls[n].ratio_to_floor <= best * (1 + TIE_TOLERANCE)]
-    return min(close, key=lambda n: (impls[n].after_forward_MiB, impls[n].ratio_to_floor))
+    return fastest_or_leanest(
+        {n: s.ratio_to_floor for n, s in impls.items()},
+        {n: s.after_forward_MiB for n, s in impls.items()},
+        TIE_TOLERANCE,
+    )
