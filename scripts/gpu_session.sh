@@ -3,10 +3,10 @@
 #   bash scripts/gpu_session.sh STAGE [STAGE...]      results land in $OUT (default ./gpu-out)
 # To run committed code while the working tree changes: `bash scripts/device_snapshot.sh` here,
 # carry .src with the wheel folders, and `bash scripts/device_run.sh STAGE[:SECONDS]...` on the
-# box (a fresh folder per call, setup included, every result file copied flat into $OUT).
+# box (a fresh folder per call, setup included, results in $OUT/results.tgz after each stage).
 # Stages:
 #   setup      install carried wheels (.whl + .whlx: peers; .whlw: wandb, megatron-core;
-#              .whlt: pytest-xdist; .whlm: megatron-core alone) when present
+#              .whlt: pytest-xdist; .whlm: megatron-core alone; .whlh: litgpt) when present
 #   tests      the `gpu` tests (CUDA params and GPU-only tests; CI runs the rest)
 #   quack_tiles scripts/probe_quack_tiles.py: quack's gated GEMM under each small-M config
 #   tune       scripts/tune_gated_gemm.py: the gated GEMM's configs and its ratio to cuBLAS
@@ -143,7 +143,7 @@ for stage in "$@"; do
   case $stage in
     setup)
       if [ -d .whlx ]; then bash scripts/device_setup.sh; fi
-      for d in .whlw .whlt .whlm; do  # whichever this call carried
+      for d in .whlw .whlt .whlm .whlh; do  # whichever this call carried
         if [ -d $d ]; then python3 -m pip install -q --no-index --no-deps --no-compile $d/*.whl; fi
       done ;;
     tests)  # in parallel where pytest-xdist is carried (.whlt): Triton compiles are CPU-bound.
