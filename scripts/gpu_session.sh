@@ -62,8 +62,8 @@
 #   inference  swiglu-train bench-inference: gated projection and whole MLP, Qwen-2.5 x M grid
 #              ($INFERENCE_MODELS), one JSON per model to merge into the dispatch table
 #   grid       swiglu-train bench-grid: every impl and peer, and auto's pick, at public models'
-#              MLP shapes x M; one chunk per call ($GRID_CHUNK=I/N, default 1/1; $GRID_MODELS and
-#              $GRID_M pick a subset), its points compiled first in $GRID_PREWARM processes
+#              MLP shapes x M; one chunk per call ($GRID_CHUNK=I/N, default 1/1; $GRID_MODELS,
+#              $GRID_M and $GRID_VARIANTS pick a subset), its points compiled first in $GRID_PREWARM processes
 #              (default 8; 0: compile while timing). Merge the chunks' JSON with
 #              `swiglu-train bench-grid --merge A B --json --md --plot` (the auto evaluation).
 # Every stage writes under $RES; on exit it is packed into $OUT/results.tgz, since the device
@@ -432,6 +432,7 @@ PY
       python3 -m swiglu_train bench-grid --commit "$commit" --chunk "$chunk" \
         --prewarm-workers "$PREWARM" \
         ${GRID_MODELS:+--models $GRID_MODELS} ${GRID_M:+--m $GRID_M} \
+        ${GRID_VARIANTS:+--variants $GRID_VARIANTS} \
         --json "$RES/grid/grid_h200_$tag.json" --md "$RES/grid/grid_h200_$tag.md" \
         --plot "$RES/grid/grid_h200_$tag.png" 2>&1 | grep -v "^ " | tail -60 ;;
     *) echo "unknown stage $stage"; exit 2 ;;
