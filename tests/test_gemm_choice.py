@@ -27,26 +27,58 @@ def cache_dir(tmp_path, monkeypatch):
     gemm_choice.forget()
 
 
+H200_SMS = 132
+
+
 def test_without_a_cache_every_gemm_keeps_its_default():
     for gemm, default in gemm_choice.DEFAULTS.items():
-        assert gemm_choice.choice(gemm, 8000, 4096, 11008, torch.bfloat16, H200) == default
-    # the library that won at most of the four shapes of probe_quack_gemms_h200.json
+        assert gemm_choice.choice(gemm, 8000, 4096, 11008, torch.bfloat16, H200, H200_SMS) == (
+            default
+        )
+    # the library that won at most of the grid's 36 shapes in probe_gemm_defaults_h200.json
     assert gemm_choice.DEFAULTS == {
-        "fc2": "cublas", "grad_w2": "quack", "grad_x_packed": "cublas", "grad_w1_packed": "cublas",
-        "grad_x_concat": "quack", "grad_w1_concat": "quack",  # not yet measured in a step
+        "fc2": "cublas", "grad_w2": "quack", "grad_x_packed": "cublas", "grad_w1_packed": "quack",
+        "grad_x_concat": "quack", "grad_w1_concat": "quack",
     }  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("o", "f", "sms", "expected"),
+    [
+        (896, 4864, H200_SMS, "cublas"),  # Qwen2.5-0.5B: 133 tiles, 1.0 wave
+        (2048, 8192, H200_SMS, "cublas"),  # Llama-3.2-1B: 512 tiles, 3.9 waves
+        (2560, 9728, H200_SMS, "quack"),  # 760 tiles, 5.8 waves
+        (2560, 9728, 160, "cublas"),  # the same output on a GPU with more SMs: 4.75 waves
+        (4096, 14336, H200_SMS, "quack"),
+    ],
+)
+def test_grad_w2_s_default_follows_the_waves_its_output_fills(o, f, sms, expected):
+    """grad_W2's [O, F] output: cuBLAS under SPLIT_K_WAVES waves of 128x256 tiles, else quack;
+    the rule reads the GPU's SM count, not a shape table. The other GEMMs keep their default."""
+    assert gemm_choice.default("grad_w2", o, f, sms) == expected
+    assert gemm_choice.choice("grad_w2", o, f, 8000, torch.bfloat16, H200, sms) == expected
+    assert gemm_choice.default("grad_w1_packed", 2 * f, o, sms) == "quack"
+    assert gemm_choice.output_waves(2048, 8192, H200_SMS) == pytest.approx(512 / 132)
 
 
 def test_a_recorded_choice_holds_for_that_gemm_gpu_dtype_and_shape_only(cache_dir):
     k = gemm_choice.key("grad_w2", 8000, 4096, 11008, torch.bfloat16, H200)
     path = gemm_choice.record({k: {"backend": "cublas", "quack_ms": 1.15, "cublas_ms": 1.10}})
     assert path == cache_dir / "gemm_choices.json"
-    assert gemm_choice.choice("grad_w2", 8000, 4096, 11008, torch.bfloat16, H200) == "cublas"
-    assert gemm_choice.choice("grad_w2", 8001, 4096, 11008, torch.bfloat16, H200) == "quack"
-    assert gemm_choice.choice("grad_w2", 8000, 4096, 11008, torch.float16, H200) == "quack"
+    assert (
+        gemm_choice.choice("grad_w2", 8000, 4096, 11008, torch.bfloat16, H200, H200_SMS) == "cublas"
+    )
+    assert (
+        gemm_choice.choice("grad_w2", 8001, 4096, 11008, torch.bfloat16, H200, H200_SMS) == "quack"
+    )
+    assert (
+        gemm_choice.choice("grad_w2", 8000, 4096, 11008, torch.float16, H200, H200_SMS) == "quack"
+    )
     h100 = "NVIDIA H100"
-    assert gemm_choice.choice("grad_w2", 8000, 4096, 11008, torch.bfloat16, h100) == "quack"
-    assert gemm_choice.choice("fc2", 8000, 4096, 11008, torch.bfloat16, H200) == "cublas"
+    assert (
+        gemm_choice.choice("grad_w2", 8000, 4096, 11008, torch.bfloat16, h100, H200_SMS) == "quack"
+    )
+    assert gemm_choice.choice("fc2", 8000, 4096, 11008, torch.bfloat16, H200, H200_SMS) == "cublas"
 
 
 def test_the_key_names_the_software_that_was_timed():
@@ -77,7 +109,7 @@ def test_record_merges_with_what_is_cached():
 def test_an_unreadable_cache_warns_and_keeps_the_defaults(cache_dir, content):
     (cache_dir / "gemm_choices.json").write_text(content)
     with pytest.warns(UserWarning, match="unreadable GEMM cache"):
-        assert gemm_choice.choice("grad_w2", 1, 2, 3, torch.bfloat16, H200) == "quack"
+        assert gemm_choice.choice("fc2", 1, 2, 3, torch.bfloat16, H200, H200_SMS) == "cublas"
     path = gemm_choice.record({"k": {"backend": "cublas"}})  # a damaged cache is replaced
     assert json.loads(path.read_text()) == {"schema": 1, "choices": {"k": {"backend": "cublas"}}}
 
@@ -158,7 +190,7 @@ def test_cublas_choices_compute_the_same_mlp(cache_dir):
         for key in expected:
             assert rel_err(actual[key], expected[key]) < TOLERANCE[torch.bfloat16], (impl, key)
     rows = pretune.pretune([(m, d, f, d)], ["save_factors_quack"], torch.bfloat16, samples=30)
-    assert {r.gemm for r in rows} == set(gemm_choice.DEFAULTS)
+    assert {r.gemm for r in rows} == set(gemm_choice.IMPL_GEMMS["save_factors_quack"])
     assert all(r.backend in ("quack", "cublas") and r.quack_ms > 0 for r in rows)
 
 

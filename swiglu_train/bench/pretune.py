@@ -5,7 +5,7 @@ Each GEMM is timed on the operands, strides and dtype the impls give it, the two
 a random order per sample (paired), each sample a batch of back-to-back calls between two
 CUDA events so that launch latency is not counted, and cuBLAS is chosen only where its median
 paired ratio to quack is below ``1 - MARGIN``, quack where it is above ``1 + MARGIN``; within
-the margin the GEMM keeps its default (``gemm_choice.DEFAULTS``).
+the margin the GEMM keeps its default (``gemm_choice.default``).
 """
 
 from __future__ import annotations
@@ -111,7 +111,9 @@ def _measure(
 ) -> Measured:
     a, b = operands(gemm, m, n, k, dtype)
     times = _time_pair(calls(gemm, a, b), samples, seed)
-    ratio, backend = decide(times["quack"], times["cublas"], gemm_choice.DEFAULTS[gemm])
+    sms = torch.cuda.get_device_properties(a.device).multi_processor_count
+    default = gemm_choice.default(gemm, m, n, sms)
+    ratio, backend = decide(times["quack"], times["cublas"], default)
     quack_ms, cublas_ms = float(np.median(times["quack"])), float(np.median(times["cublas"]))
     return Measured(gemm, m, n, k, quack_ms, cublas_ms, ratio, backend)
 

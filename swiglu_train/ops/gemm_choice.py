@@ -9,13 +9,15 @@ in the shapes that sorts them. So the choice is measured per shape, by
 torch and quack versions, dtype and the GEMM's [m, k] @ [k, n] sizes. A shape the cache does
 not hold keeps the default below: a training step never stalls to time anything.
 
-The plain defaults are each GEMM's better library over those four shapes: cuBLAS for fc2 (quack
-0.95-1.13x of it, slower at 3 of 4) and for grad_x and grad_W1 of the packed layout (1.04-1.15x
-and 1.03-1.45x at 3 of 4); quack for grad_W2 (0.94-0.99x at 3 of 4). The whole steps agree:
-in the H200 model grid's step profiles, ``save_factors_quack``'s three quack GEMMs (fc2, grad_W2,
-grad_x) took 4-11 % longer than cuBLAS's same products in the floor
-(probe_step_gap_host_h200.json at [4096, 4096, 11008], probe_step_gap_h200.json at
-[8192, 4096, 14336]).
+The defaults are each GEMM's better library over the model grid's 36 shapes (12 public (D, F)
+x M 4096, 8000, 16384; benchmarks/results/probe_gemm_defaults_h200.json): cuBLAS for fc2 (won
+20, lost 8) and the packed grad_x (23 to 2); quack for the packed grad_W1 (18 to 8) and both
+concat GEMMs (14 to 12; 34 to 2, where cuBLAS pays a copy). grad_W2 follows a rule instead:
+its output [O, F] is small and its K (the tokens) long. Where the output's 128x256 tiles fill
+fewer than ``SPLIT_K_WAVES`` waves of the SMs, cuBLAS ran 0.76-0.91x quack's time (every
+shape with D <= 2048: 1.0-3.9 waves), likely because its heuristics split K where quack's
+untuned tiles leave SMs idle; from 5.8 waves up, cuBLAS ran 1.00-1.07x quack's at 25 of 27
+shapes (0.98x at the other two). No grid shape falls between 3.9 and 5.8 waves.
 """
 
 from __future__ import annotations
@@ -35,15 +37,17 @@ QUACK, CUBLAS = "quack", "cublas"
 # Without a measurement: the library that won at most measured shapes (see above).
 DEFAULTS = {
     "fc2": CUBLAS,
-    "grad_w2": QUACK,
+    "grad_w2": QUACK,  # where its output fills SPLIT_K_WAVES waves or more; see default()
     "grad_x_packed": CUBLAS,
-    "grad_w1_packed": CUBLAS,
+    "grad_w1_packed": QUACK,
     # drop_h_quack's grad_x and grad_W1: quack pairs the interleaved grad_preact with the
     # canonical fc1 inside one GEMM (concat_layout); cuBLAS needs a chunked copy or scatter per
-    # step (``ops.concat_gemm``). Unmeasured at the step level: quack until pretune says so.
+    # step (``ops.concat_gemm``).
     "grad_x_concat": QUACK,
     "grad_w1_concat": QUACK,
 }
+SPLIT_K_WAVES = 5  # between the grid's 3.9 waves (cuBLAS faster) and 5.8 (quack faster)
+WAVE_TILE = (128, 256)
 SCHEMA = 1
 # The GEMMs each impl runs on a library chosen here.
 IMPL_GEMMS = {
@@ -112,25 +116,49 @@ def _choices(path: Path) -> dict[str, str]:
     return {k: e["backend"] for k, e in entries.items()}
 
 
-def choice(gemm: str, m: int, n: int, k: int, dtype: torch.dtype, device_name: str) -> str:
+def default(gemm: str, m: int, n: int, sms: int) -> str:
+    """The library for an [m, n] output of ``gemm`` that no pretune timed, on ``sms`` SMs."""
+    if gemm == "grad_w2" and output_waves(m, n, sms) < SPLIT_K_WAVES:
+        return CUBLAS
+    return DEFAULTS[gemm]
+
+
+def output_waves(m: int, n: int, sms: int) -> float:
+    """How many waves of the SMs an [m, n] output's WAVE_TILE tiles make."""
+    tiles = -(-m // WAVE_TILE[0]) * -(-n // WAVE_TILE[1])
+    return tiles / sms
+
+
+def choice(
+    gemm: str, m: int, n: int, k: int, dtype: torch.dtype, device_name: str, sms: int
+) -> str:
     """The library cached for this GEMM on this GPU, else the default."""
-    return _choices(cache_path()).get(key(gemm, m, n, k, dtype, device_name), DEFAULTS[gemm])
+    cached = _choices(cache_path()).get(key(gemm, m, n, k, dtype, device_name))
+    return cached or default(gemm, m, n, sms)
 
 
 def backend(gemm: str, a: torch.Tensor, b: torch.Tensor) -> str:
     """The library for ``a @ b`` as ``gemm`` on a's CUDA device (the default under
     torch.compile, which traces one graph for every shape)."""
+    m, n = a.shape[0], b.shape[1]
     if torch.compiler.is_compiling():
+        if isinstance(m, int) and isinstance(n, int):  # static shapes: no guard on a SymInt
+            return default(gemm, m, n, _sms(a.get_device()))
         return DEFAULTS[gemm]
     # get_device(), not device.index: the same index, without building a device object
-    return _lookup(gemm, a.shape[0], b.shape[1], a.shape[1], a.dtype, a.get_device())
+    return _lookup(gemm, m, n, a.shape[1], a.dtype, a.get_device())
+
+
+@functools.cache
+def _sms(device: int) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 @functools.lru_cache(maxsize=1024)
 def _lookup(gemm: str, m: int, n: int, k: int, dtype: torch.dtype, device: int) -> str:
     """``choice`` memoized per call signature: it runs on every step's GEMMs, where building
     the key and asking for the device's name each time would add host time."""
-    return choice(gemm, m, n, k, dtype, torch.cuda.get_device_name(device))
+    return choice(gemm, m, n, k, dtype, torch.cuda.get_device_name(device), _sms(device))
 
 
 def untimed(
