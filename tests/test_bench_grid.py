@@ -355,6 +355,21 @@ def test_with_quack_in_the_run_both_impl_sets_are_judged(tiny_run):
     assert set(evaluation["lofo_summary"]) == {"with_quack", "without_quack"}
 
 
+def test_a_run_of_some_variants_judges_auto_only_among_those_timed(tiny_run):
+    """A grid of a few variants (bench-grid --variants): an impl set none of whose impls ran is
+    not judged, where it used to stop the run's report with an empty min()."""
+    result = as_h200(tiny_run)
+    result["rows"] = [r for r in result["rows"] if r["variant"] in ("drop_h", "liger")]
+    result["meta"]["variants"] = ["drop_h", "liger"]
+    evaluation = grid_auto.evaluate_auto(result)
+    assert evaluation["impl_sets"] == ["without_quack"]
+    assert {e["fastest"] for e in evaluation["during_run"]} == {"drop_h"}
+    result["meta"] |= {"variants": ["quack", "liger"], "quack_available": True}
+    result["rows"] = [r for r in result["rows"] if r["variant"] == "liger"]
+    skipped = grid_auto.evaluate_auto(result)["skipped"]
+    assert skipped == "no impl of ours was timed (only ['quack', 'liger']): nothing to pick"
+
+
 def test_markdown_of_the_evaluation(tiny_run):
     result = as_h200(tiny_run)
     text = to_markdown(result)
@@ -376,6 +391,17 @@ def test_markdown_of_the_evaluation(tiny_run):
     )
     assert "- b: no model to fit: normal: GPU-bound points" in text
     assert "| a-1, b-1 | 24 | 16 | 40 | 6 / 12 | 4 / 9 | 6 / 12 | — |" in text.splitlines()
+
+
+def test_the_committed_quack_regrid_reads_as_judged_now():
+    """grid_quack_h200 timed four variants: its report is the committed one, and auto is
+    judged only among the two impls of ours it timed."""
+    grid = json.loads((ROOT / "benchmarks/results/grid_quack_h200.json").read_text())
+    assert grid["meta"]["variants"] == ["drop_h_quack", "save_factors_quack", "quack", "liger"]
+    evaluation = grid_auto.evaluate_auto(grid)
+    assert json.loads(json.dumps(evaluation)) == grid["auto_eval"]
+    assert evaluation["impl_sets"] == ["with_quack"]
+    assert to_markdown(grid) == (ROOT / "benchmarks/results/grid_quack_h200.md").read_text()
 
 
 def test_the_committed_h200_grid_reads_as_judged_now():

@@ -84,10 +84,17 @@ def evaluate_auto(result: dict, judged: tuple[AutoModel, str] | None = None) -> 
     ``judged``: (model, file name) to judge as the shipped one instead of this package's (the
     model ``bench-grid --auto-model`` has just fitted, to be shipped)."""
     meta, stats = result["meta"], impl_stats(result["rows"])
+    if not stats:
+        return {"skipped": f"no impl of ours was timed (only {meta['variants']}): nothing to pick"}
     readings = [s.after_forward_MiB for impls in stats.values() for s in impls.values()]
     if meta["gpu_family"] is None or not readings or None in readings:
         return {"skipped": "needs a CUDA run: the model is fitted from allocator readings"}
-    sets = [name for name in IMPL_SETS if name == "without_quack" or meta["quack_available"]]
+    sets = [
+        name
+        for name, impls in IMPL_SETS.items()
+        if (name == "without_quack" or meta["quack_available"])
+        and set(impls) & set(meta["variants"])  # a run of a few variants judges what it timed
+    ]
     during = _during_run(result, stats)
     out = {
         "tolerance": TIE_TOLERANCE,
