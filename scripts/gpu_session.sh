@@ -17,7 +17,7 @@
 #   stack      swiglu-train bench-memory for every impl, with the profiler's overhead
 #   crossover  swiglu-train bench-crossover on the default grid, and impl="auto"'s table
 #   pretrain   125M Lightning runs, impls alternated twice (tokens/s, after-forward, peak)
-#   microbatch the largest micro-batch at ~1B, normal vs drop_h
+#   microbatch the largest micro-batch at ~1B: normal, drop_h, drop_h+fp8 and the quack impls
 #   megatron   recipes/pretrain_megatron.py at TP=1 for each impl (needs the megatron wheel)
 #   e2e_1b / e2e_3b  scripts/bench_e2e.py lightning: ~1B (configs/1b.yaml) / ~3B (3b.yaml) at
 #              seq 4096, every impl (quack's and drop_h+fp8 included) x checkpointed blocks
@@ -190,7 +190,8 @@ for stage in "$@"; do
         --json "$RES/pretrain_125m_h200.json" --md "$RES/pretrain_125m_h200.md" \
         && cat "$RES/pretrain_125m_h200.md" ;;
     microbatch)
-      python3 scripts/max_micro_batch.py --config 1b --mlp-impl normal,drop_h --commit "$commit" \
+      impls=$(echo normal drop_h drop_h+fp8 $(quack_impl) | tr ' ' ',')
+      python3 scripts/max_micro_batch.py --config 1b --mlp-impl "$impls" --commit "$commit" \
         --json "$RES/max_micro_batch_1b.json" ;;
     megatron)  # two rounds, the order reversed in the second, so no impl always runs first
       order="stock stock_eager normal drop_h save_factors $(quack_impl)"

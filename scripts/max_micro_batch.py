@@ -2,7 +2,10 @@
 
 This is the user-visible win of drop_h: at the ~1B config, how many more sequences fit.
 
-    python scripts/max_micro_batch.py --config 1b --mlp-impl normal,drop_h --json out.json
+    python scripts/max_micro_batch.py --config 1b --mlp-impl normal,drop_h,drop_h+fp8 --json o.json
+
+``drop_h+fp8`` is drop_h with its saved preactivation in FP8 (model.saved_fp8), named as the
+planner and bench_e2e name it.
 
 Each trial runs two real optimizer steps (bf16 autocast, AdamW, the recipe's model) on one
 model per impl; the search doubles, then bisects. After an out-of-memory step the cache is
@@ -26,6 +29,7 @@ from swiglu_train.bench.mlp import git_commit
 from swiglu_train.files import write_json_atomic
 from swiglu_train.integrations.lightning.config import load_config
 from swiglu_train.integrations.lightning.model import LlamaDecoder
+from swiglu_train.integrations.lightning.planner import split_candidate
 
 
 def largest_fitting(fits: Callable[[int], bool], limit: int) -> tuple[int, list[int]]:
@@ -44,6 +48,13 @@ def largest_fitting(fits: Callable[[int], bool], limit: int) -> tuple[int, list[
     return low, tried
 
 
+def model_config(config: str, candidate: str):
+    """The config's model with ``candidate``'s impl (``drop_h+fp8``: drop_h, saved_fp8)."""
+    cfg = load_config(config)
+    cfg.model.mlp_impl, cfg.model.saved_fp8 = split_candidate(candidate)
+    return cfg
+
+
 def trainer(config: str, impl: str) -> Callable[[int], bool]:
     """A trial function over one model and optimizer, built once per impl.
 
@@ -51,8 +62,7 @@ def trainer(config: str, impl: str) -> Callable[[int], bool]:
     trial only costs time (a 1B model takes seconds); each trial runs two steps at its size,
     and an out-of-memory step is caught, its activations freed, and reported as a misfit.
     """
-    cfg = load_config(config)
-    cfg.model.mlp_impl = impl
+    cfg = model_config(config, impl)
     model = LlamaDecoder(cfg.model).cuda()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
 

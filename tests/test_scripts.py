@@ -35,6 +35,14 @@ def test_micro_batch_search_when_nothing_fits():
     assert best == 0 and tried == [1]
 
 
+def test_micro_batch_search_builds_drop_h_fp8_as_the_planner_names_it():
+    model_config = load_script("max_micro_batch").model_config
+    fp8, plain = model_config("1b", "drop_h+fp8").model, model_config("1b", "normal").model
+    assert (fp8.mlp_impl, fp8.saved_fp8) == ("drop_h", True)
+    assert (plain.mlp_impl, plain.saved_fp8) == ("normal", False)
+    assert fp8.hidden_size == plain.hidden_size  # the same 1b model otherwise
+
+
 def test_summarize_runs_pairs_rounds_and_writes_both_files(tmp_path, monkeypatch):
     summarize = load_script("summarize_runs")
     runs = {
