@@ -69,6 +69,62 @@ def test_lightning_rounds_spreads_budgets_and_planner(tmp_path: Path) -> None:
     assert out["png"].read_bytes().startswith(b"\x89PNG")
 
 
+def test_a_planner_pick_off_the_grid_is_measured_in_as_many_rounds(tmp_path: Path) -> None:
+    """A budget between normal's peaks at 0 and 2 checkpointed blocks: the planner bisects to
+    1, which the grid (0, 2) lacks; the harness measures it once per round so far, so the
+    pick has a median of its own to set against the grid's best."""
+    bench = load_script("bench_e2e")
+    config = tmp_path / "tiny.yaml"
+    config.write_text(TINY)
+    out = tmp_path / "e2e.json"
+    args = ["lightning", "--config", str(config), "--impls", "normal", "--warmup", "1"]
+    args += ["--steps", "1", "--checkpoint-layers", "0,2", "--json", str(out)]
+    runner = CliRunner()
+    with use_backend("torch"):
+        result = runner.invoke(bench.app, [*args, "--rounds", "2"])
+        assert result.exit_code == 0, result.output
+        rows = {x["checkpoint_layers"]: x for x in json.loads(out.read_text())["rows"]}
+        low, high = rows[2]["peak_MiB"]["max"], rows[0]["peak_MiB"]["max"]
+        budget_gb = (low + 0.75 * (high - low)) / 1024  # above 1 block's peak, below none's
+        more = ["--rounds", "1", "--append", "--planner", "--budgets-gb", repr(budget_gb)]
+        result = runner.invoke(bench.app, [*args, *more])
+        assert result.exit_code == 0, result.output
+    r = json.loads(out.read_text())
+    [plan] = r["budgets"]
+    assert (plan["planner"]["impl"], plan["planner"]["checkpoint_layers"]) == ("normal", 1)
+    added = [p for p in r["points"] if p["checkpoint_layers"] == 1]
+    assert sorted(p["round"] for p in added) == [0, 1, 2] and all(p["planner_pick"] for p in added)
+    assert not any(p.get("planner_pick") for p in r["points"] if p["checkpoint_layers"] != 1)
+    row = next(x for x in r["rows"] if x["checkpoint_layers"] == 1)
+    assert row["rounds"] == 3 and low < row["peak_MiB"]["max"] < high
+    best = plan["best_per_impl"]["normal"]
+    assert best["checkpoint_layers"] in (1, 2)  # 0 does not fit; 1 is now measured too
+    expected = row["tokens_per_s"]["median"] / best["tokens_per_s"]
+    assert plan["planner"]["pick_vs_best_in_grid"] == pytest.approx(expected)
+
+
+def test_the_planner_measures_each_configuration_once_across_budgets(tmp_path, monkeypatch):
+    """A profile does not depend on the budget: at an ample budget and at one nothing fits,
+    the searches read 1 and 2 profiles per impl, and only the 2 distinct ones are measured."""
+    from swiglu_train.bench import e2e_lightning
+
+    config = tmp_path / "tiny.yaml"
+    config.write_text(TINY)
+    cfg = e2e_lightning.configure(str(config), None, None, None, "normal,drop_h")
+    measured, real_measurer = [], e2e_lightning.measurer
+
+    def counting(*args, **kwargs):  # the real measurer, its calls counted
+        measure = real_measurer(*args, **kwargs)
+        return lambda impl, n: measured.append((impl, n)) or measure(impl, n)
+
+    monkeypatch.setattr(e2e_lightning, "measurer", counting)
+    with use_backend("torch"):
+        ample, tight = e2e_lightning.planner_picks([1024.0, 1.0], ["normal", "drop_h"], cfg)
+    assert (ample["probes"], tight["probes"]) == (2, 4)
+    assert tight["error"].startswith("nothing fits the memory budget of 1 MiB")
+    assert sorted(measured) == sorted({(i, n) for i in ("normal", "drop_h") for n in (0, 2)})
+
+
 def test_lightning_steps_accumulate_to_the_global_batch(tmp_path: Path) -> None:
     """--global-batch-size 4 at micro-batch 2: two micro-batches per optimizer step, as the
     planner's measurer runs them; the optimizer's time is reported; a global batch the

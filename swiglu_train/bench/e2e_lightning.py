@@ -11,6 +11,10 @@ does (its first micro-batch, one accumulating one standing for the rest, and the
 step). Per configuration: tokens/s, the optimizer step's time, after-forward and peak MiB as
 min/median/max over rounds, and MFU where the GPU's peak is known. On CUDA the memory is the
 allocator's peak; on the CPU the planner's estimate.
+
+The planner bisects to the fewest checkpointed blocks that fit, which a coarse grid may not
+hold: a pick the grid lacks is then measured as the grid's points were, once per round so far,
+so that every pick is set against the best measured configuration by medians alike.
 """
 
 from __future__ import annotations
@@ -88,25 +92,20 @@ def run_lightning(
     for r in schedule:
         for impl in order.sample(names, len(names)):
             for n in order.sample(grid, len(grid)):
-                p = measure(impl, n)
-                points.append(
-                    {
-                        "round": r,
-                        "impl": impl,
-                        "checkpoint_layers": n,
-                        "peak_MiB": p.peak_MiB,
-                        "tokens_per_s": p.tokens_per_s,
-                        "optimizer_s": p.optimizer_s,
-                        "after_forward_MiB": p.after_forward_MiB,
-                    }
-                )
-    table = rows(points, ("impl", "checkpoint_layers"))
-    flops, peak = flops_per_token(cfg.model, cfg.data.seq_length), peak_flops()
-    for r in table:
-        rate = r["tokens_per_s"]
-        r["mfu"] = rate["median"] * flops / peak if rate and peak else None
-    budgets = parse_budgets(budgets_gb, table)
-    plans = [budget_plans(b, table, names, cfg, planner) for b in budgets]
+                points.append(_point(r, impl, n, measure(impl, n)))
+    table = _table(points, cfg)
+    # the budgets fall between the grid's own peaks, whatever the planner adds below
+    budgets = parse_budgets(budgets_gb, [r for r in table if r["checkpoint_layers"] in grid])
+    picks = planner_picks(budgets, names, cfg) if planner else [None] * len(budgets)
+    measured = {(r["impl"], r["checkpoint_layers"]) for r in table}
+    unmeasured = sorted({(p["impl"], p["checkpoint_layers"]) for p in picks if p and "impl" in p})
+    unmeasured = [c for c in unmeasured if c not in measured]
+    if unmeasured:  # each pick gets a median of its own, as many rounds as the grid's
+        for r in range(schedule.stop):
+            for impl, n in order.sample(unmeasured, len(unmeasured)):
+                points.append(_point(r, impl, n, measure(impl, n)) | {"planner_pick": True})
+        table = _table(points, cfg)
+    plans = [budget_plans(b, table, pick) for b, pick in zip(budgets, picks, strict=True)]
     return settings | {
         "command": command,
         "commit": git_commit() or commit,
@@ -117,12 +116,34 @@ def run_lightning(
         },
         "precision": measure_precision(cfg),
         "rounds": schedule.stop,
-        "flops_per_token": flops,
-        "peak_flops": peak,
+        "flops_per_token": flops_per_token(cfg.model, cfg.data.seq_length),
+        "peak_flops": peak_flops(),
         "rows": table,
         "budgets": plans,
         "points": points,
     }
+
+
+def _point(round_: int, impl: str, n: int, p) -> dict:
+    return {
+        "round": round_,
+        "impl": impl,
+        "checkpoint_layers": n,
+        "peak_MiB": p.peak_MiB,
+        "tokens_per_s": p.tokens_per_s,
+        "optimizer_s": p.optimizer_s,
+        "after_forward_MiB": p.after_forward_MiB,
+    }
+
+
+def _table(points: list[dict], cfg: PretrainConfig) -> list[dict]:
+    """One row per (impl, checkpointed blocks), with MFU where the GPU's peak is known."""
+    table = rows(points, ("impl", "checkpoint_layers"))
+    flops, peak = flops_per_token(cfg.model, cfg.data.seq_length), peak_flops()
+    for r in table:
+        rate = r["tokens_per_s"]
+        r["mfu"] = rate["median"] * flops / peak if rate and peak else None
+    return table
 
 
 def best_per_impl(table: list[dict], budget_MiB: float) -> dict[str, dict]:
@@ -168,11 +189,9 @@ def measure_precision(cfg: PretrainConfig) -> str:
     return resolve_precision(cfg.train.precision)
 
 
-def budget_plans(
-    budget_MiB: float, table: list[dict], names: list[str], cfg: PretrainConfig, planner: bool
-) -> dict:
-    """At one budget: each impl's best plan in the grid, the fastest of them, best drop_h* over
-    best normal, and with ``planner`` the planner's own pick."""
+def budget_plans(budget_MiB: float, table: list[dict], pick: dict | None) -> dict:
+    """At one budget: each impl's best measured configuration, the fastest of them, best
+    drop_h* over best normal, and the planner's ``pick`` (when it ran) set against them."""
     best = best_per_impl(table, budget_MiB)
     out = {
         "budget_GiB": budget_MiB / 1024,
@@ -196,33 +215,49 @@ def budget_plans(
         if drop:
             ratio = max(r["tokens_per_s"]["median"] for r in drop)
             out["best_drop_h_vs_normal"] = ratio / best["normal"]["tokens_per_s"]["median"]
-    if planner:
-        out["planner"] = planner_pick(budget_MiB, table, names, cfg, top)
+    if pick is not None:
+        same = next(
+            (r for r in table if (r["impl"], r["checkpoint_layers"])
+             == (pick.get("impl"), pick.get("checkpoint_layers"))),
+            None,
+        )  # fmt: skip
+        ratio = None
+        if same is not None and top is not None and same["tokens_per_s"]:
+            ratio = same["tokens_per_s"]["median"] / top["tokens_per_s"]["median"]
+        out["planner"] = pick | {"pick_vs_best_in_grid": ratio}
     return out
 
 
-def planner_pick(
-    budget_MiB: float, table: list[dict], names: list[str], cfg: PretrainConfig, top: dict | None
-) -> dict:
-    """The planner's own short steps and bisection at this budget, its pick set against the
-    grid's median tokens/s for that configuration (None when the grid lacks it)."""
-    print(f"planner at {budget_MiB / 1024:g} GiB")
+def planner_picks(budgets: list[float], names: list[str], cfg: PretrainConfig) -> list[dict]:
+    """The planner's pick at each budget (MiB): its own short steps and bisection, as
+    ``pretrain --activation-checkpointing auto`` runs them. A profile does not depend on the
+    budget, so each (impl, blocks) is measured once for all the budgets; ``probes`` counts
+    the profiles each budget's search read."""
     layers = cfg.model.num_layers
-    probes = search(names, layers, budget_MiB, measurer(cfg, Steps(), log=print))
-    try:
-        plan = choose_plan(probes, budget_MiB, layers)
-    except NoPlanFits as e:
-        return {"error": str(e), "probes": len(probes)}
-    grid = {(r["impl"], r["checkpoint_layers"]): r for r in table}
-    same = grid.get((plan.impl, plan.checkpoint_layers))
-    ratio = None
-    if same is not None and top is not None and same["tokens_per_s"]:
-        ratio = same["tokens_per_s"]["median"] / top["tokens_per_s"]["median"]
-    return {
-        "impl": plan.impl,
-        "checkpoint_layers": plan.checkpoint_layers,
-        "why": plan.why,
-        "probes": len(probes),
-        "pick_tokens_per_s": plan.tokens_per_s,  # the planner's own short measurement
-        "pick_vs_best_in_grid": ratio,  # the grid's median for its pick, if the grid has it
-    }
+    measure = measurer(cfg, Steps(), log=print)
+    profiles = {}
+
+    def once(impl: str, n: int):
+        if (impl, n) not in profiles:
+            profiles[impl, n] = measure(impl, n)
+        return profiles[impl, n]
+
+    picks = []
+    for budget in budgets:
+        print(f"planner at {budget / 1024:g} GiB")
+        probes = search(names, layers, budget, once)
+        try:
+            plan = choose_plan(probes, budget, layers)
+        except NoPlanFits as e:
+            picks.append({"error": str(e), "probes": len(probes)})
+            continue
+        picks.append(
+            {
+                "impl": plan.impl,
+                "checkpoint_layers": plan.checkpoint_layers,
+                "why": plan.why,
+                "probes": len(probes),
+                "pick_tokens_per_s": plan.tokens_per_s,  # the planner's own short measurement
+            }
+        )
+    return picks
