@@ -2,12 +2,10 @@
 
 fc2 and grad_W2 (both quack impls), and grad_x and grad_W1 of ``save_factors_quack`` (whose
 fc1 is packed like its grad_preact), are plain products that quack and cuBLAS compute alike.
-Neither library wins everywhere: untuned quack against cuBLAS measured 0.94-1.15x per GEMM
-over four H200 training shapes (benchmarks/results/probe_quack_gemms_h200.json), with no rule
-in the shapes that sorts them. So the choice is measured per shape, by
+Neither library wins everywhere, so the choice can be measured per shape, by
 ``swiglu-train pretune`` before a run (``bench/pretune.py``), and cached on disk keyed by GPU,
 torch and quack versions, dtype and the GEMM's [m, k] @ [k, n] sizes. A shape the cache does
-not hold keeps the default below: a training step never stalls to time anything.
+not hold takes the default below: a training step never stalls to time anything.
 
 The defaults are each GEMM's better library over the model grid's 36 shapes (12 public (D, F)
 x M 4096, 8000, 16384; benchmarks/results/probe_gemm_defaults_h200.json): cuBLAS for fc2 (won
@@ -138,15 +136,12 @@ def choice(
 
 
 def backend(gemm: str, a: torch.Tensor, b: torch.Tensor) -> str:
-    """The library for ``a @ b`` as ``gemm`` on a's CUDA device (the default under
-    torch.compile, which traces one graph for every shape)."""
-    m, n = a.shape[0], b.shape[1]
+    """The library for ``a @ b`` as ``gemm`` on a's CUDA device. Under torch.compile, the
+    plain ``DEFAULTS``: a traced graph reads neither the cache file nor the device's SMs."""
     if torch.compiler.is_compiling():
-        if isinstance(m, int) and isinstance(n, int):  # static shapes: no guard on a SymInt
-            return default(gemm, m, n, _sms(a.get_device()))
         return DEFAULTS[gemm]
     # get_device(), not device.index: the same index, without building a device object
-    return _lookup(gemm, m, n, a.shape[1], a.dtype, a.get_device())
+    return _lookup(gemm, a.shape[0], b.shape[1], a.shape[1], a.dtype, a.get_device())
 
 
 @functools.cache
