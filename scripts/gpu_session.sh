@@ -28,7 +28,8 @@
 #              where 3 rounds overrun a call, E2E_ROUNDS=1 E2E_PLANNER=0 twice, then E2E_ROUNDS=1
 #   e2e_megatron  scripts/bench_e2e.py megatron: TP=1 stock (fused and eager bias-SwiGLU) vs our
 #              impls, $MEGATRON_GPU, 5 warm-up + 20 timed steps per run, $E2E_ROUNDS_MEGATRON
-#              rounds per call (default 1: call it 3 times, rounds add up as above)
+#              rounds per call (default 1: call it 3 times, rounds add up as above), then one
+#              profiled steady step each of stock, stock_eager and normal (kernel times; once)
 #   megatron_resume  its DistributedOptimizer dist-ckpt: save at step 3, resume, compare losses
 #   megatron_tp2  (nvidia-h200-x2) TP=2 vs TP=1 losses and per-GPU memory (scripts/compare_tp.py)
 #   megatron_reshard (nvidia-h200-x2) a save_factors TP=2 dist-ckpt resumed by normal at TP=1,
@@ -229,7 +230,18 @@ for stage in "$@"; do
         --warmup 5 --steps 20 --commit "$commit" --append \
         --json "$E2E/e2e_megatron_tp1_h200.json" --md "$E2E/e2e_megatron_tp1_h200.md" \
         -- $MEGATRON_GPU 2>&1 | tail -20
-      cp "$E2E"/e2e_megatron_tp1_h200.* "$RES/e2e/" ;;
+      cp "$E2E"/e2e_megatron_tp1_h200.* "$RES/e2e/"
+      # where a steady step's time goes: one profiled step each (E2E_PROFILE_MEGATRON=0: none)
+      for impl in $([ "${E2E_PROFILE_MEGATRON:-1}" = 1 ] && echo stock stock_eager normal); do
+        prof="$E2E/profile_megatron_tp1_${impl}_h200.json"  # kept across calls of a commit
+        [ -f "$prof" ] && cp "$prof" "$RES/e2e/" && continue
+        torchrun --standalone --nproc-per-node 1 recipes/pretrain_megatron.py --mlp-impl "$impl" \
+          $MEGATRON_GPU --max-steps 12 --profile-step 10 --profile-json "$prof" \
+          --output-dir "$SCRATCH/megatron-prof" > "$RES/e2e/profile_${impl}.log" 2>&1 \
+          && python3 -c "import json, sys; p = json.load(open(sys.argv[1])); print(sys.argv[2], round(p['step_s'] * 1e3, 1), 'ms step,', round(p['total_us'] / 1e3, 1), 'ms of kernels;', [(e['name'][:50], round(e['us'])) for e in p['entries'][:6]])" "$prof" "$impl" \
+          || tail -3 "$RES/e2e/profile_${impl}.log"
+        cp "$prof" "$RES/e2e/" 2>/dev/null
+      done ;;
     megatron_resume)  # DistributedOptimizer dist-ckpt on CUDA: save at 3, resume, same losses
       for impl in ${RESUME_IMPLS:-normal save_factors}; do
         run="torchrun --nproc-per-node 1 recipes/pretrain_megatron.py --mlp-impl $impl"

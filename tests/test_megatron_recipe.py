@@ -72,6 +72,7 @@ def test_recipe_trains_logs_memory_and_resumes(tmp_path: Path) -> None:
         tmp_path,
         *("--mlp-impl", impl, "--max-steps", "4", "--save", "ckpt", "--save-interval", "3"),
         *("--summary-json", "out/summary.json"),
+        *("--profile-step", "2", "--profile-json", "out/profile.json"),
     )
     assert sorted(losses) == [0, 1, 2, 3]
     assert all(0 < loss < 10 for loss in losses.values())
@@ -98,6 +99,16 @@ def test_recipe_trains_logs_memory_and_resumes(tmp_path: Path) -> None:
     # tokens, D = 64, F = 96, tp = 2), over 2 layers: the analytic count, to the byte.
     assert summary["mlp_saved_MiB"][impl] * 2**20 == 2 * 64 * (64 + 3 * 48) * 4
     assert summary["peak_MiB"] is None  # CPU: no allocator figures
+
+    # --profile-step: rank 0's step 2 as a per-op table (self time on the CPU), largest first
+    profile = json.loads((tmp_path / "out" / "profile.json").read_text())
+    assert (profile["step"], profile["mlp_impl"], profile["tp"]) == (2, impl, 2)
+    assert profile["unit"] == "op (self time)" and profile["step_s"] > 0
+    times = [e["us"] for e in profile["entries"]]
+    assert times == sorted(times, reverse=True)
+    assert sum(times) + profile["other_us"] == pytest.approx(profile["total_us"])
+    mm = next(e for e in profile["entries"] if e["name"] == "aten::mm")
+    assert mm["count"] >= 2 * 3  # per layer at least the MLP's forward GEMMs and their grads
 
     assert (tmp_path / "ckpt" / "iter_0000003").is_dir()
     resumed = run_recipe(
@@ -280,6 +291,24 @@ def test_recompute_options_reach_megatrons_config_and_bad_combinations_are_refus
         with pytest.raises(SystemExit):
             parse_args(argv)
         assert message in capsys.readouterr().err
+
+
+def test_profile_step_needs_its_json_and_a_step_of_the_run(capsys) -> None:
+    from swiglu_train.integrations.megatron.pretrain.args import parse_args
+
+    for argv, message in (
+        (["--profile-step", "2"], "--profile-step and --profile-json go together"),
+        (["--profile-json", "p.json"], "--profile-step and --profile-json go together"),
+        (
+            ["--profile-step", "4", "--profile-json", "p.json", "--max-steps", "4"],
+            "--profile-step 4 is not a step of --max-steps 4",
+        ),
+    ):
+        with pytest.raises(SystemExit):
+            parse_args(argv)
+        assert message in capsys.readouterr().err
+    args = parse_args(["--profile-step", "3", "--profile-json", "p.json", "--max-steps", "4"])
+    assert (args.profile_step, args.profile_json) == (3, "p.json")
 
 
 def test_a_planner_record_sets_the_impl_and_block_recompute(tmp_path, capsys):

@@ -84,6 +84,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--wandb-project", default="swiglu-train-megatron")
     p.add_argument("--output-dir", default="runs")
     p.add_argument("--summary-json", default=None, help="rank 0 writes losses, tokens/s, memory")
+    p.add_argument(
+        "--profile-step",
+        type=int,
+        default=None,
+        help="profile this step (0-based) with torch.profiler; rank 0 writes --profile-json",
+    )
+    p.add_argument(
+        "--profile-json", default=None, help="the profiled step's kernels: time and count each"
+    )
     args = p.parse_args(argv)
     if args.plan is not None:
         apply_plan(p, args)
@@ -91,6 +100,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     check_recompute(p, args)
     if args.warmup_steps < 0:
         p.error(f"--warmup-steps must be at least 0, got {args.warmup_steps}")
+    if (args.profile_step is None) != (args.profile_json is None):
+        p.error("--profile-step and --profile-json go together")
+    if args.profile_step is not None and not 0 <= args.profile_step < args.max_steps:
+        p.error(f"--profile-step {args.profile_step} is not a step of --max-steps {args.max_steps}")
     if args.saved_fp8 and args.mlp_impl in STOCK:
         p.error("--saved-fp8 is ours: Megatron's own MLP saves its preactivation in bf16")
     if args.saved_fp8:

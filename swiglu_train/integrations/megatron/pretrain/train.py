@@ -25,6 +25,7 @@ from swiglu_train.integrations.megatron.pretrain.build import (
 )
 from swiglu_train.integrations.megatron.pretrain.checkpoint import load, save
 from swiglu_train.integrations.megatron.pretrain.data import train_loader
+from swiglu_train.integrations.megatron.pretrain.step_profile import step_profile, write_profile
 from swiglu_train.memory import MemoryProfiler
 from swiglu_train.memory.wandb_run import WandbMemoryLogger, init_run
 
@@ -80,28 +81,33 @@ def main(argv: list[str] | None = None) -> list[float]:
         * parallel_state.get_data_parallel_world_size()
     )
     losses, rates, records = [], [], []
+    cuda = args.device == "cuda"
     for step in range(start, args.max_steps):
-        tic = time.perf_counter()
-        on_first = []
-        if profiler is not None:
-            profiler.begin(step)
-            on_first.append(profiler.forward_done)
-        model.zero_grad_buffer()
-        optimizer.zero_grad()
-        stats = forward_backward(
-            forward_step_func=partial(forward_step, device, on_first),
-            data_iterator=data,
-            model=[model],
-            num_microbatches=args.num_microbatches,
-            seq_length=args.seq_length,
-            micro_batch_size=args.micro_batch_size,
-            forward_only=False,
-        )
-        record = profiler.backward_done() if profiler is not None else None
-        optimizer.step()
-        if args.device == "cuda":
-            torch.cuda.synchronize()
-        seconds = time.perf_counter() - tic
+        with step_profile(rank0 and step == args.profile_step, cuda) as prof:
+            tic = time.perf_counter()
+            on_first = []
+            if profiler is not None:
+                profiler.begin(step)
+                on_first.append(profiler.forward_done)
+            model.zero_grad_buffer()
+            optimizer.zero_grad()
+            stats = forward_backward(
+                forward_step_func=partial(forward_step, device, on_first),
+                data_iterator=data,
+                model=[model],
+                num_microbatches=args.num_microbatches,
+                seq_length=args.seq_length,
+                micro_batch_size=args.micro_batch_size,
+                forward_only=False,
+            )
+            record = profiler.backward_done() if profiler is not None else None
+            optimizer.step()
+            if cuda:
+                torch.cuda.synchronize()
+            seconds = time.perf_counter() - tic
+        if prof is not None:
+            about = {k: getattr(args, k) for k in ("mlp_impl", "tp", *SHAPE_ARGS)}
+            write_profile(prof, args.profile_json, step, seconds, cuda, **about)
         if stats:  # the last pipeline stage
             # Each DP rank holds the loss of its own micro-batches; the step's is their mean
             # (equal token counts), as Megatron-LM logs it, so runs at any DP size compare.
