@@ -2,6 +2,8 @@
 
 import json
 
+import pytest
+import torch
 from typer.testing import CliRunner
 
 from swiglu_train.cli import app
@@ -128,3 +130,20 @@ def test_bench_inference_merge_takes_several_files_after_one_flag(tmp_path):
         assert {r["model"] for r in json.loads(out.read_text())["rows"]} == {"32x48", "16x40"}
     stray = runner.invoke(app, ["bench-inference", str(runs[0])], env={"COLUMNS": "200"})
     assert stray.exit_code == 2 and "unexpected arguments" in stray.output
+
+
+def test_out_of_place_variants_build_ours_with_inplace_off():
+    """The aliasing diagnostic: ours(impl, inplace=False) is the same layer with grad_preact
+    written to a new buffer, so its graph takes a second backward; the quack one needs quack."""
+    from swiglu_train.bench.variants import BUILDERS, LayerWeights, ours
+
+    w = LayerWeights.random(16, 40, 16, torch.float32, "cpu")
+    layer = ours("drop_h", inplace=False)(w)
+    assert layer.inplace is False and layer.fc1.weight is w.fc1
+    y = layer(torch.randn(8, 16)).square().sum()
+    y.backward(retain_graph=True)
+    first = w.fc1.grad.clone()
+    y.backward()  # the in-place path refuses this; out of place it doubles the grad
+    torch.testing.assert_close(w.fc1.grad, 2 * first)
+    with pytest.raises(ImportError, match="quack"):
+        BUILDERS["drop_h_quack_out_of_place"](w)

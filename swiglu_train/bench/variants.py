@@ -43,9 +43,10 @@ def eager(w: LayerWeights) -> Layer:
     return lambda x: reference.mlp(x, w.fc1, None, w.fc2, None)
 
 
-def ours(impl: str) -> Callable[[LayerWeights], Layer]:
+def ours(impl: str, inplace: bool = True) -> Callable[[LayerWeights], Layer]:
     def build(w: LayerWeights) -> Layer:
-        mlp = ParMLP(w.fc1.shape[1], w.fc2.shape[1], w.fc2.shape[0], impl=impl, device="meta")
+        d, f, o = w.fc1.shape[1], w.fc2.shape[1], w.fc2.shape[0]
+        mlp = ParMLP(d, f, o, impl=impl, inplace=inplace, device="meta")
         mlp.fc2.weight = w.fc2
         if mlp.fc1_layout.packed:  # its own packed copy of the canonical weight
             mlp.fc1.weight = torch.nn.Parameter(relayout(w.fc1.detach(), CANONICAL, mlp.fc1_layout))
@@ -123,6 +124,9 @@ BUILDERS: dict[str, Callable[[LayerWeights], Layer]] = {
     "save_factors": ours("save_factors"),
     "save_factors_fused": save_factors_fused,
     "drop_h_quack": ours("drop_h_quack"),
+    # diagnostic: quack's dgated GEMM writing grad_preact to a new buffer instead of over the
+    # preact it reads (a higher backward peak); does the aliasing cost drop_h_quack time?
+    "drop_h_quack_out_of_place": ours("drop_h_quack", inplace=False),
     "save_factors_quack": ours("save_factors_quack"),
     "liger": liger,
     "fla": fla,
