@@ -19,6 +19,8 @@ so that every pick is set against the best measured configuration by medians ali
 
 from __future__ import annotations
 
+import gc
+
 import torch
 
 from swiglu_train.bench.e2e import device_name, next_rounds, parse_list, rows
@@ -96,11 +98,17 @@ def run_lightning(
     table = _table(points, cfg)
     # the budgets fall between the grid's own peaks, whatever the planner adds below
     budgets = parse_budgets(budgets_gb, [r for r in table if r["checkpoint_layers"] in grid])
+    # The peaks are the allocator's, absolute: the grid's model and optimizer, still held by
+    # its measurer, would count in every peak the planner measures. Release them first.
+    del measure
+    gc.collect()  # Lightning's wrappers hold cycles
     picks = planner_picks(budgets, names, cfg) if planner else [None] * len(budgets)
+    gc.collect()  # the planner's last model, likewise
     measured = {(r["impl"], r["checkpoint_layers"]) for r in table}
     unmeasured = sorted({(p["impl"], p["checkpoint_layers"]) for p in picks if p and "impl" in p})
     unmeasured = [c for c in unmeasured if c not in measured]
     if unmeasured:  # each pick gets a median of its own, as many rounds as the grid's
+        measure = measurer(cfg, Steps(settings["warmup_steps"], settings["timed_steps"]), log=print)
         for r in range(schedule.stop):
             for impl, n in order.sample(unmeasured, len(unmeasured)):
                 points.append(_point(r, impl, n, measure(impl, n)) | {"planner_pick": True})
