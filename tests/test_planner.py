@@ -4,6 +4,7 @@ the refusals before any work."""
 
 import json
 import re
+import weakref
 from pathlib import Path
 
 import pytest
@@ -87,6 +88,27 @@ def test_auto_checkpoints_what_the_budget_needs_and_records_the_plan(small, tmp_
     [run] = load_runs([next((tmp_path / "run" / "wandb").glob("offline-run-*"))])
     assert run.config["plan"]["impl"] == plan["impl"]
     assert run.config["model"]["checkpoint_layers"] == plan["checkpoint_layers"]
+
+
+def test_the_plan_s_models_are_gone_when_the_run_builds_its_own(small, monkeypatch):
+    """plan_run's measured models and optimizers are freed before it returns: on a GPU they
+    would otherwise sit beside the run's own model for the whole run."""
+    from swiglu_train.integrations.lightning import planner
+
+    built, real_build = [], planner._build
+
+    def build(*args):
+        module, optimizer = real_build(*args)
+        built.append(weakref.ref(module))
+        return module, optimizer
+
+    monkeypatch.setattr(planner, "_build", build)
+    cfg = load_config(str(small))
+    cfg.train.activation_checkpointing, cfg.train.memory_budget_gb = "auto", 1.0
+    cfg.train.plan_impls = list(IMPLS)
+    record = planner.plan_run(cfg, Steps(warmup=0, measured=1))
+    assert record["impl"] in IMPLS and len(built) == len(IMPLS)  # one model per candidate
+    assert [ref() for ref in built] == [None] * len(IMPLS)
 
 
 def test_auto_micro_batch_picks_a_divisor_of_the_global_batch_and_accumulates(small, tmp_path):
