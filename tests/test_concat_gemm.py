@@ -74,3 +74,22 @@ def test_each_chunk_s_copy_fits_in_h_and_the_chunks_are_even(m, d, ffn):
     assert rows == ffn or rows % ROW_ALIGN == 0
     assert 2 * rows * d <= max(m * ffn, 2 * ROW_ALIGN * d)  # the copy [2·rows, D] within h [M, F]
     assert ffn - (chunks - 1) * rows > rows - chunks * ROW_ALIGN  # the last chunk is not a stub
+
+
+def test_gemm_on_cublas_takes_each_gemm_s_operands_as_training_passes_them():
+    """``quack_mlp.gemm_on``, the one entry point of training and pretune: on cuBLAS the concat
+    GEMMs take (grad_preact, fc1) and (grad_preactᵀ, x) as the quack GEMM would, and a plain
+    GEMM adds its bias."""
+    from swiglu_train.ops.quack_mlp import gemm_on
+
+    torch.manual_seed(3)
+    m, d, ffn = 12, 16, 24
+    grad_gate, grad_up = torch.randn(m, ffn, dtype=torch.float64), torch.randn(m, ffn).double()
+    grad_preact = _interleave_columns(grad_gate, grad_up)
+    fc1, x = torch.randn(2 * ffn, d, dtype=torch.float64), torch.randn(m, d, dtype=torch.float64)
+    grad_x = gemm_on("cublas", "grad_x_concat", grad_preact, fc1)
+    torch.testing.assert_close(grad_x, grad_gate @ fc1[:ffn] + grad_up @ fc1[ffn:])
+    grad_w1 = gemm_on("cublas", "grad_w1_concat", grad_preact.t(), x)
+    torch.testing.assert_close(grad_w1, torch.cat((grad_gate.t() @ x, grad_up.t() @ x)))
+    h, fc2_t, bias = torch.randn(m, ffn).double(), torch.randn(ffn, d).double(), torch.randn(d)
+    torch.testing.assert_close(gemm_on("cublas", "fc2", h, fc2_t, bias.double()), h @ fc2_t + bias)

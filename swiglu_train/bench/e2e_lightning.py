@@ -90,7 +90,8 @@ def run_lightning(
     names, grid = settings["impls"], settings["grid"]
     schedule, order = next_rounds(points, rounds, seed)
     points = list(points)
-    measure = measurer(cfg, Steps(settings["warmup_steps"], settings["timed_steps"]), log=print)
+    steps = Steps(settings["warmup_steps"], settings["timed_steps"])
+    measure = measurer(cfg, steps, log=print)
     for r in schedule:
         for impl in order.sample(names, len(names)):
             for n in order.sample(grid, len(grid)):
@@ -108,7 +109,7 @@ def run_lightning(
     unmeasured = sorted({(p["impl"], p["checkpoint_layers"]) for p in picks if p and "impl" in p})
     unmeasured = [c for c in unmeasured if c not in measured]
     if unmeasured:  # each pick gets a median of its own, as many rounds as the grid's
-        measure = measurer(cfg, Steps(settings["warmup_steps"], settings["timed_steps"]), log=print)
+        measure = measurer(cfg, steps, log=print)
         for r in range(schedule.stop):
             for impl, n in order.sample(unmeasured, len(unmeasured)):
                 points.append(_point(r, impl, n, measure(impl, n)) | {"planner_pick": True})

@@ -10,6 +10,7 @@ the margin the GEMM keeps its default (``gemm_choice.default``).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass
 
@@ -17,11 +18,11 @@ import numpy as np
 import torch
 
 from swiglu_train.ops import gemm_choice
-from swiglu_train.ops.concat_gemm import concat_grad_w1, concat_grad_x
-from swiglu_train.ops.quack_mlp import quack_gemm
+from swiglu_train.ops.quack_mlp import gemm_on
 
 MARGIN = 0.01  # within 1 % the measurement cannot tell the two apart: keep the default
 BATCH = 5
+LIBRARIES = (gemm_choice.QUACK, gemm_choice.CUBLAS)
 
 
 @dataclass(frozen=True)
@@ -52,21 +53,8 @@ def operands(gemm: str, m: int, n: int, k: int, dtype: torch.dtype) -> tuple:
 
 
 def calls(gemm: str, a: torch.Tensor, b: torch.Tensor) -> dict[str, Callable[[], object]]:
-    """The two ways the impls compute ``gemm``: quack's (with ``concat_layout`` where it pairs
-    the interleaved grad_preact with the canonical fc1) and cuBLAS's (``ops.concat_gemm``
-    there)."""
-    quack = quack_gemm()
-    if gemm == "grad_x_concat":
-        return {
-            "quack": lambda: quack(a, b, concat_layout=("B",)),
-            "cublas": lambda: concat_grad_x(a, b),
-        }
-    if gemm == "grad_w1_concat":  # a = grad_preactᵀ
-        return {
-            "quack": lambda: quack(a, b, concat_layout=("out",)),
-            "cublas": lambda: concat_grad_w1(a.t(), b),
-        }
-    return {"quack": lambda: quack(a, b), "cublas": lambda: a @ b}
+    """The two ways the impls compute ``gemm`` (``quack_mlp.gemm_on``), by library."""
+    return {lib: functools.partial(gemm_on, lib, gemm, a, b) for lib in LIBRARIES}
 
 
 def decide(quack_ms: np.ndarray, cublas_ms: np.ndarray, default: str) -> tuple[float, str]:
@@ -111,8 +99,7 @@ def _measure(
 ) -> Measured:
     a, b = operands(gemm, m, n, k, dtype)
     times = _time_pair(calls(gemm, a, b), samples, seed)
-    sms = torch.cuda.get_device_properties(a.device).multi_processor_count
-    default = gemm_choice.default(gemm, m, n, sms)
+    default = gemm_choice.default(gemm, m, n, gemm_choice.sm_count(a.get_device()))
     ratio, backend = decide(times["quack"], times["cublas"], default)
     quack_ms, cublas_ms = float(np.median(times["quack"])), float(np.median(times["cublas"]))
     return Measured(gemm, m, n, k, quack_ms, cublas_ms, ratio, backend)

@@ -145,7 +145,8 @@ def backend(gemm: str, a: torch.Tensor, b: torch.Tensor) -> str:
 
 
 @functools.cache
-def _sms(device: int) -> int:
+def sm_count(device: int) -> int:
+    """A CUDA device's SMs, asked once (the query costs host time on every step)."""
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
@@ -153,7 +154,7 @@ def _sms(device: int) -> int:
 def _lookup(gemm: str, m: int, n: int, k: int, dtype: torch.dtype, device: int) -> str:
     """``choice`` memoized per call signature: it runs on every step's GEMMs, where building
     the key and asking for the device's name each time would add host time."""
-    return choice(gemm, m, n, k, dtype, torch.cuda.get_device_name(device), _sms(device))
+    return choice(gemm, m, n, k, dtype, torch.cuda.get_device_name(device), sm_count(device))
 
 
 def untimed(

@@ -63,13 +63,30 @@ def quack_gemm() -> functools.partial:
     return functools.partial(require_quack().gemm, tuned=False)
 
 
+# The GEMMs that pair drop_h_quack's interleaved grad_preact with the canonical fc1: quack
+# does it inside the GEMM (this concat_layout), cuBLAS through ops.concat_gemm's copies.
+CONCAT_LAYOUTS = {"grad_x_concat": ("B",), "grad_w1_concat": ("out",)}
+
+
+def gemm_on(
+    library: str, gemm: str, a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``gemm``'s a @ b (+ bias) on ``library``: what training runs and pretune times."""
+    if library == gemm_choice.QUACK:
+        layout = CONCAT_LAYOUTS.get(gemm)
+        return quack_gemm()(a, b, bias=bias, **({"concat_layout": layout} if layout else {}))
+    if gemm == "grad_x_concat":
+        return concat_grad_x(a, b)
+    if gemm == "grad_w1_concat":  # a = grad_preactᵀ
+        return concat_grad_w1(a.t(), b)
+    return a @ b if bias is None else torch.addmm(bias, a, b)
+
+
 def chosen_gemm(
     gemm: str, a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None
 ) -> torch.Tensor:
     """a @ b (+ bias) on quack or cuBLAS, whichever ``gemm_choice`` has for this GEMM here."""
-    if gemm_choice.backend(gemm, a, b) == gemm_choice.CUBLAS:
-        return a @ b if bias is None else torch.addmm(bias, a, b)
-    return quack_gemm()(a, b, bias=bias)
+    return gemm_on(gemm_choice.backend(gemm, a, b), gemm, a, b, bias)
 
 
 def quack_unavailable_reason() -> str | None:
@@ -239,20 +256,6 @@ def n_clustered_config(tile_n: int):
     )  # fmt: skip
 
 
-def _grad_x(grad_preact: torch.Tensor, fc1_weight: torch.Tensor) -> torch.Tensor:
-    """grad_preact (interleaved) @ fc1 (canonical) on the library ``gemm_choice`` has here."""
-    if gemm_choice.backend("grad_x_concat", grad_preact, fc1_weight) == gemm_choice.CUBLAS:
-        return concat_grad_x(grad_preact, fc1_weight)
-    return quack_gemm()(grad_preact, fc1_weight, concat_layout=("B",))
-
-
-def _grad_w1(grad_preact: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    """grad_preact (interleaved)ᵀ @ x as canonical fc1 rows, on the library chosen here."""
-    if gemm_choice.backend("grad_w1_concat", grad_preact.t(), x) == gemm_choice.CUBLAS:
-        return concat_grad_w1(grad_preact, x)
-    return quack_gemm()(grad_preact.t(), x, concat_layout=("out",))
-
-
 def _canonical_bias_grad(grad_preact: torch.Tensor) -> torch.Tensor:
     """Sum of the interleaved [g0, u0, g1, u1, ...] grad over rows, as [grad_gate; grad_up]."""
     return grad_preact.sum(0).view(-1, 2).t().reshape(-1)
@@ -286,8 +289,8 @@ class _DropHQuack(torch.autograd.Function):
         )  # fmt: skip
         grad_w2 = chosen_gemm("grad_w2", grad_y.t(), h) if need_w2 else None
         del h  # frees [M, F] before the two largest GEMM outputs are allocated
-        grad_x = _grad_x(grad_preact, fc1_weight) if need_x else None
-        grad_w1 = _grad_w1(grad_preact, x) if need_w1 else None
+        grad_x = chosen_gemm("grad_x_concat", grad_preact, fc1_weight) if need_x else None
+        grad_w1 = chosen_gemm("grad_w1_concat", grad_preact.t(), x) if need_w1 else None
         grad_b1 = _canonical_bias_grad(grad_preact) if need_b1 and ctx.has_bias[0] else None
         grad_b2 = grad_y.sum(0) if need_b2 and ctx.has_bias[1] else None
         return grad_x, grad_w1, grad_b1, grad_w2, grad_b2, None
