@@ -83,7 +83,7 @@ def test_a_planner_pick_off_the_grid_is_measured_in_as_many_rounds(tmp_path, mon
     def build_alone(*args):
         assert [ref for ref in built if ref() is not None] == [], "a model outlived its measure"
         module, optimizer = real_build(*args)
-        built.append(weakref.ref(module))
+        built.append(weakref.ref(next(module.parameters())))  # not the wrapper: the memory
         return module, optimizer
 
     monkeypatch.setattr(planner, "_build", build_alone)

@@ -99,7 +99,7 @@ def test_the_plan_s_models_are_gone_when_the_run_builds_its_own(small, monkeypat
 
     def build(*args):
         module, optimizer = real_build(*args)
-        built.append(weakref.ref(module))
+        built.append(weakref.ref(next(module.parameters())))  # not the wrapper: the memory
         return module, optimizer
 
     monkeypatch.setattr(planner, "_build", build)
@@ -109,6 +109,28 @@ def test_the_plan_s_models_are_gone_when_the_run_builds_its_own(small, monkeypat
     record = planner.plan_run(cfg, Steps(warmup=0, measured=1))
     assert record["impl"] in IMPLS and len(built) == len(IMPLS)  # one model per candidate
     assert [ref() for ref in built] == [None] * len(IMPLS)
+
+
+def test_each_candidate_s_model_is_gone_before_the_next_is_built(small, monkeypatch):
+    """One measurer over several candidates holds one model at a time. A Fabric keeps every
+    LightningModule it set up, so a Fabric shared across candidates kept them all: on the H200
+    a 1B bench ran out of memory after a few. The allocator's peaks are absolute, too, so a
+    held model would have counted in the next candidate's peak."""
+    from swiglu_train.integrations.lightning import planner
+
+    built, real_build = [], planner._build
+
+    def build_alone(*args):
+        assert [ref for ref in built if ref() is not None] == [], "a model outlived its candidate"
+        module, optimizer = real_build(*args)
+        built.append(weakref.ref(next(module.parameters())))  # not the wrapper: the memory
+        return module, optimizer
+
+    monkeypatch.setattr(planner, "_build", build_alone)
+    measure = measurer(load_config(str(small)), Steps(warmup=0, measured=1))
+    for name in (*IMPLS, IMPLS[0]):
+        assert measure(name, 0).peak_MiB > 0
+    assert len(built) == len(IMPLS) + 1
 
 
 def test_auto_micro_batch_picks_a_divisor_of_the_global_batch_and_accumulates(small, tmp_path):

@@ -162,15 +162,16 @@ def measurer(
     and accumulated up to train.global_batch_size): one model and optimizer per candidate,
     built on the device when first asked for and kept while the next points measure the same
     candidate (only ``checkpoint_layers`` and the micro-batch change)."""
-    fabric = Fabric(accelerator="auto", devices=1, precision=_precision(cfg.train.precision))
     held: dict[str, tuple] = {}
+    precision = _precision(cfg.train.precision)
 
     def measure(name: str, n: int, micro_batch_size: int | None = None) -> Profile:
         if name not in held:
-            held.clear()  # the previous candidate's model and optimizer go first
-            _free(fabric.device)
-            held[name] = _build(fabric, cfg, name)
-        module, optimizer = held[name]
+            held.clear()  # the previous candidate's model and optimizer go first, with its
+            _free(_device())  # Fabric: one keeps every LightningModule it set up (_callbacks)
+            fabric = Fabric(accelerator="auto", devices=1, precision=precision)
+            held[name] = (fabric, *_build(fabric, cfg, name))
+        fabric, module, optimizer = held[name]
         module.model.checkpoint_layers = n
         micro, accumulate = _batching(cfg, micro_batch_size)
         profile = _run_steps(fabric, cfg, module, optimizer, name, n, micro, accumulate, steps)
@@ -209,7 +210,7 @@ def plan_run(
     (with train.auto_micro_batch_size, the micro-batch and accumulation too). Returns the
     plan's record (for the summary and the W&B config); raises
     ``swiglu_train.memory.plan.NoPlanFits`` when nothing fits the budget."""
-    device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+    device = _device()
     budget = default_budget_MiB(device, cfg.train.memory_budget_gb)
     num_layers = cfg.model.num_layers
     measure = measurer(cfg, steps, log)
@@ -220,6 +221,7 @@ def plan_run(
         else:
             profiles = search(candidates(cfg), num_layers, budget, measure)
     finally:
+        del measure  # its last model and Fabric hold each other: collected by _free's gc
         _free(device)
     plan = choose_plan(profiles, budget, num_layers)
     apply_plan(cfg, plan)
@@ -376,6 +378,10 @@ def _state_bytes(module, optimizer) -> int:
     tensors += [v for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v)]
     found = {key: nbytes for t in tensors for key, nbytes in storages(t)}
     return sum(found.values())
+
+
+def _device() -> torch.device:
+    return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
 
 
 def _free(device: torch.device) -> None:
