@@ -211,7 +211,7 @@ for stage in "$@"; do
         && cat "$RES/megatron_h200_tp1.md" ;;
     e2e_1b|e2e_3b)  # whole training steps, impl x checkpointed blocks, planner at 4 budgets
       size=${stage#e2e_} && E2E=/tmp/gpu-e2e-$commit && mkdir -p "$E2E" "$RES/e2e"
-      # coarse grids: the planner's picks between their counts are measured as well
+      # coarse grids: the planner's plans between their counts (every impl's) are measured too
       if [ "$size" = 1b ]; then grid=${E2E_GRID_1B:-0,4,8,12,16} mbs=${E2E_MBS_1B:-4}
       else grid=${E2E_GRID_3B:-0,7,14,21,28} mbs=${E2E_MBS_3B:-2}; fi
       impls=$(echo normal drop_h $(quack_impl) drop_h+fp8 | tr ' ' ',')
@@ -238,7 +238,7 @@ for stage in "$@"; do
         torchrun --standalone --nproc-per-node 1 recipes/pretrain_megatron.py --mlp-impl "$impl" \
           $MEGATRON_GPU --max-steps 12 --profile-step 10 --profile-json "$prof" \
           --output-dir "$SCRATCH/megatron-prof" > "$RES/e2e/profile_${impl}.log" 2>&1 \
-          && python3 -c "import json, sys; p = json.load(open(sys.argv[1])); print(sys.argv[2], round(p['step_s'] * 1e3, 1), 'ms step,', round(p['total_us'] / 1e3, 1), 'ms of kernels;', [(e['name'][:50], round(e['us'])) for e in p['entries'][:6]])" "$prof" "$impl" \
+          && python3 -c "import json, sys; p = json.load(open(sys.argv[1])); print(sys.argv[2], round(p['step_s'] * 1e3, 1), 'ms step,', round(p['total_us'] / 1e3, 1), 'ms of kernels;', [(e['name'][:50], round(e['us'])) for e in p['entries'][:6]], 'host:', [(e['name'][:40], round(e['us']), e['count']) for e in p['host']['entries'][:8]])" "$prof" "$impl" \
           || tail -3 "$RES/e2e/profile_${impl}.log"
         cp "$prof" "$RES/e2e/" 2>/dev/null
       done ;;

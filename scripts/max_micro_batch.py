@@ -110,7 +110,7 @@ def main(
     by_impl = {r["impl"]: r["max_micro_batch"] for r in results}
     payload = {
         "command": shlex.join(["python", *sys.argv]),
-        "commit": git_commit() or commit,
+        "commit": commit or git_commit(),  # the caller names the tree it ran: a copy's .git may lag
         "config": config,
         "device_name": torch.cuda.get_device_name(),
         "seq_length": load_config(config).data.seq_length,

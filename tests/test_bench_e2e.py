@@ -108,8 +108,9 @@ def test_a_planner_pick_off_the_grid_is_measured_in_as_many_rounds(tmp_path, mon
     assert pick["impl"] == "normal" and pick["checkpoint_layers"] in (1, 2), pick
     n = pick["checkpoint_layers"]
     added = [p for p in r["points"] if p["checkpoint_layers"] == n]
-    assert sorted(p["round"] for p in added) == [0, 1, 2] and all(p["planner_pick"] for p in added)
-    assert not any(p.get("planner_pick") for p in r["points"] if p["checkpoint_layers"] != n)
+    assert sorted(p["round"] for p in added) == [0, 1, 2] and all(p["planned"] for p in added)
+    assert not any(p.get("planned") for p in r["points"] if p["checkpoint_layers"] != n)
+    assert pick["best_per_impl"] == {"normal": n}
     row = next(x for x in r["rows"] if x["checkpoint_layers"] == n)
     assert row["rounds"] == 3 and row["peak_MiB"]["max"] <= budget_MiB
     best = plan["best_per_impl"]["normal"]
@@ -136,6 +137,7 @@ def test_the_planner_measures_each_configuration_once_across_budgets(tmp_path, m
     with use_backend("torch"):
         ample, tight = e2e_lightning.planner_picks([1024.0, 1.0], ["normal", "drop_h"], cfg)
     assert (ample["probes"], tight["probes"]) == (2, 4)
+    assert ample["best_per_impl"] == {"normal": 0, "drop_h": 0}  # each measured in rounds later
     assert tight["error"].startswith("nothing fits the memory budget of 1 MiB")
     assert sorted(measured) == sorted({(i, n) for i in ("normal", "drop_h") for n in (0, 2)})
 

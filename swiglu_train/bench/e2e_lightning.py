@@ -106,18 +106,17 @@ def run_lightning(
     picks = planner_picks(budgets, names, cfg) if planner else [None] * len(budgets)
     gc.collect()  # the planner's last model, likewise
     measured = {(r["impl"], r["checkpoint_layers"]) for r in table}
-    unmeasured = sorted({(p["impl"], p["checkpoint_layers"]) for p in picks if p and "impl" in p})
-    unmeasured = [c for c in unmeasured if c not in measured]
-    if unmeasured:  # each pick gets a median of its own, as many rounds as the grid's
+    unmeasured = sorted({c for p in picks if p and "impl" in p for c in _planned(p)} - measured)
+    if unmeasured:  # each planned count gets a median of its own, as many rounds as the grid's
         measure = measurer(cfg, steps, log=print)
         for r in range(schedule.stop):
             for impl, n in order.sample(unmeasured, len(unmeasured)):
-                points.append(_point(r, impl, n, measure(impl, n)) | {"planner_pick": True})
+                points.append(_point(r, impl, n, measure(impl, n)) | {"planned": True})
         table = _table(points, cfg)
     plans = [budget_plans(b, table, pick) for b, pick in zip(budgets, picks, strict=True)]
     return settings | {
         "command": command,
-        "commit": git_commit() or commit,
+        "commit": commit or git_commit(),  # the caller names the tree it ran: a copy's .git may lag
         "memory": ALLOCATOR if torch.cuda.is_available() else ESTIMATE,
         "model": {
             k: getattr(cfg.model, k)
@@ -131,6 +130,13 @@ def run_lightning(
         "budgets": plans,
         "points": points,
     }
+
+
+def _planned(pick: dict) -> set[tuple[str, int]]:
+    """The pick and each impl's best plan at its budget: every impl is then compared at its
+    own best block count, not at the grid's nearest (a coarse grid favours the impl whose
+    count the planner happened to pick)."""
+    return {(pick["impl"], pick["checkpoint_layers"]), *pick["best_per_impl"].items()}
 
 
 def _point(round_: int, impl: str, n: int, p) -> dict:
@@ -267,6 +273,7 @@ def planner_picks(budgets: list[float], names: list[str], cfg: PretrainConfig) -
                 "why": plan.why,
                 "probes": len(probes),
                 "pick_tokens_per_s": plan.tokens_per_s,  # the planner's own short measurement
+                "best_per_impl": {p.impl: p.checkpoint_layers for p in plan.best_per_impl},
             }
         )
     return picks

@@ -74,7 +74,7 @@ def run_megatron(
                 )
     return settings | {
         "command": command,
-        "commit": git_commit() or commit,
+        "commit": commit or git_commit(),  # the caller names the tree it ran: a copy's .git may lag
         "rounds": schedule.stop,
         "rows": megatron_rows(points),
         "points": points,

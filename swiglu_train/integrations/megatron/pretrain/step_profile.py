@@ -32,21 +32,25 @@ def step_profile(enabled: bool, cuda: bool) -> Iterator[profile | None]:
 
 
 def summarize(prof: profile, cuda: bool) -> dict:
-    """Per kernel (CUDA) or per op (CPU): total µs and count, largest first."""
-    totals: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
-    if cuda:
-        for e in prof.events():
-            if e.device_type == torch.autograd.DeviceType.CUDA:
-                totals[e.name][0] += e.time_range.elapsed_us()
-                totals[e.name][1] += 1
-    else:
-        for e in prof.key_averages():
-            if e.self_cpu_time_total > 0:
-                totals[e.key] = [e.self_cpu_time_total, e.count]
-    ranked = sorted(totals.items(), key=lambda kv: -kv[1][0])
+    """Per kernel (CUDA) or per op (CPU): total µs and count, largest first. On CUDA also the
+    host's side (``host``): each op's and runtime call's self time, where a step whose GPU
+    sits idle between kernels spends it (Megatron's stock MLP: the same kernel time as ours,
+    a longer step)."""
+    host = _table({e.key: (e.self_cpu_time_total, e.count) for e in prof.key_averages()})
+    if not cuda:
+        return {"unit": "op (self time)", **host}
+    kernels: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            kernels[e.name][0] += e.time_range.elapsed_us()
+            kernels[e.name][1] += 1
+    return {"unit": "kernel", **_table(kernels), "host": host}
+
+
+def _table(totals: dict[str, tuple[float, int] | list[float]]) -> dict:
+    ranked = sorted(((n, t) for n, t in totals.items() if t[0] > 0), key=lambda kv: -kv[1][0])
     return {
-        "unit": "kernel" if cuda else "op (self time)",
-        "total_us": sum(us for us, _ in totals.values()),
+        "total_us": sum(us for _, (us, _) in ranked),
         "entries": [{"name": n, "us": us, "count": c} for n, (us, c) in ranked[:TOP]],
         "other_us": sum(us for _, (us, _) in ranked[TOP:]),
     }
