@@ -37,6 +37,7 @@ from swiglu_train.integrations.lightning.planner import candidates
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPE = ROOT / "recipes" / "pretrain_megatron.py"
+ROUNDS_0_HELP = "0 with --append --planner: the planner and its plans in the earlier rounds"
 APPEND_HELP = "add rounds to --json's, made with the same settings (a run split across calls)"
 app = typer.Typer(add_completion=False, pretty_exceptions_enable=False)
 
@@ -69,7 +70,7 @@ def lightning(
         ),
     ] = "",
     planner: Annotated[bool, typer.Option(help="also run the planner at each budget")] = False,
-    rounds: Annotated[int, typer.Option(min=1)] = 3,
+    rounds: Annotated[int, typer.Option(min=0, help=ROUNDS_0_HELP)] = 3,
     warmup: Annotated[int, typer.Option(min=0)] = 2,
     steps: Annotated[int, typer.Option(min=1)] = 5,
     seed: Annotated[int, typer.Option(help="of the visiting order")] = 0,
@@ -92,6 +93,11 @@ def lightning(
         raise typer.BadParameter(f"counts from 0 to {layers}", param_hint="--checkpoint-layers")
     settings = lightning_settings(config, cfg, names, grid, warmup, steps)
     points = prior_points(json_path, settings) if append else []
+    if rounds == 0 and not (points and planner):
+        raise ValueError(
+            "--rounds 0 measures only the planner's plans, in an earlier run's rounds: give "
+            "--planner and --append with that run's --json"
+        )
     result = run_lightning(
         cfg,
         settings,
@@ -121,10 +127,20 @@ def megatron(
     json_path: Annotated[Path | None, typer.Option("--json")] = None,
     append: Annotated[bool, typer.Option(help=APPEND_HELP)] = False,
     md: Annotated[Path | None, typer.Option()] = None,
+    profile_impls: Annotated[
+        str, typer.Option(help="impls whose first run also profiles a step (kernels, host)")
+    ] = "",
+    profile_dir: Annotated[
+        Path, typer.Option(help="where those profiles go: profile_megatron_IMPL.json")
+    ] = Path("."),
 ) -> None:
     """Megatron recipe: impls interleaved in rounds, one process each; the rest of the
     command line after ``--`` goes to the recipe."""
     settings = megatron_settings(parse_list(impls), list(ctx.args), warmup, steps)
+    profiled = parse_list(profile_impls) if profile_impls else []
+    if not set(profiled) <= set(settings["impls"]):
+        raise ValueError(f"--profile-impls {profile_impls}: each must be one of --impls {impls}")
+    profiles = {i: profile_dir / f"profile_megatron_{i}.json" for i in profiled}
     points = prior_points(json_path, settings) if append else []
     result = run_megatron(
         settings,
@@ -134,6 +150,7 @@ def megatron(
         seed=seed,
         command=command_line(),
         commit=commit,
+        profiles=profiles,
     )
     write_result(result, json_path, md, None, megatron_markdown, None)
 

@@ -28,8 +28,11 @@
 #              where 3 rounds overrun a call, E2E_ROUNDS=1 E2E_PLANNER=0 twice, then E2E_ROUNDS=1
 #   e2e_megatron  scripts/bench_e2e.py megatron: TP=1 stock (fused and eager bias-SwiGLU) vs our
 #              impls, $MEGATRON_GPU, 5 warm-up + 20 timed steps per run, $E2E_ROUNDS_MEGATRON
-#              rounds per call (default 1: call it 3 times, rounds add up as above), then one
-#              profiled steady step each of stock, stock_eager and normal (kernel times; once)
+#              rounds per call (default 1: call it 3 times, rounds add up as above); the first
+#              run of stock, stock_eager and normal ($E2E_PROFILE_MEGATRON) also profiles its last
+#              timed step (kernel and host times; once). $E2E_MEGATRON_IMPLS picks the impls.
+#              E2E_PRIOR=DIR (carried): rounds of an earlier call, at another commit, to add to
+#              (e2e_1b/e2e_3b too; E2E_ROUNDS=0 then measures only the planner and its plans)
 #   megatron_resume  its DistributedOptimizer dist-ckpt: save at step 3, resume, compare losses
 #   megatron_tp2  (nvidia-h200-x2) TP=2 vs TP=1 losses and per-GPU memory (scripts/compare_tp.py)
 #   megatron_reshard (nvidia-h200-x2) a save_factors TP=2 dist-ckpt resumed by normal at TP=1,
@@ -100,6 +103,11 @@ from swiglu_train.ops.quack_mlp import quack_available
 print(*sorted(QUACK_IMPLS) if quack_available() else [])"
 }
 pack() { tar czf "$OUT/results.tgz" -C "$RES" .; }
+prior_e2e() {  # DIR NAME: an earlier call's rounds ($E2E_PRIOR/NAME, carried) to --append to,
+  # where this commit has none of its own yet (a machine's /tmp goes when it is given back)
+  [ -n "${E2E_PRIOR:-}" ] && [ -f "$E2E_PRIOR/$2" ] && [ ! -f "$1/$2" ] && cp "$E2E_PRIOR/$2" "$1/"
+  return 0
+}
 scale4_run() {  # IMPL LAYOUT ARGS...: the recipe at tp1 (1 GPU), tp4 or tp2dp2 (4 GPUs), every
   # layout at a global batch of 2 sequences (micro-batch 1 x micro-batches x DP)
   local impl=$1 layout=$2 n par
@@ -211,6 +219,7 @@ for stage in "$@"; do
         && cat "$RES/megatron_h200_tp1.md" ;;
     e2e_1b|e2e_3b)  # whole training steps, impl x checkpointed blocks, planner at 4 budgets
       size=${stage#e2e_} && E2E=/tmp/gpu-e2e-$commit && mkdir -p "$E2E" "$RES/e2e"
+      prior_e2e "$E2E" "e2e_${size}_h200.json"
       # coarse grids: the planner's plans between their counts (every impl's) are measured too
       if [ "$size" = 1b ]; then grid=${E2E_GRID_1B:-0,4,8,12,16} mbs=${E2E_MBS_1B:-4}
       else grid=${E2E_GRID_3B:-0,7,14,21,28} mbs=${E2E_MBS_3B:-2}; fi
@@ -225,22 +234,21 @@ for stage in "$@"; do
       cp "$E2E"/e2e_${size}_h200.* "$RES/e2e/" ;;
     e2e_megatron)  # stock vs ours at TP=1, interleaved; warm-up steps kept apart
       E2E=/tmp/gpu-e2e-$commit && mkdir -p "$E2E" "$RES/e2e"
-      impls=$(echo stock stock_eager normal drop_h save_factors $(quack_impl) | tr ' ' ',')
+      prior_e2e "$E2E" e2e_megatron_tp1_h200.json
+      impls=${E2E_MEGATRON_IMPLS:-$(echo stock stock_eager normal drop_h save_factors $(quack_impl) | tr ' ' ',')}
+      # where a steady step's time goes: the first run of each of these also profiles its last
+      # timed step (kernels and the host's side), kept across calls of a commit
       python3 scripts/bench_e2e.py megatron --impls "$impls" --rounds "${E2E_ROUNDS_MEGATRON:-1}" \
         --warmup 5 --steps 20 --commit "$commit" --append \
+        --profile-impls "${E2E_PROFILE_MEGATRON-stock,stock_eager,normal}" --profile-dir "$E2E" \
         --json "$E2E/e2e_megatron_tp1_h200.json" --md "$E2E/e2e_megatron_tp1_h200.md" \
         -- $MEGATRON_GPU 2>&1 | tail -20
       cp "$E2E"/e2e_megatron_tp1_h200.* "$RES/e2e/"
-      # where a steady step's time goes: one profiled step each (E2E_PROFILE_MEGATRON=0: none)
-      for impl in $([ "${E2E_PROFILE_MEGATRON:-1}" = 1 ] && echo stock stock_eager normal); do
-        prof="$E2E/profile_megatron_tp1_${impl}_h200.json"  # kept across calls of a commit
-        [ -f "$prof" ] && cp "$prof" "$RES/e2e/" && continue
-        torchrun --standalone --nproc-per-node 1 recipes/pretrain_megatron.py --mlp-impl "$impl" \
-          $MEGATRON_GPU --max-steps 12 --profile-step 10 --profile-json "$prof" \
-          --output-dir "$SCRATCH/megatron-prof" > "$RES/e2e/profile_${impl}.log" 2>&1 \
-          && python3 -c "import json, sys; p = json.load(open(sys.argv[1])); print(sys.argv[2], round(p['step_s'] * 1e3, 1), 'ms step,', round(p['total_us'] / 1e3, 1), 'ms of kernels;', [(e['name'][:50], round(e['us'])) for e in p['entries'][:6]], 'host:', [(e['name'][:40], round(e['us']), e['count']) for e in p['host']['entries'][:8]])" "$prof" "$impl" \
-          || tail -3 "$RES/e2e/profile_${impl}.log"
-        cp "$prof" "$RES/e2e/" 2>/dev/null
+      for prof in "$E2E"/profile_megatron_*.json; do
+        [ -f "$prof" ] || continue
+        impl=$(basename "$prof" .json) && impl=${impl#profile_megatron_}
+        cp "$prof" "$RES/e2e/profile_megatron_tp1_${impl}_h200.json"
+        python3 -c "import json, sys; p = json.load(open(sys.argv[1])); print(sys.argv[2], round(p['step_s'] * 1e3, 1), 'ms step,', round(p['total_us'] / 1e3, 1), 'ms of kernels; host:', [(e['name'][:40], round(e['us']), e['count']) for e in p['host']['entries'][:10]])" "$prof" "$impl"
       done ;;
     megatron_resume)  # DistributedOptimizer dist-ckpt on CUDA: save at 3, resume, same losses
       for impl in ${RESUME_IMPLS:-normal save_factors}; do

@@ -119,6 +119,43 @@ def test_a_planner_pick_off_the_grid_is_measured_in_as_many_rounds(tmp_path, mon
     assert len(built) == 4  # two grid calls, the planner, the pick's rounds: one model each
 
 
+def test_zero_rounds_add_the_planner_s_plans_to_an_earlier_run_s_rounds(tmp_path):
+    """--rounds 0 --append --planner: no grid point is measured again; the plans the planner
+    finds off the grid are measured once per earlier round, and each point names its commit
+    (here two, so the report names both). Without an earlier run, 0 rounds are refused."""
+    bench = load_script("bench_e2e")
+    config = tmp_path / "tiny.yaml"
+    config.write_text(TINY)
+    out = tmp_path / "e2e.json"
+    args = ["lightning", "--config", str(config), "--impls", "normal", "--warmup", "1"]
+    args += ["--steps", "1", "--checkpoint-layers", "0", "--json", str(out)]
+    runner = CliRunner()
+    with use_backend("torch"):
+        refused = runner.invoke(bench.app, [*args, "--rounds", "0", "--planner"])
+        assert isinstance(refused.exception, ValueError)
+        assert str(refused.exception).startswith("--rounds 0 measures only the planner's plans")
+        result = runner.invoke(bench.app, [*args, "--rounds", "2", "--commit", "aaa1111"])
+        assert result.exit_code == 0, result.output
+        [none] = json.loads(out.read_text())["rows"]
+        budget_GiB = 0.95 * none["peak_MiB"]["max"] / 1024
+        more = ["--rounds", "0", "--append", "--planner", "--budgets-gb", repr(budget_GiB)]
+        more += ["--commit", "bbb2222", "--md", str(tmp_path / "e2e.md")]
+        result = runner.invoke(bench.app, [*args, *more])
+        assert result.exit_code == 0, result.output
+    r = json.loads(out.read_text())
+    grid = [p for p in r["points"] if not p.get("planned")]
+    planned = [p for p in r["points"] if p.get("planned")]
+    assert [(p["round"], p["commit"]) for p in grid] == [(0, "aaa1111"), (1, "aaa1111")]
+    n = r["budgets"][0]["planner"]["checkpoint_layers"]
+    assert sorted((p["round"], p["checkpoint_layers"], p["commit"]) for p in planned) == [
+        (0, n, "bbb2222"), (1, n, "bbb2222")
+    ]  # fmt: skip
+    assert r["rounds"] == 2 and r["commit"] == "bbb2222"
+    assert (
+        "Commits aaa1111, bbb2222 (each point names its own)" in (tmp_path / "e2e.md").read_text()
+    )
+
+
 def test_the_planner_measures_each_configuration_once_across_budgets(tmp_path, monkeypatch):
     """A profile does not depend on the budget: at an ample budget and at one nothing fits,
     the searches read 1 and 2 profiles per impl, and only the 2 distinct ones are measured."""
@@ -197,3 +234,41 @@ def test_megatron_rows_pair_each_round_with_stock() -> None:
     assert rows["stock"]["vs_stock"]["median"] == 1.0
     assert rows["stock"]["warmup_tokens_per_s_median"] == [11.0, 100.0]
     assert rows["drop_h"]["tokens_per_s"] == {"min": 110.0, "median": 118.0, "max": 126.0}
+
+
+def test_megatron_rounds_on_cpu_profile_a_step_inside_a_measured_run(tmp_path, monkeypatch):
+    """The real recipe (CPU shims, tests/megatron_recipe_cpu.py) under the harness: one round
+    of stock and normal, paired; stock's run also profiles its last timed step, so no extra
+    process runs; an impl to profile that is not measured is refused."""
+    import sys
+
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("TRITON_INTERPRET", "0")  # the torch path: the kernels are tested elsewhere
+    monkeypatch.chdir(tmp_path)
+    bench = load_script("bench_e2e")
+    torchrun = Path(sys.executable).with_name("torchrun")
+    cpu_recipe = Path(__file__).with_name("megatron_recipe_cpu.py")
+    launcher = f"{torchrun} --standalone --nproc-per-node 1 {cpu_recipe}"
+    tiny = ["--device", "cpu", "--num-layers", "2", "--hidden-size", "64", "--ffn-hidden-size"]
+    tiny += ["96", "--num-attention-heads", "4", "--seq-length", "32", "--vocab-size", "128"]
+    args = ["megatron", "--impls", "stock,normal", "--rounds", "1", "--warmup", "1", "--steps"]
+    args += ["2", "--launcher", launcher, "--json", "m.json", "--commit", "ccc3333"]
+    runner = CliRunner()
+    bad = runner.invoke(bench.app, [*args, "--profile-impls", "drop_h", "--", *tiny])
+    assert isinstance(bad.exception, ValueError)
+    assert str(bad.exception) == "--profile-impls drop_h: each must be one of --impls stock,normal"
+    result = runner.invoke(bench.app, [*args, "--profile-impls", "stock", "--profile-dir", "p",
+                                       "--", *tiny])  # fmt: skip
+    assert result.exit_code == 0, result.output
+    r = json.loads((tmp_path / "m.json").read_text())
+    assert sorted((p["impl"], p["round"], p["commit"]) for p in r["points"]) == [
+        ("normal", 0, "ccc3333"), ("stock", 0, "ccc3333")
+    ]  # fmt: skip
+    rows = {x["impl"]: x for x in r["rows"]}
+    stock, normal = (p["tokens_per_s"] for i in ("stock", "normal") for p in r["points"]
+                     if p["impl"] == i)  # fmt: skip
+    assert rows["normal"]["vs_stock"]["median"] == pytest.approx(normal / stock)
+    profile = json.loads((tmp_path / "p" / "profile_megatron_stock.json").read_text())
+    assert (profile["step"], profile["mlp_impl"]) == (2, "stock")  # the last timed step
+    assert profile["unit"] == "op (self time)" and profile["total_us"] > 0
+    assert not (tmp_path / "p" / "profile_megatron_normal.json").exists()

@@ -88,6 +88,7 @@ def run_lightning(
     """Measure ``rounds`` rounds after ``points`` (an earlier run's, or none), then the rows and
     MFU over all of them and each budget's plans (``budgets_gb``: see ``parse_budgets``)."""
     names, grid = settings["impls"], settings["grid"]
+    commit = commit or git_commit()  # the caller names the tree it ran: a copy's .git may lag
     schedule, order = next_rounds(points, rounds, seed)
     points = list(points)
     steps = Steps(settings["warmup_steps"], settings["timed_steps"])
@@ -95,7 +96,7 @@ def run_lightning(
     for r in schedule:
         for impl in order.sample(names, len(names)):
             for n in order.sample(grid, len(grid)):
-                points.append(_point(r, impl, n, measure(impl, n)))
+                points.append(_point(r, impl, n, measure(impl, n)) | {"commit": commit})
     table = _table(points, cfg)
     # the budgets fall between the grid's own peaks, whatever the planner adds below
     budgets = parse_budgets(budgets_gb, [r for r in table if r["checkpoint_layers"] in grid])
@@ -111,12 +112,13 @@ def run_lightning(
         measure = measurer(cfg, steps, log=print)
         for r in range(schedule.stop):
             for impl, n in order.sample(unmeasured, len(unmeasured)):
-                points.append(_point(r, impl, n, measure(impl, n)) | {"planned": True})
+                point = _point(r, impl, n, measure(impl, n))
+                points.append(point | {"planned": True, "commit": commit})
         table = _table(points, cfg)
     plans = [budget_plans(b, table, pick) for b, pick in zip(budgets, picks, strict=True)]
     return settings | {
         "command": command,
-        "commit": commit or git_commit(),  # the caller names the tree it ran: a copy's .git may lag
+        "commit": commit,  # each point's own too: rounds added later may be another's
         "memory": ALLOCATOR if torch.cuda.is_available() else ESTIMATE,
         "model": {
             k: getattr(cfg.model, k)

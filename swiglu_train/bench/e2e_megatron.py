@@ -31,10 +31,15 @@ def run_megatron(
     seed: int,
     command: str,
     commit: str | None,
+    profiles: dict[str, Path] | None = None,
 ) -> dict:
     """Run ``rounds`` rounds after ``points`` (an earlier run's, or none), the recipe's summary
-    read back from each, then the rows over all of them."""
+    read back from each, then the rows over all of them. ``profiles`` (impl -> JSON path): the
+    first run of that impl whose path does not exist yet also profiles its last timed step
+    (``--profile-step``), so no extra process is launched; one step of 20 under the profiler
+    barely moves the median."""
     names, warmup, steps = settings["impls"], settings["warmup_steps"], settings["timed_steps"]
+    commit = commit or git_commit()  # the caller names the tree it ran: a copy's .git may lag
     schedule, order = next_rounds(points, rounds, seed)
     points = list(points)
     with tempfile.TemporaryDirectory() as scratch:
@@ -55,6 +60,10 @@ def run_megatron(
                     str(Path(scratch) / "runs"),
                     *settings["recipe_args"],
                 ]
+                profile = (profiles or {}).get(impl)
+                if profile is not None and not profile.exists():
+                    last = str(warmup + steps - 1)
+                    run += ["--profile-step", last, "--profile-json", str(profile)]
                 done = subprocess.run(run, capture_output=True, text=True)
                 if done.returncode:
                     raise RuntimeError(f"{shlex.join(run)} failed:\n{done.stderr[-3000:]}")
@@ -70,11 +79,12 @@ def run_megatron(
                         "after_forward_MiB": s["after_forward_MiB"],
                         "peak_MiB": s["peak_MiB"],
                         "final_loss": s["final_loss"],
+                        "commit": commit,
                     }
                 )
     return settings | {
         "command": command,
-        "commit": commit or git_commit(),  # the caller names the tree it ran: a copy's .git may lag
+        "commit": commit,
         "rounds": schedule.stop,
         "rows": megatron_rows(points),
         "points": points,

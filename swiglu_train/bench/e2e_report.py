@@ -14,7 +14,7 @@ def lightning_markdown(result: dict) -> str:
         f"{result['micro_batch_size']}{batch}, {result['precision']}, {result['device']}\n\n"
         f"{result['rounds']} rounds interleaved, {result['warmup_steps']} warm-up + "
         f"{result['timed_steps']} timed steps each; median [min, max] over rounds; memory: "
-        f"{result['memory']}. Commit {result['commit']}; `{result['command']}`\n\n"
+        f"{result['memory']}. {_commits(result)}; `{result['command']}`\n\n"
     )
     lines = [
         "| impl | checkpointed | tokens/s | MFU | optimizer ms | after-fwd MiB | peak MiB |",
@@ -44,13 +44,21 @@ def lightning_markdown(result: dict) -> str:
     return head + "\n".join(lines) + "\n"
 
 
+def _commits(result: dict) -> str:
+    """The commit, or each commit that measured points when rounds were added from another."""
+    seen = list(dict.fromkeys(p["commit"] for p in result["points"] if p.get("commit")))
+    if len(seen) > 1:
+        return f"Commits {', '.join(seen)} (each point names its own)"
+    return f"Commit {result['commit']}"
+
+
 def megatron_markdown(result: dict) -> str:
     lines = [
         f"### Megatron recipe e2e, {result['device']}: `{' '.join(result['recipe_args'])}`",
         "",
         f"{result['rounds']} rounds interleaved, {result['warmup_steps']} warm-up + "
         f"{result['timed_steps']} timed steps per run; median [min, max] over rounds. "
-        f"Commit {result['commit']}; `{result['command']}`",
+        f"{_commits(result)}; `{result['command']}`",
         "",
         "| impl | tokens/s | ÷ stock (paired) | after-fwd MiB | peak MiB | warm-up tokens/s |",
         "|---|---|---|---|---|---|",
