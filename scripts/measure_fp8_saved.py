@@ -3,9 +3,13 @@
 For each shape (M, D, F) and kind of input, bf16 x, W1, W2 and grad_y, and the relative
 (Frobenius) error of y, grad_x, grad_W1 and grad_W2 against float64 math on the same values:
   bf16      ParMLP(impl="drop_h"): the preactivation saved in bf16
-  fp8       ParMLP(impl="drop_h", saved_fp8=True): e4m3, one scale per row per 128 columns
-  fp8_row   for comparison: e4m3 with one scale per row per half (block = F)
-  e5m2      for comparison: e5m2 with the 128-column blocks
+  fp8       ParMLP(impl="drop_h", saved_fp8=True): e4m3, one scale per row per 128 columns,
+            amax / 448 rounded up to bf16
+  fp8_fp32  for comparison: the same with fp32 scales, amax / 448 (the format before 2026-12)
+  fp8_pow2  for comparison: the same with power-of-two scales (OCP MX's E8M0), the least that
+            brings the block's max to 448 or under
+  fp8_row   for comparison: e4m3 with one bf16 scale per row per half (block = F)
+  e5m2      for comparison: e5m2 with the 128-column blocks and bf16 scales
 The comparison formats recompute backward by the same math as ``ops.fp8_saved.recompute``,
 checked to give fp8's gradients bit for bit when given fp8's format.
 
@@ -26,6 +30,7 @@ import torch.nn.functional as F
 
 from swiglu_train import ParMLP
 from swiglu_train.files import write_json_atomic
+from swiglu_train.kernels.fp8_format import restore, round_up_bf16
 from swiglu_train.ops import reference
 from swiglu_train.ops.activation import use_backend
 from swiglu_train.ops.fp8_saved import recompute_from
@@ -71,27 +76,35 @@ def par_mlp(t: dict[str, torch.Tensor], saved_fp8: bool) -> dict[str, torch.Tens
 
 
 def block_quantize(
-    preact: torch.Tensor, block: int, dtype: torch.dtype
+    preact: torch.Tensor, block: int, dtype: torch.dtype, scales: str = "bf16"
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(values, scales) in ``ops.fp8_saved.quantize``'s layout for any block and FP8 dtype."""
+    """(values, fp32 scale per block) in ``ops.fp8_saved.quantize``'s layout for any block and
+    FP8 dtype. ``scales``: "bf16" (amax / top rounded up to bf16, as shipped), "fp32" (amax /
+    top) or "pow2" (the least power of two that brings amax to top or under)."""
     m, f = preact.shape[0], preact.shape[1] // 2
     nb, top = -(-f // block), torch.finfo(dtype).max
     blocks = F.pad(preact.float().view(m, 2, f), (0, nb * block - f)).view(m, 2, nb, block)
     amax = blocks.abs().amax(-1, keepdim=True).clamp_min(top * 2.0**-126)
-    tops = torch.full_like(amax, top)
-    q = (blocks * (tops / amax)).clamp(-top, top).view(m, 2, nb * block)[..., :f]
-    return q.reshape(m, 2 * f).to(dtype), (amax / tops).view(m, 2 * nb)
+    if scales == "pow2":
+        _, e = torch.frexp(amax / top)  # amax / top in [2**(e-1), 2**e): the least is e or e - 1
+        half = torch.ldexp(torch.full_like(amax, top), e - 1)
+        scale = torch.ldexp(torch.ones_like(amax), torch.where(amax <= half, e - 1, e))
+    else:
+        scale = amax / torch.full_like(amax, top)
+        scale = round_up_bf16(scale) if scales == "bf16" else scale
+    q = (blocks * (torch.ones_like(scale) / scale)).clamp(-top, top).view(m, 2, nb * block)
+    return q[..., :f].reshape(m, 2 * f).to(dtype), scale.view(m, 2 * nb)
 
 
-def with_format(t: dict[str, torch.Tensor], block: int, dtype: torch.dtype) -> dict:
+def with_format(t: dict[str, torch.Tensor], block: int, dtype: torch.dtype, **how) -> dict:
     """drop_h whose saved preactivation goes through ``block_quantize``."""
     x, w1, w2, grad_y = t["x"], t["w1"], t["w2"], t["grad_y"]
     preact = F.linear(x, w1)
     y = F.linear(reference.swiglu(preact), w2)
-    q, scales = block_quantize(preact, block, dtype)
+    q, scales = block_quantize(preact, block, dtype, **how)
     values = q.float().view(q.shape[0], 2, -1)
     per_column = scales.view(q.shape[0], 2, -1).repeat_interleave(block, -1)[..., : values.shape[2]]
-    h, grad_preact = recompute_from((values * per_column).view_as(preact), grad_y @ w2)
+    h, grad_preact = recompute_from(restore(values, per_column).view_as(preact), grad_y @ w2)
     return {"y": y, "grad_x": grad_preact @ w1, "grad_W1": grad_preact.t() @ x,
             "grad_W2": grad_y.t() @ h}  # fmt: skip
 
@@ -110,6 +123,8 @@ def measure(shapes, kinds, seed: int) -> list[dict]:
             check = with_format(t, 128, torch.float8_e4m3fn)
             for key in OUTPUTS:  # the comparison path is fp8's own math
                 assert torch.equal(check[key], runs["fp8"][key]), key
+            runs["fp8_fp32"] = with_format(t, 128, torch.float8_e4m3fn, scales="fp32")
+            runs["fp8_pow2"] = with_format(t, 128, torch.float8_e4m3fn, scales="pow2")
             runs["fp8_row"] = with_format(t, f, torch.float8_e4m3fn)
             runs["e5m2"] = with_format(t, 128, torch.float8_e5m2)
             for name, got in runs.items():

@@ -14,7 +14,7 @@ from conftest import HAS_CUDA, device_backends
 from helpers import rel_err
 
 from swiglu_train import ParMLP
-from swiglu_train.kernels.fp8_format import BLOCK, E4M3_MAX, n_blocks
+from swiglu_train.kernels.fp8_format import BLOCK, E4M3_MAX, n_blocks, round_up_bf16
 from swiglu_train.kernels.runtime import triton_runs_on
 from swiglu_train.layers.layout import CANONICAL
 from swiglu_train.memory import SavedTensorCounter
@@ -123,6 +123,20 @@ def test_ties_round_to_nearest_even_and_nothing_passes_448(device, backend):
     assert values[BLOCK] == E4M3_MAX
 
 
+def test_scales_round_up_to_bf16_and_keep_nan_and_inf():
+    """Up to the next bf16 (so the block max over its scale is at most 448) unless already
+    one; NaN and inf as they are; and no carry turns a scale into another kind of value."""
+    one_up = torch.tensor(1.0).nextafter(torch.tensor(2.0))
+    top = torch.tensor(torch.finfo(torch.bfloat16).max)
+    scales = torch.tensor([1.0, one_up, 2.0**-126, float("inf"), float("nan"), top, 0.3])
+    rounded = round_up_bf16(scales)
+    assert rounded[:4].tolist() == [1.0, 1.0078125, 2.0**-126, float("inf")]
+    assert rounded[4].isnan() and rounded[5] == top
+    assert rounded[6] >= 0.3 and rounded[6] == rounded[6].bfloat16().float()
+    below = (rounded[6:].view(torch.int32) - 2**16).view(torch.float32)  # the bf16 under it
+    assert below < scales[6]
+
+
 @pytest.mark.parametrize(("device", "backend"), device_backends())
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_values_at_the_dtype_s_limits_stay_finite(device, backend, dtype):
@@ -151,10 +165,11 @@ def test_blocks_are_per_half_with_a_partial_last_block(device, backend):
     preact[:, 150] = 1000.0  # in the gate's partial block only
     _, q, scales = fp8_pass(preact, backend, device)
     assert scales.shape == (3, 2 * n_blocks(ffn)) == (3, 4)
+    scales = scales.float()
     for b, (lo, hi) in enumerate([(0, 128), (128, 200), (200, 328), (328, 400)]):
-        amax = preact[:, lo:hi].abs().amax(1)
-        torch.testing.assert_close(scales[:, b], amax / E4M3_MAX, rtol=2**-23, atol=0)
-    assert (scales[:, 1] == torch.tensor(1000.0) / E4M3_MAX).all()
+        amax = preact[:, lo:hi].abs().amax(1)  # its block max over its scale: in (444.5, 448]
+        assert ((amax / scales[:, b] <= E4M3_MAX) & (amax / scales[:, b] > 448 / 1.0079)).all()
+    assert (scales[:, 1] == round_up_bf16(torch.tensor(1000.0) / E4M3_MAX)).all()
     assert (scales[:, [0, 2, 3]] < 10 / E4M3_MAX).all()  # the outlier's block only
     assert rel_err(dequantize(q, scales)[:, 200:], preact[:, 200:]) < 2**-4
 
@@ -264,7 +279,7 @@ def test_saved_bytes_are_x_the_fp8_copy_and_its_scales(device, backend, dtype):
         with use_backend(backend):
             y.sum().backward()
         saved[fp8] = (counter.bytes, counter.count)
-    scales = M * 2 * n_blocks(FFN) * 4
+    scales = M * 2 * n_blocks(FFN) * 2  # bf16
     assert saved[True] == (M * D * item + M * 2 * FFN + scales, 3)
     assert saved[False] == (M * D * item + M * 2 * FFN * item, 2)
 

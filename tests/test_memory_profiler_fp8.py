@@ -1,4 +1,4 @@
-"""The memory profiler on FP8-saved MLPs: the e4m3 copy at 1 byte an element, its fp32 scales,
+"""The memory profiler on FP8-saved MLPs: the e4m3 copy at 1 byte an element, its bf16 scales,
 and the impl label drop_h+fp8 that keeps them apart from bf16 drop_h's figures."""
 
 import torch
@@ -27,7 +27,7 @@ def test_fp8_layers_are_counted_at_their_true_bytes_under_their_own_label():
         *[ParMLP(D, FFN, saved_fp8=i < 2, dtype=dtype) for i in range(4)]  # 2 FP8, 2 bf16
     )
     x = M * D * 2
-    fp8 = x + M * 2 * FFN * 1 + M * 2 * n_blocks(FFN) * 4  # x, e4m3 values, fp32 scales
+    fp8 = x + M * 2 * FFN * 1 + M * 2 * n_blocks(FFN) * 2  # x, e4m3 values, bf16 scales
     bf16 = x + M * 2 * FFN * 2  # x, the preactivation
     profiler = MemoryProfiler(model)
     record = profile(model, profiler, dtype)

@@ -1,10 +1,12 @@
 """The FP8 format of drop_h's saved preactivation: constants shared by the kernels and ops.
 
-A [M, 2F] preactivation is stored as float8_e4m3fn values [M, 2F] plus fp32 scales
+A [M, 2F] preactivation is stored as float8_e4m3fn values [M, 2F] plus bf16 scales
 [M, 2 * n_blocks(F)]. Each half (gate, up) of each row is cut into blocks of ``BLOCK``
 columns; the last block of a half is partial when F % BLOCK != 0, and no block straddles the
 gate/up boundary. Scale column ``b`` is gate block ``b`` and column ``n_blocks(F) + b`` is up
-block ``b``. Why this format, and what it costs: ``swiglu_train.ops.fp8_saved``.
+block ``b``. A block's scale is amax / 448 rounded up to bf16 (``round_up_bf16``): the block
+max lands within 2**-8 of 448, and the scale takes 2 bytes instead of fp32's 4. Why this
+format, and what it costs: ``swiglu_train.ops.fp8_saved``.
 
 No Triton here, so the plain-torch path imports it where Triton is absent.
 """
@@ -15,16 +17,34 @@ import torch
 
 BLOCK = 128  # columns per scale (DeepSeek-V3's 1x128 activation tiles)
 E4M3_MAX = 448.0  # largest finite float8_e4m3fn
-# A block's amax is raised to this before the scale is taken: 448 / amax stays finite and the
-# scale amax / 448 a normal fp32 (2**-126), so an all-zero or all-subnormal block never divides
-# by zero or makes 0 * inf; its values still come back to within the block's rounding.
+# A block's amax is raised to this before the scale is taken: the scale amax / 448 is a normal
+# float (2**-126, a bf16 too), so an all-zero or all-subnormal block never divides by zero or
+# makes 0 * inf; its values still come back to within the block's rounding.
 MIN_AMAX = E4M3_MAX * 2.0**-126
 FP8_DTYPE = torch.float8_e4m3fn
-SCALE_DTYPE = torch.float32
+SCALE_DTYPE = torch.bfloat16
+# Restored values saturate here: a block max within 2**-8 of fp32's max times a scale rounded
+# up by as much may pass it (the kernels and ``restore`` clamp, propagating NaN).
+FP32_MAX = torch.finfo(torch.float32).max
 # The kernels convert to and from Triton's float8e4nv (e4m3), which Triton's CUDA backend
 # compiles for compute capability 8.9 (Ada) and up only (fp8e4nv joins its supported fp8 types
 # at sm_89); below that the first launch would fail to compile, mid-step.
 MIN_CAPABILITY = (8, 9)
+
+
+def round_up_bf16(scale: torch.Tensor) -> torch.Tensor:
+    """Positive fp32 scales rounded up to the next bf16 (as fp32 whose low 16 bits are 0), so
+    that the block max over its scale stays at most 448; NaN and inf stay as they are."""
+    bits = scale.view(torch.int32)
+    up = (bits & 0xFFFF != 0).to(torch.int32) << 16
+    rounded = ((bits & -65536) + up).view(torch.float32)
+    return torch.where(scale.isnan(), scale, rounded)
+
+
+def restore(values: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """e4m3 values (as fp32) times their blocks' scales (broadcast), saturated at FP32_MAX:
+    what the kernels' dequantization computes."""
+    return (values * scales).clamp(-FP32_MAX, FP32_MAX)  # NaN stays NaN
 
 
 def n_blocks(ffn: int) -> int:

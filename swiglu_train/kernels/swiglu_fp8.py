@@ -6,11 +6,13 @@ writes grad_preact into a fresh buffer, and h over grad_h. grad_preact cannot go
 is 2 bytes (bf16/fp16) or 4 (fp32) per element, the FP8 copy 1.
 
 A program covers BLOCK_M rows and one 128-column block of each half, so a block's absolute
-max is one row reduction in registers. Arithmetic is fp32 after the loads. Quantization
-multiplies by 448 / amax (one IEEE division per row block, ``div_rn``, then multiplies) and
-clamps to ±448 propagating NaN, so ``ops.fp8_saved.quantize`` computes the same bytes in torch.
-A NaN or inf anywhere in a block makes the whole block NaN (amax is NaN or inf, so 448 / amax
-or the scale is 0 or inf): a non-finite preactivation gives non-finite gradients.
+max is one row reduction in registers. Arithmetic is fp32 after the loads. The scale is
+amax / 448 (an IEEE division, ``div_rn``) rounded up to bf16 on its bits; quantization
+multiplies by 1 / scale (one more ``div_rn`` per row block) and clamps to ±448 propagating NaN,
+so ``ops.fp8_saved.quantize`` computes the same bytes in torch. Scales travel as their int16
+bits (the interpreter's bf16 conversions are inexact). Restored values saturate at fp32's
+max. A NaN or inf anywhere in a block makes the whole block NaN (amax is NaN or inf, so the
+scale is NaN or inf, and 1 / scale 0): a non-finite preactivation gives non-finite gradients.
 
 The interpreter (``TRITON_INTERPRET=1``) converts fp32 -> fp8 by truncating with a half-up
 carry, and NaN to and from finite codes; under it (only: constexpr ``INTERPRET``) values are
@@ -28,6 +30,7 @@ from swiglu_train.kernels.fp8_format import (
     BLOCK,
     E4M3_MAX,
     FP8_DTYPE,
+    FP32_MAX,
     MIN_AMAX,
     SCALE_DTYPE,
     n_blocks,
@@ -46,6 +49,7 @@ from swiglu_train.kernels.swiglu import (
 
 _MAX: tl.constexpr = tl.constexpr(E4M3_MAX)
 _MIN_AMAX: tl.constexpr = tl.constexpr(MIN_AMAX)
+_FP32_MAX: tl.constexpr = tl.constexpr(FP32_MAX)
 _NAN_CODE: tl.constexpr = tl.constexpr(0x7F)  # e4m3fn's NaN, either sign bit
 
 
@@ -69,10 +73,13 @@ def _round_e4m3(v):
 
 @triton.jit
 def _quantize_store(v, q_ptrs, scale_ptrs, mask, row_mask, INTERPRET: tl.constexpr):
-    """Store v [BLOCK_M, BLOCK] as e4m3 bytes and one scale per row, amax / 448."""
+    """Store v [BLOCK_M, BLOCK] as e4m3 bytes and one bf16 scale per row, amax / 448 up."""
     amax = tl.reduce(tl.abs(v), 1, _max_keep_nan, keep_dims=True)
     amax = tl.maximum(amax, _MIN_AMAX, propagate_nan=tl.PropagateNan.ALL)
-    q = v * tl.div_rn(tl.full(amax.shape, _MAX, tl.float32), amax)
+    bits = tl.div_rn(amax, tl.full(amax.shape, _MAX, tl.float32)).to(tl.int32, bitcast=True)
+    up = ((bits & 0xFFFF) != 0).to(tl.int32) << 16  # round up to bf16: block max <= 448
+    scale = tl.where(amax != amax, amax, ((bits & -65536) + up).to(tl.float32, bitcast=True))
+    q = v * tl.div_rn(tl.full(scale.shape, 1.0, tl.float32), scale)
     q = tl.maximum(q, -_MAX, propagate_nan=tl.PropagateNan.ALL)
     q = tl.minimum(q, _MAX, propagate_nan=tl.PropagateNan.ALL)
     if INTERPRET:
@@ -81,7 +88,8 @@ def _quantize_store(v, q_ptrs, scale_ptrs, mask, row_mask, INTERPRET: tl.constex
     if INTERPRET:
         code = tl.where(q != q, _NAN_CODE, code).to(tl.uint8)
     tl.store(q_ptrs, code, mask=mask)
-    tl.store(scale_ptrs, tl.div_rn(amax, tl.full(amax.shape, _MAX, tl.float32)), mask=row_mask)
+    scale_bits = (scale.to(tl.int32, bitcast=True) >> 16).to(tl.int16)  # exact: low bits 0
+    tl.store(scale_ptrs, scale_bits, mask=row_mask)
 
 
 @triton.jit
@@ -90,7 +98,10 @@ def _dequantize(q_ptrs, scale_ptrs, mask, row_mask, INTERPRET: tl.constexpr):
     v = code.to(tl.float8e4nv, bitcast=True).to(tl.float32)
     if INTERPRET:
         v = tl.where((code & 0x7F) == _NAN_CODE, float("nan"), v)
-    return v * tl.load(scale_ptrs, mask=row_mask, other=1.0)
+    scale_bits = tl.load(scale_ptrs, mask=row_mask, other=0x3F80).to(tl.int32)  # bf16 1.0
+    v = v * (scale_bits << 16).to(tl.float32, bitcast=True)
+    v = tl.minimum(v, _FP32_MAX, propagate_nan=tl.PropagateNan.ALL)
+    return tl.maximum(v, -_FP32_MAX, propagate_nan=tl.PropagateNan.ALL)
 
 
 @triton.jit
@@ -199,9 +210,10 @@ def swiglu_forward_fp8(
     if m == 0:
         return
     code = q.view(torch.uint8)  # bytes: the interpreter's own fp8 conversion is inexact
+    scale_bits = scales.view(torch.int16)  # likewise its bf16 one
     _launch(
-        _swiglu_fwd_fp8_kernel, m, ffn, FWD_TILE, preact, h, code, scales, m, ffn,
-        preact.stride(0), h.stride(0), code.stride(0), scales.stride(0),
+        _swiglu_fwd_fp8_kernel, m, ffn, FWD_TILE, preact, h, code, scale_bits, m, ffn,
+        preact.stride(0), h.stride(0), code.stride(0), scale_bits.stride(0),
     )  # fmt: skip
 
 
@@ -218,8 +230,8 @@ def swiglu_backward_fp8(
     _check_saved(q, scales, grad_h, m, ffn)
     if m == 0:
         return
-    code = q.view(torch.uint8)
+    code, scale_bits = q.view(torch.uint8), scales.view(torch.int16)
     _launch(
-        _swiglu_bwd_fp8_kernel, m, ffn, BWD_TILE, code, scales, grad_h, grad_preact, m, ffn,
-        code.stride(0), scales.stride(0), grad_h.stride(0), grad_preact.stride(0),
+        _swiglu_bwd_fp8_kernel, m, ffn, BWD_TILE, code, scale_bits, grad_h, grad_preact, m, ffn,
+        code.stride(0), scale_bits.stride(0), grad_h.stride(0), grad_preact.stride(0),
     )  # fmt: skip

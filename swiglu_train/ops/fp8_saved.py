@@ -1,8 +1,8 @@
 """drop_h with its saved preactivation stored in FP8: ``ParMLP(impl="drop_h", saved_fp8=True)``.
 
 What is saved for backward: x, and the [M, 2F] preactivation as float8_e4m3fn values with one
-fp32 scale per row per 128 columns of each half (``kernels.fp8_format``): M*2F bytes plus
-M*2*ceil(F/128)*4, about half of drop_h's M*2F*2 for bf16. Forward's h (for fc2, so y) comes
+bf16 scale per row per 128 columns of each half (``kernels.fp8_format``): M*2F bytes plus
+M*2*ceil(F/128)*2, about half of drop_h's M*2F*2 for bf16. Forward's h (for fc2, so y) comes
 from the bf16 preactivation, as in drop_h; backward recomputes h (for grad_W2) and grad_preact
 from the dequantized copy.
 
@@ -11,19 +11,27 @@ rms for spread-out mantissas); e5m2's extra range is not needed once each block 
 its own absolute max, and it would double that error. A scale per 128 columns (DeepSeek-V3's
 activation tiles) keeps an outlier from costing more than its own block: with one scale per
 row and half, it pushes the whole row's small values toward e4m3's subnormals, where the
-rounding is coarser. fp32 scales, amax / 448, add no error of their own beyond fp32's.
+rounding is coarser. The scale is amax / 448 rounded up to bf16, so a block's max lands
+within 2**-8 of 448 and is stored nearly exactly; where a few features dominate, their error
+is most of the gradients', and that is what a scale buys. fp32 scales (the format before)
+store the max exactly, for 9.5 MiB a layer at the seed shape instead of 4.8; power-of-two
+scales (OCP MX's E8M0, 2.4 MiB) round the max like any value and so lose most of that gain.
 Measured on CPU (``scripts/measure_fp8_saved.py``, docs/fp8.md): relative (Frobenius) error
 of the gradients against float64 on the same bf16 inputs, over three shapes up to
 [1024, 512, 1408]:
 
-    input             saved as             grad_x       grad_W1      grad_W2
-    random            bf16 (drop_h)        0.34 %       0.34 %       0.39 %
-                      e4m3, 1x128 blocks   2.94 %       2.94 %       4.05 %
-                      e4m3, 1 per row      3.02 %       3.02 %       4.15 %
-                      e5m2, 1x128 blocks   5.83 %       5.83 %       8.03 %
-    8 features x50    bf16                 0.35 %       0.35 %       0.37 %
-                      e4m3, 1x128 blocks   2.25 %       1.25 %       2.97 %
-                      e4m3, 1 per row      2.50 %       1.99 %       3.48 %
+    input             saved as                     grad_x     grad_W1    grad_W2
+    random            bf16 (drop_h)                0.34 %     0.34 %     0.39 %
+                      e4m3, 1x128, bf16 scales     2.94 %     2.94 %     4.04 %
+                      e4m3, 1x128, fp32 scales     2.94 %     2.94 %     4.05 %
+                      e4m3, 1x128, power of two    3.05 %     3.04 %     4.20 %
+                      e4m3, 1 per row, bf16        3.02 %     3.02 %     4.15 %
+                      e5m2, 1x128, bf16            5.84 %     5.84 %     8.04 %
+    8 features x50    bf16                         0.35 %     0.35 %     0.37 %
+                      e4m3, 1x128, bf16 scales     2.25 %     1.29 %     3.05 %
+                      e4m3, 1x128, fp32 scales     2.25 %     1.25 %     2.97 %
+                      e4m3, 1x128, power of two    2.87 %     2.99 %     3.96 %
+                      e4m3, 1 per row, bf16        2.49 %     2.00 %     3.41 %
 
 (worst shape shown). The FP8 errors are e4m3's rounding itself, 3.4-10x the bf16 path's: the
 issue's "within 2x of bf16" is not met, and cannot be with 3 mantissa bits. y is drop_h's, to
@@ -41,8 +49,8 @@ The rows are the most that keep each loop's live set within drop_h's backward pe
 preact + grad_h + grad_W2 (``drop_h_backward_peak``): forward holds x, h,
 the copy and scales and the buffer (``fp8_forward_peak``); backward x, the copy and scales,
 grad_h, grad_x, grad_W1 and the buffer (``fp8_backward_peak``). At the seed shape
-[11136, 3584, 14336, 3584] bf16: forward 2 chunks of 5632 rows, 1002.6 MiB, backward 6 of 1920,
-1071.8 MiB, against drop_h's 1087.6. Before chunking both were 1303.6 (the whole bf16
+[11136, 3584, 14336, 3584] bf16: forward 2 chunks of 5632 rows, 997.9 MiB, backward 6 of 1920,
+1067.0 MiB, against drop_h's 1087.6. Before chunking both were 1303.6 (the whole bf16
 preactivation, or grad_preact, beside the copy and h or grad_h). Rows are multiples of 128 and
 at least 1024, so that a chunk's GEMMs keep rows enough to fill the GPU; that floor wins over
 the bound at small D and O against F. ``scripts/probe_fp8_chunks.py`` times the chunked step.
@@ -50,10 +58,10 @@ the bound at small D and O against F. ``scripts/probe_fp8_chunks.py`` times the 
 grad_W1 accumulates in the parameters' dtype: an fp32 accumulator would hold 2F*D*4 bytes, 196
 MiB more than bf16's at the seed shape, above the whole 121 MiB the backward's buffer may take,
 so the peak could not stay within drop_h's. The bf16 rounding per chunk raises grad_W1's error
-against float64 by 0.4 % of itself at six chunks (2.917 % -> 2.930 % on CPU, [6144, 256, 704];
-tests/test_fp8_saved_chunked.py bounds it). With ``inplace`` (the default) the copy and its
-scales are freed after the loop, before grad_W2 is allocated, so the graph cannot be
-backpropagated twice (``inplace=False`` keeps them).
+against float64 by 0.4 % of itself at six chunks (2.917 % -> 2.930 % on CPU, [6144, 256, 704],
+with fp32 scales; tests/test_fp8_saved_chunked.py bounds it at 2 %). With ``inplace`` (the
+default) the copy and its scales are freed after the loop, before grad_W2 is allocated, so
+the graph cannot be backpropagated twice (``inplace=False`` keeps them).
 """
 
 from __future__ import annotations
@@ -69,6 +77,8 @@ from swiglu_train.kernels.fp8_format import (
     SCALE_DTYPE,
     capability_error,
     n_blocks,
+    restore,
+    round_up_bf16,
     saved_shapes,
 )
 from swiglu_train.kernels.runtime import device_capability
@@ -111,19 +121,19 @@ def quantize(preact: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     halves = F.pad(preact.float().view(m, 2, ffn), (0, nb * BLOCK - ffn))
     blocks = halves.view(m, 2, nb, BLOCK)
     amax = blocks.abs().amax(-1, keepdim=True).clamp_min(MIN_AMAX)  # NaN stays NaN
-    # Divisions of two tensors: torch computes ``448 / t`` (and on CUDA ``t / 448``) through a
-    # reciprocal, one rounding more than the kernel's division.
-    e4m3_max = torch.full_like(amax, E4M3_MAX)
-    q = (blocks * (e4m3_max / amax)).clamp(-E4M3_MAX, E4M3_MAX)
+    # Two tensors divide exactly, as the kernel's div_rn; with a Python number torch computes
+    # ``1 / t`` (and on CUDA ``t / 448``) through a reciprocal, one rounding more.
+    scale = round_up_bf16(amax / torch.full_like(amax, E4M3_MAX))
+    q = (blocks * (torch.ones_like(scale) / scale)).clamp(-E4M3_MAX, E4M3_MAX)
     q = q.view(m, 2, nb * BLOCK)[..., :ffn].reshape(m, 2 * ffn).to(FP8_DTYPE)
-    return q, (amax / e4m3_max).view(m, 2 * nb)
+    return q, scale.view(m, 2 * nb).to(SCALE_DTYPE)  # exact: its low 16 bits are 0
 
 
 def dequantize(q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """The fp32 [M, 2F] preactivation an FP8 copy stands for."""
     m, ffn = q.shape[0], q.shape[1] // 2
     per_column = scales.view(m, 2, n_blocks(ffn)).repeat_interleave(BLOCK, dim=-1)[..., :ffn]
-    return (q.float().view(m, 2, ffn) * per_column).view(m, 2 * ffn)
+    return restore(q.float().view(m, 2, ffn), per_column.float()).view(m, 2 * ffn)
 
 
 def recompute(
@@ -161,7 +171,7 @@ def _(preact: torch.Tensor, h: torch.Tensor, q: torch.Tensor, scales: torch.Tens
 
 
 def saved_buffers(m: int, ffn: int, like: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """Empty (h [m, F] in ``like``'s dtype, e4m3 values [m, 2F], fp32 scales) on its device."""
+    """Empty (h [m, F] in ``like``'s dtype, e4m3 values [m, 2F], bf16 scales) on its device."""
     q_shape, scale_shape = saved_shapes(m, ffn)
     h = like.new_empty(m, ffn)
     return (
@@ -201,7 +211,8 @@ def fp8_backward_peak(m: int, d: int, ffn: int, itemsize: int, rows: int) -> int
 
 
 def _copy_bytes(m: int, ffn: int) -> int:
-    return m * 2 * ffn + m * 2 * n_blocks(ffn) * 4  # e4m3 values, fp32 scales
+    values, scales = saved_shapes(m, ffn)
+    return values[0] * values[1] * FP8_DTYPE.itemsize + scales[0] * scales[1] * SCALE_DTYPE.itemsize
 
 
 def rows_per_chunk(m: int, d: int, ffn: int, out: int, itemsize: int, *, forward: bool) -> int:
