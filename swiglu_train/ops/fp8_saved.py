@@ -114,7 +114,7 @@ def check_fp8_gpu(device_index: int) -> None:
 
 
 def quantize(preact: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(e4m3 values [M, 2F], fp32 scales [M, 2*ceil(F/128)]) of a [M, 2F] preactivation, in
+    """(e4m3 values [M, 2F], bf16 scales [M, 2*ceil(F/128)]) of a [M, 2F] preactivation, in
     torch: the bytes the Triton forward writes (same operations, same order)."""
     m, ffn = preact.shape[0], preact.shape[1] // 2
     nb = n_blocks(ffn)
