@@ -26,7 +26,8 @@
 #              global batch $E2E_GBS (32 sequences: the optimizer once per global batch).
 #              Rounds add up across calls of one commit (--append, kept in /tmp/gpu-e2e-COMMIT):
 #              where 3 rounds overrun a call, E2E_ROUNDS=1 E2E_PLANNER=0 twice, then E2E_ROUNDS=1
-#   e2e_megatron  scripts/bench_e2e.py megatron: TP=1 stock (fused and eager bias-SwiGLU) vs our
+#   e2e_megatron  scripts/bench_e2e.py megatron: TP=1 stock (fused and eager bias-SwiGLU, and
+#              Liger's Megatron SwiGLU where liger-kernel is installed) vs our
 #              impls, $MEGATRON_GPU, 5 warm-up + 20 timed steps per run, $E2E_ROUNDS_MEGATRON
 #              rounds per call (default 1: call it 3 times, rounds add up as above); the first
 #              run of stock, stock_eager and normal ($E2E_PROFILE_MEGATRON) also profiles its last
@@ -235,7 +236,8 @@ for stage in "$@"; do
     e2e_megatron)  # stock vs ours at TP=1, interleaved; warm-up steps kept apart
       E2E=/tmp/gpu-e2e-$commit && mkdir -p "$E2E" "$RES/e2e"
       prior_e2e "$E2E" e2e_megatron_tp1_h200.json
-      impls=${E2E_MEGATRON_IMPLS:-$(echo stock stock_eager normal drop_h save_factors $(quack_impl) | tr ' ' ',')}
+      liger=$(python3 -c "import liger_kernel.megatron" 2>/dev/null && echo liger)  # the peer
+      impls=${E2E_MEGATRON_IMPLS:-$(echo stock stock_eager $liger normal drop_h save_factors $(quack_impl) | tr ' ' ',')}
       # where a steady step's time goes: the first run of each of these also profiles its last
       # timed step (kernels and the host's side), kept across calls of a commit
       python3 scripts/bench_e2e.py megatron --impls "$impls" --rounds "${E2E_ROUNDS_MEGATRON:-1}" \

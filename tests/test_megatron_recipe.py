@@ -4,6 +4,7 @@ dist-ckpt resume whose next loss is the uninterrupted run's."""
 from __future__ import annotations
 
 import csv
+import importlib.metadata
 import json
 import os
 import re
@@ -374,3 +375,33 @@ def _recompute_worker(rank: int, world_size: int, rendezvous: str) -> None:
 
 def test_megatron_full_recompute_around_our_impls_gives_the_same_grads() -> None:
     spawn(_recompute_worker, 1)
+
+
+def test_liger_is_megatron_s_mlp_with_liger_s_swiglu_patched_in(capsys, monkeypatch) -> None:
+    """--mlp-impl liger: Megatron's own MLP on its fused SwiGLU path, which Liger's patch
+    replaces (checked, and said); no --saved-fp8 (that is ours); without liger-kernel, an
+    error naming the package. The patch is process-wide, so the test undoes it."""
+    from megatron.core.fusions import fused_bias_swiglu
+
+    from swiglu_train.integrations.megatron.pretrain.peers import patch_liger_swiglu
+
+    args = parse_args(["--device", "cpu", "--mlp-impl", "liger"])
+    assert transformer_config(args).bias_activation_fusion is True
+    with pytest.raises(SystemExit):
+        parse_args(["--device", "cpu", "--mlp-impl", "liger", "--saved-fp8"])
+    assert "--saved-fp8 is ours: Megatron's own MLP (liger) saves" in capsys.readouterr().err
+
+    original = fused_bias_swiglu.SwiGLUFunction
+    try:
+        said = patch_liger_swiglu()
+        assert fused_bias_swiglu.SwiGLUFunction.__wrapped__ is original
+    finally:
+        fused_bias_swiglu.SwiGLUFunction = original
+    version = importlib.metadata.version("liger-kernel")
+    assert said == (
+        f"mlp: Megatron's MLP with Liger-Kernel {version}'s SwiGLU (fused gate-up kernel)"
+    )
+
+    monkeypatch.setitem(sys.modules, "liger_kernel.megatron", None)  # as if not installed
+    with pytest.raises(SystemExit, match=r"--mlp-impl liger needs liger-kernel>=0\.8\.5"):
+        patch_liger_swiglu()

@@ -1,5 +1,6 @@
-"""The Megatron recipe's A/B is like for like: Megatron's own MLP (``stock``, ``stock_eager``)
-and our impls start from the same weights and see the same batches, so in fp32 they train alike.
+"""The Megatron recipe's A/B is like for like: Megatron's own MLP (``stock``, ``stock_eager``,
+and ``liger``, Liger-Kernel's SwiGLU patched into it) and our impls start from the same weights
+and see the same batches, so in fp32 they train alike.
 
 The H200 runs (benchmarks/results/megatron_h200_tp1.json) end 30 bf16 steps at different
 losses per impl; this pins that the cause is bf16 rounding, not the init or the data. Both of
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 from functools import partial
 
+import pytest
 import torch
 from megatron_support import megatron_parallel, shim_cuda_only_calls, spawn
 from test_megatron_recipe import TINY
@@ -27,10 +29,13 @@ from swiglu_train.integrations.megatron.pretrain.build import (
 )
 from swiglu_train.integrations.megatron.pretrain.data import train_loader
 from swiglu_train.integrations.megatron.pretrain.train import forward_step
+from swiglu_train.kernels.runtime import triton_runs_on
 from swiglu_train.layers.layout import CANONICAL, relayout
 from swiglu_train.ops.activation import use_backend
 
-IMPLS = ("stock", "stock_eager", "normal", "drop_h", "save_factors")
+# liger last: its patch of Megatron's SwiGLU is process-wide (stock, built before, is not
+# trained here, and its weights do not depend on it)
+IMPLS = ("stock", "stock_eager", "normal", "drop_h", "save_factors", "liger")
 STEPS = 3
 
 
@@ -78,8 +83,33 @@ def train(args, model, optimizer, steps: int) -> list[float]:
     return losses
 
 
+class _Counting:
+    """Counts the forwards of Liger's fused gate-up SwiGLU, so that liger's parity is Liger's
+    kernel at work and not a silent fallback to Megatron's SwiGLU."""
+
+    def __init__(self) -> None:
+        from liger_kernel.ops import LigerFusedGateUpSiLUMulFunction as liger
+
+        self.liger, self.forward, self.calls = liger, liger.forward, 0
+
+    def __enter__(self) -> _Counting:
+        def forward(*args, **kwargs):
+            self.calls += 1
+            return self.forward(*args, **kwargs)
+
+        self.liger.forward = staticmethod(forward)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.liger.forward = staticmethod(self.forward)
+
+
 def _parity_worker(rank: int, world_size: int, rendezvous: str) -> None:
-    with megatron_parallel(rank, world_size, rendezvous), use_backend("torch"):
+    with (
+        megatron_parallel(rank, world_size, rendezvous),
+        use_backend("torch"),
+        _Counting() as liger,
+    ):
         first_loss = {}
         for gpu_init in (False, True):
             weights, losses = {}, {}
@@ -103,6 +133,8 @@ def _parity_worker(rank: int, world_size: int, rendezvous: str) -> None:
                 rel = max(abs(g - e) / e for g, e in zip(got, expected, strict=True))
                 assert rel < 1e-6, f"{label}: {impl} losses {got} vs stock_eager {expected}"
             first_loss[gpu_init] = expected[0]
+        layers = int(TINY[TINY.index("--num-layers") + 1])
+        assert liger.calls == 2 * STEPS * layers, liger.calls  # liger's run, each init
 
         # The tolerance would catch another init: a different seed moves the first loss ~1 %.
         args, model, optimizer = build("normal", gpu_init=False, seed=1235)
@@ -110,5 +142,8 @@ def _parity_worker(rank: int, world_size: int, rendezvous: str) -> None:
         assert abs(other - first_loss[False]) / first_loss[False] > 1e-3, (other, first_loss)
 
 
-def test_stock_and_our_impls_start_alike_and_train_alike_in_fp32() -> None:
+@pytest.mark.skipif(
+    not triton_runs_on(torch.device("cpu")), reason="liger's Triton kernel needs TRITON_INTERPRET=1"
+)
+def test_stock_liger_and_our_impls_start_alike_and_train_alike_in_fp32() -> None:
     spawn(_parity_worker, 1)

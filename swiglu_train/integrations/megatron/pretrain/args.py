@@ -12,6 +12,8 @@ from swiglu_train.layers.registry import check_saved_fp8
 
 DESCRIPTION = "Pretrain a Megatron-core GPTModel whose MLPs run a swiglu-train impl."
 STOCK = ("stock", "stock_eager")  # Megatron's MLP: the baseline our spec replaces
+PEERS = ("liger",)  # Megatron's MLP with a peer library's SwiGLU (pretrain/peers.py)
+MEGATRON_MLP = (*STOCK, *PEERS)  # built from Megatron's own layer spec
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -19,9 +21,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--mlp-impl",
         default=None,
-        choices=[*SUPPORTED_IMPLS, *STOCK],
+        choices=[*SUPPORTED_IMPLS, *MEGATRON_MLP],
         help="ours (default drop_h), or Megatron's own MLP: 'stock' with its fused "
-        "(torch.compile'd) bias-SwiGLU, 'stock_eager' with bias_activation_fusion off",
+        "(torch.compile'd) bias-SwiGLU, 'stock_eager' with bias_activation_fusion off, "
+        "'liger' with Liger-Kernel's SwiGLU patched into the fused path",
     )
     p.add_argument(
         "--recompute-granularity",
@@ -104,8 +107,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--profile-step and --profile-json go together")
     if args.profile_step is not None and not 0 <= args.profile_step < args.max_steps:
         p.error(f"--profile-step {args.profile_step} is not a step of --max-steps {args.max_steps}")
-    if args.saved_fp8 and args.mlp_impl in STOCK:
-        p.error("--saved-fp8 is ours: Megatron's own MLP saves its preactivation in bf16")
+    if args.saved_fp8 and args.mlp_impl in MEGATRON_MLP:
+        p.error(f"--saved-fp8 is ours: Megatron's own MLP ({args.mlp_impl}) saves its "
+                "preactivation in bf16")  # fmt: skip
     if args.saved_fp8:
         try:
             check_saved_fp8(args.mlp_impl)

@@ -17,7 +17,8 @@ from megatron.core.transformer.module import Float16Module
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from swiglu_train.integrations.megatron import get_gpt_layer_spec
-from swiglu_train.integrations.megatron.pretrain.args import STOCK
+from swiglu_train.integrations.megatron.pretrain.args import MEGATRON_MLP
+from swiglu_train.integrations.megatron.pretrain.peers import patch_liger_swiglu
 
 CPU_SHIMS_ENV = "SWIGLU_TRAIN_MEGATRON_CPU_SHIMS"  # set by tests/megatron_recipe_cpu.py
 
@@ -56,7 +57,8 @@ def transformer_config(args: argparse.Namespace) -> TransformerConfig:
         sequence_parallel=args.sequence_parallel,
         gated_linear_unit=True,
         activation_func=F.silu,
-        bias_activation_fusion=args.mlp_impl == "stock",  # Megatron-LM's default, for stock
+        # Megatron-LM's default, for stock; Liger patches that fused path
+        bias_activation_fusion=args.mlp_impl in ("stock", "liger"),
         add_bias_linear=False,
         normalization="RMSNorm",
         hidden_dropout=0.0,
@@ -72,7 +74,11 @@ def transformer_config(args: argparse.Namespace) -> TransformerConfig:
 
 
 def build_model(args: argparse.Namespace, config: TransformerConfig) -> DistributedDataParallel:
-    if args.mlp_impl in STOCK:
+    if args.mlp_impl == "liger":
+        said = patch_liger_swiglu()
+        if torch.distributed.get_rank() == 0:
+            print(said)
+    if args.mlp_impl in MEGATRON_MLP:
         spec = get_gpt_layer_local_spec(normalization="RMSNorm")
     else:
         spec = get_gpt_layer_spec(args.mlp_impl, saved_fp8=args.saved_fp8)
