@@ -87,14 +87,13 @@ def test_bench_smoke_on_cpu(tmp_path):
     assert result.exit_code == 0, result.output
     payload = json.loads(out.read_text())
     names = [r["variant"] for r in payload["results"]]
-    assert names[:5] == ["floor", "eager", "normal", "drop_h", "save_factors"]
-    if "liger" not in names:
-        assert "liger" in payload["skipped"]  # a missing peer is reported, never dropped silently
+    # liger-kernel is a test dependency (the peers extra): the peer runs, under the interpreter
+    assert names == ["floor", "eager", "normal", "drop_h", "save_factors", "liger"]
     for row in payload["results"][1:]:
         assert row["full_ms"] > 0 and row["full_over_floor"] > 0
         assert row["rel_err_vs_reference"] < 1e-5  # fp32: every variant computes the same MLP
     assert payload["meta"]["samples"] == 30 and payload["meta"]["device_name"] == "cpu"
-    assert [r["layers"] for r in payload["stack"]] == [2, 2, 2, 2]
+    assert [r["layers"] for r in payload["stack"]] == [2] * 5
 
 
 def test_bench_prints_skip_reasons_with_their_brackets(monkeypatch):
