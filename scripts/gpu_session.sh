@@ -23,7 +23,8 @@
 #              seq 4096, every impl (quack's and drop_h+fp8 included) x checkpointed blocks
 #              ($E2E_GRID_1B/3B), $E2E_ROUNDS rounds interleaved (default 3), the planner at 4
 #              budgets between the grid's peaks; micro-batch $E2E_MBS_1B (4) / $E2E_MBS_3B (2),
-#              global batch $E2E_GBS (32 sequences: the optimizer once per global batch).
+#              global batch $E2E_GBS (32 sequences: the optimizer once per global batch);
+#              $E2E_IMPLS picks the impls (at 3B, fewer: a point takes ~20 s there).
 #              Rounds add up across calls of one commit (--append, kept in /tmp/gpu-e2e-COMMIT):
 #              where 3 rounds overrun a call, E2E_ROUNDS=1 E2E_PLANNER=0 twice, then E2E_ROUNDS=1
 #   e2e_megatron  scripts/bench_e2e.py megatron: TP=1 stock (fused and eager bias-SwiGLU, and
@@ -224,7 +225,7 @@ for stage in "$@"; do
       # coarse grids: the planner's plans between their counts (every impl's) are measured too
       if [ "$size" = 1b ]; then grid=${E2E_GRID_1B:-0,4,8,12,16} mbs=${E2E_MBS_1B:-4}
       else grid=${E2E_GRID_3B:-0,7,14,21,28} mbs=${E2E_MBS_3B:-2}; fi
-      impls=$(echo normal drop_h $(quack_impl) drop_h+fp8 | tr ' ' ',')
+      impls=${E2E_IMPLS:-$(echo normal drop_h $(quack_impl) drop_h+fp8 | tr ' ' ',')}
       python3 scripts/bench_e2e.py lightning --config "$size" --seq-length 4096 \
         --micro-batch-size "$mbs" --global-batch-size "${E2E_GBS:-32}" --impls "$impls" \
         --checkpoint-layers "$grid" \
