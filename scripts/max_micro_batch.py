@@ -29,7 +29,7 @@ from swiglu_train.bench.mlp import git_commit
 from swiglu_train.files import write_json_atomic
 from swiglu_train.integrations.lightning.config import load_config
 from swiglu_train.integrations.lightning.model import LlamaDecoder
-from swiglu_train.integrations.lightning.planner import split_candidate
+from swiglu_train.memory.budget import split_candidate
 
 
 def largest_fitting(fits: Callable[[int], bool], limit: int) -> tuple[int, list[int]]:

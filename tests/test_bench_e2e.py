@@ -12,7 +12,7 @@ from typer.testing import CliRunner
 
 from swiglu_train.bench.e2e_lightning import parse_budgets
 from swiglu_train.bench.e2e_megatron import megatron_rows
-from swiglu_train.integrations.lightning.planner import ESTIMATE
+from swiglu_train.memory.budget import ESTIMATE
 from swiglu_train.ops import use_backend
 
 TINY = (

@@ -28,7 +28,7 @@ from swiglu_train.integrations.megatron.pretrain.build import (
     transformer_config,
 )
 from swiglu_train.integrations.megatron.pretrain.data import train_loader
-from swiglu_train.integrations.megatron.pretrain.train import forward_step
+from swiglu_train.integrations.megatron.pretrain.step import forward_step
 from swiglu_train.kernels.runtime import triton_runs_on
 from swiglu_train.layers.layout import CANONICAL, relayout
 from swiglu_train.ops.activation import use_backend

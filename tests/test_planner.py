@@ -16,7 +16,8 @@ from typer.testing import CliRunner
 from swiglu_train.cli import app
 from swiglu_train.integrations.lightning.config import load_config
 from swiglu_train.integrations.lightning.model import LlamaDecoder
-from swiglu_train.integrations.lightning.planner import ESTIMATE, Steps, measurer
+from swiglu_train.integrations.lightning.planner import Steps, measurer
+from swiglu_train.memory.budget import ESTIMATE
 from swiglu_train.memory.plan import NoPlanFits, Profile, choose_plan
 from swiglu_train.memory.runs import load_runs
 from swiglu_train.ops import use_backend

@@ -26,12 +26,8 @@ import torch
 from swiglu_train.bench.e2e import device_name, next_rounds, parse_list, rows
 from swiglu_train.bench.mlp import git_commit
 from swiglu_train.integrations.lightning.config import PretrainConfig, load_config
-from swiglu_train.integrations.lightning.planner import (
-    ALLOCATOR,
-    ESTIMATE,
-    Steps,
-    measurer,
-)
+from swiglu_train.integrations.lightning.planner import Steps, measurer
+from swiglu_train.memory.budget import ALLOCATOR, ESTIMATE
 from swiglu_train.memory.plan import NoPlanFits, accumulation, choose_plan, search
 
 # Dense bf16 tensor-core peaks (the SXM datasheets), for MFU; other devices get none.

@@ -37,6 +37,12 @@ from lightning.fabric import Fabric
 from swiglu_train.integrations.lightning.config import PretrainConfig
 from swiglu_train.integrations.lightning.module import PretrainModule
 from swiglu_train.layers.registry import FP8_LABEL, PORTABLE_IMPLS, QUACK_IMPLS, check_saved_fp8
+from swiglu_train.memory.budget import (
+    ALLOCATOR,
+    ESTIMATE,
+    default_budget_MiB,
+    split_candidate,
+)
 from swiglu_train.memory.plan import (
     Plan,
     Profile,
@@ -51,10 +57,7 @@ from swiglu_train.memory.profiler import MemoryProfiler, MiB
 from swiglu_train.memory.saved import storages
 
 MODES = ("manual", "auto")
-MARGIN = 0.05  # the default budget: the device's memory less 5 % (fragmentation, context)
 FP8 = FP8_LABEL  # a candidate "drop_h+fp8": drop_h with its FP8-saved preactivation
-ALLOCATOR = "cuda allocator peak"
-ESTIMATE = "model state + saved-for-backward bytes (CPU estimate, no transients)"
 
 
 @dataclass(frozen=True)
@@ -139,19 +142,6 @@ def candidates(cfg: PretrainConfig) -> list[str]:
             raise ValueError(f"train.plan_impls (--plan-impls): {name} needs quack-kernels and "
                              "an sm_90+ GPU, which this machine lacks")  # fmt: skip
     return list(dict.fromkeys(names))
-
-
-def split_candidate(name: str) -> tuple[str, bool]:
-    """('drop_h', True) for 'drop_h+fp8'; (name, False) otherwise."""
-    return (name.removesuffix(FP8), True) if name.endswith(FP8) else (name, False)
-
-
-def default_budget_MiB(device: torch.device, budget_gb: float | None) -> float:
-    if budget_gb is not None:
-        return budget_gb * 1024
-    if device.type != "cuda":
-        raise ValueError("a CPU plan needs an explicit memory budget (--memory-budget-gb)")
-    return torch.cuda.get_device_properties(device).total_memory * (1 - MARGIN) / MiB
 
 
 def measurer(

@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 from pathlib import Path
 
 from swiglu_train.integrations.megatron import SUPPORTED_IMPLS
-from swiglu_train.layers.registry import check_saved_fp8
+from swiglu_train.layers.registry import FP8_LABEL, check_saved_fp8
 
 DESCRIPTION = "Pretrain a Megatron-core GPTModel whose MLPs run a swiglu-train impl."
 STOCK = ("stock", "stock_eager")  # Megatron's MLP: the baseline our spec replaces
@@ -46,6 +47,26 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=None,
         help="a plan of swiglu-train's planner (JSON: a pretrain --summary-json, or its 'plan'): "
         "its impl and checkpointed blocks as --mlp-impl and --recompute-method block",
+    )
+    p.add_argument(
+        "--activation-checkpointing",
+        choices=["auto"],
+        default=None,
+        help="'auto': measure short steps of this model per impl and recomputed layers, and "
+        "train with the fastest that fits --memory-budget-gb (pretrain/plan.py)",
+    )
+    p.add_argument(
+        "--memory-budget-gb",
+        type=float,
+        default=None,
+        help="the plan's budget in GiB (default: the GPU's memory less 5 %%)",
+    )
+    p.add_argument(
+        "--plan-impls",
+        type=lambda s: [i for i in s.split(",") if i],
+        default=None,
+        help="impls the plan tries, comma-separated (default: ours that run here; drop_h+fp8 "
+        "is drop_h with --saved-fp8)",
     )
     p.add_argument(
         "--saved-fp8",
@@ -97,6 +118,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--profile-json", default=None, help="the profiled step's kernels: time and count each"
     )
     args = p.parse_args(argv)
+    if args.activation_checkpointing == "auto":
+        check_auto(p, args)
     if args.plan is not None:
         apply_plan(p, args)
     args.mlp_impl = args.mlp_impl or "drop_h"
@@ -153,6 +176,40 @@ def apply_plan(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     if plan["checkpoint_layers"]:
         args.recompute_granularity, args.recompute_method = "full", "block"
         args.recompute_num_layers = plan["checkpoint_layers"]
+
+
+def check_auto(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """--activation-checkpointing auto chooses the impl and the recompute itself, on one
+    process, for a new run: what it cannot take is refused before any work."""
+    for flag, given in (
+        ("--plan", args.plan),
+        ("--mlp-impl", args.mlp_impl),
+        ("--recompute-granularity", args.recompute_granularity),
+        ("--recompute-method", args.recompute_method),
+        ("--recompute-num-layers", args.recompute_num_layers),
+        ("--load", args.load),
+    ):
+        if given is not None:
+            p.error(f"--activation-checkpointing auto chooses the impl and the recompute for "
+                    f"a new run; drop {flag} (--plan-impls names the impls to try)")  # fmt: skip
+    if (args.tp, args.pp) != (1, 1) or int(os.environ.get("WORLD_SIZE", 1)) != 1:
+        p.error("--activation-checkpointing auto measures one process (--tp 1 --pp 1, one "
+                "rank): plan on one GPU at the run's per-rank shape, then pass its --mlp-impl "
+                "and recompute to the parallel run")  # fmt: skip
+    if args.device == "cpu" and args.memory_budget_gb is None:
+        p.error("--activation-checkpointing auto on the CPU needs --memory-budget-gb: the CPU "
+                "peak is an estimate (model state + saved-for-backward bytes)")  # fmt: skip
+    if args.memory_budget_gb is not None and not args.memory_budget_gb > 0:
+        p.error(f"--memory-budget-gb must be positive, got {args.memory_budget_gb}")
+    runnable = [*SUPPORTED_IMPLS, *MEGATRON_MLP]
+    for name in args.plan_impls if args.plan_impls is not None else []:
+        impl, fp8 = (name.removesuffix(FP8_LABEL), True) if name.endswith(FP8_LABEL) else (
+            name, False)  # fmt: skip
+        if impl not in runnable or (fp8 and impl != "drop_h"):
+            p.error(f"--plan-impls: {name!r} is not one this recipe runs ({', '.join(runnable)}"
+                    f", drop_h{FP8_LABEL})")  # fmt: skip
+    if args.plan_impls == []:
+        p.error("--plan-impls is empty: name at least one impl")
 
 
 def check_recompute(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:

@@ -6,14 +6,11 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
-from functools import partial
 from pathlib import Path
 
 import torch
 from megatron.core import parallel_state
 from megatron.core.distributed import finalize_model_grads
-from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from swiglu_train.files import write_json_atomic
 from swiglu_train.integrations.megatron.pretrain.args import parse_args
@@ -25,6 +22,8 @@ from swiglu_train.integrations.megatron.pretrain.build import (
 )
 from swiglu_train.integrations.megatron.pretrain.checkpoint import load, save
 from swiglu_train.integrations.megatron.pretrain.data import train_loader
+from swiglu_train.integrations.megatron.pretrain.plan import plan_run, recompute_of
+from swiglu_train.integrations.megatron.pretrain.step import run_step
 from swiglu_train.integrations.megatron.pretrain.step_profile import step_profile, write_profile
 from swiglu_train.memory import MemoryProfiler
 from swiglu_train.memory.wandb_run import WandbMemoryLogger, init_run
@@ -32,28 +31,14 @@ from swiglu_train.memory.wandb_run import WandbMemoryLogger, init_run
 SHAPE_ARGS = ("num_layers", "hidden_size", "ffn_hidden_size", "seq_length", "micro_batch_size")
 
 
-def loss_func(loss_mask: torch.Tensor, on_first: list, output: torch.Tensor):
-    """Mean token loss; the first call marks the end of the profiled forward."""
-    if on_first:
-        on_first.pop()()
-    loss = (output.float() * loss_mask).sum() / loss_mask.sum()
-    # A copy: Megatron divides the returned loss by the micro-batch count in place, which a
-    # detached view would follow (the logged loss was loss / --num-microbatches).
-    return loss, {"lm loss": loss.detach().clone()}
-
-
-def forward_step(device: torch.device | None, on_first: list, data_iterator, model):
-    batch = {k: v.to(device) if device else v for k, v in next(data_iterator).items()}
-    output = model(
-        batch["tokens"], batch["position_ids"], batch["attention_mask"], labels=batch["labels"]
-    )
-    return output, partial(loss_func, batch["loss_mask"].float(), on_first)
-
-
 def main(argv: list[str] | None = None) -> list[float]:
     """Train; returns the loss of each step run (on the last pipeline stage)."""
     args = parse_args(argv)
     initialize(args)
+    if args.activation_checkpointing == "auto":
+        args.planned = plan_run(args)  # sets args.mlp_impl, saved_fp8 and the recompute
+        if torch.distributed.get_rank() == 0:
+            print(f"plan: {args.planned['why']}")
     config = transformer_config(args)
     model = build_model(args, config)
     optimizer = build_optimizer(args, config, model)
@@ -69,11 +54,9 @@ def main(argv: list[str] | None = None) -> list[float]:
         )
         logger = WandbMemoryLogger(run)
     profiler = MemoryProfiler(model) if rank0 and args.pp == 1 else None
-    device = torch.device("cuda", torch.cuda.current_device()) if args.device == "cuda" else None
     data = iter(train_loader(args))
     for _ in range(start * args.num_microbatches):  # resume where the saved run stopped
         next(data)
-    forward_backward = get_forward_backward_func()
     tokens_per_step = (
         args.seq_length
         * args.micro_batch_size
@@ -84,27 +67,7 @@ def main(argv: list[str] | None = None) -> list[float]:
     cuda = args.device == "cuda"
     for step in range(start, args.max_steps):
         with step_profile(rank0 and step == args.profile_step, cuda) as prof:
-            tic = time.perf_counter()
-            on_first = []
-            if profiler is not None:
-                profiler.begin(step)
-                on_first.append(profiler.forward_done)
-            model.zero_grad_buffer()
-            optimizer.zero_grad()
-            stats = forward_backward(
-                forward_step_func=partial(forward_step, device, on_first),
-                data_iterator=data,
-                model=[model],
-                num_microbatches=args.num_microbatches,
-                seq_length=args.seq_length,
-                micro_batch_size=args.micro_batch_size,
-                forward_only=False,
-            )
-            record = profiler.backward_done() if profiler is not None else None
-            optimizer.step()
-            if cuda:
-                torch.cuda.synchronize()
-            seconds = time.perf_counter() - tic
+            stats, record, seconds = run_step(args, model, optimizer, data, profiler, step)
         if prof is not None:
             about = {k: getattr(args, k) for k in ("mlp_impl", "tp", *SHAPE_ARGS)}
             write_profile(prof, args.profile_json, step, seconds, cuda, **about)
@@ -151,11 +114,9 @@ def write_summary(
     summary = {
         "mlp_impl": args.mlp_impl,
         "saved_fp8": args.saved_fp8,
-        "recompute": {
-            key: getattr(args, f"recompute_{key}")
-            for key in ("granularity", "method", "num_layers")
-        },
+        "recompute": recompute_of(args),
         "plan": args.plan,
+        "planned": getattr(args, "planned", None),  # --activation-checkpointing auto's record
         "tp": args.tp,
         "dp": parallel_state.get_data_parallel_world_size(),
         "num_microbatches": args.num_microbatches,  # global batch: micro-batch x this x dp

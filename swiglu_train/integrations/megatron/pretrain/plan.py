@@ -1,0 +1,167 @@
+"""``--activation-checkpointing auto`` in the Megatron recipe: measure short training steps of
+the run's own GPTModel, under Megatron's own recompute (``--recompute-granularity full
+--recompute-method block --recompute-num-layers N``), and pick the MLP impl and N that fit the
+memory budget at the highest tokens/s (the decision: ``swiglu_train.memory.plan``, shared with
+the Lightning planner).
+
+Each measured point builds the model and optimizer as the run would (``build.py``), runs
+``warmup`` + ``measured`` optimizer steps of the recipe's own step (``step.py``: Megatron's
+schedule over --num-microbatches micro-batches, the optimizer, a CUDA sync) on the run's data,
+and frees them before the next point. tokens/s is the median over the measured steps; the
+peak, on CUDA, the allocator's over each whole step (the memory profiler resets it as a step
+begins), in absolute MiB as the budget bounds it. On the CPU there are no allocator figures:
+the peak is estimated as the model state (parameters, Megatron's main_grad buffers, optimizer
+state; their storages counted once) plus the bytes saved for backward (exact, from the
+profiler), a lower bound, so a CPU plan needs an explicit budget.
+
+One process only (``--tp 1 --pp 1``, one rank): the ranks of a parallel run would have to
+agree on every measurement and on every out-of-memory step. Plan on one GPU at the run's
+shape per rank, then pass the plan's ``--mlp-impl`` and recompute to the parallel run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import statistics
+from dataclasses import asdict, dataclass
+
+import torch
+from megatron.core.distributed import finalize_model_grads
+
+from swiglu_train.integrations.megatron import SUPPORTED_IMPLS
+from swiglu_train.integrations.megatron.pretrain.build import (
+    build_model,
+    build_optimizer,
+    transformer_config,
+)
+from swiglu_train.integrations.megatron.pretrain.data import train_loader
+from swiglu_train.integrations.megatron.pretrain.step import run_step
+from swiglu_train.layers.registry import FP8_LABEL, QUACK_IMPLS
+from swiglu_train.memory import MemoryProfiler
+from swiglu_train.memory.budget import ALLOCATOR, ESTIMATE, default_budget_MiB, split_candidate
+from swiglu_train.memory.plan import Plan, Profile, choose_plan, search
+from swiglu_train.memory.profiler import MiB
+from swiglu_train.memory.saved import storages
+
+
+@dataclass(frozen=True)
+class Steps:
+    """Optimizer steps per measured point: ``warmup`` left out (Triton compilation, autotuning,
+    optimizer state allocation), then ``measured`` timed."""
+
+    warmup: int = 2
+    measured: int = 3
+
+
+def candidates(args: argparse.Namespace) -> list[str]:
+    """--plan-impls, else every impl of ours that runs here (the quack ones with quack on an
+    sm_90+ GPU); with --saved-fp8, drop_h+fp8 alone."""
+    from swiglu_train.ops.quack_mlp import quack_available
+
+    if args.plan_impls is not None:
+        return args.plan_impls
+    if args.saved_fp8:
+        return [f"drop_h{FP8_LABEL}"]
+    return [i for i in SUPPORTED_IMPLS if i not in QUACK_IMPLS or quack_available()]
+
+
+def plan_run(args: argparse.Namespace, steps: Steps = Steps()) -> dict:
+    """Measure, choose, and set the chosen impl and recompute on ``args``; returns the plan's
+    record (for the summary and the W&B config). Raises ``memory.plan.NoPlanFits`` when
+    nothing fits the budget."""
+    device = torch.device("cuda", torch.cuda.current_device()) if args.device == "cuda" else None
+    budget = default_budget_MiB(device or torch.device("cpu"), args.memory_budget_gb)
+    profiles = search(candidates(args), args.num_layers, budget, measurer(args, steps))
+    plan = choose_plan(profiles, budget, args.num_layers)
+    impl, fp8 = split_candidate(plan.impl)
+    args.mlp_impl, args.saved_fp8 = impl, fp8
+    _set_recompute(args, plan.checkpoint_layers)
+    return record(plan, profiles, args, steps)
+
+
+def measurer(args: argparse.Namespace, steps: Steps):
+    """``measure(candidate, n)``: the run's model with ``n`` blocks recomputed, built, stepped
+    and freed (see the module docstring)."""
+
+    def measure(name: str, n: int) -> Profile:
+        point = argparse.Namespace(**vars(args))
+        point.mlp_impl, point.saved_fp8 = split_candidate(name)
+        _set_recompute(point, n)
+        point.max_steps = steps.warmup + steps.measured  # the data loader's length
+        try:
+            return _measure(point, name, n, steps)
+        finally:
+            gc.collect()  # the model, its DDP hooks and the optimizer hold each other
+            if args.device == "cuda":
+                torch.cuda.empty_cache()
+
+    return measure
+
+
+def _measure(args: argparse.Namespace, name: str, n: int, steps: Steps) -> Profile:
+    config = transformer_config(args)
+    model = build_model(args, config)
+    optimizer = build_optimizer(args, config, model)
+    config.finalize_model_grads_func = finalize_model_grads
+    config.no_sync_func = model.no_sync
+    data = iter(train_loader(args))
+    profiler = MemoryProfiler(model)
+    cuda = args.device == "cuda"
+    seconds, peaks, after = [], [], []
+    try:
+        for step in range(steps.warmup + steps.measured):
+            _, record, s = run_step(args, model, optimizer, data, profiler, step)
+            seconds.append(s)
+            if cuda:  # absolute: the profiler reset the peak as the step began
+                peaks.append(torch.cuda.max_memory_allocated() / MiB)
+                after.append(record.after_forward_MiB)  # over the step's start, as Lightning's
+            else:
+                peaks.append((_state_bytes(model, optimizer) + record.saved_bytes) / MiB)
+                after.append(record.saved_bytes / MiB)
+    except torch.OutOfMemoryError:
+        profiler.abort()  # the exception's frames held the step's tensors: freed by the caller
+        return Profile(name, n, None)
+    tokens = args.seq_length * args.micro_batch_size * args.num_microbatches
+    timed = slice(steps.warmup, None)
+    return Profile(
+        name,
+        n,
+        max(peaks[timed]),
+        tokens / statistics.median(seconds[timed]),
+        max(after[timed]),
+    )
+
+
+def _state_bytes(model, optimizer) -> int:
+    """Parameters, Megatron's main_grad buffers and the optimizer's state: distinct storages,
+    counted once."""
+    params = list(model.parameters())
+    tensors = [*params, *(p.main_grad for p in params if getattr(p, "main_grad", None) is not None)]
+    inner = getattr(optimizer, "optimizer", optimizer)  # the CPU smoke run's AdamW wrapper
+    tensors += [v for s in inner.state.values() for v in s.values() if torch.is_tensor(v)]
+    return sum({key: nbytes for t in tensors for key, nbytes in storages(t)}.values())
+
+
+def recompute_of(args: argparse.Namespace) -> dict:
+    """Megatron's recompute options as the run has them."""
+    return {
+        key: getattr(args, f"recompute_{key}") for key in ("granularity", "method", "num_layers")
+    }
+
+
+def _set_recompute(args: argparse.Namespace, n: int) -> None:
+    """Megatron's block recompute of the first ``n`` layers (none for 0)."""
+    recompute = ("full", "block", n) if n else (None, None, None)
+    args.recompute_granularity, args.recompute_method, args.recompute_num_layers = recompute
+
+
+def record(plan: Plan, profiles: list[Profile], args: argparse.Namespace, steps: Steps) -> dict:
+    cuda = args.device == "cuda"
+    return plan.to_dict() | {
+        "memory": ALLOCATOR if cuda else ESTIMATE,
+        "device": torch.cuda.get_device_name() if cuda else "cpu",
+        "recompute": recompute_of(args),
+        "steps": asdict(steps),
+        "profiles": [asdict(p) for p in profiles],
+    }

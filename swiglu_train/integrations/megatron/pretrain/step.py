@@ -1,0 +1,60 @@
+"""One training step of the recipe: Megatron's forward-backward schedule over the
+micro-batches, the loss, and the optimizer step, timed with the GPU's work; the training loop
+(``train.py``) and the planner (``plan.py``) run it alike."""
+
+from __future__ import annotations
+
+import time
+from functools import partial
+
+import torch
+from megatron.core.pipeline_parallel import get_forward_backward_func
+
+from swiglu_train.memory import MemoryProfiler
+
+
+def loss_func(loss_mask: torch.Tensor, on_first: list, output: torch.Tensor):
+    """Mean token loss; the first call marks the end of the profiled forward."""
+    if on_first:
+        on_first.pop()()
+    loss = (output.float() * loss_mask).sum() / loss_mask.sum()
+    # A copy: Megatron divides the returned loss by the micro-batch count in place, which a
+    # detached view would follow (the logged loss was loss / --num-microbatches).
+    return loss, {"lm loss": loss.detach().clone()}
+
+
+def forward_step(device: torch.device | None, on_first: list, data_iterator, model):
+    batch = {k: v.to(device) if device else v for k, v in next(data_iterator).items()}
+    output = model(
+        batch["tokens"], batch["position_ids"], batch["attention_mask"], labels=batch["labels"]
+    )
+    return output, partial(loss_func, batch["loss_mask"].float(), on_first)
+
+
+def run_step(args, model, optimizer, data, profiler: MemoryProfiler | None, step: int):
+    """One optimizer step of Megatron's schedule over --num-microbatches micro-batches:
+    (each micro-batch's loss stats on the last stage, the profiler's record or None, seconds,
+    the GPU's work included)."""
+    cuda = args.device == "cuda"
+    device = torch.device("cuda", torch.cuda.current_device()) if cuda else None
+    tic = time.perf_counter()
+    on_first = []
+    if profiler is not None:
+        profiler.begin(step)
+        on_first.append(profiler.forward_done)
+    model.zero_grad_buffer()
+    optimizer.zero_grad()
+    stats = get_forward_backward_func()(
+        forward_step_func=partial(forward_step, device, on_first),
+        data_iterator=data,
+        model=[model],
+        num_microbatches=args.num_microbatches,
+        seq_length=args.seq_length,
+        micro_batch_size=args.micro_batch_size,
+        forward_only=False,
+    )
+    record = profiler.backward_done() if profiler is not None else None
+    optimizer.step()
+    if cuda:
+        torch.cuda.synchronize()
+    return stats, record, time.perf_counter() - tic

@@ -1,0 +1,109 @@
+"""``recipes/pretrain_megatron.py --activation-checkpointing auto`` on CPU: the planner measures
+the recipe's own model under Megatron's block recompute, picks what fits the budget, sets the
+run's impl and recompute, and records the plan; what it cannot plan is refused before any work.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from megatron_support import megatron_parallel, shim_cuda_only_calls, spawn
+from test_megatron_recipe import TINY, run_recipe
+
+from swiglu_train.integrations.megatron.pretrain.args import parse_args
+from swiglu_train.integrations.megatron.pretrain.plan import Steps, measurer, plan_run
+from swiglu_train.memory.budget import ESTIMATE
+from swiglu_train.memory.plan import NoPlanFits
+from swiglu_train.ops.activation import use_backend
+
+AUTO = ["--activation-checkpointing", "auto", "--plan-impls", "normal,drop_h"]
+ONE = Steps(warmup=0, measured=1)
+
+
+def _planner_worker(rank: int, world_size: int, rendezvous: str) -> None:
+    with megatron_parallel(rank, world_size, rendezvous), use_backend("torch"):
+        args = parse_args([*TINY, *AUTO, "--memory-budget-gb", "1", "--max-steps", "2"])
+        shim_cuda_only_calls(args.seed)
+        measure = measurer(args, ONE)
+        normal = {n: measure("normal", n) for n in (0, 1, 2)}
+        drop_h = measure("drop_h", 0)
+        peaks = [normal[n].peak_MiB for n in (0, 1, 2)]
+        assert peaks[0] > peaks[1] > peaks[2] > 0, peaks  # each recomputed layer saves
+        assert drop_h.peak_MiB < peaks[0]  # drop_h keeps no h
+        assert all(p.tokens_per_s > 0 for p in (*normal.values(), drop_h))
+
+        # Under normal's unchecked peak and drop_h's, above normal's with 1 layer recomputed:
+        # normal must recompute 1 layer; drop_h fits unchecked if its peak is under the budget
+        budget = (peaks[1] + min(peaks[0], drop_h.peak_MiB)) / 2
+        args.memory_budget_gb = budget / 1024
+        record = plan_run(args, ONE)
+        chosen = next(p for p in record["profiles"] if p["impl"] == record["impl"]
+                      and p["checkpoint_layers"] == record["checkpoint_layers"])  # fmt: skip
+        assert chosen["peak_MiB"] <= budget and record["memory"] == ESTIMATE
+        best = {p["impl"]: p["checkpoint_layers"] for p in record["best_per_impl"]}
+        assert best["normal"] == 1
+        assert best["drop_h"] == (0 if drop_h.peak_MiB <= budget else 1)
+        assert args.mlp_impl == record["impl"] and not args.saved_fp8
+        n = record["checkpoint_layers"]
+        recompute = ("full", "block", n) if n else (None, None, None)
+        assert (args.recompute_granularity, args.recompute_method, args.recompute_num_layers) == (
+            recompute
+        )
+        assert record["recompute"]["num_layers"] == (n or None)
+
+        args.memory_budget_gb = 1e-6
+        with pytest.raises(NoPlanFits, match="nothing fits the memory budget"):
+            plan_run(args, ONE)
+
+
+def test_the_plan_measures_the_recipe_s_model_and_sets_its_impl_and_recompute() -> None:
+    spawn(_planner_worker, 1)
+
+
+def test_the_recipe_trains_with_its_plan_and_records_it(tmp_path) -> None:
+    losses = run_recipe(
+        tmp_path,
+        *AUTO,
+        *("--memory-budget-gb", "1", "--max-steps", "2"),
+        *("--summary-json", "out/summary.json"),
+        tp=1,
+    )
+    assert sorted(losses) == [0, 1]
+    summary = json.loads((tmp_path / "out" / "summary.json").read_text())
+    planned = summary["planned"]
+    assert planned["impl"] in ("normal", "drop_h") and summary["mlp_impl"] == planned["impl"]
+    assert planned["checkpoint_layers"] == 0  # 1 GiB is ample for the tiny model
+    assert summary["recompute"]["granularity"] is None and planned["why"].startswith(
+        f"{planned['impl']} with 0 of 2 blocks checkpointed"
+    )
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (["--mlp-impl", "normal"], "drop --mlp-impl (--plan-impls names the impls to try)"),
+        (["--recompute-granularity", "selective"], "drop --recompute-granularity"),
+        (["--load", "ckpt"], "chooses the impl and the recompute for a new run; drop --load"),
+        (["--tp", "2"], "measures one process (--tp 1 --pp 1, one rank)"),
+        ([], "on the CPU needs --memory-budget-gb"),
+        (["--memory-budget-gb", "0"], "--memory-budget-gb must be positive, got 0.0"),
+        (["--memory-budget-gb", "1", "--plan-impls", "normal+fp8"], "'normal+fp8' is not one"),
+        (["--memory-budget-gb", "1", "--plan-impls", ","], "--plan-impls is empty"),
+    ],
+)
+def test_what_auto_cannot_plan_is_refused_before_any_work(capsys, extra, message) -> None:
+    argv = ["--device", "cpu", "--activation-checkpointing", "auto", *extra]
+    with pytest.raises(SystemExit):
+        parse_args(argv)
+    err = capsys.readouterr().err
+    assert message in err, err
+
+
+def test_candidates_default_to_ours_that_run_here_and_fp8_alone_with_saved_fp8() -> None:
+    from swiglu_train.integrations.megatron.pretrain.plan import candidates
+
+    args = parse_args([*TINY, "--activation-checkpointing", "auto", "--memory-budget-gb", "1"])
+    assert candidates(args) == ["normal", "drop_h", "save_factors"]  # no quack on this CPU
+    args.saved_fp8 = True
+    assert candidates(args) == ["drop_h+fp8"]
