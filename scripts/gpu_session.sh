@@ -35,6 +35,8 @@
 #              timed step (kernel and host times; once). $E2E_MEGATRON_IMPLS picks the impls.
 #              E2E_PRIOR=DIR (carried): rounds of an earlier call, at another commit, to add to
 #              (e2e_1b/e2e_3b too; E2E_ROUNDS=0 then measures only the planner and its plans)
+#   megatron_plan  the recipe's own planner (--activation-checkpointing auto) at
+#              $MEGATRON_PLAN_GB (30: under the MEGATRON_GPU model's ~39 GB unchecked peak)
 #   megatron_resume  its DistributedOptimizer dist-ckpt: save at step 3, resume, compare losses
 #   megatron_tp2  (nvidia-h200-x2) TP=2 vs TP=1 losses and per-GPU memory (scripts/compare_tp.py)
 #   megatron_reshard (nvidia-h200-x2) a save_factors TP=2 dist-ckpt resumed by normal at TP=1,
@@ -253,6 +255,11 @@ for stage in "$@"; do
         cp "$prof" "$RES/e2e/profile_megatron_tp1_${impl}_h200.json"
         python3 -c "import json, sys; p = json.load(open(sys.argv[1])); print(sys.argv[2], round(p['step_s'] * 1e3, 1), 'ms step,', round(p['total_us'] / 1e3, 1), 'ms of kernels; host:', [(e['name'][:40], round(e['us']), e['count']) for e in p['host']['entries'][:10]])" "$prof" "$impl"
       done ;;
+    megatron_plan)  # --activation-checkpointing auto in the recipe, at a budget under its peak
+      torchrun --standalone --nproc-per-node 1 recipes/pretrain_megatron.py $MEGATRON_GPU \
+        --activation-checkpointing auto --memory-budget-gb "${MEGATRON_PLAN_GB:-30}" \
+        --max-steps 10 --output-dir "$SCRATCH/megatron-plan" \
+        --summary-json "$RES/megatron_plan_h200.json" 2>&1 | grep -E "^plan:|^step 9 " ;;
     megatron_resume)  # DistributedOptimizer dist-ckpt on CUDA: save at 3, resume, same losses
       for impl in ${RESUME_IMPLS:-normal save_factors}; do
         run="torchrun --nproc-per-node 1 recipes/pretrain_megatron.py --mlp-impl $impl"
