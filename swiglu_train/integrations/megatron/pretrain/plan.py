@@ -44,6 +44,8 @@ from swiglu_train.memory.plan import Plan, Profile, choose_plan, search
 from swiglu_train.memory.profiler import MiB
 from swiglu_train.memory.saved import storages
 
+LEAK_MiB = 64  # more left allocated after a point than Megatron's lazily made buffers
+
 
 @dataclass(frozen=True)
 class Steps:
@@ -84,19 +86,32 @@ def measurer(args: argparse.Namespace, steps: Steps):
     """``measure(candidate, n)``: the run's model with ``n`` blocks recomputed, built, stepped
     and freed (see the module docstring)."""
 
+    cuda = args.device == "cuda"
+
     def measure(name: str, n: int) -> Profile:
         point = argparse.Namespace(**vars(args))
         point.mlp_impl, point.saved_fp8 = split_candidate(name)
         _set_recompute(point, n)
         point.max_steps = steps.warmup + steps.measured  # the data loader's length
+        before = torch.cuda.memory_allocated() if cuda else 0
         try:
             return _measure(point, name, n, steps)
         finally:
             gc.collect()  # the model, its DDP hooks and the optimizer hold each other
-            if args.device == "cuda":
+            if cuda:
                 torch.cuda.empty_cache()
+                _check_freed(before, name, n)
 
     return measure
+
+
+def _check_freed(before: int, name: str, n: int) -> None:
+    """The peaks are absolute: a model left behind would count in every later one."""
+    held = (torch.cuda.memory_allocated() - before) / MiB
+    if held > LEAK_MiB:
+        raise RuntimeError(f"the planner's {name} model with {n} recomputed layers left "
+                           f"{held:,.0f} MiB allocated after it was freed: every later peak "
+                           "would count it, so the plan would be wrong")  # fmt: skip
 
 
 def _measure(args: argparse.Namespace, name: str, n: int, steps: Steps) -> Profile:
