@@ -40,6 +40,7 @@ from swiglu_train.layers.registry import FP8_LABEL, PORTABLE_IMPLS, QUACK_IMPLS,
 from swiglu_train.memory.budget import (
     ALLOCATOR,
     ESTIMATE,
+    check_freed,
     default_budget_MiB,
     split_candidate,
 )
@@ -154,11 +155,16 @@ def measurer(
     candidate (only ``checkpoint_layers`` and the micro-batch change)."""
     held: dict[str, tuple] = {}
     precision = _precision(cfg.train.precision)
+    cuda = _device().type == "cuda"
+    before = torch.cuda.memory_allocated() if cuda else 0
 
     def measure(name: str, n: int, micro_batch_size: int | None = None) -> Profile:
         if name not in held:
+            freed = next(iter(held), None)
             held.clear()  # the previous candidate's model and optimizer go first, with its
             _free(_device())  # Fabric: one keeps every LightningModule it set up (_callbacks)
+            if cuda and freed is not None:
+                check_freed(before, f"{freed} model")
             fabric = Fabric(accelerator="auto", devices=1, precision=precision)
             held[name] = (fabric, *_build(fabric, cfg, name))
         fabric, module, optimizer = held[name]

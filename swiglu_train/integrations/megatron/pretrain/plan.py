@@ -39,12 +39,16 @@ from swiglu_train.integrations.megatron.pretrain.data import train_loader
 from swiglu_train.integrations.megatron.pretrain.step import run_step
 from swiglu_train.layers.registry import FP8_LABEL, QUACK_IMPLS
 from swiglu_train.memory import MemoryProfiler
-from swiglu_train.memory.budget import ALLOCATOR, ESTIMATE, default_budget_MiB, split_candidate
+from swiglu_train.memory.budget import (
+    ALLOCATOR,
+    ESTIMATE,
+    check_freed,
+    default_budget_MiB,
+    split_candidate,
+)
 from swiglu_train.memory.plan import Plan, Profile, choose_plan, search
 from swiglu_train.memory.profiler import MiB
 from swiglu_train.memory.saved import storages
-
-LEAK_MiB = 64  # more left allocated after a point than Megatron's lazily made buffers
 
 
 @dataclass(frozen=True)
@@ -100,18 +104,9 @@ def measurer(args: argparse.Namespace, steps: Steps):
             gc.collect()  # the model, its DDP hooks and the optimizer hold each other
             if cuda:
                 torch.cuda.empty_cache()
-                _check_freed(before, name, n)
+                check_freed(before, f"{name} model with {n} recomputed layers")
 
     return measure
-
-
-def _check_freed(before: int, name: str, n: int) -> None:
-    """The peaks are absolute: a model left behind would count in every later one."""
-    held = (torch.cuda.memory_allocated() - before) / MiB
-    if held > LEAK_MiB:
-        raise RuntimeError(f"the planner's {name} model with {n} recomputed layers left "
-                           f"{held:,.0f} MiB allocated after it was freed: every later peak "
-                           "would count it, so the plan would be wrong")  # fmt: skip
 
 
 def _measure(args: argparse.Namespace, name: str, n: int, steps: Steps) -> Profile:
