@@ -1,6 +1,8 @@
-"""Shared test math: float64 references and norm-relative errors."""
+"""Shared test math (float64 references, norm-relative errors) and test fixtures' parts."""
 
 from __future__ import annotations
+
+import weakref
 
 import torch
 
@@ -107,3 +109,20 @@ def dispatch_table(shapes: dict | None = None) -> dict:
             for shape, kinds in (shapes or {}).items()
         },
     }
+
+
+def watch_planner_builds(monkeypatch) -> list:
+    """Weak references to a parameter of each model the Lightning planner builds (the memory,
+    not Fabric's wrapper, which dies first); building one while an earlier one lives fails."""
+    from swiglu_train.integrations.lightning import planner
+
+    built, real_build = [], planner._build
+
+    def build_alone(*args):
+        assert [ref for ref in built if ref() is not None] == [], "a model outlived its measure"
+        module, optimizer = real_build(*args)
+        built.append(weakref.ref(next(module.parameters())))
+        return module, optimizer
+
+    monkeypatch.setattr(planner, "_build", build_alone)
+    return built

@@ -3,10 +3,10 @@ plan per budget, the planner set against the grid, JSON, markdown and plot), and
 harness' per-round pairing (swiglu_train/bench/e2e*.py)."""
 
 import json
-import weakref
 from pathlib import Path
 
 import pytest
+from helpers import watch_planner_builds
 from test_scripts import load_script
 from typer.testing import CliRunner
 
@@ -19,6 +19,17 @@ TINY = (
     "model: {hidden_size: 64, ffn_hidden_size: 160, num_heads: 2, num_layers: 2}\n"
     "data: {seq_length: 32, micro_batch_size: 2}\n"
 )
+
+
+def tiny_normal_grid(tmp_path: Path) -> tuple:
+    """(bench_e2e, its lightning arguments, the --json path): the tiny config, normal alone,
+    no checkpointing, 1 warm-up and 1 timed step; the caller adds rounds and the planner."""
+    config = tmp_path / "tiny.yaml"
+    config.write_text(TINY)
+    out = tmp_path / "e2e.json"
+    args = ["lightning", "--config", str(config), "--impls", "normal", "--warmup", "1"]
+    args += ["--steps", "1", "--checkpoint-layers", "0", "--json", str(out)]
+    return load_script("bench_e2e"), args, out
 
 
 def test_lightning_rounds_spreads_budgets_and_planner(tmp_path: Path) -> None:
@@ -76,23 +87,8 @@ def test_a_planner_pick_off_the_grid_is_measured_in_as_many_rounds(tmp_path, mon
     measures the pick once per round so far, so it has a median of its own to set against the
     best. No model is ever built while another lives (the allocator's peaks are absolute: a
     held one would count in them)."""
-    from swiglu_train.integrations.lightning import planner
-
-    built, real_build = [], planner._build
-
-    def build_alone(*args):
-        assert [ref for ref in built if ref() is not None] == [], "a model outlived its measure"
-        module, optimizer = real_build(*args)
-        built.append(weakref.ref(next(module.parameters())))  # not the wrapper: the memory
-        return module, optimizer
-
-    monkeypatch.setattr(planner, "_build", build_alone)
-    bench = load_script("bench_e2e")
-    config = tmp_path / "tiny.yaml"
-    config.write_text(TINY)
-    out = tmp_path / "e2e.json"
-    args = ["lightning", "--config", str(config), "--impls", "normal", "--warmup", "1"]
-    args += ["--steps", "1", "--checkpoint-layers", "0", "--json", str(out)]
+    built = watch_planner_builds(monkeypatch)
+    bench, args, out = tiny_normal_grid(tmp_path)
     runner = CliRunner()
     with use_backend("torch"):
         result = runner.invoke(bench.app, [*args, "--rounds", "2"])
@@ -123,12 +119,7 @@ def test_zero_rounds_add_the_planner_s_plans_to_an_earlier_run_s_rounds(tmp_path
     """--rounds 0 --append --planner: no grid point is measured again; the plans the planner
     finds off the grid are measured once per earlier round, and each point names its commit
     (here two, so the report names both). Without an earlier run, 0 rounds are refused."""
-    bench = load_script("bench_e2e")
-    config = tmp_path / "tiny.yaml"
-    config.write_text(TINY)
-    out = tmp_path / "e2e.json"
-    args = ["lightning", "--config", str(config), "--impls", "normal", "--warmup", "1"]
-    args += ["--steps", "1", "--checkpoint-layers", "0", "--json", str(out)]
+    bench, args, out = tiny_normal_grid(tmp_path)
     runner = CliRunner()
     with use_backend("torch"):
         refused = runner.invoke(bench.app, [*args, "--rounds", "0", "--planner"])

@@ -4,11 +4,11 @@ the refusals before any work."""
 
 import json
 import re
-import weakref
 from pathlib import Path
 
 import pytest
 import torch
+from helpers import watch_planner_builds
 from torch.nn.modules.module import register_module_forward_hook
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 from typer.testing import CliRunner
@@ -96,14 +96,7 @@ def test_the_plan_s_models_are_gone_when_the_run_builds_its_own(small, monkeypat
     would otherwise sit beside the run's own model for the whole run."""
     from swiglu_train.integrations.lightning import planner
 
-    built, real_build = [], planner._build
-
-    def build(*args):
-        module, optimizer = real_build(*args)
-        built.append(weakref.ref(next(module.parameters())))  # not the wrapper: the memory
-        return module, optimizer
-
-    monkeypatch.setattr(planner, "_build", build)
+    built = watch_planner_builds(monkeypatch)
     cfg = load_config(str(small))
     cfg.train.activation_checkpointing, cfg.train.memory_budget_gb = "auto", 1.0
     cfg.train.plan_impls = list(IMPLS)
@@ -117,17 +110,7 @@ def test_each_candidate_s_model_is_gone_before_the_next_is_built(small, monkeypa
     LightningModule it set up, so a Fabric shared across candidates kept them all: on the H200
     a 1B bench ran out of memory after a few. The allocator's peaks are absolute, too, so a
     held model would have counted in the next candidate's peak."""
-    from swiglu_train.integrations.lightning import planner
-
-    built, real_build = [], planner._build
-
-    def build_alone(*args):
-        assert [ref for ref in built if ref() is not None] == [], "a model outlived its candidate"
-        module, optimizer = real_build(*args)
-        built.append(weakref.ref(next(module.parameters())))  # not the wrapper: the memory
-        return module, optimizer
-
-    monkeypatch.setattr(planner, "_build", build_alone)
+    built = watch_planner_builds(monkeypatch)
     measure = measurer(load_config(str(small)), Steps(warmup=0, measured=1))
     for name in (*IMPLS, IMPLS[0]):
         assert measure(name, 0).peak_MiB > 0

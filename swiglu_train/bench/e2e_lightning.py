@@ -13,8 +13,9 @@ min/median/max over rounds, and MFU where the GPU's peak is known. On CUDA the m
 allocator's peak; on the CPU the planner's estimate.
 
 The planner bisects to the fewest checkpointed blocks that fit, which a coarse grid may not
-hold: a pick the grid lacks is then measured as the grid's points were, once per round so far,
-so that every pick is set against the best measured configuration by medians alike.
+hold: its pick and each impl's best plan at the budget, where the grid lacks them, are then
+measured as the grid's points were, once per round so far, so that every impl is compared at
+its own best count, by medians alike.
 """
 
 from __future__ import annotations

@@ -65,6 +65,11 @@ def storage_key(t: torch.Tensor) -> tuple:
     return (t.device, t.untyped_storage().data_ptr())
 
 
+def distinct_bytes(tensors: Iterable[torch.Tensor]) -> int:
+    """Bytes of the storages behind ``tensors``, each counted once (views share one)."""
+    return sum({key: nbytes for t in tensors for key, nbytes in storages(t)}.values())
+
+
 def storages(t: torch.Tensor) -> Iterator[tuple[tuple, int]]:
     """(key, nbytes) of each storage behind ``t``.
 

@@ -55,7 +55,7 @@ from swiglu_train.memory.plan import (
     step_tokens_per_s,
 )
 from swiglu_train.memory.profiler import MemoryProfiler, MiB
-from swiglu_train.memory.saved import storages
+from swiglu_train.memory.saved import distinct_bytes
 
 MODES = ("manual", "auto")
 FP8 = FP8_LABEL  # a candidate "drop_h+fp8": drop_h with its FP8-saved preactivation
@@ -372,8 +372,7 @@ def _state_bytes(module, optimizer) -> int:
     tensors = [p for p in module.parameters()]
     tensors += [p.grad for p in tensors if p.grad is not None]
     tensors += [v for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v)]
-    found = {key: nbytes for t in tensors for key, nbytes in storages(t)}
-    return sum(found.values())
+    return distinct_bytes(tensors)
 
 
 def _device() -> torch.device:

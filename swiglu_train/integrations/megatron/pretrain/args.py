@@ -10,6 +10,7 @@ from pathlib import Path
 
 from swiglu_train.integrations.megatron import SUPPORTED_IMPLS
 from swiglu_train.layers.registry import FP8_LABEL, check_saved_fp8
+from swiglu_train.memory.budget import split_candidate
 
 DESCRIPTION = "Pretrain a Megatron-core GPTModel whose MLPs run a swiglu-train impl."
 STOCK = ("stock", "stock_eager")  # Megatron's MLP: the baseline our spec replaces
@@ -203,8 +204,7 @@ def check_auto(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         p.error(f"--memory-budget-gb must be positive, got {args.memory_budget_gb}")
     runnable = [*SUPPORTED_IMPLS, *MEGATRON_MLP]
     for name in args.plan_impls if args.plan_impls is not None else []:
-        impl, fp8 = (name.removesuffix(FP8_LABEL), True) if name.endswith(FP8_LABEL) else (
-            name, False)  # fmt: skip
+        impl, fp8 = split_candidate(name)
         if impl not in runnable or (fp8 and impl != "drop_h"):
             p.error(f"--plan-impls: {name!r} is not one this recipe runs ({', '.join(runnable)}"
                     f", drop_h{FP8_LABEL})")  # fmt: skip

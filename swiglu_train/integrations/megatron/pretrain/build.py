@@ -9,7 +9,11 @@ import os
 import torch
 import torch.nn.functional as F
 from megatron.core import parallel_state, tensor_parallel
-from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+from megatron.core.distributed import (
+    DistributedDataParallel,
+    DistributedDataParallelConfig,
+    finalize_model_grads,
+)
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
@@ -99,6 +103,17 @@ def build_model(args: argparse.Namespace, config: TransformerConfig) -> Distribu
         grad_reduce_in_fp32=True, use_distributed_optimizer=args.device == "cuda"
     )
     return DistributedDataParallel(config=config, ddp_config=ddp_config, module=model)
+
+
+def build_training(args: argparse.Namespace):
+    """(config, model, optimizer) of a run, wired as Megatron's schedule expects: what the
+    training loop and each of the planner's points train."""
+    config = transformer_config(args)
+    model = build_model(args, config)
+    optimizer = build_optimizer(args, config, model)
+    config.finalize_model_grads_func = finalize_model_grads
+    config.no_sync_func = model.no_sync
+    return config, model, optimizer
 
 
 class MainGradAdamW:

@@ -27,14 +27,9 @@ import statistics
 from dataclasses import asdict, dataclass
 
 import torch
-from megatron.core.distributed import finalize_model_grads
 
 from swiglu_train.integrations.megatron import SUPPORTED_IMPLS
-from swiglu_train.integrations.megatron.pretrain.build import (
-    build_model,
-    build_optimizer,
-    transformer_config,
-)
+from swiglu_train.integrations.megatron.pretrain.build import build_training
 from swiglu_train.integrations.megatron.pretrain.data import train_loader
 from swiglu_train.integrations.megatron.pretrain.step import run_step
 from swiglu_train.layers.registry import FP8_LABEL, QUACK_IMPLS
@@ -48,7 +43,7 @@ from swiglu_train.memory.budget import (
 )
 from swiglu_train.memory.plan import Plan, Profile, choose_plan, search
 from swiglu_train.memory.profiler import MiB
-from swiglu_train.memory.saved import storages
+from swiglu_train.memory.saved import distinct_bytes
 
 
 @dataclass(frozen=True)
@@ -110,11 +105,7 @@ def measurer(args: argparse.Namespace, steps: Steps):
 
 
 def _measure(args: argparse.Namespace, name: str, n: int, steps: Steps) -> Profile:
-    config = transformer_config(args)
-    model = build_model(args, config)
-    optimizer = build_optimizer(args, config, model)
-    config.finalize_model_grads_func = finalize_model_grads
-    config.no_sync_func = model.no_sync
+    _, model, optimizer = build_training(args)
     data = iter(train_loader(args))
     profiler = MemoryProfiler(model)
     cuda = args.device == "cuda"
@@ -150,7 +141,7 @@ def _state_bytes(model, optimizer) -> int:
     tensors = [*params, *(p.main_grad for p in params if getattr(p, "main_grad", None) is not None)]
     inner = getattr(optimizer, "optimizer", optimizer)  # the CPU smoke run's AdamW wrapper
     tensors += [v for s in inner.state.values() for v in s.values() if torch.is_tensor(v)]
-    return sum({key: nbytes for t in tensors for key, nbytes in storages(t)}.values())
+    return distinct_bytes(tensors)
 
 
 def recompute_of(args: argparse.Namespace) -> dict:

@@ -10,16 +10,10 @@ from pathlib import Path
 
 import torch
 from megatron.core import parallel_state
-from megatron.core.distributed import finalize_model_grads
 
 from swiglu_train.files import write_json_atomic
 from swiglu_train.integrations.megatron.pretrain.args import parse_args
-from swiglu_train.integrations.megatron.pretrain.build import (
-    build_model,
-    build_optimizer,
-    initialize,
-    transformer_config,
-)
+from swiglu_train.integrations.megatron.pretrain.build import build_training, initialize
 from swiglu_train.integrations.megatron.pretrain.checkpoint import load, save
 from swiglu_train.integrations.megatron.pretrain.data import train_loader
 from swiglu_train.integrations.megatron.pretrain.plan import plan_run, recompute_of
@@ -39,11 +33,7 @@ def main(argv: list[str] | None = None) -> list[float]:
         args.planned = plan_run(args)  # sets args.mlp_impl, saved_fp8 and the recompute
         if torch.distributed.get_rank() == 0:
             print(f"plan: {args.planned['why']}")
-    config = transformer_config(args)
-    model = build_model(args, config)
-    optimizer = build_optimizer(args, config, model)
-    config.finalize_model_grads_func = finalize_model_grads
-    config.no_sync_func = model.no_sync
+    _, model, optimizer = build_training(args)
     start = load(args.load, model, optimizer) if args.load else 0
 
     rank0 = torch.distributed.get_rank() == 0
