@@ -237,8 +237,9 @@ for stage in "$@"; do
         --plot "$E2E/e2e_${size}_h200.png" 2>&1 | grep -v "^planner:" | tail -40
       cp "$E2E"/e2e_${size}_h200.* "$RES/e2e/" ;;
     e2e_megatron)  # stock vs ours at TP=1, interleaved; warm-up steps kept apart
-      E2E=/tmp/gpu-e2e-$commit && mkdir -p "$E2E" "$RES/e2e"
-      prior_e2e "$E2E" e2e_megatron_tp1_h200.json
+      # $E2E_MEGATRON_ARGS (e.g. --manual-gc) go to every run; $E2E_MEGATRON_TAG names its files
+      E2E=/tmp/gpu-e2e-$commit && mkdir -p "$E2E" "$RES/e2e" && name=e2e_megatron_tp1${E2E_MEGATRON_TAG:+_$E2E_MEGATRON_TAG}_h200
+      prior_e2e "$E2E" $name.json
       liger=$(python3 -c "import liger_kernel.megatron" 2>/dev/null && echo liger)  # the peer
       impls=${E2E_MEGATRON_IMPLS:-$(echo stock stock_eager $liger normal drop_h save_factors $(quack_impl) | tr ' ' ',')}
       # where a steady step's time goes: the first run of each of these also profiles its last
@@ -246,9 +247,9 @@ for stage in "$@"; do
       python3 scripts/bench_e2e.py megatron --impls "$impls" --rounds "${E2E_ROUNDS_MEGATRON:-1}" \
         --warmup 5 --steps 20 --commit "$commit" --append \
         --profile-impls "${E2E_PROFILE_MEGATRON-stock,stock_eager,normal}" --profile-dir "$E2E" \
-        --json "$E2E/e2e_megatron_tp1_h200.json" --md "$E2E/e2e_megatron_tp1_h200.md" \
-        -- $MEGATRON_GPU 2>&1 | tail -20
-      cp "$E2E"/e2e_megatron_tp1_h200.* "$RES/e2e/"
+        --json "$E2E/$name.json" --md "$E2E/$name.md" \
+        -- $MEGATRON_GPU ${E2E_MEGATRON_ARGS:-} 2>&1 | tail -20
+      cp "$E2E"/$name.* "$RES/e2e/"
       for prof in "$E2E"/profile_megatron_*.json; do
         [ -f "$prof" ] || continue
         impl=$(basename "$prof" .json) && impl=${impl#profile_megatron_}

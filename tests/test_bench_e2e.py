@@ -248,8 +248,10 @@ def test_megatron_rounds_on_cpu_profile_a_step_inside_a_measured_run(tmp_path, m
     bad = runner.invoke(bench.app, [*args, "--profile-impls", "drop_h", "--", *tiny])
     assert isinstance(bad.exception, ValueError)
     assert str(bad.exception) == "--profile-impls drop_h: each must be one of --impls stock,normal"
+    # --manual-gc: Megatron-LM's switch, passed through to every run; no collection lands in
+    # a step, so the runs' GC time is exactly zero
     result = runner.invoke(bench.app, [*args, "--profile-impls", "stock", "--profile-dir", "p",
-                                       "--", *tiny])  # fmt: skip
+                                       "--", *tiny, "--manual-gc"])  # fmt: skip
     assert result.exit_code == 0, result.output
     r = json.loads((tmp_path / "m.json").read_text())
     assert sorted((p["impl"], p["round"], p["commit"]) for p in r["points"]) == [
@@ -259,6 +261,9 @@ def test_megatron_rounds_on_cpu_profile_a_step_inside_a_measured_run(tmp_path, m
     stock, normal = (p["tokens_per_s"] for i in ("stock", "normal") for p in r["points"]
                      if p["impl"] == i)  # fmt: skip
     assert rows["normal"]["vs_stock"]["median"] == pytest.approx(normal / stock)
+    assert [p["gc_ms_per_step"] for p in r["points"]] == [0.0, 0.0]
+    assert rows["stock"]["gc_ms_per_step"] == {"min": 0.0, "median": 0.0, "max": 0.0}
+    assert "GC ms/step" in result.output
     profile = json.loads((tmp_path / "p" / "profile_megatron_stock.json").read_text())
     assert (profile["step"], profile["mlp_impl"]) == (2, "stock")  # the last timed step
     assert profile["unit"] == "op (self time)" and profile["total_us"] > 0

@@ -96,6 +96,8 @@ def test_recipe_trains_logs_memory_and_resumes(tmp_path: Path) -> None:
     assert len(summary["step_tokens_per_s"]) == 4 and summary["warmup_steps"] == 0
     assert summary["tokens_per_s"] == statistics.median(summary["step_tokens_per_s"])
     assert summary["recompute"] == {"granularity": None, "method": None, "num_layers": None}
+    assert summary["manual_gc"] is False and len(summary["step_gc_ms"]) == 4
+    assert summary["gc_ms_per_step"] == pytest.approx(statistics.fmean(summary["step_gc_ms"]))
     # Per rank, each MLP saves x [M, D], factors [M, 2F/tp] and h [M, F/tp] in fp32 (M = 2 x 32
     # tokens, D = 64, F = 96, tp = 2), over 2 layers: the analytic count, to the byte.
     assert summary["mlp_saved_MiB"][impl] * 2**20 == 2 * 64 * (64 + 3 * 48) * 4
@@ -308,6 +310,10 @@ def test_profile_step_needs_its_json_and_a_step_of_the_run(capsys) -> None:
         with pytest.raises(SystemExit):
             parse_args(argv)
         assert message in capsys.readouterr().err
+    for argv in (["--manual-gc-interval", "5"], ["--manual-gc", "--manual-gc-interval", "-1"]):
+        with pytest.raises(SystemExit):
+            parse_args(argv)
+        assert "needs --manual-gc and N >= 0" in capsys.readouterr().err
     args = parse_args(["--profile-step", "3", "--profile-json", "p.json", "--max-steps", "4"])
     assert (args.profile_step, args.profile_json) == (3, "p.json")
 

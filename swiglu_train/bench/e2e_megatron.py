@@ -79,6 +79,7 @@ def run_megatron(
                         "after_forward_MiB": s["after_forward_MiB"],
                         "peak_MiB": s["peak_MiB"],
                         "final_loss": s["final_loss"],
+                        "gc_ms_per_step": s["gc_ms_per_step"],
                         "commit": commit,
                     }
                 )
@@ -98,6 +99,7 @@ def megatron_rows(points: list[dict]) -> list[dict]:
     base = {p["round"]: p["tokens_per_s"] for p in points if p["impl"] == "stock"}
     for r in table:
         mine = [p for p in points if p["impl"] == r["impl"]]
+        r["gc_ms_per_step"] = spread([p.get("gc_ms_per_step") for p in mine])  # older: none
         r["vs_stock"] = spread([p["tokens_per_s"] / base[p["round"]] for p in mine
                                 if p["round"] in base])  # fmt: skip
         warm = [p["warmup_tokens_per_s"] for p in mine]

@@ -102,6 +102,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="initialize full weights on the CPU from --seed, then shard them (Megatron's "
         "use_cpu_initialization), so runs at different TP sizes start from the same model",
     )
+    p.add_argument(
+        "--manual-gc",
+        action="store_true",
+        help="as Megatron-LM's: disable Python's automatic garbage collection, so no "
+        "collection pauses a step; collect every --manual-gc-interval steps, between steps",
+    )
+    p.add_argument(
+        "--manual-gc-interval",
+        type=int,
+        default=0,
+        help="with --manual-gc: collect after every N steps (0: never during training)",
+    )
     p.add_argument("--data-path", nargs="*", default=None, help="indexed dataset prefixes")
     p.add_argument("--save", default=None, help="root of the iter_NNNNNNN dist-ckpt folders")
     p.add_argument("--save-interval", type=int, default=0, help="0: only at the end")
@@ -125,6 +137,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         apply_plan(p, args)
     args.mlp_impl = args.mlp_impl or "drop_h"
     check_recompute(p, args)
+    if args.manual_gc_interval < 0 or (args.manual_gc_interval and not args.manual_gc):
+        p.error(f"--manual-gc-interval {args.manual_gc_interval} needs --manual-gc and N >= 0")
     if args.warmup_steps < 0:
         p.error(f"--warmup-steps must be at least 0, got {args.warmup_steps}")
     if (args.profile_step is None) != (args.profile_json is None):

@@ -5,6 +5,7 @@ memory profiler's figures to W&B (rank 0), checkpoints at ``--save-interval``, a
 from __future__ import annotations
 
 import argparse
+import gc
 import statistics
 from pathlib import Path
 
@@ -12,6 +13,7 @@ import torch
 from megatron.core import parallel_state
 
 from swiglu_train.files import write_json_atomic
+from swiglu_train.gc_pauses import GcPauses, manual_gc
 from swiglu_train.integrations.megatron.pretrain.args import parse_args
 from swiglu_train.integrations.megatron.pretrain.build import build_training, initialize
 from swiglu_train.integrations.megatron.pretrain.checkpoint import load, save
@@ -53,47 +55,58 @@ def main(argv: list[str] | None = None) -> list[float]:
         * args.num_microbatches
         * parallel_state.get_data_parallel_world_size()
     )
-    losses, rates, records = [], [], []
+    losses, rates, records, gc_ms = [], [], [], []
     cuda = args.device == "cuda"
-    for step in range(start, args.max_steps):
-        with step_profile(rank0 and step == args.profile_step, cuda) as prof:
-            stats, record, seconds = run_step(args, model, optimizer, data, profiler, step)
-        if prof is not None:
-            about = {k: getattr(args, k) for k in ("mlp_impl", "tp", *SHAPE_ARGS)}
-            write_profile(prof, args.profile_json, step, seconds, cuda, **about)
-        if stats:  # the last pipeline stage
-            # Each DP rank holds the loss of its own micro-batches; the step's is their mean
-            # (equal token counts), as Megatron-LM logs it, so runs at any DP size compare.
-            loss = torch.stack([s["lm loss"] for s in stats]).mean()
-            torch.distributed.all_reduce(loss, group=parallel_state.get_data_parallel_group())
-            loss = loss.item() / parallel_state.get_data_parallel_world_size()
-            losses.append(loss)
-            rates.append(tokens_per_step / seconds)
-            if record is not None:
-                records.append(record)
-            if parallel_state.get_tensor_model_parallel_rank() == 0 and (
-                parallel_state.get_data_parallel_rank() == 0  # one line per step, not per DP rank
+    with manual_gc(args.manual_gc), GcPauses() as pauses:
+        for step in range(start, args.max_steps):
+            pauses.take()
+            with step_profile(rank0 and step == args.profile_step, cuda) as prof:
+                stats, record, seconds = run_step(args, model, optimizer, data, profiler, step)
+            gc_ms.append(pauses.take()[0] * 1e3)  # collections inside the timed step
+            if prof is not None:
+                about = {k: getattr(args, k) for k in ("mlp_impl", "tp", *SHAPE_ARGS)}
+                write_profile(prof, args.profile_json, step, seconds, cuda, **about)
+            if stats:  # the last pipeline stage
+                # Each DP rank holds the loss of its own micro-batches; the step's is their mean
+                # (equal token counts), as Megatron-LM logs it, so runs at any DP size compare.
+                loss = torch.stack([s["lm loss"] for s in stats]).mean()
+                torch.distributed.all_reduce(loss, group=parallel_state.get_data_parallel_group())
+                loss = loss.item() / parallel_state.get_data_parallel_world_size()
+                losses.append(loss)
+                rates.append(tokens_per_step / seconds)
+                if record is not None:
+                    records.append(record)
+                if parallel_state.get_tensor_model_parallel_rank() == 0 and (
+                    parallel_state.get_data_parallel_rank()
+                    == 0  # one line per step, not per DP rank
+                ):
+                    print(f"step {step} loss {loss:.6f} {tokens_per_step / seconds:.0f} tokens/s")
+                if logger is not None and record is not None:
+                    extra = {"loss": loss, "tokens_per_s": tokens_per_step / seconds}
+                    logger.log(record, extra)
+            done = step + 1
+            if args.manual_gc_interval and done % args.manual_gc_interval == 0:
+                gc.collect()  # between steps, outside the timed window
+            if args.save and (
+                done == args.max_steps or (args.save_interval and done % args.save_interval == 0)
             ):
-                print(f"step {step} loss {loss:.6f} {tokens_per_step / seconds:.0f} tokens/s")
-            if logger is not None and record is not None:
-                extra = {"loss": loss, "tokens_per_s": tokens_per_step / seconds}
-                logger.log(record, extra)
-        done = step + 1
-        if args.save and (
-            done == args.max_steps or (args.save_interval and done % args.save_interval == 0)
-        ):
-            save(args.save, done, model, optimizer)
+                save(args.save, done, model, optimizer)
     if logger is not None:
         logger.run.finish()
     if args.summary_json and rank0 and losses:
-        write_summary(args, losses, rates, records, first_step=start)
+        write_summary(args, losses, rates, records, gc_ms, first_step=start)
     parallel_state.destroy_model_parallel()
     torch.distributed.destroy_process_group()
     return losses
 
 
 def write_summary(
-    args: argparse.Namespace, losses: list, rates: list, records: list, first_step: int
+    args: argparse.Namespace,
+    losses: list,
+    rates: list,
+    records: list,
+    gc_ms: list,
+    first_step: int,
 ) -> None:
     """Losses, median tokens/s past --warmup-steps (compile, autotune) and the profiler's
     memory figures, as the Lightning recipe's --summary-json writes them; plus the shape, so
@@ -118,6 +131,10 @@ def write_summary(
         "tokens_per_s": statistics.median(steady),
         "warmup_steps": len(rates) - len(steady),  # 0 when the run had no more steps
         "step_tokens_per_s": rates,  # every step's, warm-up included
+        "manual_gc": args.manual_gc,
+        # host time in Python's collector inside each step (a pause the GPU waits out)
+        "step_gc_ms": gc_ms,
+        "gc_ms_per_step": statistics.fmean(gc_ms[len(rates) - len(steady) :] or gc_ms),
         "after_forward_MiB": last.after_forward_MiB if last else None,
         "peak_MiB": max(peaks) if peaks else None,
         "saved_MiB": last.saved_bytes / 2**20 if last else None,
