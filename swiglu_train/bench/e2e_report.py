@@ -69,7 +69,8 @@ def megatron_markdown(result: dict) -> str:
         warm = ", ".join(f"{v:,.0f}" for v in r["warmup_tokens_per_s_median"])
         lines.append(
             f"| {r['impl']} | {_fmt(r['tokens_per_s'])} | {_fmt(r['vs_stock'], 3)} | "
-            f"{_fmt(r.get('gc_ms_per_step'), 1)} | {_fmt(r['after_forward_MiB'])} | {_fmt(r['peak_MiB'])} | {warm} |"
+            f"{_fmt(r.get('gc_ms_per_step'), 1)} | {_fmt(r['after_forward_MiB'])} | "
+            f"{_fmt(r['peak_MiB'])} | {warm} |"
         )
     return "\n".join(lines) + "\n"
 
