@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # On the GPU box: unpack the snapshot that scripts/device_snapshot.sh made into a fresh folder,
 # copy the carried wheel folders beside it, and run scripts/gpu_session.sh's setup and then the
-# stages there, each bounded (STAGE_SECONDS, default 590; STAGE:N for one) and $OUT/results.tgz
+# stages there, each bounded (STAGE_SECONDS, default 590; STAGE:N for one) and $OUT/results-*.tgz
 # re-packed after each, as gpu_session.sh does.
 #   bash scripts/device_run.sh [STAGE[:SECONDS]...]
 # A fresh folder per call: a warm machine keeps /tmp, and copying wheel folders into ones left

@@ -3,7 +3,7 @@
 #   bash scripts/gpu_session.sh STAGE [STAGE...]      results land in $OUT (default ./gpu-out)
 # To run committed code while the working tree changes: `bash scripts/device_snapshot.sh` here,
 # carry .src with the wheel folders, and `bash scripts/device_run.sh STAGE[:SECONDS]...` on the
-# box (a fresh folder per call, setup included, results in $OUT/results.tgz after each stage).
+# box (a fresh folder per call, setup included, results in $OUT/results-*.tgz after each stage).
 # Stages:
 #   setup      install carried wheels (.whl + .whlx: peers; .whlw: wandb, megatron-core;
 #              .whlt: pytest-xdist; .whlm: megatron-core alone; .whlh: litgpt) when present
@@ -74,7 +74,7 @@
 #              $GRID_M and $GRID_VARIANTS pick a subset), its points compiled first in $GRID_PREWARM processes
 #              (default 8; 0: compile while timing). Merge the chunks' JSON with
 #              `swiglu-train bench-grid --merge A B --json --md --plot` (the auto evaluation).
-# Every stage writes under $RES; on exit it is packed into $OUT/results.tgz, since the device
+# Every stage writes under $RES; on exit it is packed into $OUT/results-*.tgz, since the device
 # tool returns at most 8 files, and re-packed after every stage, so a call killed at its limit
 # still returns what finished. STAGE_SECONDS=N bounds each stage, so one overrun cannot cost
 # the others (a session found this out when a stage ate the call's whole limit); a stage
@@ -82,7 +82,7 @@
 set -uo pipefail
 OUT=${OUT:-./gpu-out}
 # A fresh folder per call: a lent machine may keep /tmp from an earlier session, whose results
-# would otherwise ride along in results.tgz looking current.
+# would otherwise ride along in the archive looking current.
 RES=${RES:-$(mktemp -d /tmp/gpu-results.XXXXXX)}
 # Run folders too: pretrain refuses a fresh run where another run's checkpoints are, and a
 # stale folder's W&B runs would be counted as this call's.
@@ -106,7 +106,9 @@ from swiglu_train.layers.registry import QUACK_IMPLS
 from swiglu_train.ops.quack_mlp import quack_available
 print(*sorted(QUACK_IMPLS) if quack_available() else [])"
 }
-pack() { tar czf "$OUT/results.tgz" -C "$RES" .; }
+# One archive per results folder: two invocations in one device call must not overwrite each
+# other's (a session lost a Megatron round's JSON so).
+pack() { tar czf "$OUT/results-${RES##*.}.tgz" -C "$RES" .; }
 prior_e2e() {  # DIR NAME: an earlier call's rounds ($E2E_PRIOR/NAME, carried) to --append to,
   # where this commit has none of its own yet (a machine's /tmp goes when it is given back)
   [ -n "${E2E_PRIOR:-}" ] && [ -f "$E2E_PRIOR/$2" ] && [ ! -f "$1/$2" ] && cp "$E2E_PRIOR/$2" "$1/"

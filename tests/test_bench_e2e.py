@@ -3,6 +3,7 @@ plan per budget, the planner set against the grid, JSON, markdown and plot), and
 harness' per-round pairing (swiglu_train/bench/e2e*.py)."""
 
 import json
+import statistics
 from pathlib import Path
 
 import pytest
@@ -262,6 +263,8 @@ def test_megatron_rounds_on_cpu_profile_a_step_inside_a_measured_run(tmp_path, m
                      if p["impl"] == i)  # fmt: skip
     assert rows["normal"]["vs_stock"]["median"] == pytest.approx(normal / stock)
     assert [p["gc_ms_per_step"] for p in r["points"]] == [0.0, 0.0]
+    assert all(len(p["timed_tokens_per_s"]) == 2 for p in r["points"])
+    assert all(statistics.median(p["timed_tokens_per_s"]) == p["tokens_per_s"] for p in r["points"])
     assert rows["stock"]["gc_ms_per_step"] == {"min": 0.0, "median": 0.0, "max": 0.0}
     assert "GC ms/step" in result.output
     profile = json.loads((tmp_path / "p" / "profile_megatron_stock.json").read_text())

@@ -76,6 +76,8 @@ def run_megatron(
                         "impl": impl,
                         "tokens_per_s": s["tokens_per_s"],
                         "warmup_tokens_per_s": rates[: s["warmup_steps"]],
+                        # each timed step's: a run's slow steps may be all or some of them
+                        "timed_tokens_per_s": rates[s["warmup_steps"] :],
                         "after_forward_MiB": s["after_forward_MiB"],
                         "peak_MiB": s["peak_MiB"],
                         "final_loss": s["final_loss"],

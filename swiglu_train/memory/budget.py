@@ -3,6 +3,9 @@ default memory budget, the candidate names, and how a peak was read."""
 
 from __future__ import annotations
 
+import gc
+import time
+
 import torch
 
 from swiglu_train.layers.registry import FP8_LABEL
@@ -28,12 +31,34 @@ def default_budget_MiB(device: torch.device, budget_gb: float | None) -> float:
     return torch.cuda.get_device_properties(device).total_memory * (1 - MARGIN) / MiB
 
 
-def check_freed(before: int, what: str) -> None:
+def check_freed(before: int, what: str, settle_s: float = 2.0) -> None:
     """Raise if CUDA memory did not come back to ``before`` bytes (within LEAK_MiB) once
     ``what`` (a measured model) was freed: peaks are absolute, so whatever it left behind
-    would count in every later peak, and the plan would be wrong."""
-    held = (torch.cuda.memory_allocated() - before) / MiB
-    if held > LEAK_MiB:
-        raise RuntimeError(f"the planner's {what} left {held:,.0f} MiB allocated after it was "
-                           "freed: every later peak would count it, so the plan would be "
-                           "wrong")  # fmt: skip
+    would count in every later peak, and the plan would be wrong.
+
+    Memory can come back late: a process group may keep a finished collective's tensors
+    until its watchdog thread retires the work. So wait up to ``settle_s`` before calling it
+    a leak; the error then lists the largest CUDA tensors still alive, to find the holder."""
+    deadline = time.monotonic() + settle_s
+    while (held := (torch.cuda.memory_allocated() - before) / MiB) > LEAK_MiB:
+        if time.monotonic() >= deadline:
+            alive = _live_cuda_tensors()
+            raise RuntimeError(f"the planner's {what} left {held:,.0f} MiB allocated after it "
+                               "was freed: every later peak would count it, so the plan would "
+                               f"be wrong. Largest CUDA tensors alive: {alive}")  # fmt: skip
+        time.sleep(0.1)
+        gc.collect()
+
+
+def _live_cuda_tensors(top: int = 5) -> str:
+    """The ``top`` largest CUDA storages that Python's collector can see, with their shape."""
+    seen = {}
+    for obj in gc.get_objects():
+        if torch.is_tensor(obj) and obj.is_cuda:
+            storage = obj.untyped_storage()
+            seen[storage.data_ptr()] = (storage.nbytes(), tuple(obj.shape), obj.dtype)
+    largest = sorted(seen.values(), key=lambda v: v[0], reverse=True)[:top]
+    return (
+        ", ".join(f"{n / MiB:,.0f} MiB {list(shape)} {dtype}" for n, shape, dtype in largest)
+        or "none"
+    )
