@@ -1,11 +1,13 @@
-"""quack against cuBLAS on every GEMM choice of the quack impls (``ops.gemm_choice``), at the
-model grid's shapes: the evidence for each GEMM's default library (issue 18).
+"""quack (static and dynamic schedule) against cuBLAS on every GEMM choice of the quack impls
+(``ops.gemm_choice``), at the model grid's shapes: the evidence for each GEMM's default
+library (issue 18).
 
 A default holds for every shape no one pretuned, so it should be the library that wins at
 most shapes users train, not at one. This times each GEMM the way ``swiglu-train pretune``
 does (paired, random order, batches between events) at every (M, D, F) of the grid, in a
-throwaway cache, and summarises per GEMM: how often cuBLAS is more than 1 % faster, more than
-1 % slower, and the median ratio. Set ``gemm_choice.DEFAULTS`` from the summary.
+throwaway cache, and summarises per GEMM: how often cuBLAS, and quack's dynamic schedule, is
+more than 1 % faster or slower than quack's static one, and the median ratio. Set
+``gemm_choice.DEFAULTS`` from the summary.
 
     python scripts/probe_gemm_defaults.py --json $OUT/probe_gemm_defaults_h200.json
 """
@@ -30,18 +32,23 @@ GRID_M = (4096, 8000, 16384)
 
 
 def summarise(rows: Sequence[dict], margin: float) -> dict[str, dict]:
-    """Per GEMM: shapes measured, cuBLAS wins and losses past ``margin``, the median and range
-    of cuBLAS / quack, and the library that wins more often (quack on a tie)."""
+    """Per GEMM, for cuBLAS and for quack's dynamic schedule against quack's static one: shapes
+    measured, wins and losses past ``margin``, the median and range of the paired ratio, and
+    the library that wins more often (static quack on a tie)."""
     out = {}
     for gemm in sorted({r["gemm"] for r in rows}):
-        ratios = np.array([r["cublas_over_quack"] for r in rows if r["gemm"] == gemm])
-        wins, losses = int((ratios < 1 - margin).sum()), int((ratios > 1 + margin).sum())
-        out[gemm] = {
-            "shapes": len(ratios), "cublas_wins": wins, "quack_wins": losses,
-            "median_cublas_over_quack": float(np.median(ratios)),
-            "min": float(ratios.min()), "max": float(ratios.max()),
-            "majority": "cublas" if wins > losses else "quack",
-        }  # fmt: skip
+        mine = [r for r in rows if r["gemm"] == gemm]
+        out[gemm] = {"shapes": len(mine)}
+        for other in ("cublas", "quack_dynamic"):
+            ratios = np.array([r[f"{other}_over_quack"] for r in mine])
+            wins, losses = int((ratios < 1 - margin).sum()), int((ratios > 1 + margin).sum())
+            out[gemm][other] = {
+                "wins": wins, "losses": losses, "median_over_quack": float(np.median(ratios)),
+                "min": float(ratios.min()), "max": float(ratios.max()),
+            }  # fmt: skip
+        wins = {lib: s["wins"] - s["losses"] for lib, s in out[gemm].items() if lib != "shapes"}
+        best = max(wins, key=wins.get)
+        out[gemm]["majority"] = best if wins[best] > 0 else "quack"
     return out
 
 
@@ -63,7 +70,8 @@ def main() -> int:
     for shape in shapes:  # one shape at a time, so a call cut short keeps what it measured
         for r in pretune([shape], list(gemm_choice.IMPL_GEMMS), torch.bfloat16, args.samples):
             rows.append({"M": shape[0], "D": shape[1], "F": shape[2], **dataclasses.asdict(r)})
-            print(f"{shape} {r.gemm}: cuBLAS / quack {r.cublas_over_quack:.3f}", flush=True)
+            print(f"{shape} {r.gemm}: cuBLAS / quack {r.cublas_over_quack:.3f}, dynamic / static "
+                  f"{r.quack_dynamic_over_quack:.3f}", flush=True)  # fmt: skip
         result = {
             "command": " ".join([os.path.basename(sys.executable), *sys.argv]),
             "commit": git_commit(), "environment": environment(torch.device("cuda"), None),

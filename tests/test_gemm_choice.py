@@ -137,19 +137,40 @@ def test_planned_times_each_gemm_once():
 
 
 @pytest.mark.parametrize(
-    ("ratio", "default", "expected"),
-    [
-        (0.95, "quack", "cublas"),
-        (0.995, "quack", "quack"),
-        (0.995, "cublas", "cublas"),
-        (1.005, "cublas", "cublas"),
-        (1.05, "cublas", "quack"),
+    ("cublas", "dynamic", "default", "expected"),
+    [  # each library's time over static quack's, per sample
+        (0.95, 1.0, "quack", "cublas"),
+        (0.995, 1.0, "quack", "quack"),  # within the margin: the default
+        (0.995, 1.0, "cublas", "cublas"),
+        (1.005, 1.0, "cublas", "cublas"),
+        (1.05, 1.0, "cublas", "quack"),
+        (0.97, 0.95, "quack", "quack_dynamic"),  # both past the margin: the faster
+        (1.0, 0.98, "quack", "quack_dynamic"),
+        (1.0, 1.02, "quack_dynamic", "quack"),
+        (0.95, 0.97, "quack_dynamic", "cublas"),
     ],
 )
-def test_a_library_is_chosen_past_the_margin_and_a_tie_keeps_the_default(ratio, default, expected):
+def test_the_fastest_library_past_the_margin_is_chosen_and_a_tie_keeps_the_default(
+    cublas, dynamic, default, expected
+):
     quack = np.full(30, 2.0)
-    measured, backend = pretune.decide(quack, quack * ratio, default)
-    assert measured == pytest.approx(ratio) and backend == expected
+    times = {"quack": quack, "quack_dynamic": quack * dynamic, "cublas": quack * cublas}
+    assert pretune.decide(times, default) == expected
+
+
+def test_ratios_are_paired_per_sample() -> None:
+    """A slow sample slows every library in it: the paired ratio sees through it, a ratio of
+    medians would not."""
+    quack = np.array([1.0, 1.0, 3.0, 3.0, 3.0])
+    times = {"quack": quack, "cublas": quack * 0.9}
+    assert pretune.paired_ratio(times, "cublas", "quack") == pytest.approx(0.9)
+
+
+def test_a_cached_dynamic_schedule_is_read_back(cache_dir) -> None:
+    k = gemm_choice.key("grad_x_concat", 8000, 4096, 28672, torch.bfloat16, H200)
+    gemm_choice.record({k: {"backend": "quack_dynamic"}})
+    chosen = gemm_choice.choice("grad_x_concat", 8000, 4096, 28672, torch.bfloat16, H200, H200_SMS)
+    assert chosen == "quack_dynamic"
 
 
 def test_pretune_refuses_in_one_line_where_quack_cannot_run():
@@ -163,9 +184,10 @@ def test_pretune_refuses_in_one_line_where_quack_cannot_run():
 
 
 @pytest.mark.gpu
-def test_cublas_choices_compute_the_same_mlp(cache_dir):
-    """Every plain GEMM cached as cuBLAS: both quack impls still match the float64 MLP, and
-    pretune's own timing writes a choice for each GEMM it planned."""
+@pytest.mark.parametrize("library", ["cublas", "quack_dynamic"])
+def test_cached_choices_compute_the_same_mlp(cache_dir, library):
+    """Every plain GEMM cached on ``library``: both quack impls still match the float64 MLP,
+    and pretune's own timing writes a choice for each GEMM it planned."""
     from helpers import TOLERANCE, reference_outputs, rel_err, run_outputs
 
     from swiglu_train.layers import ParMLP
@@ -177,7 +199,7 @@ def test_cublas_choices_compute_the_same_mlp(cache_dir):
     name = torch.cuda.get_device_name()
     entries = {
         gemm_choice.key(g, *gemm_choice.gemm_sizes(g, m, d, f, d), torch.bfloat16, name): {
-            "backend": "cublas"
+            "backend": library
         }
         for g in gemm_choice.DEFAULTS
     }
@@ -191,7 +213,7 @@ def test_cublas_choices_compute_the_same_mlp(cache_dir):
             assert rel_err(actual[key], expected[key]) < TOLERANCE[torch.bfloat16], (impl, key)
     rows = pretune.pretune([(m, d, f, d)], ["save_factors_quack"], torch.bfloat16, samples=30)
     assert {r.gemm for r in rows} == set(gemm_choice.IMPL_GEMMS["save_factors_quack"])
-    assert all(r.backend in ("quack", "cublas") and r.quack_ms > 0 for r in rows)
+    assert all(r.backend in gemm_choice.LIBRARIES and r.quack_dynamic_ms > 0 for r in rows)
 
 
 def test_the_defaults_probe_counts_wins_past_the_margin_per_gemm():
@@ -202,14 +224,24 @@ def test_the_defaults_probe_counts_wins_past_the_margin_per_gemm():
     )
     probe = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(probe)
-    rows = [{"gemm": "fc2", "cublas_over_quack": r} for r in (0.95, 0.97, 1.005, 1.03)]
-    rows += [{"gemm": "grad_w2", "cublas_over_quack": r} for r in (0.95, 1.05)]
+
+    def row(gemm: str, cublas: float, dynamic: float = 1.0) -> dict:
+        return {"gemm": gemm, "cublas_over_quack": cublas, "quack_dynamic_over_quack": dynamic}
+
+    rows = [row("fc2", r) for r in (0.95, 0.97, 1.005, 1.03)]
+    rows += [row("grad_w2", r) for r in (0.95, 1.05)]
+    rows += [row("grad_x_concat", 0.98, d) for d in (0.97, 0.98, 1.0)]
     summary = probe.summarise(rows, 0.01)
     assert summary["fc2"] == {
-        "shapes": 4, "cublas_wins": 2, "quack_wins": 1,
-        "median_cublas_over_quack": pytest.approx(0.9875), "min": 0.95, "max": 1.03,
+        "shapes": 4,
+        "cublas": {"wins": 2, "losses": 1, "median_over_quack": pytest.approx(0.9875),
+                   "min": 0.95, "max": 1.03},
+        "quack_dynamic": {"wins": 0, "losses": 0, "median_over_quack": 1.0, "min": 1.0,
+                          "max": 1.0},
         "majority": "cublas",
     }  # fmt: skip
+    # cuBLAS 3 net wins over static quack, the dynamic schedule 2: cuBLAS
+    assert summary["grad_x_concat"]["majority"] == "cublas"
     assert summary["grad_w2"]["majority"] == "quack"
 
 

@@ -1,11 +1,13 @@
-"""Measure quack against cuBLAS on each layout-free GEMM of the quack impls at a model's shapes,
-and cache the faster one (``ops.gemm_choice``) for training runs to read.
+"""Measure quack (on its static and its dynamic tile schedule) against cuBLAS on each
+layout-free GEMM of the quack impls at a model's shapes, and cache the fastest
+(``ops.gemm_choice``) for training runs to read.
 
-Each GEMM is timed on the operands, strides and dtype the impls give it, the two libraries in
-a random order per sample (paired), each sample a batch of back-to-back calls between two
-CUDA events so that launch latency is not counted, and cuBLAS is chosen only where its median
-paired ratio to quack is below ``1 - MARGIN``, quack where it is above ``1 + MARGIN``; within
-the margin the GEMM keeps its default (``gemm_choice.default``).
+Each GEMM is timed on the operands, strides and dtype the impls give it, the libraries in a
+random order per sample (paired), each sample a batch of back-to-back calls between two CUDA
+events, queued behind a spin kernel, so that launch latency is not counted. Against the
+default library (``gemm_choice.default``), another is chosen only where its median paired
+ratio is below ``1 - MARGIN`` (the lowest such ratio wins); within the margin the GEMM keeps
+its default.
 """
 
 from __future__ import annotations
@@ -17,12 +19,13 @@ from dataclasses import asdict, dataclass
 import numpy as np
 import torch
 
+from swiglu_train.bench.timing import Clock
 from swiglu_train.ops import gemm_choice
 from swiglu_train.ops.quack_mlp import gemm_on
 
 MARGIN = 0.01  # within 1 % the measurement cannot tell the two apart: keep the default
 BATCH = 5
-LIBRARIES = (gemm_choice.QUACK, gemm_choice.CUBLAS)
+LIBRARIES = gemm_choice.LIBRARIES
 
 
 @dataclass(frozen=True)
@@ -32,8 +35,10 @@ class Measured:
     n: int
     k: int
     quack_ms: float
+    quack_dynamic_ms: float
     cublas_ms: float
-    cublas_over_quack: float
+    cublas_over_quack: float  # median paired ratios, each sample's own
+    quack_dynamic_over_quack: float
     backend: str
 
 
@@ -53,36 +58,42 @@ def operands(gemm: str, m: int, n: int, k: int, dtype: torch.dtype) -> tuple:
 
 
 def calls(gemm: str, a: torch.Tensor, b: torch.Tensor) -> dict[str, Callable[[], object]]:
-    """The two ways the impls compute ``gemm`` (``quack_mlp.gemm_on``), by library."""
+    """The ways the impls compute ``gemm`` (``quack_mlp.gemm_on``), by library."""
     return {lib: functools.partial(gemm_on, lib, gemm, a, b) for lib in LIBRARIES}
 
 
-def decide(quack_ms: np.ndarray, cublas_ms: np.ndarray, default: str) -> tuple[float, str]:
-    """(median paired cuBLAS/quack ratio, the backend to cache): the faster one past MARGIN,
+def paired_ratio(times: dict[str, np.ndarray], library: str, base: str) -> float:
+    """Median over samples of ``library``'s time over ``base``'s in the same sample."""
+    return float(np.median(times[library] / times[base]))
+
+
+def decide(times: dict[str, np.ndarray], default: str) -> str:
+    """The library to cache: the one furthest under the default's time past MARGIN (paired),
     else ``default``, so a measured tie caches what an unmeasured shape would run anyway."""
-    ratio = float(np.median(cublas_ms / quack_ms))
-    if ratio < 1 - MARGIN:
-        return ratio, gemm_choice.CUBLAS
-    return ratio, gemm_choice.QUACK if ratio > 1 + MARGIN else default
+    ratios = {lib: paired_ratio(times, lib, default) for lib in times if lib != default}
+    best = min(ratios, key=ratios.get)
+    return best if ratios[best] < 1 - MARGIN else default
 
 
-def _time_pair(calls: dict[str, Callable[[], object]], samples: int, seed: int) -> dict:
+def _time_paired(calls: dict[str, Callable[[], object]], samples: int, seed: int) -> dict:
+    """Per library, ``samples`` times (ms per call), each batch queued behind a spin kernel as a
+    training step's GEMMs are, so neither launch latency nor an idle GPU's start counts."""
     for call in calls.values():  # compile (quack) and warm up
         for _ in range(3):
             call()
+    clock = Clock(torch.device("cuda"))
     rng = np.random.default_rng(seed)
     names = list(calls)
     times = {name: np.zeros(samples) for name in names}
     for s in range(samples):
         for i in rng.permutation(len(names)):
-            start = torch.cuda.Event(enable_timing=True)
-            end = torch.cuda.Event(enable_timing=True)
-            start.record()
+            clock.hold()
+            start = clock.mark()
             for _ in range(BATCH):
                 calls[names[i]]()
-            end.record()
-            end.synchronize()
-            times[names[i]][s] = start.elapsed_time(end) / BATCH
+            end = clock.mark()
+            clock.sync()
+            times[names[i]][s] = clock.ms(start, end) / BATCH
     return times
 
 
@@ -98,11 +109,15 @@ def _measure(
     gemm: str, m: int, n: int, k: int, dtype: torch.dtype, samples: int, seed: int
 ) -> Measured:
     a, b = operands(gemm, m, n, k, dtype)
-    times = _time_pair(calls(gemm, a, b), samples, seed)
+    times = _time_paired(calls(gemm, a, b), samples, seed)
     default = gemm_choice.default(gemm, m, n, gemm_choice.sm_count(a.get_device()))
-    ratio, backend = decide(times["quack"], times["cublas"], default)
-    quack_ms, cublas_ms = float(np.median(times["quack"])), float(np.median(times["cublas"]))
-    return Measured(gemm, m, n, k, quack_ms, cublas_ms, ratio, backend)
+    ms = {lib: float(np.median(t)) for lib, t in times.items()}
+    return Measured(
+        gemm, m, n, k, ms[gemm_choice.QUACK], ms[gemm_choice.QUACK_DYNAMIC], ms[gemm_choice.CUBLAS],
+        paired_ratio(times, gemm_choice.CUBLAS, gemm_choice.QUACK),
+        paired_ratio(times, gemm_choice.QUACK_DYNAMIC, gemm_choice.QUACK),
+        decide(times, default),
+    )  # fmt: skip
 
 
 def pretune(
@@ -122,7 +137,7 @@ def pretune(
         measured.append(row)
         fields = asdict(row)
         entries[gemm_choice.key(gemm, m, n, k, dtype, device_name)] = {
-            name: fields[name] for name in ("backend", "quack_ms", "cublas_ms", "cublas_over_quack")
+            name: fields[name] for name in fields if name not in ("gemm", "m", "n", "k")
         }
         tick()
     gemm_choice.record(entries)

@@ -87,15 +87,16 @@ def pretune(
         raise typer.BadParameter(f"the quack impls cannot run here: {reason}")
     torch_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
     with progress_bars() as progress:
-        tick = progress("timing quack and cuBLAS", len(planned(shapes, names)))
+        tick = progress("timing quack (static, dynamic) and cuBLAS", len(planned(shapes, names)))
         rows = measure(shapes, names, torch_dtype, samples, tick)
     table = Table(title=f"{torch.cuda.get_device_name()}, {dtype}, {samples} paired samples")
-    for column in ("GEMM", "[m, k] @ [k, n]", "quack ms", "cuBLAS ms", "cuBLAS / quack", "runs on"):
+    columns = ("GEMM", "[m, k] @ [k, n]", "quack ms", "quack dynamic ms", "cuBLAS ms", "runs on")
+    for column in columns:
         table.add_column(column)
     for r in rows:
         table.add_row(
-            r.gemm, f"[{r.m}, {r.k}] @ [{r.k}, {r.n}]", f"{r.quack_ms:.3f}", f"{r.cublas_ms:.3f}",
-            f"{r.cublas_over_quack:.3f}", r.backend,
+            r.gemm, f"[{r.m}, {r.k}] @ [{r.k}, {r.n}]", f"{r.quack_ms:.3f}",
+            f"{r.quack_dynamic_ms:.3f}", f"{r.cublas_ms:.3f}", r.backend,
         )  # fmt: skip
     console.print(table)
     console.print(f"cached in {escape(str(cache_path()))}")

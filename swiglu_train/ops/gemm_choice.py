@@ -31,7 +31,10 @@ import torch
 
 from swiglu_train.files import write_json_atomic
 
-QUACK, CUBLAS = "quack", "cublas"
+# quack's persistent GEMM on its static tile schedule, on its dynamic one (tiles handed out
+# through a semaphore; what quack's own MLP runs its backward GEMMs on), or cuBLAS.
+QUACK, QUACK_DYNAMIC, CUBLAS = "quack", "quack_dynamic", "cublas"
+LIBRARIES = (QUACK, QUACK_DYNAMIC, CUBLAS)
 # Without a measurement: the library that won at most measured shapes (see above).
 DEFAULTS = {
     "fc2": CUBLAS,
@@ -102,8 +105,8 @@ def _choices(path: Path) -> dict[str, str]:
         if raw.get("schema") != SCHEMA:
             raise ValueError(f"schema {raw.get('schema')!r}, expected {SCHEMA}")
         entries = raw["choices"]
-        if not all(e.get("backend") in (QUACK, CUBLAS) for e in entries.values()):
-            raise ValueError("a backend other than quack or cublas")
+        if not all(e.get("backend") in LIBRARIES for e in entries.values()):
+            raise ValueError(f"a backend other than {', '.join(LIBRARIES)}")
     except (OSError, ValueError, KeyError, AttributeError, TypeError) as e:
         warnings.warn(
             f"{path}: unreadable GEMM cache ({e}); using the defaults. Delete it and run "
@@ -180,7 +183,7 @@ def forget() -> None:
 
 
 def record(entries: dict[str, dict]) -> Path:
-    """Merge measured entries (key -> {"backend", "quack_ms", "cublas_ms"}) into the cache,
+    """Merge measured entries (key -> {"backend", "<library>_ms", ...}) into the cache,
     written atomically, and make this process read the new file."""
     path = cache_path()
     current = {}

@@ -5,9 +5,8 @@ Backward is one GEMM that computes grad_h = grad_y @ W2 and, in its epilogue, bo
 (from the saved preactivation) and h again for fc2's weight grad (``gemm_dgated``): grad_h
 never reaches memory. With ``inplace`` grad_preact is written over the saved preactivation;
 each output tile reads its own preact tile before writing it, so the aliasing is safe, and
-backward allocates no [M, 2F] buffer. The other four GEMMs run on quack (untuned, static
-persistent schedule: it beat the dynamic one on each backward GEMM,
-probe_quack_schedulers_h200.json) or cuBLAS, as ``ops.gemm_choice`` says; grad_x and grad_W1
+backward allocates no [M, 2F] buffer. The other four GEMMs run on quack (untuned, on its
+static or dynamic persistent schedule) or cuBLAS, as ``ops.gemm_choice`` says; grad_x and grad_W1
 pair the interleaved grad_preact with the canonical fc1, which quack does inside its GEMM
 (``concat_layout``) and cuBLAS through ``ops.concat_gemm``.
 Fusing SwiGLU into the GEMM epilogues is the route to the floor that our Triton GEMMs cannot
@@ -54,13 +53,12 @@ def require_quack():
     return gemm_interface
 
 
-@functools.cache  # one partial, not one per GEMM of every step
-def quack_gemm() -> functools.partial:
-    """quack's plain GEMM as the quack impls call it: untuned (no per-shape autotune stall),
-    static persistent schedule. quack's own MLP runs its backward GEMMs on the dynamic one; the
-    static one was faster on every backward GEMM at six training shapes, by 0.7-16 %
-    (benchmarks/results/probe_quack_schedulers_h200.json)."""
-    return functools.partial(require_quack().gemm, tuned=False)
+@functools.cache  # one partial per schedule, not one per GEMM of every step
+def quack_gemm(dynamic: bool = False) -> functools.partial:
+    """quack's plain GEMM as the quack impls call it: untuned (no per-shape autotune stall), on
+    the static persistent schedule unless ``gemm_choice`` picked the dynamic one for this GEMM
+    (``swiglu-train pretune`` times both)."""
+    return functools.partial(require_quack().gemm, tuned=False, dynamic_scheduler=dynamic)
 
 
 # The GEMMs that pair drop_h_quack's interleaved grad_preact with the canonical fc1: quack
@@ -72,9 +70,10 @@ def gemm_on(
     library: str, gemm: str, a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None
 ) -> torch.Tensor:
     """``gemm``'s a @ b (+ bias) on ``library``: what training runs and pretune times."""
-    if library == gemm_choice.QUACK:
+    if library in (gemm_choice.QUACK, gemm_choice.QUACK_DYNAMIC):
         layout = CONCAT_LAYOUTS.get(gemm)
-        return quack_gemm()(a, b, bias=bias, **({"concat_layout": layout} if layout else {}))
+        run = quack_gemm(library == gemm_choice.QUACK_DYNAMIC)
+        return run(a, b, bias=bias, **({"concat_layout": layout} if layout else {}))
     if gemm == "grad_x_concat":
         return concat_grad_x(a, b)
     if gemm == "grad_w1_concat":  # a = grad_preactᵀ
