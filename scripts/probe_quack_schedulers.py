@@ -2,7 +2,9 @@
 impls, and cuBLAS beside them, at MLP training shapes (untuned configs, as the impls run).
 
 Each GEMM is timed in paired samples (both schedulers and cuBLAS in a random order per
-sample, CUDA events, median of --samples), on data far past L2.
+sample, CUDA events, median of --samples), on data far past L2. Each sample starts on an idle
+GPU, so launch latency counts: scripts/probe_gemm_defaults.py times the same choice queued,
+as a training step runs its GEMMs, and supersedes this probe's verdict.
 
     python scripts/probe_quack_schedulers.py --json OUT.json [--shapes M,D,F ...]
 """
