@@ -264,6 +264,9 @@ def test_megatron_rounds_on_cpu_profile_a_step_inside_a_measured_run(tmp_path, m
     assert rows["normal"]["vs_stock"]["median"] == pytest.approx(normal / stock)
     assert [p["gc_ms_per_step"] for p in r["points"]] == [0.0, 0.0]
     assert all(len(p["timed_tokens_per_s"]) == 2 for p in r["points"])
+    phases = [p["phases_s"] for p in r["points"]]
+    assert all(set(x) == {"schedule_s", "optimizer_s", "sync_s"} for x in phases)
+    assert all(0 <= v < 60 for x in phases for v in x.values())
     assert all(statistics.median(p["timed_tokens_per_s"]) == p["tokens_per_s"] for p in r["points"])
     assert rows["stock"]["gc_ms_per_step"] == {"min": 0.0, "median": 0.0, "max": 0.0}
     assert "GC ms/step" in result.output

@@ -97,6 +97,10 @@ def test_recipe_trains_logs_memory_and_resumes(tmp_path: Path) -> None:
     assert summary["tokens_per_s"] == statistics.median(summary["step_tokens_per_s"])
     assert summary["recompute"] == {"granularity": None, "method": None, "num_layers": None}
     assert summary["manual_gc"] is False and len(summary["step_gc_ms"]) == 4
+    # each step's host time by phase adds up to the step's own (its tokens/s)
+    tokens = 2 * 32  # micro-batch x sequence, one micro-batch, one DP rank
+    for phases, rate in zip(summary["step_phases_s"], summary["step_tokens_per_s"], strict=True):
+        assert sum(phases.values()) == pytest.approx(tokens / rate, rel=1e-9)
     assert summary["gc_ms_per_step"] == pytest.approx(statistics.fmean(summary["step_gc_ms"]))
     # Per rank, each MLP saves x [M, D], factors [M, 2F/tp] and h [M, F/tp] in fp32 (M = 2 x 32
     # tokens, D = 64, F = 96, tp = 2), over 2 layers: the analytic count, to the byte.

@@ -82,6 +82,8 @@ def run_megatron(
                         "peak_MiB": s["peak_MiB"],
                         "final_loss": s["final_loss"],
                         "gc_ms_per_step": s["gc_ms_per_step"],
+                        # the timed steps' median host time per phase of the step
+                        "phases_s": _median_phases(s["step_phases_s"][s["warmup_steps"] :]),
                         "commit": commit,
                     }
                 )
@@ -107,3 +109,8 @@ def megatron_rows(points: list[dict]) -> list[dict]:
         warm = [p["warmup_tokens_per_s"] for p in mine]
         r["warmup_tokens_per_s_median"] = [statistics.median(s) for s in zip(*warm, strict=False)]
     return table
+
+
+def _median_phases(steps: list[dict]) -> dict:
+    """Per phase of a step (``step.run_step``), the median over ``steps``."""
+    return {k: statistics.median(step[k] for step in steps) for k in steps[0]}

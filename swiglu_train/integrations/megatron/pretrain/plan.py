@@ -112,7 +112,7 @@ def _measure(args: argparse.Namespace, name: str, n: int, steps: Steps) -> Profi
     seconds, peaks, after = [], [], []
     try:
         for step in range(steps.warmup + steps.measured):
-            _, record, s = run_step(args, model, optimizer, data, profiler, step)
+            _, record, s = run_step(args, model, optimizer, data, profiler, step, {})
             seconds.append(s)
             if cuda:  # absolute: the profiler reset the peak as the step began
                 peaks.append(torch.cuda.max_memory_allocated() / MiB)

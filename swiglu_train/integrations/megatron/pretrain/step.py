@@ -31,10 +31,14 @@ def forward_step(device: torch.device | None, on_first: list, data_iterator, mod
     return output, partial(loss_func, batch["loss_mask"].float(), on_first)
 
 
-def run_step(args, model, optimizer, data, profiler: MemoryProfiler | None, step: int):
+def run_step(
+    args, model, optimizer, data, profiler: MemoryProfiler | None, step: int, phases: dict
+):
     """One optimizer step of Megatron's schedule over --num-microbatches micro-batches:
     (each micro-batch's loss stats on the last stage, the profiler's record or None, seconds,
-    the GPU's work included)."""
+    the GPU's work included). ``phases`` gets the host's wall time in the schedule (forward
+    and backward queued), in the optimizer step (its ``.item()`` reads wait for the GPU) and
+    in the final sync: where a step whose GPU waits on the host loses its time."""
     cuda = args.device == "cuda"
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else None
     tic = time.perf_counter()
@@ -54,7 +58,13 @@ def run_step(args, model, optimizer, data, profiler: MemoryProfiler | None, step
         forward_only=False,
     )
     record = profiler.backward_done() if profiler is not None else None
+    scheduled = time.perf_counter()
     optimizer.step()
+    stepped = time.perf_counter()
     if cuda:
         torch.cuda.synchronize()
-    return stats, record, time.perf_counter() - tic
+    done = time.perf_counter()
+    phases.update(
+        schedule_s=scheduled - tic, optimizer_s=stepped - scheduled, sync_s=done - stepped
+    )
+    return stats, record, done - tic
