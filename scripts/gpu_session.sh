@@ -45,8 +45,9 @@
 #   step_gap   scripts/probe_step_gap.py: queued vs idle timing, kernels, host time per variant
 #   fuzz       scripts/fuzz_gpu.py, 1000 cases on 8 workers ($FUZZ_CASES, $FUZZ_SECONDS)
 #   cublas_k   scripts/probe_cublas_k_tail.py: cuBLAS's accuracy around K = 16n + r
-#   gemm_defaults scripts/probe_gemm_defaults.py: quack vs cuBLAS per GEMM choice at the grid's
-#              shapes ($GRID_M picks the M), the evidence for gemm_choice.DEFAULTS
+#   gemm_defaults scripts/probe_gemm_defaults.py: quack (static, dynamic) vs cuBLAS per GEMM
+#              choice at the grid's shapes ($GRID_M picks the M), the evidence for the defaults
+#   fp8_errors scripts/measure_fp8_saved.py on CUDA at the grid's (D, F), M = $FP8_ERRORS_M
 #   patch      scripts/bench_patch_hf.py for HF and LitGPT (carry litgpt and jsonargparse)
 #   fp8_chunks scripts/probe_fp8_chunks.py: FP8-saved drop_h's chunk rows vs drop_h
 #   fp8_loss_ab  (issue 19) 125M pretrain, drop_h bf16 vs --saved-fp8 at seeds 1 and 2 (init and
@@ -415,6 +416,9 @@ PY
     fuzz)  # >= 1000 random cases of every impl against float64, 8 worker processes
       python3 scripts/fuzz_gpu.py --cases "${FUZZ_CASES:-1000}" --workers 8 \
         --max-seconds "${FUZZ_SECONDS:-420}" --json "$RES/fuzz_gpu_h200.json" 2>&1 | tail -8 ;;
+    fp8_errors)  # issue 19: bf16 vs FP8-saved drop_h against float64 at the grid's (D, F)
+      python3 scripts/measure_fp8_saved.py --device cuda --grid-m "${FP8_ERRORS_M:-8000}" \
+        --json "$RES/fp8_saved_errors_grid_h200.json" 2>&1 | tail -12 ;;
     gemm_defaults)  # quack vs cuBLAS on every gemm_choice GEMM at the grid's shapes (issue 18)
       python3 scripts/probe_gemm_defaults.py ${GRID_M:+--m ${GRID_M//,/ }} \
         --json "$RES/probe_gemm_defaults_h200.json" 2>&1 | tail -8 ;;

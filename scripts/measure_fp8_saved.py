@@ -1,4 +1,4 @@
-"""What storing drop_h's saved preactivation in FP8 costs in accuracy, measured on CPU.
+"""What storing drop_h's saved preactivation in FP8 costs in accuracy.
 
 For each shape (M, D, F) and kind of input, bf16 x, W1, W2 and grad_y, and the relative
 (Frobenius) error of y, grad_x, grad_W1 and grad_W2 against float64 math on the same values:
@@ -17,7 +17,12 @@ Inputs: "normal" (x, grad_y ~ N(0, 1), weights scaled to unit preactivations); "
 features" (8 random gate and up rows of W1 x 50, so 8 columns of the preactivation are 50x
 the rest, the way a few channels dominate in LLMs); "outlier tokens" (8 rows of x x 30).
 
+On the CPU (small shapes, the torch path, every format). With ``--device cuda --grid-m M``:
+the model grid's (D, F) at M tokens, the impls' own CUDA kernels (Triton, and the FP8 path's
+row chunks), bf16 against fp8 only, the float64 reference on the GPU.
+
     python scripts/measure_fp8_saved.py --json benchmarks/results/fp8_saved_errors_cpu.json
+    python scripts/measure_fp8_saved.py --device cuda --grid-m 8000 --json OUT.json
 """
 
 from __future__ import annotations
@@ -29,6 +34,9 @@ import torch
 import torch.nn.functional as F
 
 from swiglu_train import ParMLP
+from swiglu_train.bench.e2e import device_name
+from swiglu_train.bench.grid_models import grid_shapes
+from swiglu_train.bench.mlp import git_commit
 from swiglu_train.files import write_json_atomic
 from swiglu_train.kernels.fp8_format import restore, round_up_bf16
 from swiglu_train.ops import reference
@@ -54,6 +62,10 @@ def inputs(m: int, d: int, f: int, kind: str, seed: int) -> dict[str, torch.Tens
     return {k: v.bfloat16() for k, v in {"x": x, "w1": w1, "w2": w2, "grad_y": grad_y}.items()}
 
 
+def on(t: dict[str, torch.Tensor], device: str) -> dict[str, torch.Tensor]:
+    return {k: v.to(device) for k, v in t.items()}
+
+
 def float64_reference(t: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     x, w1, w2 = (t[k].double().requires_grad_() for k in ("x", "w1", "w2"))
     y = reference.mlp(x, w1, None, w2, None)
@@ -62,13 +74,14 @@ def float64_reference(t: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 
 def par_mlp(t: dict[str, torch.Tensor], saved_fp8: bool) -> dict[str, torch.Tensor]:
-    d, f = t["x"].shape[1], t["w2"].shape[1]
-    mlp = ParMLP(d, f, impl="drop_h", saved_fp8=saved_fp8, dtype=torch.bfloat16)
+    """The layer as users run it: the torch path on the CPU, the CUDA kernels on a GPU."""
+    d, f, device = t["x"].shape[1], t["w2"].shape[1], t["x"].device
+    mlp = ParMLP(d, f, impl="drop_h", saved_fp8=saved_fp8, dtype=torch.bfloat16, device=device)
     with torch.no_grad():
         mlp.fc1.weight.copy_(t["w1"])
         mlp.fc2.weight.copy_(t["w2"])
     x = t["x"].clone().requires_grad_()
-    with use_backend("torch"):
+    with use_backend("torch" if device.type == "cpu" else "auto"):
         y = mlp(x)
         y.backward(t["grad_y"])
     return {"y": y.detach(), "grad_x": x.grad, "grad_W1": mlp.fc1.weight.grad,
@@ -113,20 +126,21 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.double() - b).norm() / b.norm()).item()
 
 
-def measure(shapes, kinds, seed: int) -> list[dict]:
+def measure(shapes, kinds, seed: int, device: str = "cpu") -> list[dict]:
     rows = []
     for m, d, f in shapes:
         for kind in kinds:
-            t = inputs(m, d, f, kind, seed)
+            t = on(inputs(m, d, f, kind, seed), device)
             ref = float64_reference(t)
             runs = {"bf16": par_mlp(t, False), "fp8": par_mlp(t, True)}
-            check = with_format(t, 128, torch.float8_e4m3fn)
-            for key in OUTPUTS:  # the comparison path is fp8's own math
-                assert torch.equal(check[key], runs["fp8"][key]), key
-            runs["fp8_fp32"] = with_format(t, 128, torch.float8_e4m3fn, scales="fp32")
-            runs["fp8_pow2"] = with_format(t, 128, torch.float8_e4m3fn, scales="pow2")
-            runs["fp8_row"] = with_format(t, f, torch.float8_e4m3fn)
-            runs["e5m2"] = with_format(t, 128, torch.float8_e5m2)
+            if device == "cpu":  # the comparison formats: the torch path's math, checked
+                check = with_format(t, 128, torch.float8_e4m3fn)
+                for key in OUTPUTS:  # the comparison path is fp8's own math
+                    assert torch.equal(check[key], runs["fp8"][key]), key
+                runs["fp8_fp32"] = with_format(t, 128, torch.float8_e4m3fn, scales="fp32")
+                runs["fp8_pow2"] = with_format(t, 128, torch.float8_e4m3fn, scales="pow2")
+                runs["fp8_row"] = with_format(t, f, torch.float8_e4m3fn)
+                runs["e5m2"] = with_format(t, 128, torch.float8_e5m2)
             for name, got in runs.items():
                 errors = {key: rel(got[key], ref[key]) for key in OUTPUTS}
                 rows.append({"M": m, "D": d, "F": f, "input": kind, "format": name, **errors})
@@ -139,11 +153,21 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--json", help="write the rows here")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument("--grid-m", type=int, help="the model grid's (D, F) at M tokens")
     args = parser.parse_args()
-    rows = measure(SHAPES, KINDS, args.seed)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: torch sees no CUDA device")
+    shapes = SHAPES
+    if args.grid_m is not None:
+        shapes = tuple((args.grid_m, s.d, s.f) for s in grid_shapes())
+    rows = measure(shapes, KINDS, args.seed, args.device)
     if args.json:
-        command = f"python scripts/measure_fp8_saved.py --seed {args.seed} --json {args.json}"
-        about = {"command": command, "torch": torch.__version__, "machine": platform.machine()}
+        grid = f" --grid-m {args.grid_m}" if args.grid_m is not None else ""
+        command = (f"python scripts/measure_fp8_saved.py --device {args.device}{grid} "
+                   f"--seed {args.seed} --json {args.json}")  # fmt: skip
+        about = {"command": command, "commit": git_commit(), "torch": torch.__version__,
+                 "machine": platform.machine(), "device": device_name()}  # fmt: skip
         write_json_atomic(args.json, {**about, "seed": args.seed, "rows": rows})
 
 

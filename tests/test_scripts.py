@@ -88,3 +88,16 @@ def test_probe_result_records_where_and_how_it_was_measured(tmp_path, monkeypatc
     assert saved["command"] == "python scripts/probe.py --models 7b --json out.json"
     assert saved["commit"] == "abc1234" and saved["gpu"] == "cpu"
     assert md.read_text() == "1 row at abc1234\n"
+
+
+def test_fp8_accuracy_script_measures_each_format_against_float64():
+    """scripts/measure_fp8_saved.py on the CPU at one small shape: every format's errors, the
+    FP8 path's bigger than bf16's (e4m3 rounding) but bounded, and bf16's at its rounding."""
+    probe = load_script("measure_fp8_saved")
+    rows = probe.measure([(64, 32, 160)], ["normal"], seed=0)  # F 160: a partial block
+    errors = {r["format"]: r for r in rows}
+    assert set(errors) == {"bf16", "fp8", "fp8_fp32", "fp8_pow2", "fp8_row", "e5m2"}
+    for key in ("grad_x", "grad_W1", "grad_W2"):
+        assert errors["bf16"][key] < 0.01 < errors["fp8"][key] < 0.08, key
+        assert errors["fp8"][key] < errors["e5m2"][key], key
+    assert errors["fp8"]["y"] == errors["bf16"]["y"]  # forward's h comes from the bf16 preact
