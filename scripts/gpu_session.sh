@@ -471,7 +471,7 @@ PY
       python3 -m swiglu_train bench-grid --commit "$commit" --chunk "$chunk" \
         --prewarm-workers "$PREWARM" \
         ${GRID_MODELS:+--models $GRID_MODELS} ${GRID_M:+--m $GRID_M} \
-        ${GRID_VARIANTS:+--variants $GRID_VARIANTS} \
+        ${GRID_VARIANTS:+--variants $GRID_VARIANTS} $([ "${GRID_PRETUNE:-0}" = 1 ] && echo --pretune) \
         --json "$RES/grid/grid_h200_$tag.json" --md "$RES/grid/grid_h200_$tag.md" \
         --plot "$RES/grid/grid_h200_$tag.png" 2>&1 | grep -v "^ " | tail -60 ;;
     *) echo "unknown stage $stage"; exit 2 ;;

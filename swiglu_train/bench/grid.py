@@ -4,7 +4,9 @@ At each point (M, D, F), one layer (O = D) of every impl and peer runs against t
 floor of the same shape with ``bench/mlp.py``'s ``measure_layer`` (paired samples in random
 order, medians, allocator readings), and ``impl="auto"``'s pick there is recorded: the impl
 ``ParMLP(impl="auto", tokens_hint=M)`` resolves to on this GPU. With ``prewarm_workers``, the
-points are first compiled in that many worker processes (``grid_prewarm``). A grid too long
+points are first compiled in that many worker processes (``grid_prewarm``). The quack impls'
+GEMMs run on their default libraries, or, with ``pretune``, on what pretune measured at each
+point just before (``grid_pretune``); either way from a cache of the grid's own. A grid too long
 for one device call runs in chunks (``grid_plan``) that ``merge_results`` joins;
 ``grid_auto`` judges auto's picks on the whole, and ``auto_fit`` fits auto's model from it.
 """
@@ -20,8 +22,16 @@ import torch
 
 from swiglu_train.bench.grid_auto import evaluate_auto
 from swiglu_train.bench.grid_plan import Dims, GridConfig, GridPoint
-from swiglu_train.bench.grid_prewarm import Warmed, prewarm, release
-from swiglu_train.bench.mlp import PEAK_DEFINITION, environment, measure_layer
+from swiglu_train.bench.grid_pretune import (
+    DEFAULTS,
+    PRETUNED,
+    pretune_point,
+    private_cache,
+    warm_point_and_gemms,
+    why_not,
+)
+from swiglu_train.bench.grid_prewarm import Warmed, prewarm, release, warm_point
+from swiglu_train.bench.mlp import DTYPES, PEAK_DEFINITION, environment, measure_layer
 from swiglu_train.layers.auto import gpu_family, model_filename, packaged_model, resolve_auto
 from swiglu_train.ops.quack_mlp import quack_available
 
@@ -34,7 +44,7 @@ RATIO_DEFINITION = (
 # of the crossover tables that came before, so older results merge alike).
 SAME_KEYS = (
     *("device_name", "dtype", "commit", "samples", "warmup", "versions", "timing"),
-    *("variants", "quack_available", "auto_table"),
+    *("variants", "quack_available", "auto_table", "gemm_choices"),
 )
 Progress = Callable[[str, int], Callable[[], None]]
 
@@ -49,10 +59,16 @@ def run_grid(
     pre-warm (the CLI writes the JSON there, so a call killed at its limit keeps what
     finished); ``on_prewarm`` sees each pre-warmed point. A point or variant that fails (out
     of memory, a peer that cannot run) is skipped on record."""
+    with private_cache():
+        return _run(cfg, progress, on_point, on_prewarm)
+
+
+def _run(cfg: GridConfig, progress: Progress, on_point, on_prewarm) -> dict:
     device = torch.device(cfg.device)
     start = time.perf_counter()
     points = cfg.points()
     result = {"meta": _meta(cfg, device, points), "points": [], "rows": [], "skipped_points": []}
+    pretuning = result["meta"]["gemm_choices"] == PRETUNED
     if cfg.prewarm_workers:
         tick = progress("pre-warm", len(points))
 
@@ -61,7 +77,8 @@ def run_grid(
             on_prewarm(outcome)
 
         configs = [cfg.bench_config(p) for p in points]
-        result["meta"]["prewarm"] |= prewarm(configs, cfg.prewarm_workers, warmed)
+        task = warm_point_and_gemms if pretuning else warm_point
+        result["meta"]["prewarm"] |= prewarm(configs, cfg.prewarm_workers, warmed, task)
         result["meta"]["elapsed_s"] = round(time.perf_counter() - start, 1)
         on_point(result)
     tick = progress("grid points", len(points))  # one bar: a point's own bars would pile up
@@ -69,6 +86,9 @@ def run_grid(
         began = time.perf_counter()
         m, d, f = point.dims
         try:
+            pretuned = (
+                pretune_point(point.dims, cfg.variants, DTYPES[cfg.dtype]) if pretuning else None
+            )
             measured, skipped, reference = measure_layer(cfg.bench_config(point), _quiet)
         except torch.OutOfMemoryError as e:
             measured, skipped, reference = [], {}, None
@@ -90,6 +110,7 @@ def run_grid(
                     "auto": dataclasses.asdict(auto),
                     "skipped": skipped,
                     "rel_err_reference": reference,
+                    "pretuned": pretuned,  # each GEMM's timings and library, or None
                     "elapsed_s": round(time.perf_counter() - began, 1),
                     "estimated_s": round(cfg.estimate_s(point, compiles), 1),
                 }
@@ -130,6 +151,7 @@ def point_rows(point: GridPoint, measured: Sequence[dict]) -> list[dict]:
 
 def _meta(cfg: GridConfig, device: torch.device, points: Sequence[GridPoint]) -> dict:
     env = environment(device, cfg.commit)
+    not_pretuned = why_not(cfg.variants, cfg.device) if cfg.pretune else None
     cuda = device.type == "cuda"
     family = gpu_family(env["device_name"]) if cuda else None
     return {
@@ -157,6 +179,8 @@ def _meta(cfg: GridConfig, device: torch.device, points: Sequence[GridPoint]) ->
             "elapsed_s": 0.0,
         },
         "quack_available": cuda and quack_available(),
+        "gemm_choices": PRETUNED if cfg.pretune and not not_pretuned else DEFAULTS,
+        "pretune_skipped": not_pretuned,  # --pretune asked, and why it could not run
         "auto_table": _model_summary(family),
         "ratio_definition": RATIO_DEFINITION,
         "peak_definition": PEAK_DEFINITION,

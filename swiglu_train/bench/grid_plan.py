@@ -36,6 +36,7 @@ SHAPE_COMPILE_S = 70.0
 POINT_OVERHEAD_S = 7.0
 PREWARM_POINT_S = 3.0  # a worker's build, release and re-trace at a point, besides its steps
 EXTRA_STEPS = 2  # the correctness step and the memory reading, besides warm-up and samples
+PRETUNE_POINT_S = 10.0  # --pretune: 6 GEMMs x 3 libraries x 30 queued samples at a point
 Dims = tuple[int, int, int]  # (M, D, F)
 
 
@@ -63,6 +64,7 @@ class GridConfig:
     chunk: tuple[int, int] = (1, 1)  # (I, N): the I-th of N chunks
     command: str | None = None  # the command line, recorded with every (partial) result
     prewarm_workers: int = 0  # processes that compile the chunk's points before timing
+    pretune: bool = False  # time the quack impls' GEMM libraries at each point first
 
     def all_points(self) -> list[GridPoint]:
         """Shape-major, smallest D·F first: a chunk cut short keeps the most points."""
@@ -80,7 +82,8 @@ class GridConfig:
         runs = self.warmup + self.samples + EXTRA_STEPS
         step_s = (1 + len(self.variants) * MEAN_RATIO) * _floor_s(point)
         spins = (1 + len(self.variants)) * QUEUE_MS / 1e3
-        return POINT_OVERHEAD_S + runs * (step_s + spins) + SHAPE_COMPILE_S * compiles
+        pretune_s = PRETUNE_POINT_S if self.pretune else 0.0
+        return POINT_OVERHEAD_S + runs * (step_s + spins) + SHAPE_COMPILE_S * compiles + pretune_s
 
     def prewarm_s(self, points: Sequence[GridPoint]) -> float:
         """The pre-warm's seconds for ``points`` (0 without one): each (D, F) compiled once and

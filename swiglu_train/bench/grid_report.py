@@ -20,12 +20,37 @@ def to_markdown(result: dict) -> str:
         "run, with that impl's ratio; `auto, model` is the shipped cost model's pick there "
         "(with every impl the run had).",
     ]
+    choices = meta.get("gemm_choices")  # older results: the defaults, unrecorded
+    if choices:
+        skipped = meta.get("pretune_skipped")
+        why = f" --pretune was asked for, and skipped: {skipped}." if skipped else ""
+        lines += ["", f"The quack impls' plain GEMMs ran on: {choices}.{why}"]
     lines += _ratio_tables(result)
+    lines += _pretune_table(result)
     lines += _memory_table(result)
     lines += _auto_section(result.get("auto_eval"), meta.get("auto_table"))
     lines += _skips(result)
     lines += ["", f"Command: `{meta['command']}`"]
     return "\n".join(lines) + "\n"
+
+
+def _pretune_table(result: dict) -> list[str]:
+    """Per pretuned point, the library each GEMM ran on and its time over static quack's."""
+    points = [p for p in result["points"] if p.get("pretuned")]
+    if not points:
+        return []
+    lines = ["", "### GEMM libraries pretuned per point", "",
+             "Library chosen, and cuBLAS / quack static, quack dynamic / quack static "
+             "(paired medians).", "",
+             "| M | D | F | GEMM | runs on | cuBLAS ÷ quack | dynamic ÷ static |",
+             "|---|---|---|---|---|---|---|"]  # fmt: skip
+    for p in points:
+        for g in p["pretuned"]:
+            lines.append(
+                f"| {p['M']} | {p['D']} | {p['F']} | {g['gemm']} | {g['backend']} | "
+                f"{g['cublas_over_quack']:.3f} | {g['quack_dynamic_over_quack']:.3f} |"
+            )
+    return lines
 
 
 def _by_point(rows: Sequence[dict]) -> dict[tuple, dict[str, dict]]:

@@ -55,6 +55,13 @@ def bench_grid(
             "box; 0: compile while timing)",
         ),
     ] = 0,
+    pretune: Annotated[
+        bool,
+        typer.Option(
+            help="before timing each point, time the quack impls' GEMMs on each library "
+            "(swiglu-train pretune) and run them on the fastest; recorded per point",
+        ),
+    ] = False,
     dry_run: Annotated[
         bool, typer.Option(help="print every chunk's points and estimated seconds; run nothing")
     ] = False,
@@ -158,7 +165,7 @@ def bench_grid(
                 grid = grid_shapes()
             cfg = GridConfig(grid, parse_m(m), names, samples, warmup, dtype, device, seed, commit)
             cfg.chunk, cfg.command = parse_chunk(chunk), invocation()
-            cfg.prewarm_workers = prewarm_workers
+            cfg.prewarm_workers, cfg.pretune = prewarm_workers, pretune
             cfg.chunks()  # a chunk count above the number of points is refused here
         except ValueError as e:
             raise typer.BadParameter(str(e)) from e
