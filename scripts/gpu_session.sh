@@ -244,6 +244,10 @@ for stage in "$@"; do
       E2E=/tmp/gpu-e2e-$commit && mkdir -p "$E2E" "$RES/e2e" && name=e2e_megatron_tp1${E2E_MEGATRON_TAG:+_$E2E_MEGATRON_TAG}_h200
       prior_e2e "$E2E" $name.json
       liger=$(python3 -c "import liger_kernel.megatron" 2>/dev/null && echo liger)  # the peer
+      # the box's busiest processes over each 10 s: host contention would show (stock's slow
+      # runs); top's first frame counts since boot, the later ones each interval
+      top -b -d 10 -o %CPU -w 160 2>&1 | awk '/^top -/ {n = 0} n++ < 16' > "$RES/e2e/$name.top.log" &
+      watcher=$!
       impls=${E2E_MEGATRON_IMPLS:-$(echo stock stock_eager $liger normal drop_h save_factors $(quack_impl) | tr ' ' ',')}
       # where a steady step's time goes: the first run of each of these also profiles its last
       # timed step (kernels and the host's side), kept across calls of a commit
@@ -252,6 +256,7 @@ for stage in "$@"; do
         --profile-impls "${E2E_PROFILE_MEGATRON-stock,stock_eager,normal}" --profile-dir "$E2E" \
         --json "$E2E/$name.json" --md "$E2E/$name.md" \
         -- $MEGATRON_GPU ${E2E_MEGATRON_ARGS:-} 2>&1 | tail -20
+      kill $watcher 2>/dev/null
       cp "$E2E"/$name.* "$RES/e2e/"
       for prof in "$E2E"/profile_megatron_*.json; do
         [ -f "$prof" ] || continue
