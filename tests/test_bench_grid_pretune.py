@@ -89,6 +89,23 @@ def test_a_pretuned_run_times_each_point_s_gemms_first_and_records_them(monkeypa
     assert "| 24 | 16 | 40 | fc2 | quack_dynamic | 1.020 | 0.970 |" in text
 
 
+def test_a_point_whose_pretune_fails_is_timed_on_the_defaults_and_says_why(monkeypatch):
+    def broken(dims, variants, dtype):
+        raise RuntimeError("quack: no config for this layout\nmore detail")
+
+    monkeypatch.setattr(grid, "why_not", lambda variants, device: None)
+    monkeypatch.setattr(grid, "pretune_point", broken)
+    cfg = GridConfig([SHAPE], m=(24,), variants=("normal",), samples=2, warmup=1,
+                     dtype="fp32", device="cpu", pretune=True)  # fmt: skip
+    result = run_grid(cfg, quiet)
+    (point,) = result["points"]
+    assert point["pretuned"] is None and {r["variant"] for r in result["rows"]} == {"normal"}
+    assert point["pretune_error"] == "RuntimeError: quack: no config for this layout"
+    assert "Pretune failed at [24, 16, 40] (timed on the defaults): RuntimeError" in (
+        to_markdown(result)
+    )
+
+
 def test_cli_pretune_where_it_cannot_run_says_why_and_runs_the_defaults(tmp_path):
     out = tmp_path / "g.json"
     args = ["bench-grid", "--device", "cpu", "--dtype", "fp32", "--shapes", "16x40", "--m", "24"]

@@ -86,9 +86,7 @@ def _run(cfg: GridConfig, progress: Progress, on_point, on_prewarm) -> dict:
         began = time.perf_counter()
         m, d, f = point.dims
         try:
-            pretuned = (
-                pretune_point(point.dims, cfg.variants, DTYPES[cfg.dtype]) if pretuning else None
-            )
+            pretuned, pretune_error = _pretune(cfg, point) if pretuning else (None, None)
             measured, skipped, reference = measure_layer(cfg.bench_config(point), _quiet)
         except torch.OutOfMemoryError as e:
             measured, skipped, reference = [], {}, None
@@ -111,6 +109,7 @@ def _run(cfg: GridConfig, progress: Progress, on_point, on_prewarm) -> dict:
                     "skipped": skipped,
                     "rel_err_reference": reference,
                     "pretuned": pretuned,  # each GEMM's timings and library, or None
+                    "pretune_error": pretune_error,  # why not, where pretune itself failed
                     "elapsed_s": round(time.perf_counter() - began, 1),
                     "estimated_s": round(cfg.estimate_s(point, compiles), 1),
                 }
@@ -120,6 +119,17 @@ def _run(cfg: GridConfig, progress: Progress, on_point, on_prewarm) -> dict:
     result["meta"]["complete"] = True
     result["auto_eval"] = evaluate_auto(result)
     return result
+
+
+def _pretune(cfg: GridConfig, point: GridPoint) -> tuple[list[dict] | None, str | None]:
+    """(each GEMM's pretune record, None), or (None, the error) where pretune failed: the
+    point is then timed on the defaults, and says so, rather than ending the grid."""
+    try:
+        return pretune_point(point.dims, cfg.variants, DTYPES[cfg.dtype]), None
+    except torch.OutOfMemoryError:
+        raise  # the point is skipped on record, as any out-of-memory point
+    except Exception as e:
+        return None, f"{type(e).__name__}: {e}".splitlines()[0]
 
 
 def point_rows(point: GridPoint, measured: Sequence[dict]) -> list[dict]:

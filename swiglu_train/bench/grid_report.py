@@ -37,7 +37,8 @@ def to_markdown(result: dict) -> str:
 def _pretune_table(result: dict) -> list[str]:
     """Per pretuned point, the library each GEMM ran on and its time over static quack's."""
     points = [p for p in result["points"] if p.get("pretuned")]
-    if not points:
+    failed = [p for p in result["points"] if p.get("pretune_error")]
+    if not points and not failed:
         return []
     lines = ["", "### GEMM libraries pretuned per point", "",
              "Library chosen, and cuBLAS / quack static, quack dynamic / quack static "
@@ -50,6 +51,9 @@ def _pretune_table(result: dict) -> list[str]:
                 f"| {p['M']} | {p['D']} | {p['F']} | {g['gemm']} | {g['backend']} | "
                 f"{g['cublas_over_quack']:.3f} | {g['quack_dynamic_over_quack']:.3f} |"
             )
+    for p in failed:
+        lines.append(f"\nPretune failed at [{p['M']}, {p['D']}, {p['F']}] (timed on the "
+                     f"defaults): {p['pretune_error']}")  # fmt: skip
     return lines
 
 
