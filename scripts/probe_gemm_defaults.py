@@ -40,7 +40,11 @@ def summarise(rows: Sequence[dict], margin: float) -> dict[str, dict]:
         mine = [r for r in rows if r["gemm"] == gemm]
         out[gemm] = {"shapes": len(mine)}
         for other in ("cublas", "quack_dynamic"):
-            ratios = np.array([r[f"{other}_over_quack"] for r in mine])
+            ratios = np.array([r[f"{other}_over_quack"] for r in mine
+                               if r[f"{other}_over_quack"] is not None])  # fmt: skip
+            if not len(ratios):  # that library failed at every shape
+                out[gemm][other] = {"wins": 0, "losses": 0, "failed": len(mine)}
+                continue
             wins, losses = int((ratios < 1 - margin).sum()), int((ratios > 1 + margin).sum())
             out[gemm][other] = {
                 "wins": wins, "losses": losses, "median_over_quack": float(np.median(ratios)),
@@ -71,7 +75,7 @@ def main() -> int:
         for r in pretune([shape], list(gemm_choice.IMPL_GEMMS), torch.bfloat16, args.samples):
             rows.append({"M": shape[0], "D": shape[1], "F": shape[2], **dataclasses.asdict(r)})
             print(f"{shape} {r.gemm}: cuBLAS / quack {r.cublas_over_quack:.3f}, dynamic / static "
-                  f"{r.quack_dynamic_over_quack:.3f}", flush=True)  # fmt: skip
+                  f"{r.quack_dynamic_over_quack}", r.failed or "", flush=True)  # fmt: skip
         result = {
             "command": " ".join([os.path.basename(sys.executable), *sys.argv]),
             "commit": git_commit(), "environment": environment(torch.device("cuda"), None),

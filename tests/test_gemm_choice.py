@@ -158,6 +158,24 @@ def test_the_fastest_library_past_the_margin_is_chosen_and_a_tie_keeps_the_defau
     assert pretune.decide(times, default) == expected
 
 
+def test_a_library_that_fails_is_left_out_unless_it_is_the_default() -> None:
+    ran = []
+
+    def works(name):
+        return lambda: ran.append(name)
+
+    def fails():
+        raise RuntimeError("no kernel for this layout\nsecond line")
+
+    ways = {"quack": works("quack"), "quack_dynamic": fails, "cublas": works("cublas")}
+    assert pretune._warm(ways, keep="quack") == {
+        "quack_dynamic": "RuntimeError: no kernel for this layout"
+    }
+    assert set(ways) == {"quack", "cublas"} and ran.count("quack") == 3
+    with pytest.raises(RuntimeError, match="no kernel"):
+        pretune._warm({"quack": fails}, keep="quack")
+
+
 def test_ratios_are_paired_per_sample() -> None:
     """A slow sample slows every library in it: the paired ratio sees through it, a ratio of
     medians would not."""
@@ -214,6 +232,7 @@ def test_cached_choices_compute_the_same_mlp(cache_dir, library):
     rows = pretune.pretune([(m, d, f, d)], ["save_factors_quack"], torch.bfloat16, samples=30)
     assert {r.gemm for r in rows} == set(gemm_choice.IMPL_GEMMS["save_factors_quack"])
     assert all(r.backend in gemm_choice.LIBRARIES and r.quack_dynamic_ms > 0 for r in rows)
+    assert all(r.failed == {} for r in rows)
 
 
 def test_the_defaults_probe_counts_wins_past_the_margin_per_gemm():

@@ -47,9 +47,11 @@ def _pretune_table(result: dict) -> list[str]:
              "|---|---|---|---|---|---|---|"]  # fmt: skip
     for p in points:
         for g in p["pretuned"]:
+            dynamic = g["quack_dynamic_over_quack"]
+            dynamic = "failed" if dynamic is None else f"{dynamic:.3f}"
             lines.append(
                 f"| {p['M']} | {p['D']} | {p['F']} | {g['gemm']} | {g['backend']} | "
-                f"{g['cublas_over_quack']:.3f} | {g['quack_dynamic_over_quack']:.3f} |"
+                f"{g['cublas_over_quack']:.3f} | {dynamic} |"
             )
     for p in failed:
         lines.append(f"\nPretune failed at [{p['M']}, {p['D']}, {p['F']}] (timed on the "

@@ -35,11 +35,12 @@ class Measured:
     n: int
     k: int
     quack_ms: float
-    quack_dynamic_ms: float
+    quack_dynamic_ms: float | None  # None where that library failed to run (``failed``)
     cublas_ms: float
     cublas_over_quack: float  # median paired ratios, each sample's own
-    quack_dynamic_over_quack: float
+    quack_dynamic_over_quack: float | None
     backend: str
+    failed: dict[str, str]  # library -> its error: left out of the choice
 
 
 def operands(gemm: str, m: int, n: int, k: int, dtype: torch.dtype) -> tuple:
@@ -75,12 +76,25 @@ def decide(times: dict[str, np.ndarray], default: str) -> str:
     return best if ratios[best] < 1 - MARGIN else default
 
 
+def _warm(calls: dict[str, Callable[[], object]], keep: str) -> dict[str, str]:
+    """Compile (quack) and warm up each call; a library that fails is dropped from ``calls``
+    and its error returned, unless it is ``keep`` (the default, what training runs anyway)."""
+    failed = {}
+    for name, call in list(calls.items()):
+        try:
+            for _ in range(3):
+                call()
+        except Exception as e:
+            if name == keep:
+                raise
+            failed[name] = f"{type(e).__name__}: {e}".splitlines()[0]
+            del calls[name]
+    return failed
+
+
 def _time_paired(calls: dict[str, Callable[[], object]], samples: int, seed: int) -> dict:
     """Per library, ``samples`` times (ms per call), each batch queued behind a spin kernel as a
     training step's GEMMs are, so neither launch latency nor an idle GPU's start counts."""
-    for call in calls.values():  # compile (quack) and warm up
-        for _ in range(3):
-            call()
     clock = Clock(torch.device("cuda"))
     rng = np.random.default_rng(seed)
     names = list(calls)
@@ -109,14 +123,17 @@ def _measure(
     gemm: str, m: int, n: int, k: int, dtype: torch.dtype, samples: int, seed: int
 ) -> Measured:
     a, b = operands(gemm, m, n, k, dtype)
-    times = _time_paired(calls(gemm, a, b), samples, seed)
     default = gemm_choice.default(gemm, m, n, gemm_choice.sm_count(a.get_device()))
+    ways = calls(gemm, a, b)
+    failed = _warm(ways, keep=default)
+    times = _time_paired(ways, samples, seed)
     ms = {lib: float(np.median(t)) for lib, t in times.items()}
+    dynamic = gemm_choice.QUACK_DYNAMIC in times
     return Measured(
-        gemm, m, n, k, ms[gemm_choice.QUACK], ms[gemm_choice.QUACK_DYNAMIC], ms[gemm_choice.CUBLAS],
-        paired_ratio(times, gemm_choice.CUBLAS, gemm_choice.QUACK),
-        paired_ratio(times, gemm_choice.QUACK_DYNAMIC, gemm_choice.QUACK),
-        decide(times, default),
+        gemm, m, n, k, ms[gemm_choice.QUACK], ms.get(gemm_choice.QUACK_DYNAMIC),
+        ms[gemm_choice.CUBLAS], paired_ratio(times, gemm_choice.CUBLAS, gemm_choice.QUACK),
+        paired_ratio(times, gemm_choice.QUACK_DYNAMIC, gemm_choice.QUACK) if dynamic else None,
+        decide(times, default), failed,
     )  # fmt: skip
 
 

@@ -96,7 +96,12 @@ def pretune(
     for r in rows:
         table.add_row(
             r.gemm, f"[{r.m}, {r.k}] @ [{r.k}, {r.n}]", f"{r.quack_ms:.3f}",
-            f"{r.quack_dynamic_ms:.3f}", f"{r.cublas_ms:.3f}", r.backend,
+            "—" if r.quack_dynamic_ms is None else f"{r.quack_dynamic_ms:.3f}",
+            f"{r.cublas_ms:.3f}", r.backend,
         )  # fmt: skip
+    for r in rows:
+        for library, error in r.failed.items():
+            console.print(f"{r.gemm} [{r.m}, {r.k}] @ [{r.k}, {r.n}]: {library} failed, left "
+                          f"out: {escape(error)}")  # fmt: skip
     console.print(table)
     console.print(f"cached in {escape(str(cache_path()))}")
