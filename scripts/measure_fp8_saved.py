@@ -10,6 +10,10 @@ For each shape (M, D, F) and kind of input, bf16 x, W1, W2 and grad_y, and the r
             brings the block's max to 448 or under
   fp8_row   for comparison: e4m3 with one bf16 scale per row per half (block = F)
   e5m2      for comparison: e5m2 with the 128-column blocks and bf16 scales
+  save_factors        ParMLP(impl="save_factors"): the SwiGLU factors [up·silu'(gate),
+            silu(gate)] and h saved in bf16
+  save_factors_fp8    whether save_factors could take the option: its factors through the
+            fp8 format (h stays bf16, as fc2's input), backward grad_preact = grad_h ⊙ factors
 The comparison formats recompute backward by the same math as ``ops.fp8_saved.recompute``,
 checked to give fp8's gradients bit for bit when given fp8's format.
 
@@ -39,6 +43,7 @@ from swiglu_train.bench.grid_models import grid_shapes
 from swiglu_train.bench.mlp import git_commit
 from swiglu_train.files import write_json_atomic
 from swiglu_train.kernels.fp8_format import restore, round_up_bf16
+from swiglu_train.layers.layout import CANONICAL, relayout
 from swiglu_train.ops import reference
 from swiglu_train.ops.activation import use_backend
 from swiglu_train.ops.fp8_saved import recompute_from
@@ -73,18 +78,21 @@ def float64_reference(t: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {"y": y.detach(), "grad_x": x.grad, "grad_W1": w1.grad, "grad_W2": w2.grad}
 
 
-def par_mlp(t: dict[str, torch.Tensor], saved_fp8: bool) -> dict[str, torch.Tensor]:
+def par_mlp(
+    t: dict[str, torch.Tensor], saved_fp8: bool, impl: str = "drop_h"
+) -> dict[str, torch.Tensor]:
     """The layer as users run it: the torch path on the CPU, the CUDA kernels on a GPU."""
     d, f, device = t["x"].shape[1], t["w2"].shape[1], t["x"].device
-    mlp = ParMLP(d, f, impl="drop_h", saved_fp8=saved_fp8, dtype=torch.bfloat16, device=device)
+    mlp = ParMLP(d, f, impl=impl, saved_fp8=saved_fp8, dtype=torch.bfloat16, device=device)
     with torch.no_grad():
-        mlp.fc1.weight.copy_(t["w1"])
+        mlp.fc1.weight.copy_(relayout(t["w1"], CANONICAL, mlp.fc1_layout))  # packed: its order
         mlp.fc2.weight.copy_(t["w2"])
     x = t["x"].clone().requires_grad_()
     with use_backend("torch" if device.type == "cpu" else "auto"):
         y = mlp(x)
         y.backward(t["grad_y"])
-    return {"y": y.detach(), "grad_x": x.grad, "grad_W1": mlp.fc1.weight.grad,
+    grad_w1 = relayout(mlp.fc1.weight.grad, mlp.fc1_layout, CANONICAL)
+    return {"y": y.detach(), "grad_x": x.grad, "grad_W1": grad_w1,
             "grad_W2": mlp.fc2.weight.grad}  # fmt: skip
 
 
@@ -122,6 +130,25 @@ def with_format(t: dict[str, torch.Tensor], block: int, dtype: torch.dtype, **ho
             "grad_W2": grad_y.t() @ h}  # fmt: skip
 
 
+def with_fp8_factors(t: dict[str, torch.Tensor]) -> dict:
+    """save_factors whose saved factors go through the fp8 format (``block_quantize``, 1x128,
+    bf16 scales): forward as save_factors (h and factors from the bf16 preactivation in fp32,
+    stored in bf16), backward from the restored factors."""
+    x, w1, w2, grad_y = t["x"], t["w1"], t["w2"], t["grad_y"]
+    gate, up = F.linear(x, w1).float().chunk(2, dim=-1)
+    sig = torch.sigmoid(gate)
+    h = (gate * sig * up).to(x.dtype)
+    factors = torch.cat([up * sig * (1 + gate * (1 - sig)), gate * sig], dim=-1).to(x.dtype)
+    q, scales = block_quantize(factors, 128, torch.float8_e4m3fn)
+    values = q.float().view(q.shape[0], 2, -1)
+    per_column = scales.view(q.shape[0], 2, -1).repeat_interleave(128, -1)[..., : values.shape[2]]
+    restored = restore(values, per_column).view_as(factors)
+    grad_h = (grad_y @ w2).float()
+    grad_preact = (restored * torch.cat([grad_h, grad_h], dim=-1)).to(x.dtype)
+    return {"y": F.linear(h, w2), "grad_x": grad_preact @ w1, "grad_W1": grad_preact.t() @ x,
+            "grad_W2": grad_y.t() @ h}  # fmt: skip
+
+
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.double() - b).norm() / b.norm()).item()
 
@@ -141,6 +168,8 @@ def measure(shapes, kinds, seed: int, device: str = "cpu") -> list[dict]:
                 runs["fp8_pow2"] = with_format(t, 128, torch.float8_e4m3fn, scales="pow2")
                 runs["fp8_row"] = with_format(t, f, torch.float8_e4m3fn)
                 runs["e5m2"] = with_format(t, 128, torch.float8_e5m2)
+            runs["save_factors"] = par_mlp(t, False, impl="save_factors")
+            runs["save_factors_fp8"] = with_fp8_factors(t)
             for name, got in runs.items():
                 errors = {key: rel(got[key], ref[key]) for key in OUTPUTS}
                 rows.append({"M": m, "D": d, "F": f, "input": kind, "format": name, **errors})

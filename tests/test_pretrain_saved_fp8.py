@@ -48,7 +48,9 @@ def test_the_yaml_key_is_read_and_checked(tmp_path):
         ModelConfig(mlp_impl="save_factors", saved_fp8=True)
     assert str(e.value) == (
         "model.saved_fp8 (--saved-fp8): saved_fp8=True is for impl 'drop_h' only, not "
-        "'save_factors': it saves the SwiGLU factors, whose accuracy in FP8 is not measured"
+        "'save_factors': it is not implemented for the saved SwiGLU factors yet (they survive "
+        "FP8 as well as the preactivation does: docs/fp8.md), and h, which it saves too, has no "
+        "copy"
     )
 
 

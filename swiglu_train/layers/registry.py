@@ -38,8 +38,10 @@ SAVED_FP8_IMPLS: dict[str, MLPFunction] = {"drop_h": drop_h_fp8_mlp}
 _NO_SAVED_FP8 = {
     "normal": "it saves h (fc2's input) as well as the preactivation, and only the "
     "preactivation has an FP8 copy",
-    "save_factors": "it saves the SwiGLU factors, whose accuracy in FP8 is not measured",
-    "save_factors_quack": "it saves the SwiGLU factors, whose accuracy in FP8 is not measured",
+    "save_factors": "it is not implemented for the saved SwiGLU factors yet (they survive FP8 "
+    "as well as the preactivation does: docs/fp8.md), and h, which it saves too, has no copy",
+    "save_factors_quack": "it is not implemented for the saved SwiGLU factors yet (they survive "
+    "FP8 as well as the preactivation does: docs/fp8.md), and h, which it saves too, has no copy",
     "drop_h_quack": "it is not implemented yet for the quack impls (their GEMM epilogues would "
     "have to write and read the FP8 copy)",
     AUTO: "auto may pick an impl that cannot store it; name impl 'drop_h'",
