@@ -9,7 +9,12 @@ import json
 import weakref
 
 import pytest
-from megatron_support import megatron_parallel, shim_cuda_only_calls, spawn
+from megatron_support import (
+    megatron_parallel,
+    shim_cuda_only_calls,
+    shim_distributed_optimizer,
+    spawn,
+)
 from test_megatron_recipe import TINY, run_recipe
 
 from swiglu_train.integrations.megatron.pretrain.args import parse_args
@@ -87,6 +92,51 @@ def _planner_worker(rank: int, world_size: int, rendezvous: str) -> None:
 
 def test_the_plan_measures_the_recipe_s_model_and_sets_its_impl_and_recompute() -> None:
     spawn(_planner_worker, 1)
+
+
+def _distributed_optimizer_worker(rank: int, world_size: int, rendezvous: str) -> None:
+    """The model and optimizer as the recipe builds them on CUDA: DDP with Megatron's
+    DistributedOptimizer (shimmed onto CPU tensors)."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    from swiglu_train.integrations.megatron.pretrain import build, plan
+
+    def model_as_on_cuda(args, config):
+        ddp = DistributedDataParallelConfig(
+            grad_reduce_in_fp32=True, use_distributed_optimizer=True
+        )
+        return DistributedDataParallel(config=config, ddp_config=ddp,
+                                       module=real_model(args, config).module)  # fmt: skip
+
+    def optimizer_as_on_cuda(args, config, model):
+        optimizer = get_megatron_optimizer(
+            OptimizerConfig(optimizer="adam", lr=args.lr, bf16=False, clip_grad=1.0,
+                            use_distributed_optimizer=True), [model])  # fmt: skip
+        config.grad_scale_func = optimizer.scale_loss
+        return optimizer
+
+    def watched(args):
+        config, model, optimizer = real_training(args)
+        state.extend(weakref.ref(t) for t in plan._state_tensors(model, optimizer))
+        return config, model, optimizer
+
+    real_model, real_training, state = build.build_model, plan.build_training, []
+    build.build_model, build.build_optimizer = model_as_on_cuda, optimizer_as_on_cuda
+    plan.build_training = watched  # a spawned worker: its module state dies with it
+    with megatron_parallel(rank, world_size, rendezvous), use_backend("torch"):
+        shim_distributed_optimizer()
+        args = parse_args([*TINY, *AUTO, "--memory-budget-gb", "1", "--max-steps", "2"])
+        shim_cuda_only_calls(args.seed)
+        assert measurer(args, ONE)("normal", 1).peak_MiB > 0
+        alive = [t for ref in state if (t := ref()) is not None]
+        assert state and sum(t.untyped_storage().nbytes() for t in alive) == 0
+
+
+def test_a_measured_model_s_memory_is_released_even_where_it_outlives_its_point() -> None:
+    """With the DistributedOptimizer the measured model outlives its point (its grad hooks are
+    held in C++); every storage of its state is resized to 0 before the next point."""
+    spawn(_distributed_optimizer_worker, 1)
 
 
 def test_the_recipe_trains_with_its_plan_and_records_it(tmp_path) -> None:
