@@ -117,15 +117,20 @@ def block_quantize(
     return q[..., :f].reshape(m, 2 * f).to(dtype), scale.view(m, 2 * nb)
 
 
+def round_trip(t: torch.Tensor, block: int, dtype: torch.dtype, **how) -> torch.Tensor:
+    """[M, 2F] ``t`` through ``block_quantize`` and back, in fp32."""
+    q, scales = block_quantize(t, block, dtype, **how)
+    values = q.float().view(q.shape[0], 2, -1)
+    per_column = scales.view(q.shape[0], 2, -1).repeat_interleave(block, -1)[..., : values.shape[2]]
+    return restore(values, per_column).view_as(t)
+
+
 def with_format(t: dict[str, torch.Tensor], block: int, dtype: torch.dtype, **how) -> dict:
     """drop_h whose saved preactivation goes through ``block_quantize``."""
     x, w1, w2, grad_y = t["x"], t["w1"], t["w2"], t["grad_y"]
     preact = F.linear(x, w1)
     y = F.linear(reference.swiglu(preact), w2)
-    q, scales = block_quantize(preact, block, dtype, **how)
-    values = q.float().view(q.shape[0], 2, -1)
-    per_column = scales.view(q.shape[0], 2, -1).repeat_interleave(block, -1)[..., : values.shape[2]]
-    h, grad_preact = recompute_from(restore(values, per_column).view_as(preact), grad_y @ w2)
+    h, grad_preact = recompute_from(round_trip(preact, block, dtype, **how), grad_y @ w2)
     return {"y": y, "grad_x": grad_preact @ w1, "grad_W1": grad_preact.t() @ x,
             "grad_W2": grad_y.t() @ h}  # fmt: skip
 
@@ -139,10 +144,7 @@ def with_fp8_factors(t: dict[str, torch.Tensor]) -> dict:
     sig = torch.sigmoid(gate)
     h = (gate * sig * up).to(x.dtype)
     factors = torch.cat([up * sig * (1 + gate * (1 - sig)), gate * sig], dim=-1).to(x.dtype)
-    q, scales = block_quantize(factors, 128, torch.float8_e4m3fn)
-    values = q.float().view(q.shape[0], 2, -1)
-    per_column = scales.view(q.shape[0], 2, -1).repeat_interleave(128, -1)[..., : values.shape[2]]
-    restored = restore(values, per_column).view_as(factors)
+    restored = round_trip(factors, 128, torch.float8_e4m3fn)
     grad_h = (grad_y @ w2).float()
     grad_preact = (restored * torch.cat([grad_h, grad_h], dim=-1)).to(x.dtype)
     return {"y": F.linear(h, w2), "grad_x": grad_preact @ w1, "grad_W1": grad_preact.t() @ x,

@@ -145,8 +145,8 @@ def _steps(args, name: str, n: int, steps: Steps, model, optimizer) -> Profile:
     seconds, peaks, after = [], [], []
     try:
         for step in range(steps.warmup + steps.measured):
-            _, record, s = run_step(args, model, optimizer, data, profiler, step, {})
-            seconds.append(s)
+            _, record, phases = run_step(args, model, optimizer, data, profiler, step)
+            seconds.append(sum(phases.values()))
             if cuda:  # absolute: the profiler reset the peak as the step began
                 peaks.append(torch.cuda.max_memory_allocated() / MiB)
                 after.append(record.after_forward_MiB)  # over the step's start, as Lightning's

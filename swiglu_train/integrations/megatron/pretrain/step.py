@@ -31,14 +31,13 @@ def forward_step(device: torch.device | None, on_first: list, data_iterator, mod
     return output, partial(loss_func, batch["loss_mask"].float(), on_first)
 
 
-def run_step(
-    args, model, optimizer, data, profiler: MemoryProfiler | None, step: int, phases: dict
-):
+def run_step(args, model, optimizer, data, profiler: MemoryProfiler | None, step: int):
     """One optimizer step of Megatron's schedule over --num-microbatches micro-batches:
-    (each micro-batch's loss stats on the last stage, the profiler's record or None, seconds,
-    the GPU's work included). ``phases`` gets the host's wall time in the schedule (forward
-    and backward queued), in the optimizer step (its ``.item()`` reads wait for the GPU) and
-    in the final sync: where a step whose GPU waits on the host loses its time."""
+    (each micro-batch's loss stats on the last stage, the profiler's record or None, the
+    step's seconds by phase). The phases, whose sum is the step with the GPU's work included,
+    are the host's wall time in the schedule (forward and backward queued), in the optimizer
+    step (its ``.item()`` reads wait for the GPU) and in the final sync: where a step whose GPU
+    waits on the host loses its time."""
     cuda = args.device == "cuda"
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else None
     tic = time.perf_counter()
@@ -64,7 +63,6 @@ def run_step(
     if cuda:
         torch.cuda.synchronize()
     done = time.perf_counter()
-    phases.update(
-        schedule_s=scheduled - tic, optimizer_s=stepped - scheduled, sync_s=done - stepped
-    )
-    return stats, record, done - tic
+    phases = {"schedule_s": scheduled - tic, "optimizer_s": stepped - scheduled,
+              "sync_s": done - stepped}  # fmt: skip
+    return stats, record, phases

@@ -60,33 +60,25 @@ def main(argv: list[str] | None = None) -> list[float]:
     with manual_gc(args.manual_gc), GcPauses() as pauses:
         for step in range(start, args.max_steps):
             pauses.take()
-            phases.append({})
             with step_profile(rank0 and step == args.profile_step, cuda) as prof:
-                stats, record, seconds = run_step(
-                    args, model, optimizer, data, profiler, step, phases[-1]
-                )
+                stats, record, step_phases = run_step(args, model, optimizer, data, profiler, step)
             gc_ms.append(pauses.take()[0] * 1e3)  # collections inside the timed step
+            phases.append(step_phases)
+            seconds = sum(step_phases.values())
             if prof is not None:
                 about = {k: getattr(args, k) for k in ("mlp_impl", "tp", *SHAPE_ARGS)}
                 write_profile(prof, args.profile_json, step, seconds, cuda, **about)
             if stats:  # the last pipeline stage
-                # Each DP rank holds the loss of its own micro-batches; the step's is their mean
-                # (equal token counts), as Megatron-LM logs it, so runs at any DP size compare.
-                loss = torch.stack([s["lm loss"] for s in stats]).mean()
-                torch.distributed.all_reduce(loss, group=parallel_state.get_data_parallel_group())
-                loss = loss.item() / parallel_state.get_data_parallel_world_size()
-                losses.append(loss)
+                losses.append(step_loss(stats))
                 rates.append(tokens_per_step / seconds)
                 if record is not None:
                     records.append(record)
                 if parallel_state.get_tensor_model_parallel_rank() == 0 and (
-                    parallel_state.get_data_parallel_rank()
-                    == 0  # one line per step, not per DP rank
+                    parallel_state.get_data_parallel_rank() == 0  # a line per step, not per rank
                 ):
-                    print(f"step {step} loss {loss:.6f} {tokens_per_step / seconds:.0f} tokens/s")
+                    print(f"step {step} loss {losses[-1]:.6f} {rates[-1]:.0f} tokens/s")
                 if logger is not None and record is not None:
-                    extra = {"loss": loss, "tokens_per_s": tokens_per_step / seconds}
-                    logger.log(record, extra)
+                    logger.log(record, {"loss": losses[-1], "tokens_per_s": rates[-1]})
             done = step + 1
             if args.manual_gc_interval and done % args.manual_gc_interval == 0:
                 gc.collect()  # between steps, outside the timed window
@@ -101,6 +93,14 @@ def main(argv: list[str] | None = None) -> list[float]:
     parallel_state.destroy_model_parallel()
     torch.distributed.destroy_process_group()
     return losses
+
+
+def step_loss(stats: list[dict]) -> float:
+    """The step's loss: each DP rank holds the loss of its own micro-batches, and the step's is
+    their mean (equal token counts), as Megatron-LM logs it, so runs at any DP size compare."""
+    loss = torch.stack([s["lm loss"] for s in stats]).mean()
+    torch.distributed.all_reduce(loss, group=parallel_state.get_data_parallel_group())
+    return loss.item() / parallel_state.get_data_parallel_world_size()
 
 
 def write_summary(
