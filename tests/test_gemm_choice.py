@@ -35,10 +35,12 @@ def test_without_a_cache_every_gemm_keeps_its_default():
         assert gemm_choice.choice(gemm, 8000, 4096, 11008, torch.bfloat16, H200, H200_SMS) == (
             default
         )
-    # the library that won at most of the grid's 36 shapes in probe_gemm_defaults_h200.json
+    # the library that won at most of the grid's shapes (probe_gemm_defaults_h200.json, and
+    # the dynamic schedule from grid_pretune_m8000_h200.json)
     assert gemm_choice.DEFAULTS == {
-        "fc2": "cublas", "grad_w2": "quack", "grad_x_packed": "cublas", "grad_w1_packed": "quack",
-        "grad_x_concat": "quack", "grad_w1_concat": "quack",
+        "fc2": "cublas", "grad_w2": "quack", "grad_x_packed": "cublas",
+        "grad_w1_packed": "quack_dynamic", "grad_x_concat": "quack_dynamic",
+        "grad_w1_concat": "quack_dynamic",
     }  # fmt: skip
 
 
@@ -57,7 +59,7 @@ def test_grad_w2_s_default_follows_the_waves_its_output_fills(o, f, sms, expecte
     the rule reads the GPU's SM count, not a shape table. The other GEMMs keep their default."""
     assert gemm_choice.default("grad_w2", o, f, sms) == expected
     assert gemm_choice.choice("grad_w2", o, f, 8000, torch.bfloat16, H200, sms) == expected
-    assert gemm_choice.default("grad_w1_packed", 2 * f, o, sms) == "quack"
+    assert gemm_choice.default("grad_w1_packed", 2 * f, o, sms) == "quack_dynamic"
     assert gemm_choice.output_waves(2048, 8192, H200_SMS) == pytest.approx(512 / 132)
 
 

@@ -7,15 +7,23 @@ Neither library wins everywhere, so the choice can be measured per shape, by
 torch and quack versions, dtype and the GEMM's [m, k] @ [k, n] sizes. A shape the cache does
 not hold takes the default below: a training step never stalls to time anything.
 
-The defaults are each GEMM's better library over the model grid's 36 shapes (12 public (D, F)
-x M 4096, 8000, 16384; benchmarks/results/probe_gemm_defaults_h200.json): cuBLAS for fc2 (won
-20, lost 8) and the packed grad_x (23 to 2); quack for the packed grad_W1 (18 to 8) and both
-concat GEMMs (14 to 12; 34 to 2, where cuBLAS pays a copy). grad_W2 follows a rule instead:
-its output [O, F] is small and its K (the tokens) long. Where the output's 128x256 tiles fill
-fewer than ``SPLIT_K_WAVES`` waves of the SMs, cuBLAS ran 0.76-0.91x quack's time (every
-shape with D <= 2048: 1.0-3.9 waves), likely because its heuristics split K where quack's
-untuned tiles leave SMs idle; from 5.8 waves up, cuBLAS ran 1.00-1.07x quack's at 25 of 27
-shapes (0.98x at the other two). No grid shape falls between 3.9 and 5.8 waves.
+The defaults come from two probes of the model grid (12 public (D, F)). The first timed each
+library from an idle GPU over 36 shapes (M 4096, 8000, 16384;
+benchmarks/results/probe_gemm_defaults_h200.json): cuBLAS for fc2 (won 20, lost 8) and the
+packed grad_x (23 to 2); quack for the packed grad_W1 (18 to 8) and both concat GEMMs (14 to
+12; 34 to 2, where cuBLAS pays a copy). The second (``bench-grid --pretune``, every GEMM
+queued behind a spin kernel as in a training step, M = 8000;
+benchmarks/results/grid_pretune_m8000_h200.json) added quack's dynamic schedule: it ran
+grad_W1 (both layouts) and the concat grad_x in 0.945-0.994x the static schedule's time at
+every shape with D >= 1536 (1.007-1.012x at the host-bound D = 896), so those three default
+to it. Queued, a static persistent schedule's last wave waits on its slowest tile; the
+dynamic one hands tiles to whichever SM frees first. grad_W2 follows a rule instead (dynamic
+and static tie there, 0.986-1.005x): its output [O, F] is small and its K (the tokens) long.
+Where the output's 128x256 tiles fill fewer than ``SPLIT_K_WAVES`` waves of the SMs, cuBLAS
+ran 0.76-0.91x quack's time (every shape with D <= 2048: 1.0-3.9 waves), likely because its
+heuristics split K where quack's untuned tiles leave SMs idle; from 5.8 waves up, cuBLAS ran
+1.00-1.07x quack's at 25 of 27 shapes (0.98x at the other two). No grid shape falls between
+3.9 and 5.8 waves.
 """
 
 from __future__ import annotations
@@ -40,12 +48,12 @@ DEFAULTS = {
     "fc2": CUBLAS,
     "grad_w2": QUACK,  # where its output fills SPLIT_K_WAVES waves or more; see default()
     "grad_x_packed": CUBLAS,
-    "grad_w1_packed": QUACK,
+    "grad_w1_packed": QUACK_DYNAMIC,
     # drop_h_quack's grad_x and grad_W1: quack pairs the interleaved grad_preact with the
     # canonical fc1 inside one GEMM (concat_layout); cuBLAS needs a chunked copy or scatter per
     # step (``ops.concat_gemm``).
-    "grad_x_concat": QUACK,
-    "grad_w1_concat": QUACK,
+    "grad_x_concat": QUACK_DYNAMIC,
+    "grad_w1_concat": QUACK_DYNAMIC,
 }
 SPLIT_K_WAVES = 5  # between the grid's 3.9 waves (cuBLAS faster) and 5.8 (quack faster)
 WAVE_TILE = (128, 256)
