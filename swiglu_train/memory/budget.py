@@ -51,14 +51,34 @@ def check_freed(before: int, what: str, settle_s: float = 2.0) -> None:
 
 
 def _live_cuda_tensors(top: int = 5) -> str:
-    """The ``top`` largest CUDA storages that Python's collector can see, with their shape."""
+    """The ``top`` largest CUDA storages that Python's collector can see, with their shape and
+    what holds the largest (``_holders``)."""
     seen = {}
     for obj in gc.get_objects():
         if torch.is_tensor(obj) and obj.is_cuda:
             storage = obj.untyped_storage()
-            seen[storage.data_ptr()] = (storage.nbytes(), tuple(obj.shape), obj.dtype)
+            seen[storage.data_ptr()] = (storage.nbytes(), tuple(obj.shape), obj.dtype, obj)
     largest = sorted(seen.values(), key=lambda v: v[0], reverse=True)[:top]
-    return (
-        ", ".join(f"{n / MiB:,.0f} MiB {list(shape)} {dtype}" for n, shape, dtype in largest)
-        or "none"
+    if not largest:
+        return "none"
+    listed = ", ".join(
+        f"{n / MiB:,.0f} MiB {list(shape)} {dtype}" for n, shape, dtype, _ in largest
     )
+    return f"{listed}; the largest is held by {_holders(largest[0][3])}"
+
+
+def _holders(obj: object, depth: int = 3) -> str:
+    """Who references ``obj``, as ``Owner.attribute`` where an object's ``__dict__`` does, up
+    to ``depth`` referrers up: the name to look for in the code that leaked it."""
+    names = []
+    for ref in gc.get_referrers(obj):
+        if isinstance(ref, dict):
+            owners = [o for o in gc.get_referrers(ref) if getattr(o, "__dict__", None) is ref]
+            keys = [k for k, v in ref.items() if v is obj] or ["?"]
+            names += [f"{type(o).__qualname__}.{keys[0]}" for o in owners] or [f"dict[{keys[0]!r}]"]
+        elif isinstance(ref, (list, tuple)) and depth > 1:
+            names.append(f"{type(ref).__name__} in ({_holders(ref, depth - 1)})")
+        else:  # an object with inline attributes refers directly
+            keys = [k for k, v in getattr(ref, "__dict__", {}).items() if v is obj]
+            names.append(type(ref).__qualname__ + (f".{keys[0]}" if keys else ""))
+    return ", ".join(names[:6]) or "nothing Python sees (a C++ holder)"
