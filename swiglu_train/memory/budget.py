@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import gc
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -31,16 +32,21 @@ def default_budget_MiB(device: torch.device, budget_gb: float | None) -> float:
     return torch.cuda.get_device_properties(device).total_memory * (1 - MARGIN) / MiB
 
 
-def check_freed(before: int, what: str, settle_s: float = 2.0) -> None:
+def check_freed(
+    before: int, what: str, settle_s: float = 2.0, kept: Callable[[], int] = lambda: 0
+) -> None:
     """Raise if CUDA memory did not come back to ``before`` bytes (within LEAK_MiB) once
     ``what`` (a measured model) was freed: peaks are absolute, so whatever it left behind
-    would count in every later peak, and the plan would be wrong.
+    would count in every later peak, and the plan would be wrong. ``before`` and the reading
+    after both leave out ``kept()`` bytes: a process-wide cache that the first point fills and
+    every later point and the run itself reuse (Megatron's global memory buffer) is the run's
+    own memory, not the point's leak.
 
     Memory can come back late: a process group may keep a finished collective's tensors
     until its watchdog thread retires the work. So wait up to ``settle_s`` before calling it
     a leak; the error then lists the largest CUDA tensors still alive, to find the holder."""
     deadline = time.monotonic() + settle_s
-    while (held := (torch.cuda.memory_allocated() - before) / MiB) > LEAK_MiB:
+    while (held := (torch.cuda.memory_allocated() - kept() - before) / MiB) > LEAK_MiB:
         if time.monotonic() >= deadline:
             alive = _live_cuda_tensors()
             raise RuntimeError(f"the planner's {what} left {held:,.0f} MiB allocated after it "
