@@ -294,7 +294,9 @@ def test_the_shipped_model_is_judged_at_every_point(tiny_run):
     judged in its place, predicts every point in sample."""
     result = as_h200(tiny_run)
     shipped = result["auto_eval"]["shipped"]
-    assert shipped["file"] == "auto_h200.json" and shipped["commit"] == "146ad2e"
+    package_file = Path(grid_auto.__file__).parents[1] / "layers" / "auto_h200.json"
+    assert shipped["file"] == "auto_h200.json"
+    assert shipped["commit"] == json.loads(package_file.read_text())["commit"]
     assert list(shipped["points"]) == ["without_quack"]  # the run had no quack
     for e in shipped["points"]["without_quack"]:
         assert e["pick"] == "drop_h" and "D=" in e["reason"] and "outside the range" in e["reason"]
@@ -604,3 +606,16 @@ def test_cli_without_cuda_says_so_before_running(tmp_path):
     result = runner.invoke(app, ["bench-grid", "--json", str(out)])
     assert result.exit_code == 2 and "CUDA is not available" in result.output
     assert not out.exists()
+
+
+def test_results_from_before_the_gemm_choices_record_still_merge(chunks):
+    """Grids measured before bench-grid recorded its GEMM choices ran the defaults: their
+    chunks merge among themselves, and not with a chunk that records the choices."""
+    _, (a, b) = chunks
+    old_a, old_b = copy.deepcopy(a), copy.deepcopy(b)
+    for part in (old_a, old_b):
+        del part["meta"]["gemm_choices"]
+    merged = merge_results({"a.json": old_a, "b.json": old_b})
+    assert merged["meta"]["complete"] and "gemm_choices" not in merged["meta"]
+    with pytest.raises(ValueError, match="different gemm_choices"):
+        merge_results({"a.json": old_a, "b.json": b})

@@ -307,7 +307,8 @@ def _check_part(part: object, source: str) -> None:
     missing = sorted({"meta", "points", "rows", "skipped_points"} - set(part))
     if missing:
         raise ValueError(f"{source}: not a bench-grid --json result: missing keys {missing}")
-    needed = {*SAME_KEYS, "chunk", "planned_points", "shapes", "m", "complete"}
+    # gemm_choices is recorded since bench-grid --pretune; older results ran the defaults
+    needed = {*SAME_KEYS, "chunk", "planned_points", "shapes", "m", "complete"} - {"gemm_choices"}
     needed |= {"elapsed_s", "estimated_s"}
     missing = sorted(needed - set(part["meta"]))
     if missing:
