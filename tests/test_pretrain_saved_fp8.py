@@ -48,9 +48,10 @@ def test_the_yaml_key_is_read_and_checked(tmp_path):
         ModelConfig(mlp_impl="save_factors", saved_fp8=True)
     assert str(e.value) == (
         "model.saved_fp8 (--saved-fp8): saved_fp8=True is for impl 'drop_h' only, not "
-        "'save_factors': it is not implemented for the saved SwiGLU factors yet (they survive "
-        "FP8 as well as the preactivation does: docs/fp8.md), and h, which it saves too, has no "
-        "copy"
+        "'save_factors': it is not implemented for the saved SwiGLU factors: they survive FP8 "
+        "as well as the preactivation does (docs/fp8.md), but h stays bf16 beside them, so x + "
+        "h + FP8 factors would hold what bf16 drop_h holds (4 bytes per M·F element), twice "
+        "drop_h's with saved_fp8 (2)"
     )
 
 

@@ -38,10 +38,13 @@ SAVED_FP8_IMPLS: dict[str, MLPFunction] = {"drop_h": drop_h_fp8_mlp}
 _NO_SAVED_FP8 = {
     "normal": "it saves h (fc2's input) as well as the preactivation, and only the "
     "preactivation has an FP8 copy",
-    "save_factors": "it is not implemented for the saved SwiGLU factors yet (they survive FP8 "
-    "as well as the preactivation does: docs/fp8.md), and h, which it saves too, has no copy",
-    "save_factors_quack": "it is not implemented for the saved SwiGLU factors yet (they survive "
-    "FP8 as well as the preactivation does: docs/fp8.md), and h, which it saves too, has no copy",
+    "save_factors": "it is not implemented for the saved SwiGLU factors: they survive FP8 as "
+    "well as the preactivation does (docs/fp8.md), but h stays bf16 beside them, so x + h + FP8 "
+    "factors would hold what bf16 drop_h holds (4 bytes per M·F element), twice drop_h's with "
+    "saved_fp8 (2)",
+    "save_factors_quack": "it is not implemented for the saved SwiGLU factors: they survive FP8 "
+    "as well as the preactivation does (docs/fp8.md), but it needs quack epilogues that write "
+    "and read them, and h stays bf16 beside them (drop_h's bf16 memory, not half of it)",
     "drop_h_quack": "it is not implemented yet for the quack impls (their GEMM epilogues would "
     "have to write and read the FP8 copy)",
     AUTO: "auto may pick an impl that cannot store it; name impl 'drop_h'",
