@@ -56,8 +56,8 @@ def require_quack():
 @functools.cache  # one partial per schedule, not one per GEMM of every step
 def quack_gemm(dynamic: bool = False) -> functools.partial:
     """quack's plain GEMM as the quack impls call it: untuned (no per-shape autotune stall), on
-    the static persistent schedule unless ``gemm_choice`` picked the dynamic one for this GEMM
-    (``swiglu-train pretune`` times both)."""
+    the static or the dynamic persistent schedule, as ``gemm_choice`` has it for this GEMM
+    (its defaults, or what ``swiglu-train pretune`` timed)."""
     return functools.partial(require_quack().gemm, tuned=False, dynamic_scheduler=dynamic)
 
 
