@@ -347,6 +347,50 @@ def test_a_planner_record_sets_the_impl_and_block_recompute(tmp_path, capsys):
     assert "no planner record (impl, checkpoint_layers, num_layers)" in capsys.readouterr().err
 
 
+def _planned_micro_batch_record(seq_length: int) -> dict:
+    """The record the Lightning planner writes with --micro-batch-size auto, from its own
+    code: a 4-block model, global batch 8, where micro-batch 2 (accumulating 4) fits 800 MiB
+    and micro-batch 4 does not."""
+    import torch
+
+    from swiglu_train.integrations.lightning import planner
+    from swiglu_train.integrations.lightning.config import load_config
+    from swiglu_train.memory.plan import Profile, choose_plan
+
+    cfg = load_config(None)
+    cfg.model.num_layers, cfg.data.seq_length = 4, seq_length
+    cfg.train.auto_micro_batch_size, cfg.train.global_batch_size = True, 8
+    profiles = [
+        Profile("drop_h", 1, 700.0, 1000.0, micro_batch_size=2, accumulate_grad_batches=4),
+        Profile("drop_h", 0, 900.0, 1100.0, micro_batch_size=4, accumulate_grad_batches=2),
+    ]
+    plan = choose_plan(profiles, 800.0, 4)
+    planner.apply_plan(cfg, plan)
+    return planner.record(plan, profiles, cfg, torch.device("cpu"), planner.Steps())
+
+
+def test_a_plan_that_chose_the_micro_batch_sets_it_and_the_accumulation(tmp_path, capsys):
+    """With --micro-batch-size auto the planner chose the micro-batch for its global batch:
+    --plan sets it and the accumulation per rank, and refuses either given by hand or a plan
+    made at another sequence length."""
+    path = tmp_path / "summary.json"
+    path.write_text(json.dumps({"plan": _planned_micro_batch_record(seq_length=1024)}))
+    args = parse_args(["--plan", str(path), "--seq-length", "1024"])
+    assert (args.micro_batch_size, args.num_microbatches) == (2, 4)
+    assert (args.mlp_impl, args.recompute_num_layers) == ("drop_h", 1)
+    for argv, message in (
+        (["--micro-batch-size", "4"], "sets the micro-batch (2) and the accumulation to its "
+                                      "global batch of 8; drop --micro-batch-size"),
+        (["--num-microbatches", "2"], "; drop --num-microbatches"),
+        ([], "chose its micro-batch at --seq-length 1024, not 2048"),
+    ):  # fmt: skip
+        with pytest.raises(SystemExit):
+            parse_args(["--plan", str(path), "--seq-length", "2048", *argv])
+        assert message in capsys.readouterr().err
+    args = parse_args(["--seq-length", "1024"])  # no plan: the defaults
+    assert (args.micro_batch_size, args.num_microbatches) == (4, 1)
+
+
 def _recompute_worker(rank: int, world_size: int, rendezvous: str) -> None:
     """Megatron's full recompute (its reentrant CheckpointFunction) of the first layer around
     our in-place impls: the same loss and grads, and that layer's saved bytes gone."""

@@ -86,8 +86,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--num-attention-heads", type=int, default=16)
     p.add_argument("--seq-length", type=int, default=1024)
     p.add_argument("--vocab-size", type=int, default=32000)
-    p.add_argument("--micro-batch-size", type=int, default=4)
-    p.add_argument("--num-microbatches", type=int, default=1)
+    # None until parsed: a --plan whose planner chose the micro-batch sets both, and refuses
+    # either given by hand
+    p.add_argument("--micro-batch-size", type=int, default=None, help="default 4")
+    p.add_argument(
+        "--num-microbatches", type=int, default=None, help="per optimizer step; default 1"
+    )
     p.add_argument("--lr", type=float, default=3e-4)
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument(
@@ -136,6 +140,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.plan is not None:
         apply_plan(p, args)
     args.mlp_impl = args.mlp_impl or "drop_h"
+    args.micro_batch_size = 4 if args.micro_batch_size is None else args.micro_batch_size
+    args.num_microbatches = 1 if args.num_microbatches is None else args.num_microbatches
     check_recompute(p, args)
     if args.manual_gc_interval < 0 or (args.manual_gc_interval and not args.manual_gc):
         p.error(f"--manual-gc-interval {args.manual_gc_interval} needs --manual-gc and N >= 0")
@@ -157,7 +163,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def apply_plan(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    """--plan: the planner's impl and checkpointed blocks, for a model of its depth. It was
+    """--plan: the planner's impl and checkpointed blocks, for a model of its depth, and its
+    micro-batch and accumulation where it chose them (``--micro-batch-size auto``). It was
     measured on the Lightning Llama of swiglu-train's pretrain, whose memory is close to but
     not Megatron's: the run's own profiler figures say whether it fits here."""
     try:
@@ -191,6 +198,25 @@ def apply_plan(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     if plan["checkpoint_layers"]:
         args.recompute_granularity, args.recompute_method = "full", "block"
         args.recompute_num_layers = plan["checkpoint_layers"]
+    if plan.get("global_batch_size") is not None:
+        apply_planned_micro_batch(p, args, plan)
+
+
+def apply_planned_micro_batch(p: argparse.ArgumentParser, args: argparse.Namespace, plan) -> None:
+    """The micro-batch the planner chose for its global batch, and the accumulation to it, per
+    data-parallel rank (the plan measured one GPU): a run on dp ranks steps dp times the
+    plan's global batch. It was chosen for the plan's sequence length, so that must match."""
+    given = [f for f in ("micro_batch_size", "num_microbatches") if getattr(args, f) is not None]
+    if given:
+        flags = ", ".join("--" + f.replace("_", "-") for f in given)
+        p.error(f"--plan {args.plan} sets the micro-batch ({plan['micro_batch_size']}) and the "
+                f"accumulation to its global batch of {plan['global_batch_size']}; drop "
+                f"{flags}")  # fmt: skip
+    if plan.get("seq_length") not in (None, args.seq_length):
+        p.error(f"--plan {args.plan} chose its micro-batch at --seq-length "
+                f"{plan['seq_length']}, not {args.seq_length}")  # fmt: skip
+    args.micro_batch_size = plan["micro_batch_size"]
+    args.num_microbatches = plan["accumulate_grad_batches"]
 
 
 def check_auto(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
