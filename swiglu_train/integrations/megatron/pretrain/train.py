@@ -35,6 +35,11 @@ def main(argv: list[str] | None = None) -> list[float]:
         args.planned = plan_run(args)  # sets args.mlp_impl, saved_fp8 and the recompute
         if torch.distributed.get_rank() == 0:
             print(f"plan: {args.planned['why']}")
+    elif args.plan is not None and torch.distributed.get_rank() == 0:
+        fp8 = " with --saved-fp8" if args.saved_fp8 else ""
+        print(f"--plan {args.plan}: {args.mlp_impl}{fp8}, {args.recompute_num_layers or 0} "
+              f"blocks recomputed, micro-batch {args.micro_batch_size} x "
+              f"{args.num_microbatches} per optimizer step")  # fmt: skip
     _, model, optimizer = build_training(args)
     start = load(args.load, model, optimizer) if args.load else 0
 
