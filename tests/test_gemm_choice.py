@@ -204,7 +204,7 @@ def test_pretune_refuses_in_one_line_where_quack_cannot_run():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("library", ["cublas", "quack_dynamic"])
+@pytest.mark.parametrize("library", gemm_choice.LIBRARIES)
 def test_cached_choices_compute_the_same_mlp(cache_dir, library):
     """Every plain GEMM cached on ``library``: both quack impls still match the float64 MLP,
     and pretune's own timing writes a choice for each GEMM it planned."""
