@@ -228,17 +228,25 @@ def test_memory_that_comes_back_late_is_no_leak(monkeypatch) -> None:
 
 
 def test_a_leak_s_error_names_what_holds_the_tensor() -> None:
-    """The leak error names the largest live tensor's holder, as ``Owner.attribute``: what
-    found Megatron's global memory buffer on the H200 would have named it at once."""
+    """The leak error names the largest live tensor's holder: an attribute as
+    ``Owner.attribute``, a dict entry as ``[key] of`` the dict's holder (Megatron's global
+    memory buffer keeps its tensors so, which the H200 run needed named)."""
     import torch
 
     from swiglu_train.memory import budget
 
     class GlobalMemoryBuffer:
+        def __init__(self) -> None:
+            self.buffer = {}
+
+    class Holder:
         pass
 
-    holder, scores = GlobalMemoryBuffer(), torch.empty(8)
-    holder.scores = scores
-    assert "GlobalMemoryBuffer.scores" in budget._holders(scores)
-    lonely = torch.empty(8)
-    assert "GlobalMemoryBuffer" not in budget._holders(lonely)
+    memory_buffer, scores = GlobalMemoryBuffer(), torch.empty(8)
+    memory_buffer.buffer[("mpu", torch.bfloat16)] = scores
+    named = budget._holders(scores)
+    assert named == "[('mpu', torch.bfloat16)] of (GlobalMemoryBuffer.buffer)", named
+    holder, other = Holder(), torch.empty(8)
+    holder.kept = other
+    assert budget._holders(other) == "Holder.kept"
+    assert budget._holders(torch.empty(8)) == "nothing Python sees (a C++ holder)"

@@ -4,7 +4,9 @@ default memory budget, the candidate names, and how a peak was read."""
 from __future__ import annotations
 
 import gc
+import inspect
 import time
+import types
 from collections.abc import Callable
 
 import torch
@@ -59,32 +61,42 @@ def check_freed(
 def _live_cuda_tensors(top: int = 5) -> str:
     """The ``top`` largest CUDA storages that Python's collector can see, with their shape and
     what holds the largest (``_holders``)."""
-    seen = {}
+    seen, biggest, biggest_bytes = {}, None, -1
     for obj in gc.get_objects():
         if torch.is_tensor(obj) and obj.is_cuda:
             storage = obj.untyped_storage()
-            seen[storage.data_ptr()] = (storage.nbytes(), tuple(obj.shape), obj.dtype, obj)
-    largest = sorted(seen.values(), key=lambda v: v[0], reverse=True)[:top]
-    if not largest:
+            seen[storage.data_ptr()] = (storage.nbytes(), tuple(obj.shape), obj.dtype)
+            if storage.nbytes() > biggest_bytes:
+                biggest, biggest_bytes = obj, storage.nbytes()
+    if biggest is None:
         return "none"
-    listed = ", ".join(
-        f"{n / MiB:,.0f} MiB {list(shape)} {dtype}" for n, shape, dtype, _ in largest
-    )
-    return f"{listed}; the largest is held by {_holders(largest[0][3])}"
+    largest = sorted(seen.values(), key=lambda v: v[0], reverse=True)[:top]
+    listed = ", ".join(f"{n / MiB:,.0f} MiB {list(shape)} {dtype}" for n, shape, dtype in largest)
+    return f"{listed}; the largest is held by {_holders(biggest)}"
 
 
-def _holders(obj: object, depth: int = 3) -> str:
-    """Who references ``obj``, as ``Owner.attribute`` where an object's ``__dict__`` does, up
-    to ``depth`` referrers up: the name to look for in the code that leaked it."""
+def _holders(obj: object, depth: int = 3, _ours: tuple[int, ...] = ()) -> str:
+    """Who references ``obj``, as ``Owner.attribute`` (and ``[key] of`` a dict's holder), up to
+    ``depth`` referrers up: the name to look for in the code that keeps it. The lists this
+    search makes are left out."""
+    refs = gc.get_referrers(obj)
+    ours = (*_ours, id(refs))
     names = []
-    for ref in gc.get_referrers(obj):
+    for ref in refs:
+        if id(ref) in ours or inspect.isframe(ref) or isinstance(ref, types.CellType):
+            continue  # this search's lists, and a function's locals: no owner to name
         if isinstance(ref, dict):
+            key = next((k for k, v in ref.items() if v is obj), "?")
             owners = [o for o in gc.get_referrers(ref) if getattr(o, "__dict__", None) is ref]
-            keys = [k for k, v in ref.items() if v is obj] or ["?"]
-            names += [f"{type(o).__qualname__}.{keys[0]}" for o in owners] or [f"dict[{keys[0]!r}]"]
+            if owners:
+                names += [f"{type(o).__name__}.{key}" for o in owners]
+            elif depth > 1:
+                names.append(f"[{key!r}] of ({_holders(ref, depth - 1, ours)})")
+            else:
+                names.append(f"dict[{key!r}]")
         elif isinstance(ref, (list, tuple)) and depth > 1:
-            names.append(f"{type(ref).__name__} in ({_holders(ref, depth - 1)})")
+            names.append(f"{type(ref).__name__} in ({_holders(ref, depth - 1, ours)})")
         else:  # an object with inline attributes refers directly
             keys = [k for k, v in getattr(ref, "__dict__", {}).items() if v is obj]
-            names.append(type(ref).__qualname__ + (f".{keys[0]}" if keys else ""))
+            names.append(type(ref).__name__ + (f".{keys[0]}" if keys else ""))
     return ", ".join(names[:6]) or "nothing Python sees (a C++ holder)"
