@@ -29,7 +29,7 @@ from typing import Annotated
 
 import typer
 
-from swiglu_train.bench.e2e import parse_list, prior_points, write_result
+from swiglu_train.bench.e2e import parse_list, point_writer, prior_points, write_result
 from swiglu_train.bench.e2e_lightning import configure, lightning_settings, run_lightning
 from swiglu_train.bench.e2e_megatron import megatron_settings, run_megatron
 from swiglu_train.bench.e2e_report import lightning_markdown, megatron_markdown
@@ -108,6 +108,7 @@ def lightning(
         planner=planner,
         command=command_line(),
         commit=commit,
+        on_point=point_writer(json_path, settings),
     )
     write_result(result, json_path, md, plot, lightning_markdown, _budget_figure)
 
@@ -151,6 +152,7 @@ def megatron(
         command=command_line(),
         commit=commit,
         profiles=profiles,
+        on_point=point_writer(json_path, settings),
     )
     write_result(result, json_path, md, None, megatron_markdown, None)
 

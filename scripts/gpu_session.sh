@@ -26,7 +26,8 @@
 #              global batch $E2E_GBS (32 sequences: the optimizer once per global batch);
 #              $E2E_IMPLS picks the impls (at 3B, fewer: a point takes ~20 s there).
 #              Rounds add up across calls of one commit (--append, kept in /tmp/gpu-e2e-COMMIT):
-#              where 3 rounds overrun a call, E2E_ROUNDS=1 E2E_PLANNER=0 twice, then E2E_ROUNDS=1
+#              where 3 rounds overrun a call, E2E_ROUNDS=1 E2E_PLANNER=0 twice, then E2E_ROUNDS=1.
+#              The JSON is written after every point: a stage cut at its bound keeps its points
 #   e2e_megatron  scripts/bench_e2e.py megatron: TP=1 stock (fused and eager bias-SwiGLU, and
 #              Liger's Megatron SwiGLU where liger-kernel is installed) vs our
 #              impls, $MEGATRON_GPU, 5 warm-up + 20 timed steps per run, $E2E_ROUNDS_MEGATRON
@@ -109,7 +110,14 @@ print(*sorted(QUACK_IMPLS) if quack_available() else [])"
 }
 # One archive per results folder: two invocations in one device call must not overwrite each
 # other's (a session lost a Megatron round's JSON so).
-pack() { tar czf "$OUT/results-${RES##*.}.tgz" -C "$RES" .; }
+# An e2e stage cut at its bound has its points only in /tmp/gpu-e2e-COMMIT (written after each
+# point): bring the latest of those back too.
+pack() {
+  if ls "/tmp/gpu-e2e-$commit"/e2e_*.json > /dev/null 2>&1; then
+    mkdir -p "$RES/e2e" && cp "/tmp/gpu-e2e-$commit"/e2e_*.json "$RES/e2e/"
+  fi
+  tar czf "$OUT/results-${RES##*.}.tgz" -C "$RES" .
+}
 prior_e2e() {  # DIR NAME: an earlier call's rounds ($E2E_PRIOR/NAME, carried) to --append to,
   # where this commit has none of its own yet (a machine's /tmp goes when it is given back)
   [ -n "${E2E_PRIOR:-}" ] && [ -f "$E2E_PRIOR/$2" ] && [ ! -f "$1/$2" ] && cp "$E2E_PRIOR/$2" "$1/"

@@ -274,3 +274,39 @@ def test_megatron_rounds_on_cpu_profile_a_step_inside_a_measured_run(tmp_path, m
     assert (profile["step"], profile["mlp_impl"]) == (2, "stock")  # the last timed step
     assert profile["unit"] == "op (self time)" and profile["total_us"] > 0
     assert not (tmp_path / "p" / "profile_megatron_normal.json").exists()
+
+
+def test_a_call_stopped_mid_round_keeps_its_points_for_the_next(tmp_path, monkeypatch):
+    """The JSON is written after every point: a call killed at its time bound (here, the third
+    point raises) leaves the points it measured, and the next call's --append adds to them."""
+    from swiglu_train.bench import e2e_lightning
+
+    bench, args, out = tiny_normal_grid(tmp_path)
+    args[args.index("0")] = "0,1"  # --checkpoint-layers: two configurations a round
+    real_measurer, calls = e2e_lightning.measurer, []
+
+    def stopping(*a, **kw):
+        measure = real_measurer(*a, **kw)
+
+        def once(impl, n):
+            calls.append((impl, n))
+            if len(calls) == 3:
+                raise RuntimeError("killed at the call's time bound")
+            return measure(impl, n)
+
+        return once
+
+    monkeypatch.setattr(e2e_lightning, "measurer", stopping)
+    with use_backend("torch"):
+        stopped = CliRunner().invoke(bench.app, [*args, "--rounds", "2"])
+        assert isinstance(stopped.exception, RuntimeError)
+        kept = json.loads(out.read_text())
+        assert kept["partial"] and [p["round"] for p in kept["points"]] == [0, 0]
+        assert {p["checkpoint_layers"] for p in kept["points"]} == {0, 1}
+        monkeypatch.setattr(e2e_lightning, "measurer", real_measurer)
+        added = CliRunner().invoke(bench.app, [*args, "--rounds", "1", "--append"])
+    assert added.exit_code == 0, added.output
+    r = json.loads(out.read_text())
+    assert "partial" not in r and r["rounds"] == 2
+    assert r["points"][:2] == kept["points"]  # the stopped call's points, as measured
+    assert [p["round"] for p in r["points"][2:]] == [1, 1]

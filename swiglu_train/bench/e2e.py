@@ -61,6 +61,18 @@ def prior_points(json_path: Path | None, settings: dict) -> list[dict]:
     return earlier["points"]
 
 
+def point_writer(json_path: Path | None, settings: dict) -> Callable[[list[dict]], None]:
+    """Writes the settings and the points so far to ``json_path`` after each point (what
+    ``--append`` reads), so a call stopped at its time bound keeps what it measured and the
+    next call adds rounds to it; the finished run writes its whole result over it."""
+
+    def write(points: list[dict]) -> None:
+        if json_path is not None:
+            write_json_atomic(json_path, settings | {"points": points, "partial": True})
+
+    return write
+
+
 def next_rounds(points: list[dict], rounds: int, seed: int) -> tuple[range, random.Random]:
     """The ``rounds`` rounds numbered on from ``points``' last, and the visiting order's
     generator, seeded by the first of them so an added call does not repeat an earlier order."""

@@ -21,6 +21,7 @@ its own best count, by medians alike.
 from __future__ import annotations
 
 import gc
+from collections.abc import Callable
 
 import torch
 
@@ -81,9 +82,11 @@ def run_lightning(
     planner: bool,
     command: str,
     commit: str | None,
+    on_point: Callable[[list[dict]], None] = lambda _: None,
 ) -> dict:
     """Measure ``rounds`` rounds after ``points`` (an earlier run's, or none), then the rows and
-    MFU over all of them and each budget's plans (``budgets_gb``: see ``parse_budgets``)."""
+    MFU over all of them and each budget's plans (``budgets_gb``: see ``parse_budgets``).
+    ``on_point(points so far)`` after each measured point (``e2e.point_writer``)."""
     names, grid = settings["impls"], settings["grid"]
     commit = commit or git_commit()  # the caller names the tree it ran: a copy's .git may lag
     schedule, order = next_rounds(points, rounds, seed)
@@ -94,6 +97,7 @@ def run_lightning(
         for impl in order.sample(names, len(names)):
             for n in order.sample(grid, len(grid)):
                 points.append(_point(r, impl, n, measure(impl, n)) | {"commit": commit})
+                on_point(points)
     table = _table(points, cfg)
     # the budgets fall between the grid's own peaks, whatever the planner adds below
     budgets = parse_budgets(budgets_gb, [r for r in table if r["checkpoint_layers"] in grid])
@@ -111,6 +115,7 @@ def run_lightning(
             for impl, n in order.sample(unmeasured, len(unmeasured)):
                 point = _point(r, impl, n, measure(impl, n))
                 points.append(point | {"planned": True, "commit": commit})
+                on_point(points)
         table = _table(points, cfg)
     plans = [budget_plans(b, table, pick) for b, pick in zip(budgets, picks, strict=True)]
     return settings | {

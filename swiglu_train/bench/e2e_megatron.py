@@ -10,6 +10,7 @@ import shlex
 import statistics
 import subprocess
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 from swiglu_train.bench.e2e import device_name, next_rounds, rows, spread
@@ -32,12 +33,13 @@ def run_megatron(
     command: str,
     commit: str | None,
     profiles: dict[str, Path] | None = None,
+    on_point: Callable[[list[dict]], None] = lambda _: None,
 ) -> dict:
     """Run ``rounds`` rounds after ``points`` (an earlier run's, or none), the recipe's summary
     read back from each, then the rows over all of them. ``profiles`` (impl -> JSON path): the
     first run of that impl whose path does not exist yet also profiles its last timed step
     (``--profile-step``), so no extra process is launched; one step of 20 under the profiler
-    barely moves the median."""
+    barely moves the median. ``on_point(points so far)`` after each run."""
     names, warmup, steps = settings["impls"], settings["warmup_steps"], settings["timed_steps"]
     commit = commit or git_commit()  # the caller names the tree it ran: a copy's .git may lag
     schedule, order = next_rounds(points, rounds, seed)
@@ -87,6 +89,7 @@ def run_megatron(
                         "commit": commit,
                     }
                 )
+                on_point(points)
     return settings | {
         "command": command,
         "commit": commit,
