@@ -165,8 +165,10 @@ fi
 for stage in "$@"; do
   echo "== $stage"
   case $stage in
-    setup)
-      if [ -d .whlx ]; then bash scripts/device_setup.sh; fi
+    setup)  # quack's wheels once per machine: a warm machine keeps them (unpacking takes ~30 s)
+      if [ -d .whlx ] && ! python3 -c "import quack, liger_kernel" 2>/dev/null; then
+        bash scripts/device_setup.sh
+      fi
       for d in .whlw .whlt .whlm .whlh; do  # whichever this call carried
         if [ -d $d ]; then python3 -m pip install -q --no-index --no-deps --no-compile $d/*.whl; fi
       done ;;
