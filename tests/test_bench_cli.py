@@ -146,3 +146,20 @@ def test_out_of_place_variants_build_ours_with_inplace_off():
     torch.testing.assert_close(w.fc1.grad, 2 * first)
     with pytest.raises(ImportError, match="quack"):
         BUILDERS["drop_h_quack_out_of_place"](w)
+
+
+def test_the_fused_schedule_diagnostics_are_the_quack_impls_with_a_dynamic_schedule():
+    """Four grid variants put the quack impls' fused GEMMs (grad_h's, or both) on quack's
+    dynamic schedule; built where quack cannot run, they say so, as the impls do."""
+    from swiglu_train.bench.variants import BUILDERS, LayerWeights
+
+    names = [n for n in BUILDERS if "_dynamic_" in n]
+    assert names == [
+        f"{impl}_dynamic_{which}"
+        for impl in ("drop_h_quack", "save_factors_quack")
+        for which in ("grad_h", "fused")
+    ]
+    w = LayerWeights.random(16, 40, 16, torch.float32, "cpu")
+    for name in names:
+        with pytest.raises(ImportError, match="quack"):
+            BUILDERS[name](w)

@@ -70,6 +70,31 @@ def test_inplace_and_copy_backward_agree_bitwise(impl):
         assert torch.equal(inplace[name], copied[name]), name
 
 
+@pytest.mark.parametrize("schedule", [(False, True), (True, True)], ids=["grad_h", "both"])
+@pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])
+@pytest.mark.parametrize("impl", QUACK)
+def test_fused_gemms_on_the_dynamic_schedule_compute_the_same_mlp(impl, bias, schedule):
+    """The grid's *_dynamic_* diagnostics: the fused GEMMs on quack's dynamic tile schedule
+    (each tile's sum is the same; only which SM takes it changes) give the static run's
+    outputs bit for bit, in place and not."""
+    from swiglu_train.layers.registry import get_impl
+    from swiglu_train.ops.quack_mlp import FusedSchedule
+
+    mlp = ParMLP(1024, 2816, bias=bias, impl=impl, device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(3000, 1024, device="cuda", dtype=torch.bfloat16)
+    grad_y = torch.randn_like(x)
+    static = run_outputs(mlp, x, grad_y)
+    function, dynamic = get_impl(impl), FusedSchedule(*schedule)
+    b1, b2 = (mlp.fc1.bias, mlp.fc2.bias) if bias else (None, None)
+    for inplace in (True, False):
+        mlp.forward = lambda t, inplace=inplace: function(
+            t, mlp.fc1.weight, b1, mlp.fc2.weight, b2, inplace=inplace, dynamic=dynamic
+        )
+        moved = run_outputs(mlp, x, grad_y)
+        for name in static:
+            assert torch.equal(moved[name], static[name]), (name, inplace)
+
+
 @pytest.mark.parametrize("impl", QUACK)
 def test_second_backward_raises(impl):
     mlp = ParMLP(256, 512, impl=impl, device="cuda", dtype=torch.bfloat16)

@@ -57,6 +57,23 @@ def ours(impl: str, inplace: bool = True) -> Callable[[LayerWeights], Layer]:
     return build
 
 
+def quack_fused_dynamic(impl: str, with_fc1: bool) -> Callable[[LayerWeights], Layer]:
+    """diagnostic (issue 18): quack impl ``impl`` with its fused grad_h GEMM (and, with
+    ``with_fc1``, its fused fc1 GEMM) on quack's dynamic tile schedule instead of the static
+    one (``ops.quack_mlp.FusedSchedule``), on the impl's own parameters."""
+
+    def build(w: LayerWeights) -> Layer:
+        from swiglu_train.layers.registry import get_impl
+        from swiglu_train.ops.quack_mlp import FusedSchedule
+
+        mlp, function = ours(impl)(w), get_impl(impl)
+        dynamic = FusedSchedule(fc1=with_fc1, grad_h=True)
+        fc1, fc2 = mlp.fc1.weight, mlp.fc2.weight
+        return lambda x: function(x, fc1, None, fc2, None, dynamic=dynamic)
+
+    return build
+
+
 def drop_h_fused(w: LayerWeights) -> Layer:
     """drop_h with h and the saved preact from one gated GEMM (the forward-fusion candidate)."""
     return lambda x: drop_h_mlp(x, w.fc1, None, w.fc2, None, fused_forward=True)
@@ -128,6 +145,12 @@ BUILDERS: dict[str, Callable[[LayerWeights], Layer]] = {
     # preact it reads (a higher backward peak); does the aliasing cost drop_h_quack time?
     "drop_h_quack_out_of_place": ours("drop_h_quack", inplace=False),
     "save_factors_quack": ours("save_factors_quack"),
+    # diagnostics: the fused GEMMs' tile schedule (static in the impls); see quack_fused_dynamic
+    **{
+        f"{impl}_dynamic_{which}": quack_fused_dynamic(impl, with_fc1=which == "fused")
+        for impl in ("drop_h_quack", "save_factors_quack")
+        for which in ("grad_h", "fused")
+    },
     "liger": liger,
     "fla": fla,
     "quack": quack(tuned=False),

@@ -21,6 +21,7 @@ our canonical [W_gate; W_up], so parameters, checkpoints and optimizer state are
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import torch
 
@@ -59,6 +60,22 @@ def quack_gemm(dynamic: bool = False) -> functools.partial:
     the static or the dynamic persistent schedule, as ``gemm_choice`` has it for this GEMM
     (its defaults, or what ``swiglu-train pretune`` timed)."""
     return functools.partial(require_quack().gemm, tuned=False, dynamic_scheduler=dynamic)
+
+
+class FusedSchedule(NamedTuple):
+    """Which fused GEMMs of a quack impl run on quack's dynamic tile schedule: fc1's (the
+    gated or factors epilogue) and grad_h's (the dgated or factors-to-grad epilogue). Unlike
+    the plain GEMMs (``gemm_choice``) they have no cuBLAS twin, so pretune does not time them.
+    Both run static: the probe that timed them from an idle GPU found static 1-2.5 % faster
+    (probe_quack_schedulers_h200.json). Queued behind a step's work, the plain backward GEMMs
+    ran faster dynamic (gemm_choice), and quack's own MLP runs its grad_h GEMM so; the grid's
+    ``*_dynamic_*`` variants time these two that way (issue 18) before a default changes."""
+
+    fc1: bool = False
+    grad_h: bool = False
+
+
+STATIC_FUSED = FusedSchedule()
 
 
 # The GEMMs that pair drop_h_quack's interleaved grad_preact with the canonical fc1: quack
@@ -262,16 +279,19 @@ def _canonical_bias_grad(grad_preact: torch.Tensor) -> torch.Tensor:
 
 class _DropHQuack(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, fc1_weight, fc1_bias, fc2_weight, fc2_bias, inplace: bool):
+    def forward(
+        ctx, x, fc1_weight, fc1_bias, fc2_weight, fc2_bias, inplace: bool, dynamic: FusedSchedule
+    ):
         q = require_quack()
         x = x.contiguous()
         # concat_layout reads [W_gate; W_up] along fc1's non-contiguous dim: it must be the rows
         fc1_weight = fc1_weight if fc1_weight.stride(1) == 1 else fc1_weight.contiguous()
         preact, h = q.gemm_gated(
             x, fc1_weight.t(), bias=fc1_bias, activation="swiglu", tuned=False,
-            concat_layout=("B", "bias"),
+            concat_layout=("B", "bias"), dynamic_scheduler=dynamic.fc1,
         )  # fmt: skip
         save_drop_h(ctx, x, fc1_weight, fc1_bias, fc2_weight, fc2_bias, preact, inplace)
+        ctx.dynamic_grad_h = dynamic.grad_h
         return chosen_gemm("fc2", h, fc2_weight.t(), fc2_bias)
 
     @staticmethod
@@ -284,7 +304,7 @@ class _DropHQuack(torch.autograd.Function):
         grad_y = grad_y.contiguous()
         grad_preact, h = q.gemm_dgated(
             grad_y, fc2_weight, preact, activation="swiglu", tuned=False,
-            dynamic_scheduler=False, dx_out=preact if inplace else None,
+            dynamic_scheduler=ctx.dynamic_grad_h, dx_out=preact if inplace else None,
         )  # fmt: skip
         grad_w2 = chosen_gemm("grad_w2", grad_y.t(), h) if need_w2 else None
         del h  # frees [M, F] before the two largest GEMM outputs are allocated
@@ -292,7 +312,7 @@ class _DropHQuack(torch.autograd.Function):
         grad_w1 = chosen_gemm("grad_w1_concat", grad_preact.t(), x) if need_w1 else None
         grad_b1 = _canonical_bias_grad(grad_preact) if need_b1 and ctx.has_bias[0] else None
         grad_b2 = grad_y.sum(0) if need_b2 and ctx.has_bias[1] else None
-        return grad_x, grad_w1, grad_b1, grad_w2, grad_b2, None
+        return grad_x, grad_w1, grad_b1, grad_w2, grad_b2, None, None
 
 
 def drop_h_quack_mlp(
@@ -302,12 +322,14 @@ def drop_h_quack_mlp(
     fc2_weight: torch.Tensor,
     fc2_bias: torch.Tensor | None,
     inplace: bool = True,
+    dynamic: FusedSchedule = STATIC_FUSED,
 ) -> torch.Tensor:
-    """drop_h with SwiGLU fused into quack's fc1 and grad_h GEMM epilogues (CUDA sm_90+).
+    """drop_h with SwiGLU fused into quack's fc1 and grad_h GEMM epilogues (CUDA sm_90+);
+    ``dynamic`` puts those two on quack's dynamic tile schedule (``FusedSchedule``).
 
     An empty batch (no tokens on this rank) takes drop_h itself: a TMA descriptor needs a row.
     """
     check_quack_inputs(x, fc1_weight, fc2_weight)
     if x.shape[0] == 0:
         return drop_h_mlp(x, fc1_weight, fc1_bias, fc2_weight, fc2_bias, inplace)
-    return _DropHQuack.apply(x, fc1_weight, fc1_bias, fc2_weight, fc2_bias, inplace)
+    return _DropHQuack.apply(x, fc1_weight, fc1_bias, fc2_weight, fc2_bias, inplace, dynamic)
