@@ -66,10 +66,11 @@ class FusedSchedule(NamedTuple):
     """Which fused GEMMs of a quack impl run on quack's dynamic tile schedule: fc1's (the
     gated or factors epilogue) and grad_h's (the dgated or factors-to-grad epilogue). Unlike
     the plain GEMMs (``gemm_choice``) they have no cuBLAS twin, so pretune does not time them.
-    Both run static: the probe that timed them from an idle GPU found static 1-2.5 % faster
-    (probe_quack_schedulers_h200.json). Queued behind a step's work, the plain backward GEMMs
-    ran faster dynamic (gemm_choice), and quack's own MLP runs its grad_h GEMM so; the grid's
-    ``*_dynamic_*`` variants time these two that way (issue 18) before a default changes."""
+    Both run static: timed from an idle GPU (probe_quack_schedulers_h200.json), a plain GEMM of
+    grad_h's shape ran 1.0-8.3 % slower dynamic. Queued behind a step's work, the plain
+    backward GEMMs ran faster dynamic (gemm_choice), and quack's own MLP runs its grad_h GEMM
+    so; the grid's ``*_dynamic_*`` variants time these two that way (issue 18) before a
+    default changes."""
 
     fc1: bool = False
     grad_h: bool = False
