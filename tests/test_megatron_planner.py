@@ -144,6 +144,57 @@ def test_a_measured_model_s_memory_is_released_even_where_it_outlives_its_point(
     spawn(_distributed_optimizer_worker, 1)
 
 
+def _micro_batch_worker(rank: int, world_size: int, rendezvous: str) -> None:
+    with megatron_parallel(rank, world_size, rendezvous), use_backend("torch"):
+        auto = ["--micro-batch-size", "auto", "--global-batch-size", "4"]
+        args = parse_args([*TINY[:-2], *AUTO[:2], "--plan-impls", "normal", *auto,
+                           "--memory-budget-gb", "1", "--max-steps", "2"])  # fmt: skip
+        assert TINY[-2] == "--micro-batch-size" and args.micro_batch_size == "auto"
+        shim_cuda_only_calls(args.seed)
+        measure = measurer(args, ONE)
+        at4, at1 = measure("normal", 2, 4), measure("normal", 2, 1)
+        assert (at4.micro_batch_size, at4.accumulate_grad_batches) == (4, 1)
+        assert (at1.micro_batch_size, at1.accumulate_grad_batches) == (1, 4)
+        assert at1.peak_MiB < at4.peak_MiB  # both blocks recomputed: the least each can hold
+        # a budget micro-batch 4 fits at no recompute count: the plan accumulates smaller ones
+        args.memory_budget_gb = (at1.peak_MiB + at4.peak_MiB) / 2 / 1024
+        planned = plan_run(args, ONE)
+        assert (
+            args.micro_batch_size in (1, 2) and args.num_microbatches == 4 // args.micro_batch_size
+        )
+        assert (planned["micro_batch_size"], planned["num_microbatches"]) == (
+            args.micro_batch_size, args.num_microbatches)  # fmt: skip
+        assert planned["global_batch_size"] == 4
+        sizes = {p["micro_batch_size"] for p in planned["profiles"]}
+        assert 4 in sizes and sizes <= {1, 2, 4}
+        assert f"at micro-batch {args.micro_batch_size}" in planned["why"]
+
+
+def test_auto_micro_batch_accumulates_the_largest_that_fits_to_the_global_batch() -> None:
+    """--micro-batch-size auto --global-batch-size 4: the plan measures each divisor, largest
+    first, and sets the micro-batch and the accumulation to the global batch."""
+    spawn(_micro_batch_worker, 1)
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--micro-batch-size", "auto"], "is the planner's: add --activation-checkpointing auto"),
+        ([*AUTO[:2], "--memory-budget-gb", "1", "--micro-batch-size", "auto"],
+         "--micro-batch-size auto needs --global-batch-size"),
+        ([*AUTO[:2], "--memory-budget-gb", "1", "--micro-batch-size", "auto",
+          "--global-batch-size", "4", "--num-microbatches", "2"],
+         "sets --num-microbatches to the global batch; drop it"),
+        (["--global-batch-size", "8"], "--global-batch-size goes with --micro-batch-size auto"),
+        (["--micro-batch-size", "0"], "a positive number of sequences or auto, not '0'"),
+    ],
+)  # fmt: skip
+def test_what_auto_micro_batch_cannot_take_is_refused(capsys, argv, message) -> None:
+    with pytest.raises(SystemExit):
+        parse_args(["--device", "cpu", *argv])
+    assert message in capsys.readouterr().err
+
+
 def test_the_recipe_trains_with_its_plan_and_records_it(tmp_path) -> None:
     losses = run_recipe(
         tmp_path,
@@ -160,6 +211,23 @@ def test_the_recipe_trains_with_its_plan_and_records_it(tmp_path) -> None:
     assert summary["recompute"]["granularity"] is None and planned["why"].startswith(
         f"{planned['impl']} with 0 of 2 blocks checkpointed"
     )
+
+
+def test_the_recipe_trains_at_the_micro_batch_its_plan_chose(tmp_path) -> None:
+    """End to end with --micro-batch-size auto: at an ample budget the largest divisor of the
+    global batch fits unchecked, and the run trains at it, recorded in its summary."""
+    auto_micro_batch = ("--micro-batch-size", "auto", "--global-batch-size", "4")
+    losses = run_recipe(
+        tmp_path,
+        *AUTO,
+        *("--memory-budget-gb", "1", "--max-steps", "2", *auto_micro_batch),
+        *("--summary-json", "out/summary.json"),
+        tp=1,
+    )
+    assert sorted(losses) == [0, 1]
+    summary = json.loads((tmp_path / "out" / "summary.json").read_text())
+    assert (summary["planned"]["micro_batch_size"], summary["num_microbatches"]) == (4, 1)
+    assert "at micro-batch 4" in summary["planned"]["why"]
 
 
 @pytest.mark.parametrize(

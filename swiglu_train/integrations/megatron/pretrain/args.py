@@ -12,6 +12,8 @@ from swiglu_train.integrations.megatron import SUPPORTED_IMPLS
 from swiglu_train.layers.registry import FP8_LABEL, check_saved_fp8
 from swiglu_train.memory.budget import split_candidate
 
+AUTO = "auto"
+
 DESCRIPTION = "Pretrain a Megatron-core GPTModel whose MLPs run a swiglu-train impl."
 STOCK = ("stock", "stock_eager")  # Megatron's MLP: the baseline our spec replaces
 PEERS = ("liger",)  # Megatron's MLP with a peer library's SwiGLU (pretrain/peers.py)
@@ -87,10 +89,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seq-length", type=int, default=1024)
     p.add_argument("--vocab-size", type=int, default=32000)
     # None until parsed: a --plan whose planner chose the micro-batch sets both, and refuses
-    # either given by hand
-    p.add_argument("--micro-batch-size", type=int, default=None, help="default 4")
+    # either given by hand; "auto" leaves both to --activation-checkpointing auto
+    p.add_argument(
+        "--micro-batch-size",
+        type=micro_batch_size,
+        default=None,
+        help="default 4; auto: the planner chooses it for --global-batch-size",
+    )
     p.add_argument(
         "--num-microbatches", type=int, default=None, help="per optimizer step; default 1"
+    )
+    p.add_argument(
+        "--global-batch-size",
+        type=int,
+        default=None,
+        help="sequences per optimizer step on one rank, for --micro-batch-size auto",
     )
     p.add_argument("--lr", type=float, default=3e-4)
     p.add_argument("--seed", type=int, default=1234)
@@ -139,9 +152,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         check_auto(p, args)
     if args.plan is not None:
         apply_plan(p, args)
+    check_auto_micro_batch(p, args)
     args.mlp_impl = args.mlp_impl or "drop_h"
-    args.micro_batch_size = 4 if args.micro_batch_size is None else args.micro_batch_size
-    args.num_microbatches = 1 if args.num_microbatches is None else args.num_microbatches
+    if args.micro_batch_size != AUTO:  # else the planner sets both (plan.plan_run)
+        args.micro_batch_size = 4 if args.micro_batch_size is None else args.micro_batch_size
+        args.num_microbatches = 1 if args.num_microbatches is None else args.num_microbatches
     check_recompute(p, args)
     if args.manual_gc_interval < 0 or (args.manual_gc_interval and not args.manual_gc):
         p.error(f"--manual-gc-interval {args.manual_gc_interval} needs --manual-gc and N >= 0")
@@ -160,6 +175,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         except ValueError as e:
             p.error(f"--saved-fp8: {e}")
     return args
+
+
+def micro_batch_size(value: str) -> int | str:
+    """--micro-batch-size: a positive count of sequences, or ``auto``."""
+    if value == AUTO:
+        return value
+    try:
+        size = int(value)
+    except ValueError:
+        size = 0
+    if size < 1:
+        raise argparse.ArgumentTypeError(f"a positive number of sequences or auto, not {value!r}")
+    return size
 
 
 def apply_plan(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
@@ -217,6 +245,24 @@ def apply_planned_micro_batch(p: argparse.ArgumentParser, args: argparse.Namespa
                 f"{plan['seq_length']}, not {args.seq_length}")  # fmt: skip
     args.micro_batch_size = plan["micro_batch_size"]
     args.num_microbatches = plan["accumulate_grad_batches"]
+
+
+def check_auto_micro_batch(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """--micro-batch-size auto: the planner chooses it among the divisors of
+    --global-batch-size, and the accumulation to it, so it needs both and takes neither
+    --num-microbatches nor a global batch otherwise."""
+    auto = args.micro_batch_size == AUTO
+    if auto and args.activation_checkpointing != AUTO:
+        p.error("--micro-batch-size auto is the planner's: add --activation-checkpointing auto")
+    if auto and args.global_batch_size is None:
+        p.error("--micro-batch-size auto needs --global-batch-size (sequences per step)")
+    if auto and args.num_microbatches is not None:
+        p.error("--micro-batch-size auto sets --num-microbatches to the global batch; drop it")
+    if not auto and args.global_batch_size is not None:
+        p.error("--global-batch-size goes with --micro-batch-size auto; otherwise the global "
+                "batch is --micro-batch-size x --num-microbatches x dp")  # fmt: skip
+    if args.global_batch_size is not None and args.global_batch_size < 1:
+        p.error(f"--global-batch-size must be at least 1, got {args.global_batch_size}")
 
 
 def check_auto(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:

@@ -24,11 +24,12 @@ from __future__ import annotations
 import argparse
 import gc
 import statistics
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 import torch
 
 from swiglu_train.integrations.megatron import SUPPORTED_IMPLS
+from swiglu_train.integrations.megatron.pretrain.args import AUTO
 from swiglu_train.integrations.megatron.pretrain.build import build_training
 from swiglu_train.integrations.megatron.pretrain.data import train_loader
 from swiglu_train.integrations.megatron.pretrain.step import run_step
@@ -41,7 +42,15 @@ from swiglu_train.memory.budget import (
     default_budget_MiB,
     split_candidate,
 )
-from swiglu_train.memory.plan import Plan, Profile, choose_plan, search
+from swiglu_train.memory.plan import (
+    Plan,
+    Profile,
+    accumulation,
+    choose_plan,
+    micro_batches,
+    search,
+    search_micro_batches,
+)
 from swiglu_train.memory.profiler import MiB
 from swiglu_train.memory.saved import distinct_bytes
 
@@ -73,28 +82,47 @@ def plan_run(args: argparse.Namespace, steps: Steps = Steps()) -> dict:
     nothing fits the budget."""
     device = torch.device("cuda", torch.cuda.current_device()) if args.device == "cuda" else None
     budget = default_budget_MiB(device or torch.device("cpu"), args.memory_budget_gb)
-    profiles = search(candidates(args), args.num_layers, budget, measurer(args, steps))
+    measure = measurer(args, steps)
+    if args.micro_batch_size == AUTO:  # each divisor of the global batch, largest first
+        sizes = micro_batches(args.global_batch_size)
+        profiles = search_micro_batches(candidates(args), args.num_layers, budget, sizes, measure)
+    else:
+        profiles = search(candidates(args), args.num_layers, budget, measure)
     plan = choose_plan(profiles, budget, args.num_layers)
     impl, fp8 = split_candidate(plan.impl)
     args.mlp_impl, args.saved_fp8 = impl, fp8
     _set_recompute(args, plan.checkpoint_layers)
+    if plan.micro_batch_size is not None:
+        args.micro_batch_size = plan.micro_batch_size
+        args.num_microbatches = accumulation(args.global_batch_size, plan.micro_batch_size)
     return record(plan, profiles, args, steps)
 
 
 def measurer(args: argparse.Namespace, steps: Steps):
-    """``measure(candidate, n)``: the run's model with ``n`` blocks recomputed, built, stepped
-    and freed (see the module docstring)."""
+    """``measure(candidate, n, micro_batch=None)``: the run's model with ``n`` blocks
+    recomputed (at ``micro_batch``, accumulating to --global-batch-size, where the planner
+    chooses the micro-batch), built, stepped and freed (see the module docstring)."""
 
     cuda = args.device == "cuda"
 
-    def measure(name: str, n: int) -> Profile:
+    def measure(name: str, n: int, micro_batch: int | None = None) -> Profile:
         point = argparse.Namespace(**vars(args))
         point.mlp_impl, point.saved_fp8 = split_candidate(name)
         _set_recompute(point, n)
         point.max_steps = steps.warmup + steps.measured  # the data loader's length
+        if micro_batch is not None:
+            point.micro_batch_size = micro_batch
+            point.num_microbatches = accumulation(args.global_batch_size, micro_batch)
+        # Megatron's attention scores buffer is sized by the micro-batch: each point makes its
+        # own, so that its peak counts what a run at its micro-batch holds
+        parallel_state().get_global_memory_buffer().buffer.clear()
         before = torch.cuda.memory_allocated() - global_buffer_bytes() if cuda else 0
         try:
-            return _measure(point, name, n, steps)
+            profile = _measure(point, name, n, steps)
+            if micro_batch is None:
+                return profile
+            return replace(profile, micro_batch_size=micro_batch,
+                           accumulate_grad_batches=point.num_microbatches)  # fmt: skip
         finally:
             gc.collect()  # the model, its DDP hooks and the optimizer hold each other
             if cuda:
@@ -110,10 +138,15 @@ def global_buffer_bytes() -> int:
     [b·heads, s, s] score buffer there (1 GiB at micro-batch 8, 16 heads, seq 2048): the first
     point makes it and every later point, and the run, reuse it. On the H200 the planner's
     leak check once stopped on it."""
+    buffers = parallel_state().get_global_memory_buffer().buffer.values()
+    return sum(t.untyped_storage().nbytes() for t in buffers)
+
+
+def parallel_state():
+    """megatron.core.parallel_state, imported where the recipe has initialized it."""
     from megatron.core import parallel_state
 
-    buffers = parallel_state.get_global_memory_buffer().buffer.values()
-    return sum(t.untyped_storage().nbytes() for t in buffers)
+    return parallel_state
 
 
 def _measure(args: argparse.Namespace, name: str, n: int, steps: Steps) -> Profile:
@@ -202,6 +235,9 @@ def record(plan: Plan, profiles: list[Profile], args: argparse.Namespace, steps:
     return plan.to_dict() | {
         "memory": ALLOCATOR if cuda else ESTIMATE,
         "device": torch.cuda.get_device_name() if cuda else "cpu",
+        "micro_batch_size": args.micro_batch_size,
+        "num_microbatches": args.num_microbatches,
+        "global_batch_size": args.global_batch_size,  # None: the micro-batch was not planned
         "recompute": recompute_of(args),
         "steps": asdict(steps),
         "profiles": [asdict(p) for p in profiles],
