@@ -27,6 +27,7 @@ import statistics
 from dataclasses import asdict, dataclass, replace
 
 import torch
+from megatron.core import parallel_state
 
 from swiglu_train.integrations.megatron import SUPPORTED_IMPLS
 from swiglu_train.integrations.megatron.pretrain.args import AUTO
@@ -113,10 +114,10 @@ def measurer(args: argparse.Namespace, steps: Steps):
         if micro_batch is not None:
             point.micro_batch_size = micro_batch
             point.num_microbatches = accumulation(args.global_batch_size, micro_batch)
-        # Megatron's attention scores buffer is sized by the micro-batch: each point makes its
+        # Megatron's attention-score buffer is sized by the micro-batch: each point makes its
         # own, so that its peak counts what a run at its micro-batch holds
-        parallel_state().get_global_memory_buffer().buffer.clear()
-        before = torch.cuda.memory_allocated() - global_buffer_bytes() if cuda else 0
+        parallel_state.get_global_memory_buffer().buffer.clear()
+        before = torch.cuda.memory_allocated() if cuda else 0
         try:
             profile = _measure(point, name, n, steps)
             if micro_batch is None:
@@ -135,18 +136,11 @@ def measurer(args: argparse.Namespace, steps: Steps):
 
 def global_buffer_bytes() -> int:
     """Bytes in Megatron's process-wide GlobalMemoryBuffer. Megatron's own attention keeps its
-    [b·heads, s, s] score buffer there (1 GiB at micro-batch 8, 16 heads, seq 2048): the first
-    point makes it and every later point, and the run, reuse it. On the H200 the planner's
-    leak check once stopped on it."""
-    buffers = parallel_state().get_global_memory_buffer().buffer.values()
+    [b·heads, s, s] score buffer there (1 GiB at micro-batch 8, 16 heads, seq 2048), past the
+    point that made it, for the run to reuse: not the point's leak (on the H200 the planner's
+    leak check once stopped on it)."""
+    buffers = parallel_state.get_global_memory_buffer().buffer.values()
     return sum(t.untyped_storage().nbytes() for t in buffers)
-
-
-def parallel_state():
-    """megatron.core.parallel_state, imported where the recipe has initialized it."""
-    from megatron.core import parallel_state
-
-    return parallel_state
 
 
 def _measure(args: argparse.Namespace, name: str, n: int, steps: Steps) -> Profile:
