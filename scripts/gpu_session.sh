@@ -73,7 +73,8 @@
 #              ($INFERENCE_MODELS), one JSON per model to merge into the dispatch table
 #   grid       swiglu-train bench-grid: every impl and peer, and auto's pick, at public models'
 #              MLP shapes x M; one chunk per call ($GRID_CHUNK=I/N, default 1/1; $GRID_MODELS,
-#              $GRID_M and $GRID_VARIANTS pick a subset), its points compiled first in $GRID_PREWARM processes
+#              $GRID_M and $GRID_VARIANTS pick a subset; $GRID_SHAPES "DxF,..." shapes no model lists,
+#              $GRID_TAG prefixes the files' chunk tag), its points compiled first in $GRID_PREWARM processes
 #              (default 8; 0: compile while timing). Merge the chunks' JSON with
 #              `swiglu-train bench-grid --merge A B --json --md --plot` (the auto evaluation).
 # Every stage writes under $RES; on exit it is packed into $OUT/results-*.tgz, since the device
@@ -480,12 +481,12 @@ PY
         echo "fp8_loss_ab: $(ls "$AB"/ab_*_seed*.json 2>/dev/null | wc -l) of 4 runs done; call the stage again"
       fi ;;
     grid)  # the JSON is rewritten after every point: a chunk stopped at its bound keeps those
-      chunk=${GRID_CHUNK:-1/1} && tag=${chunk/\//of}
+      chunk=${GRID_CHUNK:-1/1} && tag=${GRID_TAG:-}${chunk/\//of}
       PREWARM=${GRID_PREWARM:-8}  # workers that compile every point first: 16 cores, 1 GPU
       mkdir -p "$RES/grid"
       python3 -m swiglu_train bench-grid --commit "$commit" --chunk "$chunk" \
         --prewarm-workers "$PREWARM" \
-        ${GRID_MODELS:+--models $GRID_MODELS} ${GRID_M:+--m $GRID_M} \
+        ${GRID_MODELS:+--models $GRID_MODELS} ${GRID_SHAPES:+--shapes $GRID_SHAPES} ${GRID_M:+--m $GRID_M} \
         ${GRID_VARIANTS:+--variants $GRID_VARIANTS} $([ "${GRID_PRETUNE:-0}" = 1 ] && echo --pretune) \
         --json "$RES/grid/grid_h200_$tag.json" --md "$RES/grid/grid_h200_$tag.md" \
         --plot "$RES/grid/grid_h200_$tag.png" 2>&1 | grep -v "^ " | tail -60 ;;
