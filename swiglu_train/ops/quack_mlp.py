@@ -66,11 +66,10 @@ class FusedSchedule(NamedTuple):
     """Which fused GEMMs of a quack impl run on quack's dynamic tile schedule: fc1's (the
     gated or factors epilogue) and grad_h's (the dgated or factors-to-grad epilogue). Unlike
     the plain GEMMs (``gemm_choice``) they have no cuBLAS twin, so pretune does not time them.
-    Both run static: timed from an idle GPU (probe_quack_schedulers_h200.json), a plain GEMM of
-    grad_h's shape ran 1.0-8.3 % slower dynamic. Queued behind a step's work, the plain
-    backward GEMMs ran faster dynamic (gemm_choice), and quack's own MLP runs its grad_h GEMM
-    so; the grid's ``*_dynamic_*`` variants time these two that way (issue 18) before a
-    default changes."""
+    Both run static, measured queued at the 12 grid shapes, M = 8000
+    (grid_fused_schedule_m8000_h200.json): dynamic grad_h made ``save_factors_quack`` 1.2-1.7
+    points slower at every shape, and moved ``drop_h_quack`` by at most 0.2 points except at
+    D = 8192 (+1.4); fc1 dynamic too: -0.6 to +0.9. quack's own MLP runs grad_h dynamic."""
 
     fc1: bool = False
     grad_h: bool = False
