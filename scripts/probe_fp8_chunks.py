@@ -1,15 +1,19 @@
-"""Step time and memory of drop_h with its saved preactivation in FP8, run in row chunks
-(issue 19), paired against bf16 drop_h and the six-GEMM floor at one shape, on CUDA.
+"""Step time and memory of drop_h with its saved preactivation in FP8, run in chunks (issue
+19), paired against bf16 drop_h and the six-GEMM floor at one shape, on CUDA.
 
 Variants, each one layer's fwd+bwd on the same weights and inputs (bf16, no bias):
   drop_h          the bf16 impl (in place);
-  fp8             saved_fp8's function with ``rows_per_chunk``'s rows (what ParMLP runs);
-  fp8[rows=N]     the same with N rows per chunk in forward and backward (N >= M: one chunk).
+  fp8             saved_fp8's function as ParMLP runs it (``ops.fp8_chunks``' rules: the
+                  backward splits rows or columns, ``backward_split``);
+  fp8[rows=R] and fp8[rows=R,cols=C]  the backward split in rows and in columns at the
+                  rules' sizes, after the same forward (in R rows): the split's A/B;
+  fp8[rows=N]     N rows per chunk in forward and backward (N >= M: one chunk);
+  fp8[cols=N]     the backward in chunks of N columns of F (a multiple of 128).
 Issue 19's targets at the seed shape: fp8's full step within drop_h's + 1 % (``full_over_drop_h``
 <= 1.01), its peak at most drop_h's, after forward at most 390 MiB. After-forward and peak are
 allocator MiB above the step's start, parameter grads reset (``bench.timing.memory_mib``).
 
-    python scripts/probe_fp8_chunks.py --rows 1024 2816 5632 11136 \\
+    python scripts/probe_fp8_chunks.py --rows 1024 2816 5632 11136 --cols 2432 7168 \\
         --json $OUT/probe_fp8_chunks_h200.json --md $OUT/probe_fp8_chunks_h200.md
 """
 
@@ -24,7 +28,8 @@ import torch
 from swiglu_train.bench.mlp import floor_case, git_commit, write_probe_result
 from swiglu_train.bench.timing import PHASES, Case, Clock, memory_mib, paired_samples, run_once
 from swiglu_train.bench.variants import LayerWeights
-from swiglu_train.ops.fp8_saved import drop_h_fp8_mlp, rows_per_chunk
+from swiglu_train.ops.fp8_chunks import backward_split, cols_per_chunk, rows_per_chunk
+from swiglu_train.ops.fp8_saved import drop_h_fp8_mlp
 from swiglu_train.ops.mlp import drop_h_mlp
 
 SEED_SHAPE = (11136, 3584, 14336, 3584)  # M, D, F, O
@@ -77,6 +82,9 @@ def main() -> None:
         "--shape", type=int, nargs=4, default=SEED_SHAPE, metavar=("M", "D", "F", "O")
     )
     parser.add_argument("--rows", type=int, nargs="*", default=[], help="fixed rows per chunk")
+    parser.add_argument(
+        "--cols", type=int, nargs="*", default=[], help="fixed backward columns per chunk"
+    )
     parser.add_argument("--samples", type=int, default=30)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", required=True)
@@ -90,9 +98,23 @@ def main() -> None:
     w = LayerWeights.random(d, f, o, dtype, "cuda")
     x = torch.randn(m, d, dtype=dtype, device=device, requires_grad=True)
     grad_y = torch.randn(m, o, dtype=dtype, device=device)
-    variants = {"drop_h": drop_h_mlp, "fp8": drop_h_fp8_mlp}
+    # The backward's two splits at their rules' sizes, each after the same forward (in the
+    # backward's rows, more chunks than ParMLP's forward), so that only the backward differs
+    rows = rows_per_chunk(m, d, f, o, 2, forward=False)
+    variants = {
+        "drop_h": drop_h_mlp,
+        "fp8": drop_h_fp8_mlp,
+        f"fp8[rows={rows}]": functools.partial(drop_h_fp8_mlp, chunk_rows=rows),
+    }
+    cols = cols_per_chunk(m, d, f, o, 2)
+    if cols is not None:
+        variants[f"fp8[rows={rows},cols={cols}]"] = functools.partial(
+            drop_h_fp8_mlp, chunk_rows=rows, chunk_cols=cols
+        )
     for n in args.rows:
         variants[f"fp8[rows={n}]"] = functools.partial(drop_h_fp8_mlp, chunk_rows=n)
+    for n in args.cols:
+        variants[f"fp8[cols={n}]"] = functools.partial(drop_h_fp8_mlp, chunk_cols=n)
     cases = [floor_case(w, x, grad_y)]
     cases += [layer_case(name, mlp, w, x, grad_y) for name, mlp in variants.items()]
     for case in cases:  # compiles, cuBLAS workspaces and heuristics before anything is read
@@ -102,9 +124,8 @@ def main() -> None:
     rows = rows_table(times, memory)
     for row in rows:
         if row["variant"] == "fp8":
-            row["rows_forward"], row["rows_backward"] = (
-                rows_per_chunk(m, d, f, o, 2, forward=forward) for forward in (True, False)
-            )
+            row["rows_forward"] = rows_per_chunk(m, d, f, o, 2, forward=True)
+            row["backward_split"] = backward_split(m, d, f, o, 2)._asdict()
     result = write_probe_result(
         "scripts/probe_fp8_chunks.py", rows, args.samples, git_commit(), args.json, args.md,
         to_markdown,

@@ -29,15 +29,18 @@ from torch.utils._pytree import tree_leaves
 from swiglu_train.kernels.fp8_format import SCALE_DTYPE, n_blocks
 from swiglu_train.ops import reference, use_backend
 from swiglu_train.ops.activation import swiglu_bwd_recompute_, swiglu_fwd
-from swiglu_train.ops.fp8_saved import (
+from swiglu_train.ops.fp8_chunks import (
     MIN_CHUNK_ROWS,
     ROW_ALIGN,
     drop_h_backward_peak,
-    drop_h_fp8_mlp,
     fp8_backward_peak,
     fp8_forward_peak,
     rows_per_chunk,
+)
+from swiglu_train.ops.fp8_saved import (
+    drop_h_fp8_mlp,
     swiglu_bwd_fp8_,
+    swiglu_bwd_fp8_columns_,
     swiglu_fwd_fp8_,
 )
 from swiglu_train.ops.mlp import drop_h_mlp
@@ -270,7 +273,14 @@ def test_rows_per_chunk_small_or_tight_shapes():
 # The torch bodies of the activation ops: the Triton kernels they stand for allocate nothing
 # but their outputs (drop_h's swiglu_fwd returns h; the others write into given buffers).
 KERNEL_BODIES = {
-    op._fn.__code__ for op in (swiglu_fwd, swiglu_bwd_recompute_, swiglu_fwd_fp8_, swiglu_bwd_fp8_)
+    op._fn.__code__
+    for op in (
+        swiglu_fwd,
+        swiglu_bwd_recompute_,
+        swiglu_fwd_fp8_,
+        swiglu_bwd_fp8_,
+        swiglu_bwd_fp8_columns_,
+    )
 }
 
 

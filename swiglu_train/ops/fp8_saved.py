@@ -37,31 +37,23 @@ of the gradients against float64 on the same bf16 inputs, over three shapes up t
 issue's "within 2x of bf16" is not met, and cannot be with 3 mantissa bits. y is drop_h's, to
 the fc1 GEMM's rounding on a chunk's rows (below; exactly, in one chunk).
 
-Both passes run in chunks of rows (``rows_per_chunk``), so that the step's peak stays within
-drop_h's: the bf16 preactivation and grad_preact never exist whole next to the copy. Forward:
-each chunk's preactivation goes into one [rows, 2F] buffer reused across chunks (fc1's GEMM,
-out=), and the kernel writes that chunk's h, copy and scales rows. Backward: grad_preact cannot
-go in place over the 1-byte copy, so each chunk's kernel writes it into one reused buffer, and
-h over grad_h's rows; the chunk's grad_x rows (out=) and its share of grad_W1 (accumulated by
-the GEMM, beta = 1) and grad_b1 (in fp32) follow. grad_W2 comes after the loop.
+Both passes run in chunks (``ops.fp8_chunks``), so that the step's peak stays within drop_h's:
+the bf16 preactivation and grad_preact never exist whole next to the copy. Forward splits the
+rows of M; backward the rows of M or the columns of F, whichever re-reads fewer bytes of the
+gradient it accumulates over its chunks (grad_W1 for rows, grad_x for columns). grad_preact
+cannot go in place over the 1-byte copy, so each chunk's kernel writes it into one reused
+buffer. At the seed shape [11136, 3584, 14336, 3584] bf16: forward 2 chunks of 5632 rows,
+997.9 MiB, backward 3 chunks of 4864 columns (6 of 1920 rows would read and write grad_W1 five
+more times), against drop_h's 1087.6 MiB. Before chunking both were 1303.6 (the whole bf16
+preactivation, or grad_preact, beside the copy and h or grad_h).
 
-The rows are the most that keep each loop's live set within drop_h's backward peak, x + the
-preact + grad_h + grad_W2 (``drop_h_backward_peak``): forward holds x, h,
-the copy and scales and the buffer (``fp8_forward_peak``); backward x, the copy and scales,
-grad_h, grad_x, grad_W1 and the buffer (``fp8_backward_peak``). At the seed shape
-[11136, 3584, 14336, 3584] bf16: forward 2 chunks of 5632 rows, 997.9 MiB, backward 6 of 1920,
-1067.0 MiB, against drop_h's 1087.6. Before chunking both were 1303.6 (the whole bf16
-preactivation, or grad_preact, beside the copy and h or grad_h). Rows are multiples of 128 and
-at least 1024, so that a chunk's GEMMs keep rows enough to fill the GPU; that floor wins over
-the bound at small D and O against F. ``scripts/probe_fp8_chunks.py`` times the chunked step.
-
-grad_W1 accumulates in the parameters' dtype: an fp32 accumulator would hold 2F*D*4 bytes, 196
-MiB more than bf16's at the seed shape, above the whole 121 MiB the backward's buffer may take,
-so the peak could not stay within drop_h's. The bf16 rounding per chunk raises grad_W1's error
-against float64 by 0.4 % of itself at six chunks (2.917 % -> 2.930 % on CPU, [6144, 256, 704],
-with fp32 scales; tests/test_fp8_saved_chunked.py bounds it at 2 %). With ``inplace`` (the
-default) the copy and its scales are freed after the loop, before grad_W2 is allocated, so
-the graph cannot be backpropagated twice (``inplace=False`` keeps them).
+The accumulated gradient stays in the parameters' dtype: an fp32 grad_W1 would hold 2F*D*4
+bytes, 196 MiB more than bf16's at the seed shape, more than the backward's buffers may take.
+The bf16 rounding per chunk raises grad_W1's error against float64 by 0.4 % of itself at six
+row chunks (2.917 % -> 2.930 % on CPU, [6144, 256, 704], with fp32 scales;
+tests/test_fp8_saved_chunked.py bounds it at 2 %), and grad_x's likewise over column chunks.
+With ``inplace`` (the default) the copy and its scales are freed after the loop, so the graph
+cannot be backpropagated twice (``inplace=False`` keeps them).
 """
 
 from __future__ import annotations
@@ -85,6 +77,13 @@ from swiglu_train.kernels.runtime import device_capability
 from swiglu_train.ops import reference
 from swiglu_train.ops.activation import triton_enabled
 from swiglu_train.ops.eager import eager_op
+from swiglu_train.ops.fp8_chunks import (
+    BackwardSplit,
+    backward_split,
+    column_chunks,
+    row_chunks,
+    rows_per_chunk,
+)
 from swiglu_train.ops.mlp import claim_inplace_backward, refuse_double_backward
 
 try:
@@ -181,69 +180,6 @@ def saved_buffers(m: int, ffn: int, like: torch.Tensor) -> tuple[torch.Tensor, .
     )
 
 
-# Rows per chunk: a multiple of ROW_ALIGN (whole GEMM tiles), and at least
-# MIN_CHUNK_ROWS unless M is smaller, so the per-chunk GEMMs keep enough rows to fill the GPU.
-ROW_ALIGN = 128
-MIN_CHUNK_ROWS = 1024
-
-
-def drop_h_backward_peak(m: int, d: int, ffn: int, out: int, itemsize: int) -> int:
-    """Bytes drop_h's in-place backward holds at its peak, parameters and grad_y aside: x and
-    the preact with grad_h and grad_W2 (h's last use), or with grad_W2, grad_x and grad_W1 (the
-    preact's buffer then holds grad_preact)."""
-    x, preact, grad_w2 = m * d, 2 * m * ffn, out * ffn
-    first = x + preact + m * ffn + grad_w2
-    return itemsize * max(first, x + preact + grad_w2 + m * d + 2 * ffn * d)
-
-
-def fp8_forward_peak(m: int, d: int, ffn: int, itemsize: int, rows: int) -> int:
-    """Bytes the FP8 forward holds at its peak, in its chunk loop, parameters aside: x, h, the
-    FP8 copy and its scales, and one [rows, 2F] preact buffer (freed before fc2's y)."""
-    return _copy_bytes(m, ffn) + itemsize * (m * d + m * ffn + min(rows, m) * 2 * ffn)
-
-
-def fp8_backward_peak(m: int, d: int, ffn: int, itemsize: int, rows: int) -> int:
-    """Bytes the FP8 backward holds at its peak, in its chunk loop, parameters and grad_y
-    aside: x, the FP8 copy and its scales, grad_h (becoming h), grad_x, grad_W1 and one
-    [rows, 2F] grad_preact buffer. grad_W2 comes after the loop, once the copy is freed."""
-    held = 2 * m * d + m * ffn + 2 * ffn * d + min(rows, m) * 2 * ffn
-    return _copy_bytes(m, ffn) + itemsize * held
-
-
-def _copy_bytes(m: int, ffn: int) -> int:
-    values, scales = saved_shapes(m, ffn)
-    return values[0] * values[1] * FP8_DTYPE.itemsize + scales[0] * scales[1] * SCALE_DTYPE.itemsize
-
-
-def rows_per_chunk(m: int, d: int, ffn: int, out: int, itemsize: int, *, forward: bool) -> int:
-    """Rows per chunk of the FP8 forward or backward, for x [m, d], F = ffn and O = out: the
-    most that keep its peak (``fp8_forward_peak``, ``fp8_backward_peak``) within
-    ``drop_h_backward_peak``, drop_h's peak over the step, rounded down to ROW_ALIGN, then
-    evened out over the chunks that takes (a short last chunk wastes a GEMM launch).
-
-    MIN_CHUNK_ROWS wins over the bound where the two disagree (the backward at small O and D
-    against F, as at [4096, 1024, 2816, 1024]): the peak is then above drop_h's by the
-    difference, which smaller chunks would buy back in GEMM time.
-    """
-    if m <= MIN_CHUNK_ROWS:
-        return max(m, 1)
-    peak = fp8_forward_peak if forward else fp8_backward_peak
-    spare = drop_h_backward_peak(m, d, ffn, out, itemsize) - peak(m, d, ffn, itemsize, 0)
-    fits = spare // max(2 * ffn * itemsize, 1)
-    rows = max(fits // ROW_ALIGN * ROW_ALIGN, MIN_CHUNK_ROWS)
-    if rows >= m:
-        return m
-    chunks = -(-m // rows)
-    even = -(-m // (chunks * ROW_ALIGN)) * ROW_ALIGN  # ceil(m / chunks), up to ROW_ALIGN
-    return max(even, MIN_CHUNK_ROWS)
-
-
-def row_chunks(m: int, rows: int) -> list[slice]:
-    """Row ranges of ``rows`` rows, the last one shorter; for m = 0 one empty range, so the
-    loop still writes grad_W1's zeros."""
-    return [slice(start, min(start + rows, m)) for start in range(0, max(m, 1), rows)]
-
-
 @eager_op("swiglu_train::swiglu_bwd_fp8_", mutates_args=("grad_h", "grad_preact"))
 def swiglu_bwd_fp8_(
     q: torch.Tensor, scales: torch.Tensor, grad_h: torch.Tensor, grad_preact: torch.Tensor
@@ -262,9 +198,42 @@ def _(q: torch.Tensor, scales: torch.Tensor, grad_h: torch.Tensor, grad_preact: 
     return None
 
 
+@eager_op("swiglu_train::swiglu_bwd_fp8_columns_", mutates_args=("grad_h", "grad_preact"))
+def swiglu_bwd_fp8_columns_(
+    q: torch.Tensor,
+    scales: torch.Tensor,
+    start: int,
+    grad_h: torch.Tensor,
+    grad_preact: torch.Tensor,
+) -> None:
+    """The backward of columns [start, start + C) of each half of the whole copy (q [M, 2F]):
+    grad_preact [M, 2C] (gate's columns, then up's) into the given buffer, h over grad_h
+    [M, C]. ``start`` is a multiple of the scale block."""
+    if not triton_enabled(grad_h):
+        width, ffn, nb = grad_h.shape[1], q.shape[1] // 2, n_blocks(q.shape[1] // 2)
+        first, blocks = start // BLOCK, n_blocks(width)
+        values = q.view(torch.uint8)  # cat has no float8 kernel on every device
+        window = torch.cat(
+            (values[:, start : start + width], values[:, ffn + start : ffn + start + width]), 1
+        ).view(FP8_DTYPE)
+        window_scales = torch.cat(
+            (scales[:, first : first + blocks], scales[:, nb + first : nb + first + blocks]), 1
+        )
+        h, grad = recompute(window, window_scales, grad_h)
+        grad_h.copy_(h)
+        grad_preact.copy_(grad)
+        return
+    kernels.swiglu_backward_fp8_columns(q, scales, start, grad_h, grad_preact)
+
+
+@swiglu_bwd_fp8_columns_.register_fake
+def _(q, scales, start: int, grad_h: torch.Tensor, grad_preact: torch.Tensor) -> None:
+    return None
+
+
 class _DropHFP8(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, fc1_weight, fc1_bias, fc2_weight, fc2_bias, inplace: bool, rows):
+    def forward(ctx, x, fc1_weight, fc1_bias, fc2_weight, fc2_bias, inplace: bool, rows, split):
         (m, d), ffn = x.shape, fc1_weight.shape[0] // 2
         chunk = rows or rows_per_chunk(
             m, d, ffn, fc2_weight.shape[0], x.element_size(), forward=True
@@ -283,7 +252,7 @@ class _DropHFP8(torch.autograd.Function):
         ctx.inplace = inplace
         ctx.has_bias = (fc1_bias is not None, fc2_bias is not None)
         ctx.backward_ran = False
-        ctx.rows = rows
+        ctx.split = split
         return F.linear(h, fc2_weight, fc2_bias)
 
     @staticmethod
@@ -293,40 +262,102 @@ class _DropHFP8(torch.autograd.Function):
             ctx, SECOND_BACKWARD_ERROR_FP8, SECOND_BACKWARD_FREED_ERROR_FP8
         )
         x, fc1_weight, fc2_weight, q, scales = ctx.saved_tensors
-        need_x, need_w1, need_b1, need_w2, need_b2 = ctx.needs_input_grad[:5]
-        need_b1, need_b2 = need_b1 and ctx.has_bias[0], need_b2 and ctx.has_bias[1]
+        needs = list(ctx.needs_input_grad[:5])
+        needs[2], needs[4] = needs[2] and ctx.has_bias[0], needs[4] and ctx.has_bias[1]
         grad_y = grad_y.contiguous()
-        h = grad_y @ fc2_weight  # grad_h; each chunk's kernel writes h over its rows
-        (m, ffn), d = h.shape, x.shape[1]
-        rows = ctx.rows or rows_per_chunk(
-            m, d, ffn, grad_y.shape[1], h.element_size(), forward=False
+        (m, d), ffn = x.shape, fc2_weight.shape[1]
+        split = ctx.split or backward_split(m, d, ffn, grad_y.shape[1], grad_y.element_size())
+        backward = _backward_columns if split.axis == "columns" else _backward_rows
+        grad_x, grad_w1, grad_b1, grad_w2 = backward(
+            grad_y, x, fc1_weight, fc2_weight, q, scales, split.size, consume, needs
         )
-        grad_x = h.new_empty(m, d) if need_x else None
-        grad_w1 = grad_b1 = None
-        buffer = h.new_empty(min(rows, m), 2 * ffn)  # one chunk's grad_preact, reused
-        for part in row_chunks(m, rows):
-            grad_preact = buffer[: part.stop - part.start]
-            swiglu_bwd_fp8_(q[part], scales[part], h[part], grad_preact)
-            if need_x:
-                torch.mm(grad_preact, fc1_weight, out=grad_x[part])
-            if need_w1:  # accumulated by the GEMM in the parameters' dtype (module docstring)
-                if grad_w1 is None:
-                    grad_w1 = grad_preact.t() @ x[part]
-                else:
-                    grad_w1.addmm_(grad_preact.t(), x[part])
-            if need_b1:  # in fp32, rounded once, like the unchunked sum
-                column_sums = grad_preact.sum(0, dtype=torch.float32)
-                grad_b1 = column_sums if grad_b1 is None else grad_b1.add_(column_sums)
-        del buffer, grad_preact
-        if consume:  # read for the last time: free it before grad_W2 is allocated
-            q.untyped_storage().resize_(0)
-            scales.untyped_storage().resize_(0)
-        del q, scales
-        grad_w2 = grad_y.t() @ h if need_w2 else None
-        del h
-        grad_b1 = grad_b1.to(grad_y.dtype) if need_b1 else None
-        grad_b2 = grad_y.sum(0) if need_b2 else None
-        return grad_x, grad_w1, grad_b1, grad_w2, grad_b2, None, None
+        grad_b1 = grad_b1.to(grad_y.dtype) if needs[2] else None
+        grad_b2 = grad_y.sum(0) if needs[4] else None
+        return grad_x, grad_w1, grad_b1, grad_w2, grad_b2, None, None, None
+
+
+def _free(consume: bool, *saved: torch.Tensor) -> None:
+    """The copy and its scales, read for the last time: their memory goes back now."""
+    if consume:
+        for t in saved:
+            t.untyped_storage().resize_(0)
+
+
+def _backward_rows(grad_y, x, fc1_weight, fc2_weight, q, scales, rows: int, consume, needs):
+    """(grad_x, grad_W1, grad_b1 in fp32, grad_W2) over chunks of rows of M: grad_W1 is
+    accumulated by the GEMM (beta = 1), grad_W2 comes after the loop, once the copy is freed."""
+    need_x, need_w1, need_b1, need_w2, _ = needs
+    h = grad_y @ fc2_weight  # grad_h; each chunk's kernel writes h over its rows
+    (m, ffn), d = h.shape, x.shape[1]
+    grad_x = h.new_empty(m, d) if need_x else None
+    grad_w1 = grad_b1 = None
+    buffer = h.new_empty(min(rows, m), 2 * ffn)  # one chunk's grad_preact, reused
+    for part in row_chunks(m, rows):
+        grad_preact = buffer[: part.stop - part.start]
+        swiglu_bwd_fp8_(q[part], scales[part], h[part], grad_preact)
+        if need_x:
+            torch.mm(grad_preact, fc1_weight, out=grad_x[part])
+        if need_w1:  # accumulated in the parameters' dtype (module docstring)
+            if grad_w1 is None:
+                grad_w1 = grad_preact.t() @ x[part]
+            else:
+                grad_w1.addmm_(grad_preact.t(), x[part])
+        if need_b1:  # in fp32, rounded once, like the unchunked sum
+            column_sums = grad_preact.sum(0, dtype=torch.float32)
+            grad_b1 = column_sums if grad_b1 is None else grad_b1.add_(column_sums)
+    del buffer, grad_preact
+    _free(consume, q, scales)
+    grad_w2 = grad_y.t() @ h if need_w2 else None
+    return grad_x, grad_w1, grad_b1, grad_w2
+
+
+def _backward_columns(grad_y, x, fc1_weight, fc2_weight, q, scales, cols: int, consume, needs):
+    """(grad_x, grad_W1, grad_b1 in fp32, grad_W2) over chunks of columns of F: each chunk's
+    grad_h, h and grad_preact exist for that chunk only; its rows of grad_W1 and columns of
+    grad_W2 are written whole, and grad_x accumulates over the chunks (beta = 1)."""
+    need_x, need_w1, need_b1, need_w2, _ = needs
+    (m, d), ffn = x.shape, fc2_weight.shape[1]
+    grad_x = grad_y.new_empty(m, d) if need_x else None
+    grad_w1 = grad_y.new_empty(2 * ffn, d) if need_w1 else None
+    grad_b1 = grad_y.new_empty(2 * ffn, dtype=torch.float32) if need_b1 else None
+    grad_w2 = grad_y.new_empty(fc2_weight.shape) if need_w2 else None
+    width = min(cols, ffn)
+    h_buffer, grad_buffer = grad_y.new_empty(m * width), grad_y.new_empty(m * 2 * width)
+    chunks = column_chunks(ffn, cols)
+    for part in chunks:
+        c, up = part.stop - part.start, slice(ffn + part.start, ffn + part.stop)
+        h = h_buffer[: m * c].view(m, c)  # contiguous for a narrower last chunk too
+        grad_preact = grad_buffer[: m * 2 * c].view(m, 2 * c)
+        torch.mm(grad_y, fc2_weight[:, part], out=h)  # grad_h; the kernel writes h over it
+        swiglu_bwd_fp8_columns_(q, scales, part.start, h, grad_preact)
+        if need_w2:
+            _mm_into(grad_w2[:, part], grad_y.t(), h)
+        grad_gate, grad_up = grad_preact[:, :c], grad_preact[:, c:]
+        if need_w1:
+            torch.mm(grad_gate.t(), x, out=grad_w1[part])
+            torch.mm(grad_up.t(), x, out=grad_w1[up])
+        if need_x and len(chunks) == 1:  # W1's gate and up rows in one GEMM
+            torch.mm(grad_preact, fc1_weight, out=grad_x)
+        elif need_x:  # accumulated in the parameters' dtype (module docstring)
+            if part.start == 0:
+                torch.mm(grad_gate, fc1_weight[part], out=grad_x)
+            else:
+                grad_x.addmm_(grad_gate, fc1_weight[part])
+            grad_x.addmm_(grad_up, fc1_weight[up])
+        if need_b1:
+            grad_b1[part] = grad_gate.sum(0, dtype=torch.float32)
+            grad_b1[up] = grad_up.sum(0, dtype=torch.float32)
+    _free(consume, q, scales)
+    return grad_x, grad_w1, grad_b1, grad_w2
+
+
+def _mm_into(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """a @ b into ``out``, columns of a wider matrix. cuBLAS writes such a view in place (as
+    its leading dimension); torch.compile refuses a non-contiguous out=, so it copies there."""
+    if torch.compiler.is_compiling():
+        out.copy_(a @ b)
+    else:
+        torch.mm(a, b, out=out)
 
 
 def drop_h_fp8_mlp(
@@ -337,14 +368,30 @@ def drop_h_fp8_mlp(
     fc2_bias: torch.Tensor | None,
     inplace: bool = True,
     chunk_rows: int | None = None,
+    chunk_cols: int | None = None,
 ) -> torch.Tensor:
     """drop_h saving its preactivation in FP8; ``inplace`` frees it once backward read it.
-    ``chunk_rows`` sets the rows per chunk of forward and backward (None: ``rows_per_chunk``'s
-    rule for each; benchmarks and tests set it)."""
+    ``chunk_rows`` sets the rows per chunk of forward, and of backward unless ``chunk_cols``
+    (a multiple of 128) splits the backward's columns of F instead. Unset, ``ops.fp8_chunks``'
+    rules choose (benchmarks and tests set them)."""
     if chunk_rows is not None and (type(chunk_rows) is not int or chunk_rows < 1):
         raise ValueError(f"chunk_rows must be a positive int or None, got {chunk_rows!r}")
+    if chunk_cols is not None and (
+        type(chunk_cols) is not int or chunk_cols < 1 or chunk_cols % BLOCK
+    ):
+        raise ValueError(
+            f"chunk_cols must be a positive multiple of {BLOCK} (whole scale blocks) or None, "
+            f"got {chunk_cols!r}"
+        )
+    split = None
+    if chunk_cols is not None:
+        split = BackwardSplit("columns", chunk_cols)
+    elif chunk_rows is not None:
+        split = BackwardSplit("rows", chunk_rows)
     # Before any GEMM: the kernels would fail to compile. Not while torch.compile traces this
     # (it would trace torch's capability query into the graph); pretrain checks before the run.
     if x.is_cuda and not torch.compiler.is_compiling() and triton_enabled(x):
         check_fp8_gpu(x.get_device())
-    return _DropHFP8.apply(x, fc1_weight, fc1_bias, fc2_weight, fc2_bias, inplace, chunk_rows)
+    return _DropHFP8.apply(
+        x, fc1_weight, fc1_bias, fc2_weight, fc2_bias, inplace, chunk_rows, split
+    )
