@@ -5,8 +5,8 @@ Variants, each one layer's fwd+bwd on the same weights and inputs (bf16, no bias
   drop_h          the bf16 impl (in place);
   fp8             saved_fp8's function as ParMLP runs it (``ops.fp8_chunks``' rules: the
                   backward splits rows or columns, ``backward_split``);
-  fp8[rows=R] and fp8[rows=R,cols=C]  the backward split in rows and in columns at the
-                  rules' sizes, after the same forward (in R rows): the split's A/B;
+  fp8[rows=A/B/..] and fp8[cols=C]  the backward split in rows (the rule's growing chunks)
+                  and in columns at the rule's size, after the same forward: the split's A/B;
   fp8[rows=N]     N rows per chunk in forward and backward (N >= M: one chunk);
   fp8[cols=N]     the backward in chunks of N columns of F (a multiple of 128).
 Issue 19's targets at the seed shape: fp8's full step within drop_h's + 1 % (``full_over_drop_h``
@@ -26,9 +26,23 @@ import numpy as np
 import torch
 
 from swiglu_train.bench.mlp import floor_case, git_commit, write_probe_result
-from swiglu_train.bench.timing import PHASES, Case, Clock, memory_mib, paired_samples, run_once
+from swiglu_train.bench.timing import (
+    PHASES,
+    Case,
+    Clock,
+    kernel_timeline,
+    memory_mib,
+    paired_samples,
+    run_once,
+)
 from swiglu_train.bench.variants import LayerWeights
-from swiglu_train.ops.fp8_chunks import backward_split, cols_per_chunk, rows_per_chunk
+from swiglu_train.ops.fp8_chunks import (
+    BackwardSplit,
+    backward_row_chunks,
+    backward_split,
+    cols_per_chunk,
+    rows_per_chunk,
+)
 from swiglu_train.ops.fp8_saved import drop_h_fp8_mlp
 from swiglu_train.ops.mlp import drop_h_mlp
 
@@ -89,6 +103,9 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", required=True)
     parser.add_argument("--md")
+    parser.add_argument(
+        "--profile", action="store_true", help="add each variant's kernels in launch order"
+    )
     args = parser.parse_args()
     if not torch.cuda.is_available():
         parser.error("needs CUDA: this probe times GPU kernels")
@@ -98,19 +115,18 @@ def main() -> None:
     w = LayerWeights.random(d, f, o, dtype, "cuda")
     x = torch.randn(m, d, dtype=dtype, device=device, requires_grad=True)
     grad_y = torch.randn(m, o, dtype=dtype, device=device)
-    # The backward's two splits at their rules' sizes, each after the same forward (in the
-    # backward's rows, more chunks than ParMLP's forward), so that only the backward differs
-    rows = rows_per_chunk(m, d, f, o, 2, forward=False)
+    # The backward's two splits at their rules' sizes, each after the rule's forward
+    rows = BackwardSplit("rows", backward_row_chunks(m, d, f, o, 2))
     variants = {
         "drop_h": drop_h_mlp,
         "fp8": drop_h_fp8_mlp,
-        f"fp8[rows={rows}]": functools.partial(drop_h_fp8_mlp, chunk_rows=rows),
+        f"fp8[rows={'/'.join(map(str, rows.lengths))}]": functools.partial(
+            drop_h_fp8_mlp, split=rows
+        ),
     }
     cols = cols_per_chunk(m, d, f, o, 2)
     if cols is not None:
-        variants[f"fp8[rows={rows},cols={cols}]"] = functools.partial(
-            drop_h_fp8_mlp, chunk_rows=rows, chunk_cols=cols
-        )
+        variants[f"fp8[cols={cols}]"] = functools.partial(drop_h_fp8_mlp, chunk_cols=cols)
     for n in args.rows:
         variants[f"fp8[rows={n}]"] = functools.partial(drop_h_fp8_mlp, chunk_rows=n)
     for n in args.cols:
@@ -122,9 +138,13 @@ def main() -> None:
     memory = {case.name: memory_mib(case, device) for case in cases[1:]}
     times = paired_samples(cases, args.samples, device, args.seed)
     rows = rows_table(times, memory)
+    if args.profile:  # after the timing, so that the profiler cannot disturb it
+        timelines = {case.name: kernel_timeline(case) for case in cases[1:]}
+        for row in rows:
+            row["kernels"] = timelines[row["variant"]]
     for row in rows:
         if row["variant"] == "fp8":
-            row["rows_forward"] = rows_per_chunk(m, d, f, o, 2, forward=True)
+            row["rows_forward"] = rows_per_chunk(m, d, f, o, 2)
             row["backward_split"] = backward_split(m, d, f, o, 2)._asdict()
     result = write_probe_result(
         "scripts/probe_fp8_chunks.py", rows, args.samples, git_commit(), args.json, args.md,

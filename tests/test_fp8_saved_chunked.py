@@ -32,6 +32,8 @@ from swiglu_train.ops.activation import swiglu_bwd_recompute_, swiglu_fwd
 from swiglu_train.ops.fp8_chunks import (
     MIN_CHUNK_ROWS,
     ROW_ALIGN,
+    BackwardSplit,
+    backward_row_chunks,
     drop_h_backward_peak,
     fp8_backward_peak,
     fp8_forward_peak,
@@ -94,8 +96,11 @@ def fp8_run(inputs, rows: int, backend: str, x_grad: bool = True, **kw) -> dict:
         y = drop_h_fp8_mlp(*leaves, chunk_rows=rows, **kw)
     with use_backend(backend):
         y.backward(grad_y)
-    (q,) = (t for t in saved if t.dtype == torch.float8_e4m3fn)
-    (scales,) = (t for t in saved if t.dtype == SCALE_DTYPE and t.shape[1] == 2 * n_blocks(FFN))
+    # the copy in saved order: one allocation per row chunk of the backward (or one in all)
+    q = torch.cat([t for t in saved if t.dtype == torch.float8_e4m3fn])
+    scales = torch.cat(
+        [t for t in saved if t.dtype == SCALE_DTYPE and t.shape[1] == 2 * n_blocks(FFN)]
+    )
     grads = {n: None if t is None else t.grad for n, t in zip(NAMES, leaves, strict=True)}
     return {"y": y.detach(), "q": q.view(torch.uint8), "scales": scales, **grads}
 
@@ -226,62 +231,92 @@ SEED_SHAPE = (11136, 3584, 14336, 3584)  # M, D, F, O: issue 19's
 MiB = 2**20
 
 
-def test_rows_per_chunk_at_the_seed_shape():
+def test_chunks_at_the_seed_shape():
     """drop_h's backward peaks at x + preact + grad_h + grad_W2 = 1087.6 MiB, above its
-    forward's x + preact + h. Through the FP8 backward's loop x, the copy and its bf16 scales,
-    grad_h, grad_x and grad_W1 hold 962.0 MiB, leaving 125.6 MiB: 2297 rows of [2F] bf16, 2176
-    aligned, 6 chunks, evened out to 1856 and aligned to 1920. Through the forward's, x, h and
-    the copy hold 689.9 MiB, leaving 397.7: 7273 rows, 7168 aligned, 2 chunks, 5568 evened,
-    5632."""
+    forward's x + preact + h. Through the forward's loop x, h and the copy hold 689.9 MiB,
+    leaving 397.7: 7273 rows, 7168 aligned, 2 chunks, 5568 evened, 5632. The row-split
+    backward frees each chunk's copy once read, so its chunks grow; 3 chunks fit, evened to
+    3712 rows each. Held whole through the loop, the copy would allow 6 chunks."""
     m, d, ffn, out = SEED_SHAPE
     limit = drop_h_backward_peak(m, d, ffn, out, 2)
     assert round(limit / MiB, 1) == 1087.6
-    backward = rows_per_chunk(m, d, ffn, out, 2, forward=False)
-    assert backward == 1920 and -(-m // backward) == 6
-    assert round(fp8_backward_peak(m, d, ffn, 2, backward) / MiB, 1) == 1067.0
-    forward = rows_per_chunk(m, d, ffn, out, 2, forward=True)
+    backward = backward_row_chunks(m, d, ffn, out, 2)
+    assert backward == (3712, 3712, 3712)
+    assert round(fp8_backward_peak(m, d, ffn, 2, backward) / MiB, 1) == 1061.9
+    kept = backward_row_chunks(m, d, ffn, out, 2, freed=False)
+    assert kept == (1920, 1920, 1920, 1792, 1792, 1792)
+    assert fp8_backward_peak(m, d, ffn, 2, backward, freed=False) > limit  # needs the freeing
+    forward = rows_per_chunk(m, d, ffn, out, 2)
     assert forward == 5632 and -(-m // forward) == 2
     assert round(fp8_forward_peak(m, d, ffn, 2, forward) / MiB, 1) == 997.9
 
 
-@pytest.mark.parametrize(
-    ("shape", "itemsize"),
-    [
-        (SEED_SHAPE, 4),
-        ((8192, 4096, 11008, 4096), 2),
-        ((16384, 2048, 5632, 2048), 2),
-        ((65536, 4096, 14336, 4096), 2),
-        ((12345, 2048, 5000, 2048), 2),  # M and F not multiples of 128
-        ((8192, 2048, 5632, 2048), 2),
-    ],
-)
-@pytest.mark.parametrize("forward", [True, False], ids=["forward", "backward"])
-def test_rows_per_chunk_keeps_the_peak_within_drop_h_s(shape, itemsize, forward):
+SHAPES = [
+    (SEED_SHAPE, 4),
+    ((8192, 4096, 11008, 4096), 2),
+    ((16384, 2048, 5632, 2048), 2),
+    ((65536, 4096, 14336, 4096), 2),
+    ((12345, 2048, 5000, 2048), 2),  # M and F not multiples of 128
+    ((8192, 2048, 5632, 2048), 2),
+]
+
+
+@pytest.mark.parametrize(("shape", "itemsize"), SHAPES)
+def test_forward_rows_keep_the_peak_within_drop_h_s(shape, itemsize):
     m, d, ffn, _ = shape
-    peak = fp8_forward_peak if forward else fp8_backward_peak
     limit = drop_h_backward_peak(*shape, itemsize)
-    rows = rows_per_chunk(*shape, itemsize, forward=forward)
+    rows = rows_per_chunk(*shape, itemsize)
     assert rows % ROW_ALIGN == 0 and MIN_CHUNK_ROWS <= rows < m
-    assert peak(m, d, ffn, itemsize, rows) <= limit
+    assert fp8_forward_peak(m, d, ffn, itemsize, rows) <= limit
     chunks = -(-m // rows)  # no fewer chunks would fit, and they are even to within ROW_ALIGN
     fewer = m if chunks == 2 else ceil_to(-(-m // (chunks - 1)), ROW_ALIGN)
-    assert peak(m, d, ffn, itemsize, fewer) > limit
+    assert fp8_forward_peak(m, d, ffn, itemsize, fewer) > limit
     assert rows - chunks * ROW_ALIGN <= m - (chunks - 1) * rows <= rows
+
+
+@pytest.mark.parametrize(("shape", "itemsize"), SHAPES)
+@pytest.mark.parametrize("freed", [True, False], ids=["freed", "kept"])
+def test_backward_row_chunks_keep_the_peak_within_drop_h_s(shape, itemsize, freed):
+    """Covering M in aligned chunks, and one chunk fewer, evenly, does not fit. Freeing each
+    chunk's copy (inplace, the default) keeps the whole step within drop_h's peak and never
+    needs more chunks than holding the copy whole; a kept copy (inplace=False) is beside
+    grad_W2 after the loop, above drop_h's peak at some shapes whatever the chunks; its chunks
+    are even."""
+    m, d, ffn, _ = shape
+    limit = drop_h_backward_peak(*shape, itemsize)
+    lengths = backward_row_chunks(*shape, itemsize, freed=freed)
+    assert sum(lengths) == m and all(n % ROW_ALIGN == 0 for n in lengths[:-1])
+    assert min(lengths) >= MIN_CHUNK_ROWS
+    if freed:
+        assert fp8_backward_peak(m, d, ffn, itemsize, lengths) <= limit
+        kept = backward_row_chunks(*shape, itemsize, freed=False)
+        assert len(lengths) <= len(kept)
+    else:
+        assert max(lengths) - min(lengths) <= 2 * ROW_ALIGN  # the last takes what is left
+    fewer = len(lengths) - 1
+    if fewer >= 1:
+        even = BackwardSplit.uniform("rows", m, ceil_to(-(-m // fewer), ROW_ALIGN)).lengths
+        assert fp8_backward_peak(m, d, ffn, itemsize, even, freed=freed) > limit
 
 
 def ceil_to(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
 
 
-def test_rows_per_chunk_small_or_tight_shapes():
-    for forward in (True, False):
-        assert rows_per_chunk(0, 64, 256, 64, 2, forward=forward) == 1  # one empty chunk
-        assert rows_per_chunk(1000, 64, 256, 64, 2, forward=forward) == 1000  # one chunk
-    # small D and O against F: the backward's bound allows 336 rows, MIN_CHUNK_ROWS wins
-    assert rows_per_chunk(1025, 64, 256, 64, 2, forward=False) == MIN_CHUNK_ROWS
+def test_chunks_at_small_or_tight_shapes():
+    assert rows_per_chunk(0, 64, 256, 64, 2) == 1  # one empty chunk
+    assert backward_row_chunks(0, 64, 256, 64, 2) == (0,)
+    assert rows_per_chunk(1000, 64, 256, 64, 2) == 1000  # one chunk
+    assert backward_row_chunks(1000, 64, 256, 64, 2) == (1000,)
+    # small D and O against F: the backward's bound allows fewer rows, MIN_CHUNK_ROWS wins
     tight = (4096, 1024, 2816, 1024)
-    assert rows_per_chunk(*tight, 2, forward=False) == MIN_CHUNK_ROWS
-    assert fp8_backward_peak(*tight[:3], 2, MIN_CHUNK_ROWS) > drop_h_backward_peak(*tight, 2)
+    lengths = backward_row_chunks(*tight, 2, freed=False)
+    assert lengths == (MIN_CHUNK_ROWS,) * 4
+    assert fp8_backward_peak(*tight[:3], 2, lengths, freed=False) > drop_h_backward_peak(*tight, 2)
+    # freeing each chunk's copy makes room: 3 chunks, within drop_h's peak
+    lengths = backward_row_chunks(*tight, 2)
+    assert lengths == (1408, 1408, 1280)
+    assert fp8_backward_peak(*tight[:3], 2, lengths) <= drop_h_backward_peak(*tight, 2)
 
 
 # The torch bodies of the activation ops: the Triton kernels they stand for allocate nothing
@@ -358,8 +393,8 @@ def test_peaks_are_within_drop_h_s():
     """Counted op by op on CPU, the FP8 forward's and backward's peaks are their models' (the
     chunk rule's), and at most drop_h's in-place backward's, itself its model's."""
     m, d, ffn, out = 2560, 16, 128, 16
-    rows = {f: rows_per_chunk(m, d, ffn, out, 2, forward=f) for f in (True, False)}
-    assert rows == {True: 1024, False: 1024}  # 3 chunks each
+    forward_rows, backward_rows = rows_per_chunk(m, d, ffn, out, 2), (1024, 1536)
+    assert forward_rows == 1024 and backward_row_chunks(m, d, ffn, out, 2) == backward_rows
     g = torch.Generator().manual_seed(0)
     x, w1, w2, grad_y = (
         torch.randn(*s, generator=g, dtype=torch.bfloat16)
@@ -374,9 +409,9 @@ def test_peaks_are_within_drop_h_s():
     limit = drop_h_backward_peak(m, d, ffn, out, 2) - not_counted
     assert drop_h == (preact + h + y_bytes, preact + y_bytes, limit)
     assert fp8 == (
-        fp8_forward_peak(m, d, ffn, 2, rows[True]) - x_bytes,
+        fp8_forward_peak(m, d, ffn, 2, forward_rows) - x_bytes,
         copy + y_bytes,
-        fp8_backward_peak(m, d, ffn, 2, rows[False]) - not_counted,
+        fp8_backward_peak(m, d, ffn, 2, backward_rows) - not_counted,
     )
     assert max(fp8) <= max(drop_h)
     # one chunk, as before chunking: both passes above drop_h's peak

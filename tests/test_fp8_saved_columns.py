@@ -10,8 +10,6 @@ up's rows of W1) in the parameters' dtype: in bf16 each adds at most half an ulp
 sum, bounded as grad_W1's row chunks are, by sqrt(GEMMs) * 2**-8.
 """
 
-import math
-
 import pytest
 import torch
 from conftest import device_backends
@@ -125,39 +123,43 @@ def test_bad_chunk_cols_are_refused(cols):
         drop_h_fp8_mlp(x, w1, b1, w2, b2, chunk_cols=cols)
 
 
-def test_the_rule_at_the_seed_shape():
+def test_the_column_chunks_at_the_seed_shape():
     """Columns: x, the copy and scales, grad_x, grad_W1 and grad_W2 hold 755.5 MiB of
     drop_h's 1087.6, leaving room for 5212 columns of [M] grad_h and [M, 2] grad_preact; 5120
-    in whole blocks, 3 chunks, evened to 4864. Their grad_x accumulates 5 more times (5 x 2 x
-    M x D x 2 bytes, 798 MB); rows' 6 chunks accumulate grad_W1 5 more times (2,055 MB)."""
+    in whole blocks, 3 chunks, evened to 4864. The rule takes rows there: 3 chunks too."""
     m, d, ffn, out = SEED_SHAPE
     assert round(fp8_backward_peak_columns(m, d, ffn, out, 2, 0) / MiB, 1) == 755.5
     assert cols_per_chunk(*SEED_SHAPE, 2) == 4864
-    assert backward_split(*SEED_SHAPE, 2) == BackwardSplit("columns", 4864)
     peak = fp8_backward_peak_columns(*SEED_SHAPE, 2, 4864)
     assert peak <= drop_h_backward_peak(*SEED_SHAPE, 2)
     assert round(peak / MiB, 1) == 1065.4
+    assert backward_split(*SEED_SHAPE, 2) == BackwardSplit("rows", (3712, 3712, 3712))
 
 
-@pytest.mark.parametrize(
-    ("shape", "axis"),
-    [
-        ((8192, 4096, 11008, 4096), "columns"),  # M < 2F: grad_x is the smaller accumulator
-        ((4096, 8192, 28672, 8192), "columns"),
-        ((16384, 2048, 5632, 2048), "rows"),  # M > 2F
-        ((65536, 4096, 14336, 4096), "rows"),
-        ((2560, 16, 128, 16), "rows"),  # columns do not fit within drop_h's peak
-    ],
-)
-def test_the_rule_picks_the_split_that_moves_fewer_bytes(shape, axis):
-    m, d, ffn, _ = shape
-    split = backward_split(*shape, 2)
-    assert split.axis == axis
-    rows = rows_per_chunk(*shape, 2, forward=False)
-    cols = cols_per_chunk(*shape, 2)
-    rows_extra = (-(-m // rows) - 1) * 2 * ffn * d
-    cols_extra = math.inf if cols is None else (2 * -(-ffn // cols) - 1) * m * d
-    assert (axis == "columns") == (cols_extra < rows_extra)
+SWEEP = [
+    (m, d, ffn, d)
+    for m in (1024, 4096, 8000, 16384, 65536)
+    for d in (256, 1024, 2048, 4096, 8192)
+    for ffn in (1024, 2816, 4864, 14336, 28672, 53248)
+]
+
+
+def test_row_chunks_beat_column_chunks():
+    """Why the rule splits rows: freeing each chunk's copy as they go, rows need no more
+    chunks than columns within drop_h's peak, or, where columns need fewer (large M against
+    F), the rows' accumulations re-read and re-write fewer bytes (grad_W1 [2F, D] once per
+    chunk after the first, against grad_x [M, D] twice per column chunk but once)."""
+    fewer_columns = 0
+    for m, d, ffn, out in SWEEP:
+        split, cols = backward_split(m, d, ffn, out, 2), cols_per_chunk(m, d, ffn, out, 2)
+        assert split.axis == "rows" and sum(split.lengths) == m
+        if cols is None or len(split.lengths) <= -(-ffn // cols):
+            continue
+        fewer_columns += 1
+        rows_extra = (len(split.lengths) - 1) * 2 * ffn * d
+        cols_extra = (2 * -(-ffn // cols) - 1) * m * d
+        assert rows_extra <= cols_extra, (m, d, ffn)
+    assert fewer_columns >= 3  # the second reason is exercised
 
 
 @pytest.mark.parametrize(
@@ -186,7 +188,7 @@ def test_column_peaks_are_within_drop_h_s():
     """Counted op by op on CPU, at a shape where the rule splits columns in 2 chunks: the
     forward's and backward's peaks are their models', and at most drop_h's."""
     m, d, ffn, out = 2560, 256, 2560, 256
-    assert backward_split(m, d, ffn, out, 2) == BackwardSplit("columns", 1280)
+    assert cols_per_chunk(m, d, ffn, out, 2) == 1280
     g = torch.Generator().manual_seed(0)
     x, w1, w2, grad_y = (
         torch.randn(*s, generator=g, dtype=torch.bfloat16)
@@ -195,8 +197,8 @@ def test_column_peaks_are_within_drop_h_s():
     inputs = (x.requires_grad_(), w1.requires_grad_(), None, w2.requires_grad_(), None, grad_y)
     not_counted = m * d * 2 - m * out * 2  # x is an input; y is held through backward here
     drop_h = step_bytes(drop_h_mlp, inputs)
-    fp8 = step_bytes(drop_h_fp8_mlp, inputs)
-    rows = rows_per_chunk(m, d, ffn, out, 2, forward=True)
+    fp8 = step_bytes(lambda *t: drop_h_fp8_mlp(*t, chunk_cols=1280), inputs)
+    rows = rows_per_chunk(m, d, ffn, out, 2)
     assert fp8[0] == fp8_forward_peak(m, d, ffn, 2, rows) - m * d * 2
     assert fp8[2] == fp8_backward_peak_columns(m, d, ffn, out, 2, 1280) - not_counted
     assert max(fp8) <= max(drop_h) == drop_h_backward_peak(m, d, ffn, out, 2) - not_counted

@@ -17,9 +17,9 @@ from swiglu_train.ops import reference
 from swiglu_train.ops.fp8_chunks import (
     backward_split,
     drop_h_backward_peak,
-    fp8_backward_peak_columns,
     fp8_forward_peak,
     rows_per_chunk,
+    split_peak,
 )
 from swiglu_train.ops.fp8_saved import (
     dequantize,
@@ -131,9 +131,9 @@ def seed_step_bytes(saved_fp8: bool) -> tuple[int, int, int]:
 def test_seed_shape_peaks_are_within_drop_h_s():
     """Issue 19's memory targets: the FP8 layer's forward and backward peaks at most drop_h's
     step peak, and after forward the copy and scales in place of the preactivation. The chunk
-    rules' models (``fp8_forward_peak``, ``fp8_backward_peak_columns``: the backward splits
-    columns there) predict the peaks; y is held
-    through backward and x is not counted, so each model is off by y - x = 0 here."""
+    rules' models (``fp8_forward_peak``, ``split_peak`` for the backward's split there)
+    predict the peaks; y is held through backward and x is not counted, so each model is off
+    by y - x = 0 here."""
     m, d, ffn, _ = SEED_SHAPE
     drop_h, fp8 = seed_step_bytes(False), seed_step_bytes(True)
     preact, copy = m * 2 * ffn * 2, m * 2 * ffn + m * 2 * n_blocks(ffn) * 2
@@ -142,10 +142,8 @@ def test_seed_shape_peaks_are_within_drop_h_s():
     assert abs((drop_h[1] - fp8[1]) - (preact - copy)) <= 2 * 2**20, (drop_h, fp8)
     assert max(fp8) <= max(drop_h), (drop_h, fp8)
     x_bytes = m * d * 2
-    forward_model = fp8_forward_peak(m, d, ffn, 2, rows_per_chunk(*SEED_SHAPE, 2, forward=True))
-    split = backward_split(*SEED_SHAPE, 2)
-    assert split.axis == "columns"  # tests/test_fp8_saved_chunked.py: the rule at this shape
-    backward_model = fp8_backward_peak_columns(*SEED_SHAPE, 2, split.size)
+    forward_model = fp8_forward_peak(m, d, ffn, 2, rows_per_chunk(*SEED_SHAPE, 2))
+    backward_model = split_peak(*SEED_SHAPE, 2, backward_split(*SEED_SHAPE, 2))
     # allocator rounding and cuBLAS's own buffers: within 4 MiB of the models
     assert abs(fp8[0] - (forward_model - x_bytes)) <= 4 * 2**20, fp8
     assert abs(fp8[2] - backward_model) <= 4 * 2**20, fp8

@@ -184,3 +184,32 @@ def memory_mib(case: Case, device: torch.device) -> tuple[float | None, float | 
     del out
     case.reset()
     return after_forward / MiB, peak / MiB
+
+
+def kernel_timeline(case: Case, steps: int = 3) -> list[dict]:
+    """One step's CUDA kernels in launch order, each with its mean µs over ``steps`` steps:
+    which GEMM of a chunk loop costs what, where a per-name sum would merge them."""
+    from torch.profiler import ProfilerActivity, profile
+
+    clock = Clock(torch.device("cuda"))
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            run_once(case, clock)
+    kernels = [
+        e
+        for e in prof.events()
+        if e.device_type == torch.autograd.DeviceType.CUDA and "sleep" not in e.name.lower()
+    ]
+    kernels.sort(key=lambda e: e.time_range.start)
+    per_step = len(kernels) // steps
+    return [
+        {
+            "name": kernels[i].name[:90],
+            "us": round(
+                sum(kernels[i + s * per_step].time_range.elapsed_us() for s in range(steps))
+                / steps,
+                1,
+            ),
+        }
+        for i in range(per_step)
+    ]

@@ -4,17 +4,22 @@ within drop_h's: the live bytes of each loop, and the rules that size the chunks
 Forward runs in chunks of rows: each chunk's bf16 preactivation goes into one reused
 [rows, 2F] buffer, and the kernel writes that chunk's h, copy and scales rows.
 
-Backward splits the rows of M or the columns of F, whichever moves fewer extra bytes
-(``backward_split``). Each split leaves one gradient to accumulate over its chunks with
-beta = 1, and each accumulation after the first reads and writes that gradient once more:
-- rows: grad_W1 [2F, D], one GEMM a chunk; x, the copy, grad_h (becoming h), grad_x and
-  grad_W1 live through the loop, and grad_W2 comes after it, once the copy is freed;
+Backward splits the rows of M (``backward_split``), or the columns of F where asked
+(``chunk_cols``). Each split leaves one
+gradient to accumulate over its chunks with beta = 1, and each accumulation after the first
+reads and writes that gradient once more:
+- rows: grad_W1 [2F, D], one GEMM a chunk; x, grad_h (becoming h), grad_x and grad_W1 live
+  through the loop, and grad_W2 comes after it. The copy is saved as one allocation per chunk
+  (forward writes it so), and each chunk's copy is freed once its kernel has read it: every
+  chunk has the bytes of the copies before it to spare, and the first allocates grad_W1 only
+  once its copy is gone (at the seed shape [11136, 3584, 14336, 3584] bf16: 3 chunks of 3712
+  rows, where one whole copy held through the loop allowed 6 chunks of 1920);
 - columns: grad_x [M, D], two GEMMs a chunk (gate's and up's rows of W1 are F apart; one
   chunk is one GEMM); grad_h exists a chunk at a time, since each chunk's h goes straight into
-  its columns of grad_W2, so x, the copy, grad_x, grad_W1 and grad_W2 live through the loop.
-At the seed shape [11136, 3584, 14336, 3584] bf16, rows take 6 chunks and 5 x 411 MB of extra
-grad_W1 traffic (about 0.1 ms each on an H200); columns take 3 chunks and 5 x 160 MB on
-grad_x. Rows win where M is large against F, or where the columns' fixed set leaves no room.
+  its columns of grad_W2, so x, the whole copy, grad_x, grad_W1 and grad_W2 live through the
+  loop (3 chunks of 4864 columns at the seed shape).
+A row chunk's grad_x GEMM has the chunk's rows for its M: a chunk of a few thousand rows fills
+only two or three waves of output tiles on the GPU, which is why larger chunks pay (docs/fp8.md).
 """
 
 from __future__ import annotations
@@ -33,10 +38,24 @@ MIN_CHUNK_COLS = 1024
 
 
 class BackwardSplit(NamedTuple):
-    """The FP8 backward's chunks: ``size`` rows of M, or columns of F, per chunk."""
+    """The FP8 backward's chunks: their lengths in rows of M, or in columns of F."""
 
     axis: Literal["rows", "columns"]
-    size: int
+    lengths: tuple[int, ...]
+
+    def spans(self) -> list[slice]:
+        """The chunks as ranges of rows or columns, in order."""
+        starts = [0]
+        for n in self.lengths[:-1]:
+            starts.append(starts[-1] + n)
+        return [slice(a, a + n) for a, n in zip(starts, self.lengths, strict=True)]
+
+    @classmethod
+    def uniform(cls, axis: Literal["rows", "columns"], total: int, size: int) -> BackwardSplit:
+        """Chunks of ``size``, the last one shorter; one empty chunk for ``total`` = 0, so the
+        loop still writes its gradients' zeros."""
+        full, rest = divmod(total, size)
+        return cls(axis, (size,) * full + ((rest,) if rest or not full else ()))
 
 
 def drop_h_backward_peak(m: int, d: int, ffn: int, out: int, itemsize: int) -> int:
@@ -54,12 +73,31 @@ def fp8_forward_peak(m: int, d: int, ffn: int, itemsize: int, rows: int) -> int:
     return copy_bytes(m, ffn) + itemsize * (m * d + m * ffn + min(rows, m) * 2 * ffn)
 
 
-def fp8_backward_peak(m: int, d: int, ffn: int, itemsize: int, rows: int) -> int:
-    """Bytes the row-split FP8 backward holds at its peak, in its chunk loop, parameters and
-    grad_y aside: x, the FP8 copy and its scales, grad_h (becoming h), grad_x, grad_W1 and one
-    [rows, 2F] grad_preact buffer. grad_W2 comes after the loop, once the copy is freed."""
-    held = 2 * m * d + m * ffn + 2 * ffn * d + min(rows, m) * 2 * ffn
-    return copy_bytes(m, ffn) + itemsize * held
+def fp8_backward_peak(
+    m: int, d: int, ffn: int, itemsize: int, rows: tuple[int, ...], *, freed: bool = True
+) -> int:
+    """Bytes the row-split FP8 backward holds at its peak, parameters and grad_y aside, for
+    chunks of ``rows`` rows: x, grad_h (becoming h) and grad_x, the copy's chunks not yet read
+    (all of them unless ``freed``), grad_W1 once the first chunk made it, and the chunk's
+    [rows, 2F] grad_preact; after the loop, grad_W2 beside h."""
+    peak, left = 0, m
+    for k, n in enumerate(rows):
+        peak = max(peak, _row_chunk_peak(m, d, ffn, itemsize, left, n, k == 0, freed))
+        left -= n
+    kept = copy_bytes(0 if freed else m, ffn)
+    return max(peak, kept + itemsize * (2 * m * d + m * ffn + 2 * ffn * d + d * ffn))
+
+
+def _row_chunk_peak(
+    m: int, d: int, ffn: int, itemsize: int, left: int, rows: int, first: bool, freed: bool
+) -> int:
+    """The row-split backward's live bytes at a chunk's kernel, and at its grad_W1 GEMM (the
+    first chunk allocates grad_W1, just after its copy rows were freed)."""
+    held = itemsize * (2 * m * d + m * ffn + rows * 2 * ffn)  # x, grad_x, h, grad_preact
+    grad_w1 = itemsize * 2 * ffn * d
+    before, after = (left, left - rows) if freed else (m, m)
+    at_kernel = copy_bytes(before, ffn) + held + (0 if first else grad_w1)
+    return max(at_kernel, copy_bytes(after, ffn) + held + grad_w1)
 
 
 def fp8_backward_peak_columns(m: int, d: int, ffn: int, out: int, itemsize: int, cols: int) -> int:
@@ -76,22 +114,69 @@ def copy_bytes(m: int, ffn: int) -> int:
     return values[0] * values[1] * FP8_DTYPE.itemsize + scales[0] * scales[1] * SCALE_DTYPE.itemsize
 
 
-def rows_per_chunk(m: int, d: int, ffn: int, out: int, itemsize: int, *, forward: bool) -> int:
-    """Rows per chunk of the FP8 forward or row-split backward, for x [m, d], F = ffn and
-    O = out: the most that keep its peak (``fp8_forward_peak``, ``fp8_backward_peak``) within
-    ``drop_h_backward_peak``, drop_h's peak over the step, rounded down to ROW_ALIGN, then
-    evened out over the chunks that takes (a short last chunk wastes a GEMM launch).
-
-    MIN_CHUNK_ROWS wins over the bound where the two disagree (the backward at small O and D
-    against F, as at [4096, 1024, 2816, 1024]): the peak is then above drop_h's by the
-    difference, which smaller chunks would buy back in GEMM time.
-    """
+def rows_per_chunk(m: int, d: int, ffn: int, out: int, itemsize: int) -> int:
+    """Rows per chunk of the FP8 forward, for x [m, d], F = ffn and O = out: the most that keep
+    its peak (``fp8_forward_peak``) within ``drop_h_backward_peak``, drop_h's peak over the
+    step, rounded down to ROW_ALIGN, then evened out over the chunks that takes (a short last
+    chunk wastes a GEMM launch); at least MIN_CHUNK_ROWS."""
     if m <= MIN_CHUNK_ROWS:
         return max(m, 1)
-    peak = fp8_forward_peak if forward else fp8_backward_peak
-    spare = drop_h_backward_peak(m, d, ffn, out, itemsize) - peak(m, d, ffn, itemsize, 0)
+    spare = drop_h_backward_peak(m, d, ffn, out, itemsize) - fp8_forward_peak(
+        m, d, ffn, itemsize, 0
+    )
     fits = spare // max(2 * ffn * itemsize, 1)
     return _even(m, max(fits // ROW_ALIGN * ROW_ALIGN, MIN_CHUNK_ROWS), ROW_ALIGN, MIN_CHUNK_ROWS)
+
+
+def backward_row_chunks(
+    m: int, d: int, ffn: int, out: int, itemsize: int, *, freed: bool = True
+) -> tuple[int, ...]:
+    """Rows of each chunk of the row-split backward: each the most (in ROW_ALIGN rows) that
+    keep ``fp8_backward_peak`` within drop_h's peak, given the copy's rows the chunks before
+    it freed (none unless ``freed``). Where the last chunk would be short, the chunks after
+    the ones the bound holds down take even shares instead (as many chunks, better filled).
+
+    MIN_CHUNK_ROWS wins over the bound where the two disagree (small O and D against F, as at
+    [4096, 1024, 2816, 1024]): the peak is then above drop_h's by the difference, which
+    smaller chunks would buy back in GEMM time.
+    """
+    if m <= MIN_CHUNK_ROWS:
+        return (m,)
+    limit = drop_h_backward_peak(m, d, ffn, out, itemsize)
+    greedy = _grow(m, d, ffn, itemsize, limit, freed, None)
+    return _grow(m, d, ffn, itemsize, limit, freed, len(greedy))
+
+
+def _grow(m, d, ffn, itemsize, limit, freed, chunks: int | None) -> tuple[int, ...]:
+    """Chunk rows, each the most that fits (``chunks`` None) or at most an even share of the
+    rows left over the ``chunks`` planned."""
+    lengths: list[int] = []
+    left = m
+    while left > 0:
+        n = min(left, _most_rows(m, d, ffn, itemsize, limit, left, not lengths, freed))
+        if chunks is not None and len(lengths) < chunks - 1:
+            share = -(-left // ((chunks - len(lengths)) * ROW_ALIGN)) * ROW_ALIGN
+            n = min(n, max(share, ROW_ALIGN))
+        n = min(left, max(n, MIN_CHUNK_ROWS))
+        lengths.append(n)
+        left -= n
+    return tuple(lengths)
+
+
+def _most_rows(m, d, ffn, itemsize, limit, left, first, freed) -> int:
+    """The most rows, in whole ROW_ALIGN, that a chunk starting with ``left`` rows unread may
+    take within ``limit`` (0 if none)."""
+    low, high = 0, left // ROW_ALIGN + 1  # _row_chunk_peak grows with the rows: bisect
+    while high - low > 1:
+        mid = (low + high) // 2
+        if _row_chunk_peak(m, d, ffn, itemsize, left, mid * ROW_ALIGN, first, freed) <= limit:
+            low = mid
+        else:
+            high = mid
+    fits = low * ROW_ALIGN
+    if fits < left and _row_chunk_peak(m, d, ffn, itemsize, left, left, first, freed) <= limit:
+        fits = left  # the rest fits whole, unaligned
+    return fits
 
 
 def cols_per_chunk(m: int, d: int, ffn: int, out: int, itemsize: int) -> int | None:
@@ -115,29 +200,28 @@ def _even(total: int, size: int, align: int, least: int) -> int:
     return max(even, min(least, size))
 
 
-def backward_split(m: int, d: int, ffn: int, out: int, itemsize: int) -> BackwardSplit:
-    """Rows or columns for the FP8 backward, whichever re-reads and re-writes fewer bytes of
-    the gradient its chunks accumulate (module docstring); rows where they tie or columns do
-    not fit within drop_h's peak."""
-    rows = rows_per_chunk(m, d, ffn, out, itemsize, forward=False)
-    cols = cols_per_chunk(m, d, ffn, out, itemsize)
-    row_chunks = -(-max(m, 1) // rows)
-    rows_extra = (row_chunks - 1) * 2 * (2 * ffn * d)
-    if cols is None:
-        return BackwardSplit("rows", rows)
-    col_chunks = -(-ffn // cols)
-    cols_extra = 0 if col_chunks == 1 else (2 * col_chunks - 1) * 2 * (m * d)
-    return (
-        BackwardSplit("columns", cols) if cols_extra < rows_extra else BackwardSplit("rows", rows)
-    )
+def backward_split(
+    m: int, d: int, ffn: int, out: int, itemsize: int, *, freed: bool = True
+) -> BackwardSplit:
+    """The FP8 backward's chunks: rows of M, growing (``backward_row_chunks``; ``freed``: each
+    chunk's copy is freed once read). Freeing as they go, row chunks beat the column split
+    wherever it was swept (tests/test_fp8_saved_columns.py): no more chunks, or, where columns
+    take fewer, fewer bytes re-read and re-written by the accumulating GEMMs. A row chunk also
+    runs 2 GEMMs to a column chunk's 6: on the H200 at the seed shape, 4 row chunks of 2816
+    rows cost 0.05 ms over one chunk, 3 column chunks 0.3 ms (docs/fp8.md). Columns stay for
+    ``chunk_cols``."""
+    return BackwardSplit("rows", backward_row_chunks(m, d, ffn, out, itemsize, freed=freed))
+
+
+def split_peak(m: int, d: int, ffn: int, out: int, itemsize: int, split: BackwardSplit) -> int:
+    """Bytes the FP8 backward holds at its peak with ``split``'s chunks, each row chunk's
+    copy freed once read (``fp8_backward_peak``, ``fp8_backward_peak_columns``)."""
+    if split.axis == "rows":
+        return fp8_backward_peak(m, d, ffn, itemsize, split.lengths)
+    return fp8_backward_peak_columns(m, d, ffn, out, itemsize, max(split.lengths))
 
 
 def row_chunks(m: int, rows: int) -> list[slice]:
     """Row ranges of ``rows`` rows, the last one shorter; for m = 0 one empty range, so the
     loop still writes grad_W1's zeros."""
     return [slice(start, min(start + rows, m)) for start in range(0, max(m, 1), rows)]
-
-
-def column_chunks(ffn: int, cols: int) -> list[slice]:
-    """Column ranges of each half, ``cols`` wide (whole scale blocks), the last one narrower."""
-    return [slice(start, min(start + cols, ffn)) for start in range(0, ffn, cols)]

@@ -37,23 +37,23 @@ of the gradients against float64 on the same bf16 inputs, over three shapes up t
 issue's "within 2x of bf16" is not met, and cannot be with 3 mantissa bits. y is drop_h's, to
 the fc1 GEMM's rounding on a chunk's rows (below; exactly, in one chunk).
 
-Both passes run in chunks (``ops.fp8_chunks``), so that the step's peak stays within drop_h's:
-the bf16 preactivation and grad_preact never exist whole next to the copy. Forward splits the
-rows of M; backward the rows of M or the columns of F, whichever re-reads fewer bytes of the
-gradient it accumulates over its chunks (grad_W1 for rows, grad_x for columns). grad_preact
-cannot go in place over the 1-byte copy, so each chunk's kernel writes it into one reused
-buffer. At the seed shape [11136, 3584, 14336, 3584] bf16: forward 2 chunks of 5632 rows,
-997.9 MiB, backward 3 chunks of 4864 columns (6 of 1920 rows would read and write grad_W1 five
-more times), against drop_h's 1087.6 MiB. Before chunking both were 1303.6 (the whole bf16
-preactivation, or grad_preact, beside the copy and h or grad_h).
+Both passes run in chunks of rows (``ops.fp8_chunks``), so that the step's peak stays within
+drop_h's: the bf16 preactivation and grad_preact never exist whole next to the copy.
+grad_preact cannot go in place over the 1-byte copy, so each backward chunk's kernel writes it
+into a buffer of its own. The copy is saved as one allocation per backward chunk, and each is
+freed once its kernel read it, so later chunks have its bytes to spare. At the seed shape
+[11136, 3584, 14336, 3584] bf16: forward 2 chunks of 5632 rows, 997.9 MiB, backward 3 chunks
+of 3712 rows, 1061.9 MiB, against drop_h's 1087.6. Before chunking both were 1303.6 (the
+whole bf16 preactivation, or grad_preact, beside the copy and h or grad_h). ``chunk_cols``
+splits the backward's columns of F instead (its chunks accumulate grad_x, not grad_W1).
 
 The accumulated gradient stays in the parameters' dtype: an fp32 grad_W1 would hold 2F*D*4
 bytes, 196 MiB more than bf16's at the seed shape, more than the backward's buffers may take.
 The bf16 rounding per chunk raises grad_W1's error against float64 by 0.4 % of itself at six
 row chunks (2.917 % -> 2.930 % on CPU, [6144, 256, 704], with fp32 scales;
 tests/test_fp8_saved_chunked.py bounds it at 2 %), and grad_x's likewise over column chunks.
-With ``inplace`` (the default) the copy and its scales are freed after the loop, so the graph
-cannot be backpropagated twice (``inplace=False`` keeps them).
+With ``inplace`` (the default) the copy and its scales are freed as the loop reads them, so
+the graph cannot be backpropagated twice (``inplace=False`` keeps them).
 """
 
 from __future__ import annotations
@@ -77,13 +77,7 @@ from swiglu_train.kernels.runtime import device_capability
 from swiglu_train.ops import reference
 from swiglu_train.ops.activation import triton_enabled
 from swiglu_train.ops.eager import eager_op
-from swiglu_train.ops.fp8_chunks import (
-    BackwardSplit,
-    backward_split,
-    column_chunks,
-    row_chunks,
-    rows_per_chunk,
-)
+from swiglu_train.ops.fp8_chunks import BackwardSplit, backward_split, row_chunks, rows_per_chunk
 from swiglu_train.ops.mlp import claim_inplace_backward, refuse_double_backward
 
 try:
@@ -171,13 +165,13 @@ def _(preact: torch.Tensor, h: torch.Tensor, q: torch.Tensor, scales: torch.Tens
 
 def saved_buffers(m: int, ffn: int, like: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """Empty (h [m, F] in ``like``'s dtype, e4m3 values [m, 2F], bf16 scales) on its device."""
+    return (like.new_empty(m, ffn), *copy_buffers(m, ffn, like))
+
+
+def copy_buffers(m: int, ffn: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Empty (e4m3 values [m, 2F], bf16 scales) for m rows' copy, on ``like``'s device."""
     q_shape, scale_shape = saved_shapes(m, ffn)
-    h = like.new_empty(m, ffn)
-    return (
-        h,
-        like.new_empty(q_shape, dtype=FP8_DTYPE),
-        like.new_empty(scale_shape, dtype=SCALE_DTYPE),
-    )
+    return like.new_empty(q_shape, dtype=FP8_DTYPE), like.new_empty(scale_shape, dtype=SCALE_DTYPE)
 
 
 @eager_op("swiglu_train::swiglu_bwd_fp8_", mutates_args=("grad_h", "grad_preact"))
@@ -234,11 +228,14 @@ def _(q, scales, start: int, grad_h: torch.Tensor, grad_preact: torch.Tensor) ->
 class _DropHFP8(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, fc1_weight, fc1_bias, fc2_weight, fc2_bias, inplace: bool, rows, split):
-        (m, d), ffn = x.shape, fc1_weight.shape[0] // 2
-        chunk = rows or rows_per_chunk(
-            m, d, ffn, fc2_weight.shape[0], x.element_size(), forward=True
-        )
-        h, q, scales = saved_buffers(m, ffn, x)
+        (m, d), ffn, out = x.shape, fc1_weight.shape[0] // 2, fc2_weight.shape[0]
+        freed = inplace and not torch.compiler.is_compiling()  # claim_inplace_backward's
+        split = split or backward_split(m, d, ffn, out, x.element_size(), freed=freed)
+        # The copy in one allocation per row chunk of backward, which frees each once read
+        pieces = split.spans() if split.axis == "rows" else [slice(0, m)]
+        copies = [copy_buffers(p.stop - p.start, ffn, x) for p in pieces]
+        h = x.new_empty(m, ffn)
+        chunk = rows or rows_per_chunk(m, d, ffn, out, x.element_size())
         buffer = x.new_empty(min(chunk, m), 2 * ffn)  # one chunk's preact, reused
         for part in row_chunks(m, chunk):
             preact = buffer[: part.stop - part.start]
@@ -246,9 +243,14 @@ class _DropHFP8(torch.autograd.Function):
                 torch.mm(x[part], fc1_weight.t(), out=preact)
             else:
                 torch.addmm(fc1_bias, x[part], fc1_weight.t(), out=preact)
-            swiglu_fwd_fp8_(preact, h[part], q[part], scales[part])
+            for piece, (q, scales) in zip(pieces, copies, strict=True):  # the kernel per piece
+                lo, hi = max(part.start, piece.start), min(part.stop, piece.stop)
+                if lo < hi or m == 0:
+                    rows_in = slice(lo - piece.start, hi - piece.start)
+                    at = slice(lo - part.start, hi - part.start)
+                    swiglu_fwd_fp8_(preact[at], h[lo:hi], q[rows_in], scales[rows_in])
         del buffer, preact  # freed before fc2's output is allocated: only the FP8 copy is kept
-        ctx.save_for_backward(x, fc1_weight, fc2_weight, q, scales)
+        ctx.save_for_backward(x, fc1_weight, fc2_weight, *(t for c in copies for t in c))
         ctx.inplace = inplace
         ctx.has_bias = (fc1_bias is not None, fc2_bias is not None)
         ctx.backward_ran = False
@@ -261,15 +263,14 @@ class _DropHFP8(torch.autograd.Function):
         consume = claim_inplace_backward(
             ctx, SECOND_BACKWARD_ERROR_FP8, SECOND_BACKWARD_FREED_ERROR_FP8
         )
-        x, fc1_weight, fc2_weight, q, scales = ctx.saved_tensors
+        x, fc1_weight, fc2_weight, *flat = ctx.saved_tensors
+        copies = list(zip(flat[::2], flat[1::2], strict=True))
         needs = list(ctx.needs_input_grad[:5])
         needs[2], needs[4] = needs[2] and ctx.has_bias[0], needs[4] and ctx.has_bias[1]
         grad_y = grad_y.contiguous()
-        (m, d), ffn = x.shape, fc2_weight.shape[1]
-        split = ctx.split or backward_split(m, d, ffn, grad_y.shape[1], grad_y.element_size())
-        backward = _backward_columns if split.axis == "columns" else _backward_rows
+        backward = _backward_columns if ctx.split.axis == "columns" else _backward_rows
         grad_x, grad_w1, grad_b1, grad_w2 = backward(
-            grad_y, x, fc1_weight, fc2_weight, q, scales, split.size, consume, needs
+            grad_y, x, fc1_weight, fc2_weight, copies, ctx.split, consume, needs
         )
         grad_b1 = grad_b1.to(grad_y.dtype) if needs[2] else None
         grad_b2 = grad_y.sum(0) if needs[4] else None
@@ -277,24 +278,25 @@ class _DropHFP8(torch.autograd.Function):
 
 
 def _free(consume: bool, *saved: torch.Tensor) -> None:
-    """The copy and its scales, read for the last time: their memory goes back now."""
+    """A copy and its scales, read for the last time: their memory goes back now."""
     if consume:
         for t in saved:
             t.untyped_storage().resize_(0)
 
 
-def _backward_rows(grad_y, x, fc1_weight, fc2_weight, q, scales, rows: int, consume, needs):
-    """(grad_x, grad_W1, grad_b1 in fp32, grad_W2) over chunks of rows of M: grad_W1 is
-    accumulated by the GEMM (beta = 1), grad_W2 comes after the loop, once the copy is freed."""
+def _backward_rows(grad_y, x, fc1_weight, fc2_weight, copies, split, consume, needs):
+    """(grad_x, grad_W1, grad_b1 in fp32, grad_W2) over the split's chunks of rows of M, one
+    saved copy each, freed once its kernel read it: grad_W1 is accumulated by the GEMM
+    (beta = 1), grad_W2 comes after the loop."""
     need_x, need_w1, need_b1, need_w2, _ = needs
     h = grad_y @ fc2_weight  # grad_h; each chunk's kernel writes h over its rows
     (m, ffn), d = h.shape, x.shape[1]
     grad_x = h.new_empty(m, d) if need_x else None
     grad_w1 = grad_b1 = None
-    buffer = h.new_empty(min(rows, m), 2 * ffn)  # one chunk's grad_preact, reused
-    for part in row_chunks(m, rows):
-        grad_preact = buffer[: part.stop - part.start]
-        swiglu_bwd_fp8_(q[part], scales[part], h[part], grad_preact)
+    for part, (q, scales) in zip(split.spans(), copies, strict=True):
+        grad_preact = h.new_empty(part.stop - part.start, 2 * ffn)  # this chunk's only
+        swiglu_bwd_fp8_(q, scales, h[part], grad_preact)
+        _free(consume, q, scales)
         if need_x:
             torch.mm(grad_preact, fc1_weight, out=grad_x[part])
         if need_w1:  # accumulated in the parameters' dtype (module docstring)
@@ -305,25 +307,25 @@ def _backward_rows(grad_y, x, fc1_weight, fc2_weight, q, scales, rows: int, cons
         if need_b1:  # in fp32, rounded once, like the unchunked sum
             column_sums = grad_preact.sum(0, dtype=torch.float32)
             grad_b1 = column_sums if grad_b1 is None else grad_b1.add_(column_sums)
-    del buffer, grad_preact
-    _free(consume, q, scales)
+        del grad_preact  # before the next chunk's is allocated
     grad_w2 = grad_y.t() @ h if need_w2 else None
     return grad_x, grad_w1, grad_b1, grad_w2
 
 
-def _backward_columns(grad_y, x, fc1_weight, fc2_weight, q, scales, cols: int, consume, needs):
+def _backward_columns(grad_y, x, fc1_weight, fc2_weight, copies, split, consume, needs):
     """(grad_x, grad_W1, grad_b1 in fp32, grad_W2) over chunks of columns of F: each chunk's
     grad_h, h and grad_preact exist for that chunk only; its rows of grad_W1 and columns of
     grad_W2 are written whole, and grad_x accumulates over the chunks (beta = 1)."""
     need_x, need_w1, need_b1, need_w2, _ = needs
+    ((q, scales),) = copies  # one copy: each chunk reads its columns of every row
     (m, d), ffn = x.shape, fc2_weight.shape[1]
     grad_x = grad_y.new_empty(m, d) if need_x else None
     grad_w1 = grad_y.new_empty(2 * ffn, d) if need_w1 else None
     grad_b1 = grad_y.new_empty(2 * ffn, dtype=torch.float32) if need_b1 else None
     grad_w2 = grad_y.new_empty(fc2_weight.shape) if need_w2 else None
-    width = min(cols, ffn)
+    width = max(split.lengths)
     h_buffer, grad_buffer = grad_y.new_empty(m * width), grad_y.new_empty(m * 2 * width)
-    chunks = column_chunks(ffn, cols)
+    chunks = split.spans()
     for part in chunks:
         c, up = part.stop - part.start, slice(ffn + part.start, ffn + part.stop)
         h = h_buffer[: m * c].view(m, c)  # contiguous for a narrower last chunk too
@@ -369,11 +371,12 @@ def drop_h_fp8_mlp(
     inplace: bool = True,
     chunk_rows: int | None = None,
     chunk_cols: int | None = None,
+    split: BackwardSplit | None = None,
 ) -> torch.Tensor:
     """drop_h saving its preactivation in FP8; ``inplace`` frees it once backward read it.
     ``chunk_rows`` sets the rows per chunk of forward, and of backward unless ``chunk_cols``
-    (a multiple of 128) splits the backward's columns of F instead. Unset, ``ops.fp8_chunks``'
-    rules choose (benchmarks and tests set them)."""
+    (a multiple of 128) splits the backward's columns of F instead, or ``split`` gives the
+    backward's chunks. Unset, ``ops.fp8_chunks``' rules choose (benchmarks and tests set them)."""
     if chunk_rows is not None and (type(chunk_rows) is not int or chunk_rows < 1):
         raise ValueError(f"chunk_rows must be a positive int or None, got {chunk_rows!r}")
     if chunk_cols is not None and (
@@ -383,11 +386,13 @@ def drop_h_fp8_mlp(
             f"chunk_cols must be a positive multiple of {BLOCK} (whole scale blocks) or None, "
             f"got {chunk_cols!r}"
         )
-    split = None
+    ffn = fc1_weight.shape[0] // 2
     if chunk_cols is not None:
-        split = BackwardSplit("columns", chunk_cols)
-    elif chunk_rows is not None:
-        split = BackwardSplit("rows", chunk_rows)
+        split = BackwardSplit.uniform("columns", ffn, chunk_cols)
+    elif chunk_rows is not None and split is None:
+        split = BackwardSplit.uniform("rows", x.shape[0], chunk_rows)
+    if split is not None:
+        _check_split(split, x.shape[0], ffn)
     # Before any GEMM: the kernels would fail to compile. Not while torch.compile traces this
     # (it would trace torch's capability query into the graph); pretrain checks before the run.
     if x.is_cuda and not torch.compiler.is_compiling() and triton_enabled(x):
@@ -395,3 +400,16 @@ def drop_h_fp8_mlp(
     return _DropHFP8.apply(
         x, fc1_weight, fc1_bias, fc2_weight, fc2_bias, inplace, chunk_rows, split
     )
+
+
+def _check_split(split: BackwardSplit, m: int, ffn: int) -> None:
+    """A ValueError unless ``split``'s chunks cover M's rows (or F's columns, in whole scale
+    blocks but the last) exactly once."""
+    total = m if split.axis == "rows" else ffn
+    lengths = split.lengths
+    whole = split.axis == "rows" or all(n % BLOCK == 0 for n in lengths[:-1])
+    if sum(lengths) != total or min(lengths) < (0 if total == 0 else 1) or not whole:
+        raise ValueError(
+            f"split {split} must cover the {total} {split.axis} once, in chunks of at least 1"
+            + ("" if split.axis == "rows" else f" (multiples of {BLOCK} but the last)")
+        )
