@@ -50,7 +50,7 @@
 #              choice at the grid's shapes ($GRID_M picks the M), the evidence for the defaults
 #   fp8_errors scripts/measure_fp8_saved.py on CUDA at the grid's (D, F), M = $FP8_ERRORS_M
 #   patch      scripts/bench_patch_hf.py for HF and LitGPT (carry litgpt and jsonargparse)
-#   fp8_chunks scripts/probe_fp8_chunks.py: FP8-saved drop_h's chunks (rows, columns) vs drop_h
+#   fp8_chunks scripts/probe_fp8_chunks.py: FP8-saved drop_h's row chunks vs drop_h
 #   fp8_loss_ab  (issue 19) 125M pretrain, drop_h bf16 vs --saved-fp8 at seeds 1 and 2 (init and
 #              data order), $FP8_AB_STEPS steps (1000) at the config's micro-batch of 8 x 2048
 #              tokens ($FP8_AB_MBS), then scripts/plot_loss_ab.py: final losses (mean of the last
@@ -446,11 +446,11 @@ PY
         python3 scripts/bench_patch_hf.py --library $lib --layers 4 --seq 4096 --samples 30 \
           --out "$RES/patch_${lib}_h200.json" 2>&1 | tail -12
       done ;;
-    fp8_chunks)  # issue 19: the FP8-saved drop_h's chunks (rows, columns) against drop_h and
-      # the floor, at the seed shape and at Llama-3-8B's with M = 8000
-      python3 scripts/probe_fp8_chunks.py --rows 11136 \
+    fp8_chunks)  # issue 19: the FP8-saved drop_h's chunks against drop_h and the floor, at
+      # the seed shape and at Llama-3-8B's with M = 8000, each variant's kernels listed
+      python3 scripts/probe_fp8_chunks.py --profile --rows 2816 11136 \
         --json "$RES/probe_fp8_chunks_h200.json" --md "$RES/probe_fp8_chunks_h200.md"
-      python3 scripts/probe_fp8_chunks.py --shape 8000 4096 14336 4096 \
+      python3 scripts/probe_fp8_chunks.py --profile --shape 8000 4096 14336 4096 --rows 8000 \
         --json "$RES/probe_fp8_chunks_8000_h200.json" --md "$RES/probe_fp8_chunks_8000_h200.md" ;;
     fp8_loss_ab)  # issue 19 item 4: bf16 and FP8-saved drop_h from the same seeds, interleaved
       AB=/tmp/gpu-fp8ab-$commit && steps=${FP8_AB_STEPS:-1000} && mkdir -p "$AB" "$RES/fp8_loss_ab"

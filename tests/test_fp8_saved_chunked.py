@@ -32,17 +32,16 @@ from swiglu_train.ops.activation import swiglu_bwd_recompute_, swiglu_fwd
 from swiglu_train.ops.fp8_chunks import (
     MIN_CHUNK_ROWS,
     ROW_ALIGN,
-    BackwardSplit,
     backward_row_chunks,
     drop_h_backward_peak,
     fp8_backward_peak,
     fp8_forward_peak,
     rows_per_chunk,
+    uniform_rows,
 )
 from swiglu_train.ops.fp8_saved import (
     drop_h_fp8_mlp,
     swiglu_bwd_fp8_,
-    swiglu_bwd_fp8_columns_,
     swiglu_fwd_fp8_,
 )
 from swiglu_train.ops.mlp import drop_h_mlp
@@ -142,8 +141,19 @@ def test_chunks_match_one_chunk(device, backend, dtype, m, bias):
     )
 
 
+@pytest.mark.parametrize(("device", "backend"), NOT_INTERPRETED)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_growing_backward_chunks_match_one_chunk(device, backend, dtype):
+    """Backward chunks of their own lengths (as the rule's grow), across forward chunks of 16
+    rows: each saved copy is written by the forward chunks it straddles (10 + 6 rows, then 16
+    and 5), and read and freed by its backward chunk."""
+    inputs = make_inputs(37, dtype, device)
+    chunked = fp8_run(inputs, 16, backend, backward_rows=(10, 27))
+    assert_chunked_matches(chunked, fp8_run(inputs, 37, backend), 2, dtype)
+
+
 def test_chunks_match_one_chunk_on_the_triton_kernels():
-    """The Triton kernels on a chunk's rows (views into h or grad_h, the FP8 copy and its
+    """The Triton kernels on a chunk's rows (views into h or grad_h, the FP8 copies and their
     scales) under the interpreter; skipped where Triton does not run on CPU."""
     if not any(p.id == "cpu-triton" for p in device_backends()):
         pytest.skip("needs TRITON_INTERPRET=1")
@@ -151,6 +161,8 @@ def test_chunks_match_one_chunk_on_the_triton_kernels():
     assert_chunked_matches(
         fp8_run(inputs, 16, "triton"), fp8_run(inputs, 37, "triton"), 3, torch.bfloat16
     )
+    growing = fp8_run(inputs, 16, "triton", backward_rows=(10, 27))
+    assert_chunked_matches(growing, fp8_run(inputs, 37, "triton"), 2, torch.bfloat16)
 
 
 @pytest.mark.parametrize(("device", "backend"), NOT_INTERPRETED)
@@ -203,12 +215,18 @@ def test_bad_chunk_rows_are_refused(rows):
         drop_h_fp8_mlp(x, w1, b1, w2, b2, chunk_rows=rows)
 
 
+@pytest.mark.parametrize("lengths", [(3,), (2, 3), (4, 0), (5, -1)])
+def test_backward_rows_that_miss_rows_are_refused(lengths):
+    x, w1, b1, w2, b2, _ = make_inputs(4, torch.float32, "cpu")
+    with pytest.raises(ValueError, match=r"must cover x's 4 rows once, in chunks of at least 1"):
+        drop_h_fp8_mlp(x, w1, b1, w2, b2, backward_rows=lengths)
+
+
 @pytest.mark.parametrize(
-    "chunks", [{"chunk_rows": 16}, {"chunk_cols": 128}], ids=["rows", "columns"]
+    "chunks", [{"chunk_rows": 16}, {"backward_rows": (10, 27)}], ids=["even", "uneven"]
 )
 def test_torch_compile_fullgraph_with_several_chunks(chunks):
-    """Both backward splits trace whole; the columns' grad_W2 is written into column views,
-    which dynamo takes only as a copy (ops.fp8_saved._mm_into)."""
+    """The chunk loops, one saved copy per backward chunk, trace whole."""
     torch._dynamo.reset()
     x, w1, b1, w2, b2, grad_y = make_inputs(37, torch.float32, "cpu")
     x.requires_grad_()
@@ -295,7 +313,7 @@ def test_backward_row_chunks_keep_the_peak_within_drop_h_s(shape, itemsize, free
         assert max(lengths) - min(lengths) <= 2 * ROW_ALIGN  # the last takes what is left
     fewer = len(lengths) - 1
     if fewer >= 1:
-        even = BackwardSplit.uniform("rows", m, ceil_to(-(-m // fewer), ROW_ALIGN)).lengths
+        even = uniform_rows(m, ceil_to(-(-m // fewer), ROW_ALIGN))
         assert fp8_backward_peak(m, d, ffn, itemsize, even, freed=freed) > limit
 
 
@@ -328,7 +346,6 @@ KERNEL_BODIES = {
         swiglu_bwd_recompute_,
         swiglu_fwd_fp8_,
         swiglu_bwd_fp8_,
-        swiglu_bwd_fp8_columns_,
     )
 }
 

@@ -15,11 +15,11 @@ from swiglu_train import ParMLP
 from swiglu_train.kernels.fp8_format import n_blocks
 from swiglu_train.ops import reference
 from swiglu_train.ops.fp8_chunks import (
-    backward_split,
+    backward_row_chunks,
     drop_h_backward_peak,
+    fp8_backward_peak,
     fp8_forward_peak,
     rows_per_chunk,
-    split_peak,
 )
 from swiglu_train.ops.fp8_saved import (
     dequantize,
@@ -131,7 +131,7 @@ def seed_step_bytes(saved_fp8: bool) -> tuple[int, int, int]:
 def test_seed_shape_peaks_are_within_drop_h_s():
     """Issue 19's memory targets: the FP8 layer's forward and backward peaks at most drop_h's
     step peak, and after forward the copy and scales in place of the preactivation. The chunk
-    rules' models (``fp8_forward_peak``, ``split_peak`` for the backward's split there)
+    rules' models (``fp8_forward_peak``, ``fp8_backward_peak`` at the backward's chunks)
     predict the peaks; y is held through backward and x is not counted, so each model is off
     by y - x = 0 here."""
     m, d, ffn, _ = SEED_SHAPE
@@ -143,7 +143,7 @@ def test_seed_shape_peaks_are_within_drop_h_s():
     assert max(fp8) <= max(drop_h), (drop_h, fp8)
     x_bytes = m * d * 2
     forward_model = fp8_forward_peak(m, d, ffn, 2, rows_per_chunk(*SEED_SHAPE, 2))
-    backward_model = split_peak(*SEED_SHAPE, 2, backward_split(*SEED_SHAPE, 2))
+    backward_model = fp8_backward_peak(m, d, ffn, 2, backward_row_chunks(*SEED_SHAPE, 2))
     # allocator rounding and cuBLAS's own buffers: within 4 MiB of the models
     assert abs(fp8[0] - (forward_model - x_bytes)) <= 4 * 2**20, fp8
     assert abs(fp8[2] - backward_model) <= 4 * 2**20, fp8

@@ -3,9 +3,7 @@
 Forward reads the [M, 2F] preactivation once and writes h, the e4m3 copy and its per-block
 scales in that pass. Backward reads the e4m3 copy (dequantized in registers) with grad_h and
 writes grad_preact into a fresh buffer, and h over grad_h. grad_preact cannot go in place: it
-is 2 bytes (bf16/fp16) or 4 (fp32) per element, the FP8 copy 1. Backward also runs on a
-window of whole scale blocks of each half (``swiglu_backward_fp8_columns``), for the backward
-that splits F instead of M (``ops.fp8_chunks``).
+is 2 bytes (bf16/fp16) or 4 (fp32) per element, the FP8 copy 1.
 
 A program covers BLOCK_M rows and one 128-column block of each half, so a block's absolute
 max is one row reduction in registers. Arithmetic is fp32 after the loads. The scale is
@@ -146,8 +144,6 @@ def _swiglu_bwd_fp8_kernel(
     grad_preact_ptr,
     M,
     F,
-    q_up,
-    scale_up,
     stride_q,
     stride_scale,
     stride_grad_h,
@@ -157,9 +153,7 @@ def _swiglu_bwd_fp8_kernel(
     INTERPRET: tl.constexpr,
 ):
     """grad_preact = [grad_h*up*silu'(gate) | grad_h*silu(gate)] from the dequantized preact,
-    and h over grad_h, stored through the pointers grad_h was loaded from. F columns of each
-    half: the up values sit q_up columns after the gate ones, their scales scale_up after
-    (the whole copy's F and n_blocks(F), so that q may start at any block of a wider copy)."""
+    and h over grad_h, stored through the pointers grad_h was loaded from."""
     pid = tl.program_id(0)
     rows, cols, mask = _tile(pid, M, F, BLOCK_M, BLOCK_N)
     nb = tl.cdiv(F, BLOCK_N)
@@ -167,7 +161,7 @@ def _swiglu_bwd_fp8_kernel(
     q_ptrs = q_ptr + rows * stride_q + cols
     scale_ptrs = scale_ptr + rows * stride_scale + pid % nb
     gate = _dequantize(q_ptrs, scale_ptrs, mask, row_mask, INTERPRET)
-    up = _dequantize(q_ptrs + q_up, scale_ptrs + scale_up, mask, row_mask, INTERPRET)
+    up = _dequantize(q_ptrs + F, scale_ptrs + nb, mask, row_mask, INTERPRET)
     grad_h_ptrs = grad_h_ptr + rows * stride_grad_h + cols
     grad_h = tl.load(grad_h_ptrs, mask=mask).to(tl.float32)
 
@@ -227,51 +221,17 @@ def swiglu_backward_fp8(
     q: torch.Tensor, scales: torch.Tensor, grad_h: torch.Tensor, grad_preact: torch.Tensor
 ) -> None:
     """Write grad_preact [M, 2F] (a buffer of grad_h's dtype) and h over grad_h [M, F]."""
-    m, ffn = _check_grad_h(grad_h)
-    _check_like("grad_preact", grad_preact, grad_h, (m, 2 * ffn))
-    _check_saved(q, scales, grad_h, m, ffn)
-    _launch_backward(q, scales, 0, grad_h, grad_preact)
-
-
-def swiglu_backward_fp8_columns(
-    q: torch.Tensor,
-    scales: torch.Tensor,
-    start: int,
-    grad_h: torch.Tensor,
-    grad_preact: torch.Tensor,
-) -> None:
-    """The backward of columns [start, start + C) of each half of the copy (q [M, 2F]):
-    grad_preact [M, 2C] (gate's C columns, then up's) and h over grad_h [M, C]. ``start`` is a
-    whole scale block's first column."""
-    m, width = _check_grad_h(grad_h)
-    ffn = q.shape[1] // 2 if q.dim() == 2 else -1
-    _check_saved(q, scales, grad_h, m, ffn)
-    if start % BLOCK or not 0 <= start < start + width <= ffn:
-        raise ValueError(
-            f"columns [{start}, {start + width}) must start on a {BLOCK}-column scale block "
-            f"and lie within F = {ffn}"
-        )
-    _check_like("grad_preact", grad_preact, grad_h, (m, 2 * width))
-    _launch_backward(q, scales, start, grad_h, grad_preact)
-
-
-def _check_grad_h(grad_h: torch.Tensor) -> tuple[int, int]:
     if grad_h.dim() != 2 or grad_h.stride(1) != 1:
         raise ValueError(f"grad_h must be row-major [M, F], got {tuple(grad_h.shape)}")
     if grad_h.dtype not in SUPPORTED_DTYPES:
         raise TypeError(f"grad_h dtype must be one of {SUPPORTED_DTYPES}, got {grad_h.dtype}")
-    return grad_h.shape
-
-
-def _launch_backward(q, scales, start: int, grad_h, grad_preact) -> None:
-    m, width = grad_h.shape
+    m, ffn = grad_h.shape
+    _check_like("grad_preact", grad_preact, grad_h, (m, 2 * ffn))
+    _check_saved(q, scales, grad_h, m, ffn)
     if m == 0:
         return
-    ffn = q.shape[1] // 2
     code, scale_bits = q.view(torch.uint8), scales.view(torch.int16)
-    code, scale_bits = code[:, start:], scale_bits[:, start // BLOCK :]  # views: same strides
     _launch(
-        _swiglu_bwd_fp8_kernel, m, width, BWD_TILE, code, scale_bits, grad_h, grad_preact, m,
-        width, ffn, n_blocks(ffn), code.stride(0), scale_bits.stride(0), grad_h.stride(0),
-        grad_preact.stride(0),
+        _swiglu_bwd_fp8_kernel, m, ffn, BWD_TILE, code, scale_bits, grad_h, grad_preact, m, ffn,
+        code.stride(0), scale_bits.stride(0), grad_h.stride(0), grad_preact.stride(0),
     )  # fmt: skip

@@ -4,58 +4,41 @@ within drop_h's: the live bytes of each loop, and the rules that size the chunks
 Forward runs in chunks of rows: each chunk's bf16 preactivation goes into one reused
 [rows, 2F] buffer, and the kernel writes that chunk's h, copy and scales rows.
 
-Backward splits the rows of M (``backward_split``), or the columns of F where asked
-(``chunk_cols``). Each split leaves one
-gradient to accumulate over its chunks with beta = 1, and each accumulation after the first
-reads and writes that gradient once more:
-- rows: grad_W1 [2F, D], one GEMM a chunk; x, grad_h (becoming h), grad_x and grad_W1 live
-  through the loop, and grad_W2 comes after it. The copy is saved as one allocation per chunk
-  (forward writes it so), and each chunk's copy is freed once its kernel has read it: every
-  chunk has the bytes of the copies before it to spare, and the first allocates grad_W1 only
-  once its copy is gone (at the seed shape [11136, 3584, 14336, 3584] bf16: 3 chunks of 3712
-  rows, where one whole copy held through the loop allowed 6 chunks of 1920);
-- columns: grad_x [M, D], two GEMMs a chunk (gate's and up's rows of W1 are F apart; one
-  chunk is one GEMM); grad_h exists a chunk at a time, since each chunk's h goes straight into
-  its columns of grad_W2, so x, the whole copy, grad_x, grad_W1 and grad_W2 live through the
-  loop (3 chunks of 4864 columns at the seed shape).
-A row chunk's grad_x GEMM has the chunk's rows for its M: a chunk of a few thousand rows fills
-only two or three waves of output tiles on the GPU, which is why larger chunks pay (docs/fp8.md).
+Backward runs in chunks of rows too (``backward_row_chunks``): grad_W1 [2F, D] accumulates
+over them, one GEMM a chunk with beta = 1 (each accumulation after the first reads and writes
+it once more); x, grad_h (becoming h), grad_x and grad_W1 live through the loop, and grad_W2
+comes after it. The copy is saved as one allocation per chunk (forward writes it so), and each
+chunk's copy is freed once its kernel has read it: every chunk has the bytes of the copies
+before it to spare, and the first allocates grad_W1 only once its copy is gone. At the seed
+shape [11136, 3584, 14336, 3584] bf16 that is 3 chunks of 3712 rows; one whole copy held
+through the loop allowed 6 of 1920, whose grad_x GEMMs ([1920, 2F] @ [2F, D]) fill few waves of
+output tiles (0.3 ms more on the H200). A split of F's columns, tried in session 16, fit 3
+chunks there too but cost 0.3 ms: 6 GEMMs a chunk against a row chunk's 2 (docs/fp8.md).
 """
 
 from __future__ import annotations
 
-from typing import Literal, NamedTuple
-
-from swiglu_train.kernels.fp8_format import BLOCK, FP8_DTYPE, SCALE_DTYPE, saved_shapes
+from swiglu_train.kernels.fp8_format import FP8_DTYPE, SCALE_DTYPE, saved_shapes
 
 # Rows per chunk: a multiple of ROW_ALIGN (whole GEMM tiles), and at least
 # MIN_CHUNK_ROWS unless M is smaller, so the per-chunk GEMMs keep enough rows to fill the GPU.
 ROW_ALIGN = 128
 MIN_CHUNK_ROWS = 1024
-# Columns per chunk: whole scale blocks (BLOCK), at least MIN_CHUNK_COLS unless F is smaller,
-# for the same reason (a chunk's grad_W1 GEMMs are [C, D] outputs).
-MIN_CHUNK_COLS = 1024
 
 
-class BackwardSplit(NamedTuple):
-    """The FP8 backward's chunks: their lengths in rows of M, or in columns of F."""
+def spans(lengths: tuple[int, ...]) -> list[slice]:
+    """Consecutive row ranges of the given lengths."""
+    starts = [0]
+    for n in lengths[:-1]:
+        starts.append(starts[-1] + n)
+    return [slice(a, a + n) for a, n in zip(starts, lengths, strict=True)]
 
-    axis: Literal["rows", "columns"]
-    lengths: tuple[int, ...]
 
-    def spans(self) -> list[slice]:
-        """The chunks as ranges of rows or columns, in order."""
-        starts = [0]
-        for n in self.lengths[:-1]:
-            starts.append(starts[-1] + n)
-        return [slice(a, a + n) for a, n in zip(starts, self.lengths, strict=True)]
-
-    @classmethod
-    def uniform(cls, axis: Literal["rows", "columns"], total: int, size: int) -> BackwardSplit:
-        """Chunks of ``size``, the last one shorter; one empty chunk for ``total`` = 0, so the
-        loop still writes its gradients' zeros."""
-        full, rest = divmod(total, size)
-        return cls(axis, (size,) * full + ((rest,) if rest or not full else ()))
+def uniform_rows(m: int, rows: int) -> tuple[int, ...]:
+    """Chunks of ``rows``, the last one shorter; one empty chunk for m = 0, so the loop still
+    writes its gradients' zeros."""
+    full, rest = divmod(m, rows)
+    return (rows,) * full + ((rest,) if rest or not full else ())
 
 
 def drop_h_backward_peak(m: int, d: int, ffn: int, out: int, itemsize: int) -> int:
@@ -98,14 +81,6 @@ def _row_chunk_peak(
     before, after = (left, left - rows) if freed else (m, m)
     at_kernel = copy_bytes(before, ffn) + held + (0 if first else grad_w1)
     return max(at_kernel, copy_bytes(after, ffn) + held + grad_w1)
-
-
-def fp8_backward_peak_columns(m: int, d: int, ffn: int, out: int, itemsize: int, cols: int) -> int:
-    """Bytes the column-split FP8 backward holds at its peak, parameters and grad_y aside: x,
-    the FP8 copy and its scales, grad_x, grad_W1, grad_W2, and one chunk's grad_h (becoming h)
-    [M, C] and grad_preact [M, 2C] buffers."""
-    held = 2 * m * d + 2 * ffn * d + out * ffn + 3 * m * min(cols, ffn)
-    return copy_bytes(m, ffn) + itemsize * held
 
 
 def copy_bytes(m: int, ffn: int) -> int:
@@ -179,18 +154,6 @@ def _most_rows(m, d, ffn, itemsize, limit, left, first, freed) -> int:
     return fits
 
 
-def cols_per_chunk(m: int, d: int, ffn: int, out: int, itemsize: int) -> int | None:
-    """Columns of F per chunk of the column-split backward: the most whole scale blocks that
-    keep ``fp8_backward_peak_columns`` within drop_h's peak, evened out over the chunks; None
-    where fewer than MIN_CHUNK_COLS (or F, if smaller) fit."""
-    limit = drop_h_backward_peak(m, d, ffn, out, itemsize)
-    spare = limit - fp8_backward_peak_columns(m, d, ffn, out, itemsize, 0)
-    fits = spare // max(3 * m * itemsize, 1) // BLOCK * BLOCK
-    if fits < min(MIN_CHUNK_COLS, ffn):
-        return None
-    return _even(ffn, fits, BLOCK, MIN_CHUNK_COLS)
-
-
 def _even(total: int, size: int, align: int, least: int) -> int:
     """``size`` per chunk, lowered to the fewest aligned units that keep the same chunk count."""
     if size >= total:
@@ -200,28 +163,6 @@ def _even(total: int, size: int, align: int, least: int) -> int:
     return max(even, min(least, size))
 
 
-def backward_split(
-    m: int, d: int, ffn: int, out: int, itemsize: int, *, freed: bool = True
-) -> BackwardSplit:
-    """The FP8 backward's chunks: rows of M, growing (``backward_row_chunks``; ``freed``: each
-    chunk's copy is freed once read). Freeing as they go, row chunks beat the column split
-    wherever it was swept (tests/test_fp8_saved_columns.py): no more chunks, or, where columns
-    take fewer, fewer bytes re-read and re-written by the accumulating GEMMs. A row chunk also
-    runs 2 GEMMs to a column chunk's 6: on the H200 at the seed shape, 4 row chunks of 2816
-    rows cost 0.05 ms over one chunk, 3 column chunks 0.3 ms (docs/fp8.md). Columns stay for
-    ``chunk_cols``."""
-    return BackwardSplit("rows", backward_row_chunks(m, d, ffn, out, itemsize, freed=freed))
-
-
-def split_peak(m: int, d: int, ffn: int, out: int, itemsize: int, split: BackwardSplit) -> int:
-    """Bytes the FP8 backward holds at its peak with ``split``'s chunks, each row chunk's
-    copy freed once read (``fp8_backward_peak``, ``fp8_backward_peak_columns``)."""
-    if split.axis == "rows":
-        return fp8_backward_peak(m, d, ffn, itemsize, split.lengths)
-    return fp8_backward_peak_columns(m, d, ffn, out, itemsize, max(split.lengths))
-
-
 def row_chunks(m: int, rows: int) -> list[slice]:
-    """Row ranges of ``rows`` rows, the last one shorter; for m = 0 one empty range, so the
-    loop still writes grad_W1's zeros."""
-    return [slice(start, min(start + rows, m)) for start in range(0, max(m, 1), rows)]
+    """Row ranges of ``rows`` rows, the last one shorter; for m = 0 one empty range."""
+    return spans(uniform_rows(m, rows))

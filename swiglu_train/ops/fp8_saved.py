@@ -44,14 +44,13 @@ into a buffer of its own. The copy is saved as one allocation per backward chunk
 freed once its kernel read it, so later chunks have its bytes to spare. At the seed shape
 [11136, 3584, 14336, 3584] bf16: forward 2 chunks of 5632 rows, 997.9 MiB, backward 3 chunks
 of 3712 rows, 1061.9 MiB, against drop_h's 1087.6. Before chunking both were 1303.6 (the
-whole bf16 preactivation, or grad_preact, beside the copy and h or grad_h). ``chunk_cols``
-splits the backward's columns of F instead (its chunks accumulate grad_x, not grad_W1).
+whole bf16 preactivation, or grad_preact, beside the copy and h or grad_h).
 
 The accumulated gradient stays in the parameters' dtype: an fp32 grad_W1 would hold 2F*D*4
 bytes, 196 MiB more than bf16's at the seed shape, more than the backward's buffers may take.
 The bf16 rounding per chunk raises grad_W1's error against float64 by 0.4 % of itself at six
 row chunks (2.917 % -> 2.930 % on CPU, [6144, 256, 704], with fp32 scales;
-tests/test_fp8_saved_chunked.py bounds it at 2 %), and grad_x's likewise over column chunks.
+tests/test_fp8_saved_chunked.py bounds it at 2 %).
 With ``inplace`` (the default) the copy and its scales are freed as the loop reads them, so
 the graph cannot be backpropagated twice (``inplace=False`` keeps them).
 """
@@ -77,7 +76,13 @@ from swiglu_train.kernels.runtime import device_capability
 from swiglu_train.ops import reference
 from swiglu_train.ops.activation import triton_enabled
 from swiglu_train.ops.eager import eager_op
-from swiglu_train.ops.fp8_chunks import BackwardSplit, backward_split, row_chunks, rows_per_chunk
+from swiglu_train.ops.fp8_chunks import (
+    backward_row_chunks,
+    row_chunks,
+    rows_per_chunk,
+    spans,
+    uniform_rows,
+)
 from swiglu_train.ops.mlp import claim_inplace_backward, refuse_double_backward
 
 try:
@@ -192,47 +197,14 @@ def _(q: torch.Tensor, scales: torch.Tensor, grad_h: torch.Tensor, grad_preact: 
     return None
 
 
-@eager_op("swiglu_train::swiglu_bwd_fp8_columns_", mutates_args=("grad_h", "grad_preact"))
-def swiglu_bwd_fp8_columns_(
-    q: torch.Tensor,
-    scales: torch.Tensor,
-    start: int,
-    grad_h: torch.Tensor,
-    grad_preact: torch.Tensor,
-) -> None:
-    """The backward of columns [start, start + C) of each half of the whole copy (q [M, 2F]):
-    grad_preact [M, 2C] (gate's columns, then up's) into the given buffer, h over grad_h
-    [M, C]. ``start`` is a multiple of the scale block."""
-    if not triton_enabled(grad_h):
-        width, ffn, nb = grad_h.shape[1], q.shape[1] // 2, n_blocks(q.shape[1] // 2)
-        first, blocks = start // BLOCK, n_blocks(width)
-        values = q.view(torch.uint8)  # cat has no float8 kernel on every device
-        window = torch.cat(
-            (values[:, start : start + width], values[:, ffn + start : ffn + start + width]), 1
-        ).view(FP8_DTYPE)
-        window_scales = torch.cat(
-            (scales[:, first : first + blocks], scales[:, nb + first : nb + first + blocks]), 1
-        )
-        h, grad = recompute(window, window_scales, grad_h)
-        grad_h.copy_(h)
-        grad_preact.copy_(grad)
-        return
-    kernels.swiglu_backward_fp8_columns(q, scales, start, grad_h, grad_preact)
-
-
-@swiglu_bwd_fp8_columns_.register_fake
-def _(q, scales, start: int, grad_h: torch.Tensor, grad_preact: torch.Tensor) -> None:
-    return None
-
-
 class _DropHFP8(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, fc1_weight, fc1_bias, fc2_weight, fc2_bias, inplace: bool, rows, split):
+    def forward(ctx, x, fc1_weight, fc1_bias, fc2_weight, fc2_bias, inplace: bool, rows, lengths):
         (m, d), ffn, out = x.shape, fc1_weight.shape[0] // 2, fc2_weight.shape[0]
         freed = inplace and not torch.compiler.is_compiling()  # claim_inplace_backward's
-        split = split or backward_split(m, d, ffn, out, x.element_size(), freed=freed)
+        lengths = lengths or backward_row_chunks(m, d, ffn, out, x.element_size(), freed=freed)
         # The copy in one allocation per row chunk of backward, which frees each once read
-        pieces = split.spans() if split.axis == "rows" else [slice(0, m)]
+        pieces = spans(lengths)
         copies = [copy_buffers(p.stop - p.start, ffn, x) for p in pieces]
         h = x.new_empty(m, ffn)
         chunk = rows or rows_per_chunk(m, d, ffn, out, x.element_size())
@@ -254,7 +226,7 @@ class _DropHFP8(torch.autograd.Function):
         ctx.inplace = inplace
         ctx.has_bias = (fc1_bias is not None, fc2_bias is not None)
         ctx.backward_ran = False
-        ctx.split = split
+        ctx.pieces = pieces
         return F.linear(h, fc2_weight, fc2_bias)
 
     @staticmethod
@@ -268,9 +240,8 @@ class _DropHFP8(torch.autograd.Function):
         needs = list(ctx.needs_input_grad[:5])
         needs[2], needs[4] = needs[2] and ctx.has_bias[0], needs[4] and ctx.has_bias[1]
         grad_y = grad_y.contiguous()
-        backward = _backward_columns if ctx.split.axis == "columns" else _backward_rows
-        grad_x, grad_w1, grad_b1, grad_w2 = backward(
-            grad_y, x, fc1_weight, fc2_weight, copies, ctx.split, consume, needs
+        grad_x, grad_w1, grad_b1, grad_w2 = _backward_rows(
+            grad_y, x, fc1_weight, fc2_weight, copies, ctx.pieces, consume, needs
         )
         grad_b1 = grad_b1.to(grad_y.dtype) if needs[2] else None
         grad_b2 = grad_y.sum(0) if needs[4] else None
@@ -284,8 +255,8 @@ def _free(consume: bool, *saved: torch.Tensor) -> None:
             t.untyped_storage().resize_(0)
 
 
-def _backward_rows(grad_y, x, fc1_weight, fc2_weight, copies, split, consume, needs):
-    """(grad_x, grad_W1, grad_b1 in fp32, grad_W2) over the split's chunks of rows of M, one
+def _backward_rows(grad_y, x, fc1_weight, fc2_weight, copies, pieces, consume, needs):
+    """(grad_x, grad_W1, grad_b1 in fp32, grad_W2) over chunks of rows of M (``pieces``), one
     saved copy each, freed once its kernel read it: grad_W1 is accumulated by the GEMM
     (beta = 1), grad_W2 comes after the loop."""
     need_x, need_w1, need_b1, need_w2, _ = needs
@@ -293,7 +264,7 @@ def _backward_rows(grad_y, x, fc1_weight, fc2_weight, copies, split, consume, ne
     (m, ffn), d = h.shape, x.shape[1]
     grad_x = h.new_empty(m, d) if need_x else None
     grad_w1 = grad_b1 = None
-    for part, (q, scales) in zip(split.spans(), copies, strict=True):
+    for part, (q, scales) in zip(pieces, copies, strict=True):
         grad_preact = h.new_empty(part.stop - part.start, 2 * ffn)  # this chunk's only
         swiglu_bwd_fp8_(q, scales, h[part], grad_preact)
         _free(consume, q, scales)
@@ -312,56 +283,6 @@ def _backward_rows(grad_y, x, fc1_weight, fc2_weight, copies, split, consume, ne
     return grad_x, grad_w1, grad_b1, grad_w2
 
 
-def _backward_columns(grad_y, x, fc1_weight, fc2_weight, copies, split, consume, needs):
-    """(grad_x, grad_W1, grad_b1 in fp32, grad_W2) over chunks of columns of F: each chunk's
-    grad_h, h and grad_preact exist for that chunk only; its rows of grad_W1 and columns of
-    grad_W2 are written whole, and grad_x accumulates over the chunks (beta = 1)."""
-    need_x, need_w1, need_b1, need_w2, _ = needs
-    ((q, scales),) = copies  # one copy: each chunk reads its columns of every row
-    (m, d), ffn = x.shape, fc2_weight.shape[1]
-    grad_x = grad_y.new_empty(m, d) if need_x else None
-    grad_w1 = grad_y.new_empty(2 * ffn, d) if need_w1 else None
-    grad_b1 = grad_y.new_empty(2 * ffn, dtype=torch.float32) if need_b1 else None
-    grad_w2 = grad_y.new_empty(fc2_weight.shape) if need_w2 else None
-    width = max(split.lengths)
-    h_buffer, grad_buffer = grad_y.new_empty(m * width), grad_y.new_empty(m * 2 * width)
-    chunks = split.spans()
-    for part in chunks:
-        c, up = part.stop - part.start, slice(ffn + part.start, ffn + part.stop)
-        h = h_buffer[: m * c].view(m, c)  # contiguous for a narrower last chunk too
-        grad_preact = grad_buffer[: m * 2 * c].view(m, 2 * c)
-        torch.mm(grad_y, fc2_weight[:, part], out=h)  # grad_h; the kernel writes h over it
-        swiglu_bwd_fp8_columns_(q, scales, part.start, h, grad_preact)
-        if need_w2:
-            _mm_into(grad_w2[:, part], grad_y.t(), h)
-        grad_gate, grad_up = grad_preact[:, :c], grad_preact[:, c:]
-        if need_w1:
-            torch.mm(grad_gate.t(), x, out=grad_w1[part])
-            torch.mm(grad_up.t(), x, out=grad_w1[up])
-        if need_x and len(chunks) == 1:  # W1's gate and up rows in one GEMM
-            torch.mm(grad_preact, fc1_weight, out=grad_x)
-        elif need_x:  # accumulated in the parameters' dtype (module docstring)
-            if part.start == 0:
-                torch.mm(grad_gate, fc1_weight[part], out=grad_x)
-            else:
-                grad_x.addmm_(grad_gate, fc1_weight[part])
-            grad_x.addmm_(grad_up, fc1_weight[up])
-        if need_b1:
-            grad_b1[part] = grad_gate.sum(0, dtype=torch.float32)
-            grad_b1[up] = grad_up.sum(0, dtype=torch.float32)
-    _free(consume, q, scales)
-    return grad_x, grad_w1, grad_b1, grad_w2
-
-
-def _mm_into(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
-    """a @ b into ``out``, columns of a wider matrix. cuBLAS writes such a view in place (as
-    its leading dimension); torch.compile refuses a non-contiguous out=, so it copies there."""
-    if torch.compiler.is_compiling():
-        out.copy_(a @ b)
-    else:
-        torch.mm(a, b, out=out)
-
-
 def drop_h_fp8_mlp(
     x: torch.Tensor,
     fc1_weight: torch.Tensor,
@@ -370,46 +291,28 @@ def drop_h_fp8_mlp(
     fc2_bias: torch.Tensor | None,
     inplace: bool = True,
     chunk_rows: int | None = None,
-    chunk_cols: int | None = None,
-    split: BackwardSplit | None = None,
+    backward_rows: tuple[int, ...] | None = None,
 ) -> torch.Tensor:
     """drop_h saving its preactivation in FP8; ``inplace`` frees it once backward read it.
-    ``chunk_rows`` sets the rows per chunk of forward, and of backward unless ``chunk_cols``
-    (a multiple of 128) splits the backward's columns of F instead, or ``split`` gives the
-    backward's chunks. Unset, ``ops.fp8_chunks``' rules choose (benchmarks and tests set them)."""
+    ``chunk_rows`` sets the rows per chunk of forward, and of backward unless
+    ``backward_rows`` gives each backward chunk's rows. Unset, ``ops.fp8_chunks``' rules
+    choose (benchmarks and tests set them)."""
     if chunk_rows is not None and (type(chunk_rows) is not int or chunk_rows < 1):
         raise ValueError(f"chunk_rows must be a positive int or None, got {chunk_rows!r}")
-    if chunk_cols is not None and (
-        type(chunk_cols) is not int or chunk_cols < 1 or chunk_cols % BLOCK
+    m = x.shape[0]
+    if backward_rows is None and chunk_rows is not None:
+        backward_rows = uniform_rows(m, chunk_rows)
+    if backward_rows is not None and (
+        sum(backward_rows) != m or min(backward_rows) < (1 if m else 0)
     ):
         raise ValueError(
-            f"chunk_cols must be a positive multiple of {BLOCK} (whole scale blocks) or None, "
-            f"got {chunk_cols!r}"
+            f"backward_rows {backward_rows} must cover x's {m} rows once, in chunks of at "
+            "least 1 row"
         )
-    ffn = fc1_weight.shape[0] // 2
-    if chunk_cols is not None:
-        split = BackwardSplit.uniform("columns", ffn, chunk_cols)
-    elif chunk_rows is not None and split is None:
-        split = BackwardSplit.uniform("rows", x.shape[0], chunk_rows)
-    if split is not None:
-        _check_split(split, x.shape[0], ffn)
     # Before any GEMM: the kernels would fail to compile. Not while torch.compile traces this
     # (it would trace torch's capability query into the graph); pretrain checks before the run.
     if x.is_cuda and not torch.compiler.is_compiling() and triton_enabled(x):
         check_fp8_gpu(x.get_device())
     return _DropHFP8.apply(
-        x, fc1_weight, fc1_bias, fc2_weight, fc2_bias, inplace, chunk_rows, split
+        x, fc1_weight, fc1_bias, fc2_weight, fc2_bias, inplace, chunk_rows, backward_rows
     )
-
-
-def _check_split(split: BackwardSplit, m: int, ffn: int) -> None:
-    """A ValueError unless ``split``'s chunks cover M's rows (or F's columns, in whole scale
-    blocks but the last) exactly once."""
-    total = m if split.axis == "rows" else ffn
-    lengths = split.lengths
-    whole = split.axis == "rows" or all(n % BLOCK == 0 for n in lengths[:-1])
-    if sum(lengths) != total or min(lengths) < (0 if total == 0 else 1) or not whole:
-        raise ValueError(
-            f"split {split} must cover the {total} {split.axis} once, in chunks of at least 1"
-            + ("" if split.axis == "rows" else f" (multiples of {BLOCK} but the last)")
-        )
