@@ -215,7 +215,7 @@ def test_bad_chunk_rows_are_refused(rows):
         drop_h_fp8_mlp(x, w1, b1, w2, b2, chunk_rows=rows)
 
 
-@pytest.mark.parametrize("lengths", [(3,), (2, 3), (4, 0), (5, -1)])
+@pytest.mark.parametrize("lengths", [(), (3,), (2, 3), (4, 0), (5, -1)])
 def test_backward_rows_that_miss_rows_are_refused(lengths):
     x, w1, b1, w2, b2, _ = make_inputs(4, torch.float32, "cpu")
     with pytest.raises(ValueError, match=r"must cover x's 4 rows once, in chunks of at least 1"):

@@ -303,7 +303,7 @@ def drop_h_fp8_mlp(
     if backward_rows is None and chunk_rows is not None:
         backward_rows = uniform_rows(m, chunk_rows)
     if backward_rows is not None and (
-        sum(backward_rows) != m or min(backward_rows) < (1 if m else 0)
+        not backward_rows or sum(backward_rows) != m or min(backward_rows) < (1 if m else 0)
     ):
         raise ValueError(
             f"backward_rows {backward_rows} must cover x's {m} rows once, in chunks of at "
