@@ -134,6 +134,10 @@ def megatron(
     profile_dir: Annotated[
         Path, typer.Option(help="where those profiles go: profile_megatron_IMPL.json")
     ] = Path("."),
+    sample_host: Annotated[
+        Path | None,
+        typer.Option(help="folder: every run under py-spy, its stacks there, top frames in JSON"),
+    ] = None,
 ) -> None:
     """Megatron recipe: impls interleaved in rounds, one process each; the rest of the
     command line after ``--`` goes to the recipe."""
@@ -152,6 +156,7 @@ def megatron(
         command=command_line(),
         commit=commit,
         profiles=profiles,
+        host_samples=sample_host,
         on_point=point_writer(json_path, settings),
     )
     write_result(result, json_path, md, None, megatron_markdown, None)

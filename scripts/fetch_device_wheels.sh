@@ -3,7 +3,7 @@
 # git-ignored folders the device tool carries (at most 64 MiB per call):
 #   .whl   peers: liger-kernel, fla-core, quack-kernels and its cutlass-dsl/tvm-ffi deps  (11 MB)
 #   .whlx  nvidia-cutlass-dsl-libs-cu13 (88 MB) unpacked and re-compressed with xz        (48 MB)
-#   .whlw  wandb and the dependencies the box lacks, and megatron-core for Python 3.12     (27 MB)
+#   .whlw  wandb and the dependencies the box lacks, megatron-core for Python 3.12, py-spy (30 MB)
 #   .whlt  pytest-xdist and execnet, so the GPU tests compile their kernels in parallel   (0.1 MB)
 #   .whlm  megatron-core alone, to test the Megatron adapter on quack's kernels             (2.6 MB)
 # .whl + .whlx (+ .whlt + .whlm) fit one call (scripts/device_setup.sh installs them); .whlw
@@ -35,7 +35,7 @@ get .whlw wandb==0.31.0 cwevals==0.0.1b1 opentelemetry-api==1.45.2 opentelemetry
   opentelemetry-exporter-http-transport==0.66b2 opentelemetry-exporter-otlp-common==0.66b2 \
   googleapis-common-protos pydantic==2.14.4 pydantic-core==2.50.5 annotated-types \
   typing-inspection platformdirs importlib-metadata lazy-importer distro sniffio typing-extensions \
-  megatron-core==0.16.1
+  megatron-core==0.16.1 py-spy==0.4.3
 get .whlt pytest-xdist==3.8.0 execnet==2.1.2
 get .whlm megatron-core==0.16.1
 du -sh .whl .whlx .whlw .whlt .whlm

@@ -251,8 +251,8 @@ def test_megatron_rounds_on_cpu_profile_a_step_inside_a_measured_run(tmp_path, m
     assert str(bad.exception) == "--profile-impls drop_h: each must be one of --impls stock,normal"
     # --manual-gc: Megatron-LM's switch, passed through to every run; no collection lands in
     # a step, so the runs' GC time is exactly zero
-    result = runner.invoke(bench.app, [*args, "--profile-impls", "stock", "--profile-dir", "p",
-                                       "--", *tiny, "--manual-gc"])  # fmt: skip
+    extra = ["--profile-impls", "stock", "--profile-dir", "p", "--sample-host", "h"]
+    result = runner.invoke(bench.app, [*args, *extra, "--", *tiny, "--manual-gc"])
     assert result.exit_code == 0, result.output
     r = json.loads((tmp_path / "m.json").read_text())
     assert sorted((p["impl"], p["round"], p["commit"]) for p in r["points"]) == [
@@ -274,6 +274,16 @@ def test_megatron_rounds_on_cpu_profile_a_step_inside_a_measured_run(tmp_path, m
     assert (profile["step"], profile["mlp_impl"]) == (2, "stock")  # the last timed step
     assert profile["unit"] == "op (self time)" and profile["total_us"] > 0
     assert not (tmp_path / "p" / "profile_megatron_normal.json").exists()
+    # every run sampled by py-spy (the test extra installs it): its stacks kept, and the
+    # frames of its steps
+    assert sorted(f.name for f in (tmp_path / "h").iterdir()) == [
+        "normal_round0.txt", "stock_round0.txt"
+    ]  # fmt: skip
+    for point in r["points"]:
+        frames = [f["frame"] for f in point["host_samples"]["frames"]]
+        assert point["host_samples"]["samples"] > 0 and frames[0].startswith("run_step (")
+        assert point["host_samples"]["frames"][0]["share"] == 1.0  # the step and below only
+        assert not any(f.startswith("main (") for f in frames)
 
 
 def test_a_call_stopped_mid_round_keeps_its_points_for_the_next(tmp_path, monkeypatch):

@@ -14,6 +14,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from swiglu_train.bench.e2e import device_name, next_rounds, rows, spread
+from swiglu_train.bench.host_samples import sampled, top_frames
 from swiglu_train.bench.mlp import git_commit
 
 
@@ -33,13 +34,16 @@ def run_megatron(
     command: str,
     commit: str | None,
     profiles: dict[str, Path] | None = None,
+    host_samples: Path | None = None,
     on_point: Callable[[list[dict]], None] = lambda _: None,
 ) -> dict:
     """Run ``rounds`` rounds after ``points`` (an earlier run's, or none), the recipe's summary
     read back from each, then the rows over all of them. ``profiles`` (impl -> JSON path): the
     first run of that impl whose path does not exist yet also profiles its last timed step
     (``--profile-step``), so no extra process is launched; one step of 20 under the profiler
-    barely moves the median. ``on_point(points so far)`` after each run."""
+    barely moves the median. ``host_samples`` (a folder): every run under py-spy, its raw
+    stacks kept there as IMPL_roundR.txt and the top frames of its steps (``run_step``) in the
+    point (``host_samples``), at about 1 % of a core. ``on_point(points so far)`` after each run."""
     names, warmup, steps = settings["impls"], settings["warmup_steps"], settings["timed_steps"]
     commit = commit or git_commit()  # the caller names the tree it ran: a copy's .git may lag
     schedule, order = next_rounds(points, rounds, seed)
@@ -66,6 +70,9 @@ def run_megatron(
                 if profile is not None and not profile.exists():
                     last = str(warmup + steps - 1)
                     run += ["--profile-step", last, "--profile-json", str(profile)]
+                if host_samples is not None:
+                    host_samples.mkdir(parents=True, exist_ok=True)
+                    run = sampled(run, host_samples / f"{impl}_round{r}.txt")
                 done = subprocess.run(run, capture_output=True, text=True)
                 if done.returncode:
                     raise RuntimeError(f"{shlex.join(run)} failed:\n{done.stderr[-3000:]}")
@@ -89,6 +96,9 @@ def run_megatron(
                         "commit": commit,
                     }
                 )
+                if host_samples is not None:
+                    raw = host_samples / f"{impl}_round{r}.txt"
+                    points[-1]["host_samples"] = top_frames(raw, within="run_step")
                 on_point(points)
     return settings | {
         "command": command,
