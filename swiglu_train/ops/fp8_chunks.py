@@ -18,6 +18,8 @@ chunks there too but cost 0.3 ms: 6 GEMMs a chunk against a row chunk's 2 (docs/
 
 from __future__ import annotations
 
+import functools
+
 from swiglu_train.kernels.fp8_format import FP8_DTYPE, SCALE_DTYPE, saved_shapes
 
 # Rows per chunk: a multiple of ROW_ALIGN (whole GEMM tiles), and at least
@@ -103,6 +105,7 @@ def rows_per_chunk(m: int, d: int, ffn: int, out: int, itemsize: int) -> int:
     return _even(m, max(fits // ROW_ALIGN * ROW_ALIGN, MIN_CHUNK_ROWS), ROW_ALIGN, MIN_CHUNK_ROWS)
 
 
+@functools.lru_cache(maxsize=256)  # ~150 us of bisection a shape, once per shape, not per step
 def backward_row_chunks(
     m: int, d: int, ffn: int, out: int, itemsize: int, *, freed: bool = True
 ) -> tuple[int, ...]:
