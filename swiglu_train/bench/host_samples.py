@@ -52,7 +52,7 @@ def top_frames(path: Path, top: int = 15, within: str | None = None) -> dict:
             if not inside:
                 continue
             stack = stack[inside[0] :]
-        frames = set(stack)
+        frames = dict.fromkeys(stack)  # once per sample; ties rank outermost first
         count = int(record["count"])
         total += count
         for frame in frames:
