@@ -6,6 +6,8 @@ For each [M, F] it times (CUDA events, median of --samples calls on data far pas
   ours      the package kernels as they launch (the tile rule of kernels/swiglu.py);
   ours[c]   the forward and recompute-backward kernels under other tiles (BLOCK_M, BLOCK_N,
             warps), to check the rule against the best tile at each shape;
+  fwd_fp8, bwd_fp8  the FP8-saved drop_h's kernels (kernels/swiglu_fp8.py) under their rule
+            and under other tiles (BLOCK_N a multiple of the 128-column scale block);
   liger     Liger-Kernel's fused gate-up kernels (one row per program), where installed.
 Bandwidth counts bytes read plus bytes written, like the copy's.
 
@@ -15,13 +17,15 @@ Bandwidth counts bytes read plus bytes written, like the copy's.
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
 
 import torch
 import triton
 
 from swiglu_train.bench.mlp import write_probe_result
-from swiglu_train.kernels import swiglu
+from swiglu_train.kernels import swiglu, swiglu_fp8
+from swiglu_train.kernels.fp8_format import FP8_DTYPE, SCALE_DTYPE, saved_shapes
 
 SHAPES = ((11136, 14336), (8192, 14336), (8000, 11008), (4096, 8192), (16384, 18944), (8192, 28672))
 
@@ -45,12 +49,12 @@ def time_ms(fn, samples: int, batch: int = 10) -> float:
 
 def forced(kernel, config: dict):
     """The kernel launched with one tile instead of the rule's."""
-    bm, bn, warps = config["BLOCK_M"], config["BLOCK_N"], config["num_warps"]
+    bm, bn = config["BLOCK_M"], config["BLOCK_N"]
 
     def launch(grid_mf, *args, **kwargs):
         m, f = grid_mf
         grid = (triton.cdiv(m, bm) * triton.cdiv(f, bn),)
-        kernel[grid](*args, **kwargs, BLOCK_M=bm, BLOCK_N=bn, num_warps=warps)
+        kernel[grid](*args, **kwargs, **config)
 
     return launch
 
@@ -62,6 +66,44 @@ TILES = ((1, 16384, 16), (1, 8192, 16), (1, 4096, 16), (2, 4096, 16), (1, 2048, 
 
 def candidate_configs() -> list[dict]:
     return [{"BLOCK_M": m, "BLOCK_N": n, "num_warps": w} for m, n, w in TILES]
+
+
+FP8_TILES = ((8, 128, 4), (16, 128, 8), (4, 256, 4), (2, 512, 4), (1, 1024, 4), (2, 1024, 8),
+             (1, 2048, 8), (4, 512, 8), (1, 4096, 8), (1, 512, 4), (1, 1024, 8))  # fmt: skip
+
+
+def probe_fp8(m: int, f: int, preact, h, grad_h, samples: int, row) -> None:
+    """The FP8-saved kernels' rows: the rule's tile, then each of FP8_TILES forced."""
+    el = preact.element_size()
+    q_shape, scale_shape = saved_shapes(m, f)
+    q = torch.empty(q_shape, device="cuda", dtype=FP8_DTYPE)
+    scales = torch.empty(scale_shape, device="cuda", dtype=SCALE_DTYPE)
+    grad_preact = torch.empty_like(preact)
+    saved = q.numel() + 2 * scales.numel()
+    fwd_bytes, bwd_bytes = 3 * m * f * el + saved, 4 * m * f * el + saved
+    swiglu_fp8.swiglu_forward_fp8(preact, h, q, scales)
+    rule = "[{}x{}w{}]".format
+    fwd_rule = rule(*swiglu_fp8.fp8_tile(m, f, swiglu.FWD_TILE))
+    bwd_rule = rule(*swiglu_fp8.fp8_tile(m, f, swiglu.BWD_TILE))
+    ms = time_ms(lambda: swiglu_fp8.swiglu_forward_fp8(preact, h, q, scales), samples)
+    row("fwd_fp8", f"ours (rule {fwd_rule})", ms, fwd_bytes)
+    ms = time_ms(lambda: swiglu_fp8.swiglu_backward_fp8(q, scales, grad_h, grad_preact), samples)
+    row("bwd_fp8", f"ours (rule {bwd_rule})", ms, bwd_bytes)
+    code, bits = q.view(torch.uint8), scales.view(torch.int16)
+    for bm, bn, warps in FP8_TILES:
+        cfg = {"BLOCK_M": bm, "BLOCK_N": bn, "num_warps": warps, "INTERPRET": False}
+        fwd = forced(swiglu_fp8._swiglu_fwd_fp8_kernel, cfg)
+        bwd = forced(swiglu_fp8._swiglu_bwd_fp8_kernel, cfg)
+        fwd_call = functools.partial(
+            fwd, (m, f), preact, h, code, bits, m, f, preact.stride(0), h.stride(0),
+            code.stride(0), bits.stride(0),
+        )  # fmt: skip
+        bwd_call = functools.partial(
+            bwd, (m, f), code, bits, grad_h, grad_preact, m, f, code.stride(0), bits.stride(0),
+            grad_h.stride(0), grad_preact.stride(0),
+        )  # fmt: skip
+        row("fwd_fp8", "ours" + rule(bm, bn, warps), time_ms(fwd_call, samples), fwd_bytes)
+        row("bwd_fp8", "ours" + rule(bm, bn, warps), time_ms(bwd_call, samples), bwd_bytes)
 
 
 def copy_ms(samples: int) -> tuple[float, int]:
@@ -143,6 +185,7 @@ def probe_shape(m: int, f: int, samples: int) -> list[dict]:
             samples,
         )  # fmt: skip
         row("bwd_recompute", name, ms, bwd_bytes)
+    probe_fp8(m, f, preact, h, grad_h, samples, row)
     try:
         from liger_kernel.ops.swiglu import (
             swiglu_fused_gate_up_backward,

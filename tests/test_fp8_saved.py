@@ -16,6 +16,8 @@ from helpers import rel_err
 from swiglu_train import ParMLP
 from swiglu_train.kernels.fp8_format import BLOCK, E4M3_MAX, n_blocks, round_up_bf16
 from swiglu_train.kernels.runtime import triton_runs_on
+from swiglu_train.kernels.swiglu import tile
+from swiglu_train.kernels.swiglu_fp8 import fp8_tile
 from swiglu_train.layers.layout import CANONICAL
 from swiglu_train.memory import SavedTensorCounter
 from swiglu_train.ops import reference, use_backend
@@ -95,6 +97,16 @@ def test_kernel_writes_the_torch_path_s_bytes_and_drop_h_s_h(device, dtype, m, f
     assert torch.equal(scales, expected_scales)
     with use_backend("triton"):  # drop_h's own forward kernel: y is unchanged by the option
         assert torch.equal(h, swiglu_fwd(preact))
+
+
+@pytest.mark.parametrize(("m", "ffn"), [(11136, 14336), (8000, 11008), (3, 64), (1, 130), (7, 200)])
+@pytest.mark.parametrize("rule", [(1024, 4), (2048, 8)])
+def test_gpu_tiles_cover_whole_scale_blocks_within_the_element_budget(m, ffn, rule):
+    block_m, block_n, warps = fp8_tile(m, ffn, rule, interpret=False)
+    assert block_n % BLOCK == 0 and block_n & (block_n - 1) == 0 and block_m & (block_m - 1) == 0
+    assert warps == rule[1] and block_m * block_n <= max(rule[0], block_n)
+    assert block_n == max(BLOCK, tile(m, ffn, rule, interpret=False)[1])  # drop_h's columns
+    assert block_m <= max(m, 1) * 2  # no more rows than the next power of two of M
 
 
 def test_round_trip_error_is_e4m3_rounding():

@@ -5,11 +5,15 @@ scales in that pass. Backward reads the e4m3 copy (dequantized in registers) wit
 writes grad_preact into a fresh buffer, and h over grad_h. grad_preact cannot go in place: it
 is 2 bytes (bf16/fp16) or 4 (fp32) per element, the FP8 copy 1.
 
-A program covers BLOCK_M rows and one 128-column block of each half, so a block's absolute
-max is one row reduction in registers. Arithmetic is fp32 after the loads. The scale is
-amax / 448 (an IEEE division, ``div_rn``) rounded up to bf16 on its bits; quantization
-multiplies by 1 / scale (one more ``div_rn`` per row block) and clamps to ±448 propagating NaN,
-so ``ops.fp8_saved.quantize`` computes the same bytes in torch. Scales travel as their int16
+A program covers BLOCK_M rows and BLOCK_N columns (a power-of-two multiple of the 128-column
+scale block) of each half, held as [BLOCK_M, BLOCK_N / 128, 128] so that each block's absolute
+max is one reduction over the last axis in registers. The tile follows the swiglu kernels' rule
+(``fp8_tile``): as many columns of a row as the element budget allows, then rows.
+
+Arithmetic is fp32 after the loads. The scale is amax / 448 (an IEEE division, ``div_rn``)
+rounded up to bf16 on its bits; quantization multiplies by 1 / scale (one more ``div_rn`` per
+row block) and clamps to ±448 propagating NaN, so ``ops.fp8_saved.quantize`` computes the same
+bytes in torch. Scales travel as their int16
 bits (the interpreter's bf16 conversions are inexact). Restored values saturate at fp32's
 max. A NaN or inf anywhere in a block makes the whole block NaN (amax is NaN or inf, so the
 scale is NaN or inf, and 1 / scale 0): a non-finite preactivation gives non-finite gradients.
@@ -22,6 +26,8 @@ is set and read by hand. On CUDA the conversion is the hardware's (``cvt.rn.satf
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -33,7 +39,6 @@ from swiglu_train.kernels.fp8_format import (
     FP32_MAX,
     MIN_AMAX,
     SCALE_DTYPE,
-    n_blocks,
     saved_shapes,
 )
 from swiglu_train.kernels.runtime import INTERPRET, SUPPORTED_DTYPES
@@ -43,10 +48,10 @@ from swiglu_train.kernels.swiglu import (
     _check_like,
     _check_preact,
     _silu_times_up,
-    _tile,
     tile,
 )
 
+_BLOCK: tl.constexpr = tl.constexpr(BLOCK)
 _MAX: tl.constexpr = tl.constexpr(E4M3_MAX)
 _MIN_AMAX: tl.constexpr = tl.constexpr(MIN_AMAX)
 _FP32_MAX: tl.constexpr = tl.constexpr(FP32_MAX)
@@ -72,9 +77,24 @@ def _round_e4m3(v):
 
 
 @triton.jit
-def _quantize_store(v, q_ptrs, scale_ptrs, mask, row_mask, INTERPRET: tl.constexpr):
-    """Store v [BLOCK_M, BLOCK] as e4m3 bytes and one bf16 scale per row, amax / 448 up."""
-    amax = tl.reduce(tl.abs(v), 1, _max_keep_nan, keep_dims=True)
+def _block_tile(pid, M, F, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """A flat program id's rows [BLOCK_M, 1, 1], columns [1, S, 128] (S = BLOCK_N / 128 scale
+    blocks), their mask, and the scale columns [1, S, 1] with theirs."""
+    SCALES: tl.constexpr = BLOCK_N // _BLOCK
+    pid_m = pid // tl.cdiv(F, BLOCK_N)
+    pid_n = pid % tl.cdiv(F, BLOCK_N)
+    rows = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)[:, None, None]
+    blocks = (pid_n * SCALES + tl.arange(0, SCALES))[None, :, None]
+    cols = blocks * _BLOCK + tl.arange(0, _BLOCK)[None, None, :]
+    scale_mask = (rows < M) & (blocks < tl.cdiv(F, _BLOCK))
+    return rows, cols, (rows < M) & (cols < F), blocks, scale_mask
+
+
+@triton.jit
+def _quantize_store(v, q_ptrs, scale_ptrs, mask, scale_mask, INTERPRET: tl.constexpr):
+    """Store v [BLOCK_M, S, 128] as e4m3 bytes and one bf16 scale per row and block (amax /
+    448, rounded up)."""
+    amax = tl.reduce(tl.abs(v), 2, _max_keep_nan, keep_dims=True)
     amax = tl.maximum(amax, _MIN_AMAX, propagate_nan=tl.PropagateNan.ALL)
     bits = tl.div_rn(amax, tl.full(amax.shape, _MAX, tl.float32)).to(tl.int32, bitcast=True)
     up = ((bits & 0xFFFF) != 0).to(tl.int32) << 16  # round up to bf16: block max <= 448
@@ -89,16 +109,16 @@ def _quantize_store(v, q_ptrs, scale_ptrs, mask, row_mask, INTERPRET: tl.constex
         code = tl.where(q != q, _NAN_CODE, code).to(tl.uint8)
     tl.store(q_ptrs, code, mask=mask)
     scale_bits = (scale.to(tl.int32, bitcast=True) >> 16).to(tl.int16)  # exact: low bits 0
-    tl.store(scale_ptrs, scale_bits, mask=row_mask)
+    tl.store(scale_ptrs, scale_bits, mask=scale_mask)
 
 
 @triton.jit
-def _dequantize(q_ptrs, scale_ptrs, mask, row_mask, INTERPRET: tl.constexpr):
+def _dequantize(q_ptrs, scale_ptrs, mask, scale_mask, INTERPRET: tl.constexpr):
     code = tl.load(q_ptrs, mask=mask, other=0)
     v = code.to(tl.float8e4nv, bitcast=True).to(tl.float32)
     if INTERPRET:
         v = tl.where((code & 0x7F) == _NAN_CODE, float("nan"), v)
-    scale_bits = tl.load(scale_ptrs, mask=row_mask, other=0x3F80).to(tl.int32)  # bf16 1.0
+    scale_bits = tl.load(scale_ptrs, mask=scale_mask, other=0x3F80).to(tl.int32)  # bf16 1.0
     v = v * (scale_bits << 16).to(tl.float32, bitcast=True)
     v = tl.minimum(v, _FP32_MAX, propagate_nan=tl.PropagateNan.ALL)
     return tl.maximum(v, -_FP32_MAX, propagate_nan=tl.PropagateNan.ALL)
@@ -121,19 +141,17 @@ def _swiglu_fwd_fp8_kernel(
     INTERPRET: tl.constexpr,
 ):
     """h = silu(gate) * up, and the preact as e4m3 bytes with one scale per row per block."""
-    pid = tl.program_id(0)
-    rows, cols, mask = _tile(pid, M, F, BLOCK_M, BLOCK_N)
-    nb = tl.cdiv(F, BLOCK_N)
-    row_mask = rows < M
+    rows, cols, mask, blocks, scale_mask = _block_tile(tl.program_id(0), M, F, BLOCK_M, BLOCK_N)
+    nb = tl.cdiv(F, _BLOCK)
     gate_ptrs = preact_ptr + rows * stride_preact + cols
     gate = tl.load(gate_ptrs, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(gate_ptrs + F, mask=mask, other=0.0).to(tl.float32)
     h = _silu_times_up(gate, up, h_ptr.dtype.element_ty)
     tl.store(h_ptr + rows * stride_h + cols, h.to(h_ptr.dtype.element_ty), mask=mask)
     q_ptrs = q_ptr + rows * stride_q + cols
-    scale_ptrs = scale_ptr + rows * stride_scale + pid % nb
-    _quantize_store(gate, q_ptrs, scale_ptrs, mask, row_mask, INTERPRET)
-    _quantize_store(up, q_ptrs + F, scale_ptrs + nb, mask, row_mask, INTERPRET)
+    scale_ptrs = scale_ptr + rows * stride_scale + blocks
+    _quantize_store(gate, q_ptrs, scale_ptrs, mask, scale_mask, INTERPRET)
+    _quantize_store(up, q_ptrs + F, scale_ptrs + nb, mask, scale_mask, INTERPRET)
 
 
 @triton.jit
@@ -154,14 +172,12 @@ def _swiglu_bwd_fp8_kernel(
 ):
     """grad_preact = [grad_h*up*silu'(gate) | grad_h*silu(gate)] from the dequantized preact,
     and h over grad_h, stored through the pointers grad_h was loaded from."""
-    pid = tl.program_id(0)
-    rows, cols, mask = _tile(pid, M, F, BLOCK_M, BLOCK_N)
-    nb = tl.cdiv(F, BLOCK_N)
-    row_mask = rows < M
+    rows, cols, mask, blocks, scale_mask = _block_tile(tl.program_id(0), M, F, BLOCK_M, BLOCK_N)
+    nb = tl.cdiv(F, _BLOCK)
     q_ptrs = q_ptr + rows * stride_q + cols
-    scale_ptrs = scale_ptr + rows * stride_scale + pid % nb
-    gate = _dequantize(q_ptrs, scale_ptrs, mask, row_mask, INTERPRET)
-    up = _dequantize(q_ptrs + F, scale_ptrs + nb, mask, row_mask, INTERPRET)
+    scale_ptrs = scale_ptr + rows * stride_scale + blocks
+    gate = _dequantize(q_ptrs, scale_ptrs, mask, scale_mask, INTERPRET)
+    up = _dequantize(q_ptrs + F, scale_ptrs + nb, mask, scale_mask, INTERPRET)
     grad_h_ptrs = grad_h_ptr + rows * stride_grad_h + cols
     grad_h = tl.load(grad_h_ptrs, mask=mask).to(tl.float32)
 
@@ -192,12 +208,27 @@ def _check_saved(q: torch.Tensor, scales: torch.Tensor, ref: torch.Tensor, m: in
             raise ValueError(f"{name} is on {t.device}, expected {ref.device}")
 
 
+INTERPRET_TILE = (4, 2 * BLOCK)  # (BLOCK_M, BLOCK_N): CPU tests cross row, tile and block edges
+
+
+@functools.lru_cache(maxsize=4096)
+def fp8_tile(
+    m: int, ffn: int, rule: tuple[int, int], interpret: bool = INTERPRET
+) -> tuple[int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps): the swiglu kernels' tile for the rule's element budget,
+    its columns widened to whole scale blocks (rows shrink to keep the budget)."""
+    if interpret:
+        return (*INTERPRET_TILE, 1)
+    _, block_n, warps = tile(m, ffn, rule, interpret=False)
+    block_n = max(block_n, BLOCK)
+    return min(max(rule[0] // block_n, 1), triton.next_power_of_2(m)), block_n, warps
+
+
 def _launch(kernel, m: int, ffn: int, rule: tuple[int, int], *args) -> None:
-    """One launch over a 1D grid of [BLOCK_M, BLOCK] tiles: the swiglu kernels' rows per
-    program for the same element budget, and exactly one scale block of columns."""
-    block_m, _, warps = tile(m, BLOCK, rule)
-    grid = (-(-m // block_m) * n_blocks(ffn),)  # not triton.cdiv: ~3 us of host time a call
-    kernel[grid](*args, BLOCK_M=block_m, BLOCK_N=BLOCK, INTERPRET=INTERPRET, num_warps=warps)
+    """One launch over a 1D grid of ``fp8_tile``'s tiles."""
+    block_m, block_n, warps = fp8_tile(m, ffn, rule)
+    grid = (-(-m // block_m) * -(-ffn // block_n),)  # not triton.cdiv: ~3 us of host time
+    kernel[grid](*args, BLOCK_M=block_m, BLOCK_N=block_n, INTERPRET=INTERPRET, num_warps=warps)
 
 
 def swiglu_forward_fp8(
