@@ -16,7 +16,8 @@ get() {  # get DIR PACKAGE==VERSION...
   mkdir -p "$dir"
   python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
     --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_24_x86_64 \
-    --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 --platform any -d "$dir" "$@"
+    --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+    --platform manylinux_2_5_x86_64 --platform manylinux1_x86_64 --platform any -d "$dir" "$@"
 }
 get .whl liger-kernel==0.8.5 fla-core==0.6.0 quack-kernels==0.6.5 nvidia-cutlass-dsl==4.7.1 \
   nvidia-cutlass-dsl-libs-base==4.7.1 nvidia-cutlass-dsl-libs-core==4.7.1 \
@@ -36,6 +37,7 @@ get .whlw wandb==0.31.0 cwevals==0.0.1b1 opentelemetry-api==1.45.2 opentelemetry
   googleapis-common-protos pydantic==2.14.4 pydantic-core==2.50.5 annotated-types \
   typing-inspection platformdirs importlib-metadata lazy-importer distro sniffio typing-extensions \
   megatron-core==0.16.1 py-spy==0.4.3
+ls .whlw/py_spy-*.whl > /dev/null  # its only wheel is manylinux1: a narrower list skipped it
 get .whlt pytest-xdist==3.8.0 execnet==2.1.2
 get .whlm megatron-core==0.16.1
 du -sh .whl .whlx .whlw .whlt .whlm

@@ -68,8 +68,9 @@ def candidate_configs() -> list[dict]:
     return [{"BLOCK_M": m, "BLOCK_N": n, "num_warps": w} for m, n, w in TILES]
 
 
-FP8_TILES = ((8, 128, 4), (16, 128, 8), (4, 256, 4), (2, 512, 4), (1, 1024, 4), (2, 1024, 8),
-             (1, 2048, 8), (4, 512, 8), (1, 4096, 8), (1, 512, 4), (1, 1024, 8))  # fmt: skip
+FP8_TILES = ((8, 128, 4), (4, 256, 4), (2, 512, 4), (1, 1024, 4), (1, 2048, 4), (1, 2048, 8),
+             (2, 2048, 8), (1, 4096, 4), (1, 4096, 8), (1, 4096, 16), (2, 4096, 16),
+             (1, 8192, 8), (1, 8192, 16))  # fmt: skip
 
 
 def probe_fp8(m: int, f: int, preact, h, grad_h, samples: int, row) -> None:
@@ -83,7 +84,7 @@ def probe_fp8(m: int, f: int, preact, h, grad_h, samples: int, row) -> None:
     fwd_bytes, bwd_bytes = 3 * m * f * el + saved, 4 * m * f * el + saved
     swiglu_fp8.swiglu_forward_fp8(preact, h, q, scales)
     rule = "[{}x{}w{}]".format
-    fwd_rule = rule(*swiglu_fp8.fp8_tile(m, f, swiglu.FWD_TILE))
+    fwd_rule = rule(*swiglu_fp8.fp8_tile(m, f, swiglu_fp8.FP8_FWD_TILE))
     bwd_rule = rule(*swiglu_fp8.fp8_tile(m, f, swiglu.BWD_TILE))
     ms = time_ms(lambda: swiglu_fp8.swiglu_forward_fp8(preact, h, q, scales), samples)
     row("fwd_fp8", f"ours (rule {fwd_rule})", ms, fwd_bytes)

@@ -100,7 +100,7 @@ def test_kernel_writes_the_torch_path_s_bytes_and_drop_h_s_h(device, dtype, m, f
 
 
 @pytest.mark.parametrize(("m", "ffn"), [(11136, 14336), (8000, 11008), (3, 64), (1, 130), (7, 200)])
-@pytest.mark.parametrize("rule", [(1024, 4), (2048, 8)])
+@pytest.mark.parametrize("rule", [(1024, 4), (2048, 8), (4096, 8)])
 def test_gpu_tiles_cover_whole_scale_blocks_within_the_element_budget(m, ffn, rule):
     block_m, block_n, warps = fp8_tile(m, ffn, rule, interpret=False)
     assert block_n % BLOCK == 0 and block_n & (block_n - 1) == 0 and block_m & (block_m - 1) == 0

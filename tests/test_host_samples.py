@@ -62,8 +62,19 @@ def test_no_samples_gives_no_frames(tmp_path):
 
 def test_without_py_spy_sampling_is_refused_by_name(monkeypatch, tmp_path):
     monkeypatch.setenv("PATH", str(tmp_path))
-    with pytest.raises(ValueError, match=r"host sampling needs py-spy on PATH: pip install py-spy"):
+    monkeypatch.setattr(sys, "executable", str(tmp_path / "python"))
+    with pytest.raises(ValueError, match=r"needs py-spy, on PATH or in .*: pip install py-spy"):
         sampled(["true"], tmp_path / "raw.txt")
+
+
+def test_py_spy_beside_an_unactivated_venv_s_python_is_found(monkeypatch, tmp_path):
+    spy = tmp_path / "venv" / "py-spy"
+    spy.parent.mkdir()
+    spy.write_text("#!/bin/sh\n")
+    spy.chmod(0o755)
+    monkeypatch.setenv("PATH", str(tmp_path))
+    monkeypatch.setattr(sys, "executable", str(tmp_path / "venv" / "python"))
+    assert sampled(["true"], tmp_path / "raw.txt")[0] == str(spy)
 
 
 def test_a_sampled_process_shows_its_busy_function(tmp_path):

@@ -13,6 +13,7 @@ from __future__ import annotations
 import collections
 import re
 import shutil
+import sys
 from pathlib import Path
 
 RATE_HZ = 100  # samples a second: 1 % of a core, enough to see a 10 ms stall per step
@@ -22,10 +23,15 @@ _FRAME = re.compile(r"^(?P<name>.+ \([^()]*?)(?::\d+)?\)$")  # "function (file:l
 
 def sampled(command: list[str], path: Path) -> list[str]:
     """``command`` under py-spy, its raw stacks (and its children's) written to ``path``. A
-    ValueError before anything runs where py-spy is not installed."""
-    spy = shutil.which("py-spy")
+    ValueError before anything runs where py-spy is not installed. It is looked for on PATH,
+    then beside this Python: a virtual environment used without activating it (the GPU box's)
+    installs it there, off PATH."""
+    beside_python = str(Path(sys.executable).parent)
+    spy = shutil.which("py-spy") or shutil.which("py-spy", path=beside_python)
     if spy is None:
-        raise ValueError("host sampling needs py-spy on PATH: pip install py-spy")
+        raise ValueError(
+            f"host sampling needs py-spy, on PATH or in {beside_python}: pip install py-spy"
+        )
     return [spy, "record", "--rate", str(RATE_HZ), "--subprocesses", "--format", "raw",
             "--output", str(path), "--", *command]  # fmt: skip
 

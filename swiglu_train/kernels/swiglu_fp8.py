@@ -12,10 +12,10 @@ max is one reduction over the last axis in registers. The tile follows the swigl
 
 Arithmetic is fp32 after the loads. The scale is amax / 448 (an IEEE division, ``div_rn``)
 rounded up to bf16 on its bits; quantization multiplies by 1 / scale (one more ``div_rn`` per
-row block) and clamps to ±448 propagating NaN, so ``ops.fp8_saved.quantize`` computes the same
-bytes in torch. Scales travel as their int16
-bits (the interpreter's bf16 conversions are inexact). Restored values saturate at fp32's
-max. A NaN or inf anywhere in a block makes the whole block NaN (amax is NaN or inf, so the
+row block) and saturates at ±448 keeping NaN (the conversion's ``satfinite`` on CUDA, a clamp
+under the interpreter), so ``ops.fp8_saved.quantize`` computes the same bytes in torch.
+Scales travel as their int16 bits (the interpreter's bf16 conversions are inexact). Restored
+values saturate at fp32's max. A NaN or inf anywhere in a block makes the whole block NaN (amax is NaN or inf, so the
 scale is NaN or inf, and 1 / scale 0): a non-finite preactivation gives non-finite gradients.
 
 The interpreter (``TRITON_INTERPRET=1``) converts fp32 -> fp8 by truncating with a half-up
@@ -44,7 +44,6 @@ from swiglu_train.kernels.fp8_format import (
 from swiglu_train.kernels.runtime import INTERPRET, SUPPORTED_DTYPES
 from swiglu_train.kernels.swiglu import (
     BWD_TILE,
-    FWD_TILE,
     _check_like,
     _check_preact,
     _silu_times_up,
@@ -100,9 +99,9 @@ def _quantize_store(v, q_ptrs, scale_ptrs, mask, scale_mask, INTERPRET: tl.const
     up = ((bits & 0xFFFF) != 0).to(tl.int32) << 16  # round up to bf16: block max <= 448
     scale = tl.where(amax != amax, amax, ((bits & -65536) + up).to(tl.float32, bitcast=True))
     q = v * tl.div_rn(tl.full(scale.shape, 1.0, tl.float32), scale)
-    q = tl.maximum(q, -_MAX, propagate_nan=tl.PropagateNan.ALL)
-    q = tl.minimum(q, _MAX, propagate_nan=tl.PropagateNan.ALL)
-    if INTERPRET:
+    if INTERPRET:  # on CUDA the conversion saturates to ±448 itself, keeping NaN
+        q = tl.maximum(q, -_MAX, propagate_nan=tl.PropagateNan.ALL)
+        q = tl.minimum(q, _MAX, propagate_nan=tl.PropagateNan.ALL)
         q = _round_e4m3(q)
     code = q.to(tl.float8e4nv, fp_downcast_rounding="rtne").to(tl.uint8, bitcast=True)
     if INTERPRET:
@@ -208,6 +207,12 @@ def _check_saved(q: torch.Tensor, scales: torch.Tensor, ref: torch.Tensor, m: in
             raise ValueError(f"{name} is on {t.device}, expected {ref.device}")
 
 
+# (elements per program, warps) of the forward: 4096 elements over 8 warps ran 5-8 % faster than
+# drop_h's 1024 over 4 at [11136 | 8000, 14336] and [8000, 11008] on the H200, where 1024 was
+# about as fast as the 8 x 128 tiles before it (benchmarks/results/activation_bandwidth_fp8_h200):
+# the quantization's reductions and divisions hide more of the loads' latency with more
+# elements in flight. The backward keeps the swiglu kernels' BWD_TILE (4096 there was slower).
+FP8_FWD_TILE = (4096, 8)
 INTERPRET_TILE = (4, 2 * BLOCK)  # (BLOCK_M, BLOCK_N): CPU tests cross row, tile and block edges
 
 
@@ -243,7 +248,7 @@ def swiglu_forward_fp8(
     code = q.view(torch.uint8)  # bytes: the interpreter's own fp8 conversion is inexact
     scale_bits = scales.view(torch.int16)  # likewise its bf16 one
     _launch(
-        _swiglu_fwd_fp8_kernel, m, ffn, FWD_TILE, preact, h, code, scale_bits, m, ffn,
+        _swiglu_fwd_fp8_kernel, m, ffn, FP8_FWD_TILE, preact, h, code, scale_bits, m, ffn,
         preact.stride(0), h.stride(0), code.stride(0), scale_bits.stride(0),
     )  # fmt: skip
 
