@@ -16,7 +16,8 @@ row block) and saturates at ±448 keeping NaN (the conversion's ``satfinite`` on
 under the interpreter), so ``ops.fp8_saved.quantize`` computes the same bytes in torch.
 Scales travel as their int16 bits (the interpreter's bf16 conversions are inexact). Restored
 values saturate at fp32's max. A NaN or inf anywhere in a block makes the whole block NaN
-(amax is NaN or inf, so the scale is NaN or inf, and 1 / scale 0): a non-finite preactivation gives non-finite gradients.
+(amax is NaN or inf, so the scale is NaN or inf, and 1 / scale 0): a non-finite
+preactivation gives non-finite gradients.
 
 The interpreter (``TRITON_INTERPRET=1``) converts fp32 -> fp8 by truncating with a half-up
 carry, and NaN to and from finite codes; under it (only: constexpr ``INTERPRET``) values are
