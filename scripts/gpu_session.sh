@@ -102,6 +102,7 @@ MEGATRON_GPU="--num-layers 8 --hidden-size 2048 --ffn-hidden-size 5632 --seq-len
 # H200; the MLPs' saved tensors, the subject, are untouched by it.
 SCALE4_MODEL=${SCALE4_MODEL:-"--num-layers 16 --hidden-size 4096 --ffn-hidden-size 14336 --num-attention-heads 32 --seq-length 4096 --micro-batch-size 1 --recompute-granularity selective"}
 commit=$(cat COMMIT 2>/dev/null || git rev-parse --short HEAD 2>/dev/null || echo unknown)
+export SWIGLU_TRAIN_COMMIT=$commit  # results name it, not the box's own (stale) checkout's HEAD
 # The quack impls join the training stages where they run (quack installed, sm_90+). Its wheels
 # (.whl + .whlx) and .whlw do not fit one carry; a machine keeps what `setup` installed while it
 # stays warm (30 s after a call), so run setup with .whl + .whlx, then straight away carry .whlw.

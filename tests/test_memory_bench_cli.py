@@ -52,10 +52,12 @@ def test_a_run_writes_the_three_files_of_one_result(tmp_path):
     out = tmp_path / "stack.json"
     result = CliRunner().invoke(app, [*ARGS, "--layers", "1,2", "--json", str(out)])
     assert result.exit_code == 0, result.output
-    rows = json.loads(out.read_text())["results"]
+    saved = json.loads(out.read_text())
+    rows = saved["results"]
     assert [(r["impl"], r["layers"]) for r in rows] == [
         (impl, n) for impl in ("normal", "drop_h") for n in (1, 2)
     ]
+    assert saved["meta"]["device_name"] == "cpu" and len(saved["meta"]["commit"]) == 40
     assert out.with_suffix(".md").read_text() == memory_stack.to_markdown(rows)
     assert out.with_suffix(".png").read_bytes().startswith(b"\x89PNG\r\n\x1a\n")
 

@@ -90,6 +90,26 @@ def test_probe_result_records_where_and_how_it_was_measured(tmp_path, monkeypatc
     assert md.read_text() == "1 row at abc1234\n"
 
 
+def test_a_device_session_s_commit_wins_over_the_copied_tree_s_head(tmp_path, monkeypatch):
+    """The device copies the working tree with a .git that may be another commit's."""
+    import torch
+
+    from swiglu_train.bench.mlp import write_probe_result
+
+    monkeypatch.setenv("SWIGLU_TRAIN_COMMIT", "9e25753")
+    result = write_probe_result(
+        "scripts/probe.py", [], 30, None, str(tmp_path / "out.json"), None, str,
+        torch.device("cpu"),
+    )  # fmt: skip
+    assert result["commit"] == "9e25753"
+    monkeypatch.delenv("SWIGLU_TRAIN_COMMIT")
+    head = write_probe_result(
+        "scripts/probe.py", [], 30, None, str(tmp_path / "out.json"), None, str,
+        torch.device("cpu"),
+    )["commit"]  # fmt: skip
+    assert head != "9e25753" and len(head) == 40  # this checkout's HEAD
+
+
 def test_fp8_accuracy_script_measures_each_format_against_float64():
     """scripts/measure_fp8_saved.py on the CPU at one small shape: every format's errors, the
     FP8 path's bigger than bf16's (e4m3 rounding) but bounded, and bf16's at its rounding."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import importlib.metadata
+import os
 import shlex
 import subprocess
 import sys
@@ -292,6 +293,10 @@ def _meta(cfg: BenchConfig, device: torch.device, reference_variant: str | None)
 
 
 def git_commit() -> str | None:
+    """The commit measured: $SWIGLU_TRAIN_COMMIT where a device session names the tree it
+    copied (a copied tree's own .git may be another commit's), else git's HEAD."""
+    if os.environ.get("SWIGLU_TRAIN_COMMIT"):
+        return os.environ["SWIGLU_TRAIN_COMMIT"]
     try:
         out = subprocess.run(
             ["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True
