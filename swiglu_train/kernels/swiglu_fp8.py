@@ -208,12 +208,14 @@ def _check_saved(q: torch.Tensor, scales: torch.Tensor, ref: torch.Tensor, m: in
             raise ValueError(f"{name} is on {t.device}, expected {ref.device}")
 
 
-# (elements per program, warps) of the forward: 4096 elements over 8 warps ran 5-8 % faster than
-# drop_h's 1024 over 4 at [11136 | 8000, 14336] and [8000, 11008] on the H200, where 1024 was
-# about as fast as the 8 x 128 tiles before it (benchmarks/results/activation_bandwidth_fp8_h200):
-# the quantization's reductions and divisions hide more of the loads' latency with more
-# elements in flight. The backward keeps the swiglu kernels' BWD_TILE (4096 there was slower).
-FP8_FWD_TILE = (4096, 8)
+# (elements per program, warps) of the forward: 16 elements of each half per thread. On the H200
+# 1 x 2048 over 4 warps ran at 0.96 and 0.89 of the copy bandwidth at [11136, 14336] and [8000,
+# 11008], where drop_h's 1 x 1024 over 4 (8 a thread) ran at 0.83 and 0.80, and the 8 x 128
+# tiles before at 0.82 and 0.79 (benchmarks/results/activation_bandwidth_fp8_tiles_h200): the
+# quantization's block reductions and divisions hide the loads' latency only with more
+# elements in flight a thread. 32 a thread spilled. The backward keeps BWD_TILE (1 x 2048 over
+# 8 warps, 0.94 and 0.92; 16 a thread there ran at 0.86 and 0.80).
+FP8_FWD_TILE = (2048, 4)
 INTERPRET_TILE = (4, 2 * BLOCK)  # (BLOCK_M, BLOCK_N): CPU tests cross row, tile and block edges
 
 
