@@ -72,7 +72,7 @@ def test_ci_installs_what_the_cpu_interpreter_needs_and_builds_the_docs():
     assert '".[test,docs]"' in install
     assert '"triton==3.6.0"' in install and '"numpy<2.4"' in install  # one resolve, no downgrade
     assert re.search(r"^(\w+=\S+ )*mkdocs build --strict\b", CI, re.M)
-    assert CI.rstrip().splitlines()[-1] == 'python -m pytest -m "not gpu"'  # the README's
+    assert CI.rstrip().splitlines()[-1] == 'python -m pytest -m "not gpu" -n auto'  # the README's
 
 
 def test_the_test_extra_brings_every_package_the_tests_import():
