@@ -31,7 +31,13 @@ from swiglu_train.bench.mlp import (
     floor_case,
     layer_inputs,
 )
-from swiglu_train.bench.timing import Clock, paired_fresh_calls, paired_samples, run_once
+from swiglu_train.bench.timing import (
+    Clock,
+    kernel_timeline,
+    paired_fresh_calls,
+    paired_samples,
+    run_once,
+)
 from swiglu_train.files import write_json_atomic
 from swiglu_train.kernels import swiglu
 
@@ -40,18 +46,11 @@ PEERS = ("liger", "quack")
 
 
 def kernel_breakdown(case, steps: int = 5) -> dict:
-    """Mean µs per step of each kernel and the kernels' sum (the GPU's busy time)."""
-    from torch.profiler import ProfilerActivity, profile
-
-    clock = Clock(torch.device("cuda"))
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(steps):
-            run_once(case, clock)
+    """Mean µs per step of each kernel, its launches in a step summed, and the kernels' sum
+    (the GPU's busy time)."""
     per_kernel: dict[str, float] = collections.defaultdict(float)
-    for e in prof.events():
-        if e.device_type != torch.autograd.DeviceType.CUDA or "sleep" in e.name.lower():
-            continue
-        per_kernel[e.name[:90]] += e.time_range.elapsed_us() / steps
+    for kernel in kernel_timeline(case, steps):
+        per_kernel[kernel["name"]] += kernel["us"]
     busy = sum(per_kernel.values())
     top = sorted(per_kernel.items(), key=lambda kv: -kv[1])
     return {"busy_us": busy, "kernels": [{"name": n, "us": round(us, 1)} for n, us in top]}

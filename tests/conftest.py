@@ -34,6 +34,12 @@ def device_backends() -> list:
     return pairs
 
 
+def pytest_collection_modifyitems(items: list) -> None:
+    """The tests marked slow go first (in file order otherwise): under pytest-xdist a worker that
+    draws a 3-minute test last runs alone at the end while the others wait."""
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
+
+
 @pytest.fixture(autouse=True)
 def _seed() -> None:
     torch.manual_seed(0)

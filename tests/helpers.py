@@ -8,6 +8,7 @@ import torch
 
 from swiglu_train.layers.layout import CANONICAL, relayout
 from swiglu_train.ops import reference
+from swiglu_train.ops.fp8_saved import copy_buffers
 
 # Norm-relative error allowed against a float64 reference: one or two roundings of the dtype.
 TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
@@ -126,3 +127,8 @@ def watch_planner_builds(monkeypatch) -> list:
 
     monkeypatch.setattr(planner, "_build", build_alone)
     return built
+
+
+def fp8_buffers(m: int, ffn: int, like: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Empty h [m, F] (``like``'s dtype) and the FP8 copy's buffers: the forward op's outputs."""
+    return (like.new_empty(m, ffn), *copy_buffers(m, ffn, like))

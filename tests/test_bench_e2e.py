@@ -228,6 +228,7 @@ def test_megatron_rows_pair_each_round_with_stock() -> None:
     assert rows["drop_h"]["tokens_per_s"] == {"min": 110.0, "median": 118.0, "max": 126.0}
 
 
+@pytest.mark.slow
 def test_megatron_rounds_on_cpu_profile_a_step_inside_a_measured_run(tmp_path, monkeypatch):
     """The real recipe (CPU shims, tests/megatron_recipe_cpu.py) under the harness: one round
     of stock and normal, paired; stock's run also profiles its last timed step, so no extra

@@ -11,7 +11,7 @@ sums many such products: measured norm-relative errors are 1-4 % (docs/fp8.md), 
 import pytest
 import torch
 from conftest import HAS_CUDA, device_backends
-from helpers import rel_err
+from helpers import fp8_buffers, rel_err
 
 from swiglu_train import ParMLP
 from swiglu_train.kernels.fp8_format import BLOCK, E4M3_MAX, n_blocks, round_up_bf16
@@ -28,7 +28,6 @@ from swiglu_train.ops.fp8_saved import (
     dequantize,
     quantize,
     recompute,
-    saved_buffers,
     swiglu_bwd_fp8_,
     swiglu_fwd_fp8_,
 )
@@ -80,7 +79,7 @@ def awkward_preact(m: int, ffn: int, dtype: torch.dtype, device) -> torch.Tensor
 def fp8_pass(preact: torch.Tensor, backend: str, device=None):
     """(h, values, scales) of the forward op on ``device`` (None: preact's), back on preact's."""
     on_device = preact.to(device)
-    buffers = saved_buffers(preact.shape[0], preact.shape[1] // 2, on_device)
+    buffers = fp8_buffers(preact.shape[0], preact.shape[1] // 2, on_device)
     with use_backend(backend):
         swiglu_fwd_fp8_(on_device, *buffers)
     return tuple(t.to(preact.device) for t in buffers)
@@ -235,7 +234,7 @@ def test_custom_ops_pass_opcheck():
     no_schema = ("test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic")
     with use_backend("torch"):
         torch.library.opcheck(
-            swiglu_fwd_fp8_.op, (preact, *saved_buffers(5, 130, preact)), test_utils=no_schema
+            swiglu_fwd_fp8_.op, (preact, *fp8_buffers(5, 130, preact)), test_utils=no_schema
         )
         torch.library.opcheck(
             swiglu_bwd_fp8_.op,

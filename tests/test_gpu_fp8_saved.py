@@ -9,7 +9,7 @@ format and chunking checks on the GPU.
 
 import pytest
 import torch
-from helpers import rel_err
+from helpers import fp8_buffers, rel_err
 
 from swiglu_train import ParMLP
 from swiglu_train.kernels.fp8_format import n_blocks
@@ -25,7 +25,6 @@ from swiglu_train.ops.fp8_saved import (
     dequantize,
     quantize,
     recompute,
-    saved_buffers,
     swiglu_bwd_fp8_,
     swiglu_fwd_fp8_,
 )
@@ -42,7 +41,7 @@ NAMES = ("w1", "b1", "w2", "b2")
 def test_kernels_at_training_sizes(ffn):
     preact = (torch.randn(M, 2 * ffn, device="cuda") * 2).bfloat16()
     preact[:, 7] *= 100  # an outlier column in gate block 0
-    h, q, scales = saved_buffers(M, ffn, preact)
+    h, q, scales = fp8_buffers(M, ffn, preact)
     swiglu_fwd_fp8_(preact, h, q, scales)
     expected_q, expected_scales = quantize(preact)
     assert torch.equal(q.view(torch.uint8), expected_q.view(torch.uint8))

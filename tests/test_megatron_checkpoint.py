@@ -126,6 +126,7 @@ def _packed_refusals() -> None:
         pair.build()  # one [gate; up] pair of chunks: it would unpack as if it were all
 
 
+@pytest.mark.slow
 def test_dist_ckpt_reshards_tp2_to_tp1_across_impls(tmp_path: Path) -> None:
     spawn(_save_worker, 2, str(tmp_path))
     spawn(_load_worker, 1, str(tmp_path))

@@ -208,6 +208,7 @@ def _worker(rank: int, world_size: int, rendezvous: str) -> None:
         dist.destroy_process_group()
 
 
+@pytest.mark.slow
 def test_gpt_model_with_custom_process_groups() -> None:
     spawn(_worker, WORLD)
 

@@ -244,6 +244,7 @@ def _parity_worker(rank: int, world_size: int, rendezvous: str) -> None:
 
 
 @pytest.mark.parametrize("tp", [1, 2], ids=["tp1", "tp2"])
+@pytest.mark.slow
 def test_parity_with_stock_megatron(tp: int) -> None:
     """Loss and every grad match the stock MLP (and a stock GPTModel) to 1e-5 in fp32."""
     spawn(_parity_worker, tp)
@@ -296,6 +297,7 @@ def _overlap_param_gather_worker(rank: int, world_size: int, rendezvous: str) ->
             mlp(torch.randn(SEQ, BATCH, config.hidden_size))
 
 
+@pytest.mark.slow
 def test_overlap_param_gather_waits_for_mlp_weights() -> None:
     spawn(_overlap_param_gather_worker, 2)
 

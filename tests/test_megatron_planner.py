@@ -90,6 +90,7 @@ def _planner_worker(rank: int, world_size: int, rendezvous: str) -> None:
             plan_run(args, ONE)
 
 
+@pytest.mark.slow
 def test_the_plan_measures_the_recipe_s_model_and_sets_its_impl_and_recompute() -> None:
     spawn(_planner_worker, 1)
 
@@ -170,6 +171,7 @@ def _micro_batch_worker(rank: int, world_size: int, rendezvous: str) -> None:
         assert f"at micro-batch {args.micro_batch_size}" in planned["why"]
 
 
+@pytest.mark.slow
 def test_auto_micro_batch_accumulates_the_largest_that_fits_to_the_global_batch() -> None:
     """--micro-batch-size auto --global-batch-size 4: the plan measures each divisor, largest
     first, and sets the micro-batch and the accumulation to the global batch."""
@@ -195,6 +197,7 @@ def test_what_auto_micro_batch_cannot_take_is_refused(capsys, argv, message) -> 
     assert message in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_the_recipe_trains_with_its_plan_and_records_it(tmp_path) -> None:
     losses = run_recipe(
         tmp_path,
@@ -213,6 +216,7 @@ def test_the_recipe_trains_with_its_plan_and_records_it(tmp_path) -> None:
     )
 
 
+@pytest.mark.slow
 def test_the_recipe_trains_at_the_micro_batch_its_plan_chose(tmp_path) -> None:
     """End to end with --micro-batch-size auto: at an ample budget the largest divisor of the
     global batch fits unchecked, and the run trains at it, recorded in its summary."""

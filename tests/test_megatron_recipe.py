@@ -65,6 +65,7 @@ def run_recipe(tmp_path: Path, *args: str, tp: int = 2, dp: int = 1) -> dict[int
     return {int(step): float(loss) for step, loss, _ in steps}
 
 
+@pytest.mark.slow
 def test_recipe_trains_logs_memory_and_resumes(tmp_path: Path) -> None:
     # The packed impl: its resume also checks that the packed fc1 round-trips through dist-ckpt
     # (the other impls' numerics and checkpoints are tested in test_megatron_*.py).
@@ -166,6 +167,7 @@ def test_saved_fp8_flag_is_for_drop_h(capsys) -> None:
         assert reason in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_tp2_and_dp2_against_tp1_losses_agree_and_drop_h_saves_h_per_rank(tmp_path: Path) -> None:
     """scripts/compare_tp.py on real CPU runs (fp32) at one global batch of 2 sequences: TP=2
     (micro-batch 2), DP=2 (micro-batch 1 per rank) and TP=1 in 2 micro-batches of 1 give the
@@ -273,6 +275,7 @@ def _resume_worker(rank: int, world_size: int, rendezvous: str, root: str, impl:
 
 
 @pytest.mark.parametrize("impl", ["drop_h", "save_factors"])
+@pytest.mark.slow
 def test_distributed_optimizer_resume_restores_weights_moments_and_step(tmp_path, impl) -> None:
     """The recipe's --load into a fresh DistributedOptimizer running torch's Adam (no Apex or
     TE: the GPU box's case, where it first failed): weights, fp32 main params, Adam moments and
@@ -427,6 +430,7 @@ def _recompute_worker(rank: int, world_size: int, rendezvous: str) -> None:
             assert recomputed.saved_bytes < plain.saved_bytes - first // 2, impl
 
 
+@pytest.mark.slow
 def test_megatron_full_recompute_around_our_impls_gives_the_same_grads() -> None:
     spawn(_recompute_worker, 1)
 

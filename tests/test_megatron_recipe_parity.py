@@ -145,5 +145,6 @@ def _parity_worker(rank: int, world_size: int, rendezvous: str) -> None:
 @pytest.mark.skipif(
     not triton_runs_on(torch.device("cpu")), reason="liger's Triton kernel needs TRITON_INTERPRET=1"
 )
+@pytest.mark.slow
 def test_stock_liger_and_our_impls_start_alike_and_train_alike_in_fp32() -> None:
     spawn(_parity_worker, 1)

@@ -188,6 +188,7 @@ def _world4_worker(rank: int, rendezvous: str) -> None:
         torch.distributed.destroy_process_group()
 
 
+@pytest.mark.slow
 def test_four_ranks_match_one_process_and_switch_with_optimizer_state() -> None:
     with tempfile.TemporaryDirectory() as folder:
         rendezvous = os.path.join(folder, "rendezvous")

@@ -731,6 +731,7 @@ def test_cli_default_corpus_summary_json(tmp_path):
     assert list((tmp_path / "run" / "wandb").glob("offline-run-*"))
 
 
+@pytest.mark.slow
 def test_cli_ddp_on_two_cpu_ranks_reports_once(tmp_path, corpus):
     """`--devices 2 --strategy ddp`: Lightning launches a second process (gloo on CPU); the W&B
     offline run, the memory CSV, the checkpoints and the summary come from rank 0 alone, and

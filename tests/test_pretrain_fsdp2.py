@@ -105,6 +105,7 @@ def two_ranks(tmp_path_factory, config, corpus):
 
 
 @pytest.mark.parametrize("impl", ["normal", "drop_h"])
+@pytest.mark.slow
 def test_two_fsdp2_ranks_match_one_process_at_the_same_global_batch(two_ranks, one_process, impl):
     """Each rank's 2 sequences, its parameters sharded over both ranks (fc1 included), give the
     losses of one unsharded process on all 4, to fp32 summation order; and the checkpoints

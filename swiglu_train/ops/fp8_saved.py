@@ -154,7 +154,7 @@ def swiglu_fwd_fp8_(
     preact: torch.Tensor, h: torch.Tensor, q: torch.Tensor, scales: torch.Tensor
 ) -> None:
     """h, the e4m3 copy and its scales of a [M, 2F] canonical preact (a chunk's rows), written
-    into the given buffers (``saved_buffers``) in one pass over it."""
+    into the given buffers (the copy's from ``copy_buffers``) in one pass over it."""
     if not triton_enabled(preact):
         h.copy_(reference.swiglu(preact))
         for buffer, value in zip((q, scales), quantize(preact), strict=True):
@@ -166,11 +166,6 @@ def swiglu_fwd_fp8_(
 @swiglu_fwd_fp8_.register_fake
 def _(preact: torch.Tensor, h: torch.Tensor, q: torch.Tensor, scales: torch.Tensor) -> None:
     return None
-
-
-def saved_buffers(m: int, ffn: int, like: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """Empty (h [m, F] in ``like``'s dtype, e4m3 values [m, 2F], bf16 scales) on its device."""
-    return (like.new_empty(m, ffn), *copy_buffers(m, ffn, like))
 
 
 def copy_buffers(m: int, ffn: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
