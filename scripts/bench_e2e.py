@@ -138,6 +138,9 @@ def megatron(
         Path | None,
         typer.Option(help="folder: every run under py-spy, its stacks there, top frames in JSON"),
     ] = None,
+    sample_native: Annotated[
+        bool, typer.Option(help="with --sample-host: C and C++ frames too (py-spy --native)")
+    ] = False,
 ) -> None:
     """Megatron recipe: impls interleaved in rounds, one process each; the rest of the
     command line after ``--`` goes to the recipe."""
@@ -146,6 +149,8 @@ def megatron(
     if not set(profiled) <= set(settings["impls"]):
         raise ValueError(f"--profile-impls {profile_impls}: each must be one of --impls {impls}")
     profiles = {i: profile_dir / f"profile_megatron_{i}.json" for i in profiled}
+    if sample_native and sample_host is None:
+        raise ValueError("--sample-native samples with --sample-host DIR only: name the folder")
     points = prior_points(json_path, settings) if append else []
     result = run_megatron(
         settings,
@@ -157,6 +162,7 @@ def megatron(
         commit=commit,
         profiles=profiles,
         host_samples=sample_host,
+        native_samples=sample_native,
         on_point=point_writer(json_path, settings),
     )
     write_result(result, json_path, md, None, megatron_markdown, None)

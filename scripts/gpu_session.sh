@@ -35,7 +35,8 @@
 #              run of stock, stock_eager and normal ($E2E_PROFILE_MEGATRON) also profiles its last
 #              timed step (kernel and host times; once). $E2E_MEGATRON_IMPLS picks the impls.
 #              E2E_SAMPLE_HOST=1 (py-spy, carried in .whlw): every run sampled, the frames of
-#              its steps in the JSON (host_samples) and its raw stacks in e2e/host_NAME/
+#              its steps in the JSON (host_samples) and its raw stacks in e2e/host_NAME/;
+#              E2E_SAMPLE_NATIVE=1 as well: C and C++ frames too (py-spy --native)
 #              E2E_PRIOR=DIR (carried): rounds of an earlier call, at another commit, to add to
 #              (e2e_1b/e2e_3b too; E2E_ROUNDS=0 then measures only the planner and its plans)
 #   megatron_plan  the recipe's own planner (--activation-checkpointing auto) at
@@ -268,7 +269,7 @@ for stage in "$@"; do
       python3 scripts/bench_e2e.py megatron --impls "$impls" --rounds "${E2E_ROUNDS_MEGATRON:-1}" \
         --warmup 5 --steps 20 --commit "$commit" --append \
         --profile-impls "${E2E_PROFILE_MEGATRON-stock,stock_eager,normal}" --profile-dir "$E2E" \
-        ${E2E_SAMPLE_HOST:+--sample-host "$E2E/host_$name"} \
+        ${E2E_SAMPLE_HOST:+--sample-host "$E2E/host_$name"} ${E2E_SAMPLE_NATIVE:+--sample-native} \
         --json "$E2E/$name.json" --md "$E2E/$name.md" \
         -- $MEGATRON_GPU ${E2E_MEGATRON_ARGS:-} 2>&1 | tail -20
       kill $watcher 2>/dev/null

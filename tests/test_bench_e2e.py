@@ -250,6 +250,9 @@ def test_megatron_rounds_on_cpu_profile_a_step_inside_a_measured_run(tmp_path, m
     bad = runner.invoke(bench.app, [*args, "--profile-impls", "drop_h", "--", *tiny])
     assert isinstance(bad.exception, ValueError)
     assert str(bad.exception) == "--profile-impls drop_h: each must be one of --impls stock,normal"
+    bad = runner.invoke(bench.app, [*args, "--sample-native", "--", *tiny])
+    assert isinstance(bad.exception, ValueError) and "--sample-host DIR" in str(bad.exception)
+    assert not (tmp_path / "m.json").exists()  # refused before any run
     # --manual-gc: Megatron-LM's switch, passed through to every run; no collection lands in
     # a step, so the runs' GC time is exactly zero
     extra = ["--profile-impls", "stock", "--profile-dir", "p", "--sample-host", "h"]

@@ -67,6 +67,17 @@ def test_without_py_spy_sampling_is_refused_by_name(monkeypatch, tmp_path):
         sampled(["true"], tmp_path / "raw.txt")
 
 
+def test_native_frames_are_asked_for_only_when_wanted(monkeypatch, tmp_path):
+    spy = tmp_path / "py-spy"
+    spy.write_text("#!/bin/sh\n")
+    spy.chmod(0o755)
+    monkeypatch.setenv("PATH", str(tmp_path))
+    plain, native = (sampled(["true"], tmp_path / "raw.txt", native=n) for n in (False, True))
+    assert "--native" not in plain
+    assert native.index("--native") < native.index("--")  # py-spy's option, not the command's
+    assert [arg for arg in native if arg != "--native"] == plain
+
+
 def test_py_spy_beside_an_unactivated_venv_s_python_is_found(monkeypatch, tmp_path):
     spy = tmp_path / "venv" / "py-spy"
     spy.parent.mkdir()

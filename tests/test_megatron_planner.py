@@ -198,28 +198,12 @@ def test_what_auto_micro_batch_cannot_take_is_refused(capsys, argv, message) -> 
 
 
 @pytest.mark.slow
-def test_the_recipe_trains_with_its_plan_and_records_it(tmp_path) -> None:
-    losses = run_recipe(
-        tmp_path,
-        *AUTO,
-        *("--memory-budget-gb", "1", "--max-steps", "2"),
-        *("--summary-json", "out/summary.json"),
-        tp=1,
-    )
-    assert sorted(losses) == [0, 1]
-    summary = json.loads((tmp_path / "out" / "summary.json").read_text())
-    planned = summary["planned"]
-    assert planned["impl"] in ("normal", "drop_h") and summary["mlp_impl"] == planned["impl"]
-    assert planned["checkpoint_layers"] == 0  # 1 GiB is ample for the tiny model
-    assert summary["recompute"]["granularity"] is None and planned["why"].startswith(
-        f"{planned['impl']} with 0 of 2 blocks checkpointed"
-    )
-
-
-@pytest.mark.slow
-def test_the_recipe_trains_at_the_micro_batch_its_plan_chose(tmp_path) -> None:
-    """End to end with --micro-batch-size auto: at an ample budget the largest divisor of the
-    global batch fits unchecked, and the run trains at it, recorded in its summary."""
+def test_the_recipe_trains_with_its_plan_at_the_micro_batch_it_chose_and_records_it(
+    tmp_path,
+) -> None:
+    """End to end with --activation-checkpointing auto and --micro-batch-size auto: at an ample
+    budget the largest divisor of the global batch fits unchecked, the run trains at the plan's
+    impl and micro-batch, and its summary records the plan."""
     auto_micro_batch = ("--micro-batch-size", "auto", "--global-batch-size", "4")
     losses = run_recipe(
         tmp_path,
@@ -230,8 +214,13 @@ def test_the_recipe_trains_at_the_micro_batch_its_plan_chose(tmp_path) -> None:
     )
     assert sorted(losses) == [0, 1]
     summary = json.loads((tmp_path / "out" / "summary.json").read_text())
-    assert (summary["planned"]["micro_batch_size"], summary["num_microbatches"]) == (4, 1)
-    assert "at micro-batch 4" in summary["planned"]["why"]
+    planned = summary["planned"]
+    assert planned["impl"] in ("normal", "drop_h") and summary["mlp_impl"] == planned["impl"]
+    assert planned["checkpoint_layers"] == 0  # 1 GiB is ample for the tiny model
+    assert summary["recompute"]["granularity"] is None and planned["why"].startswith(
+        f"{planned['impl']} at micro-batch 4 with 0 of 2 blocks checkpointed"
+    )
+    assert (planned["micro_batch_size"], summary["num_microbatches"]) == (4, 1)
 
 
 @pytest.mark.parametrize(

@@ -218,69 +218,75 @@ def test_tp2_and_dp2_against_tp1_losses_agree_and_drop_h_saves_h_per_rank(tmp_pa
         compare["loss_agreement"](loaded)
 
 
-def _resume_worker(rank: int, world_size: int, rendezvous: str, root: str, impl: str) -> None:
+def _check_resume(root: str, impl: str) -> None:
+    """Save a trained-looking DDP model and DistributedOptimizer at iteration 3, load it
+    into a fresh one, and step both: the same weights, moments and step."""
+    args = parse_args([*TINY, "--mlp-impl", impl])
+    config = transformer_config(args)
+
+    def build(seed: int):
+        torch.manual_seed(seed)
+        spec = get_gpt_layer_spec(impl)
+        model = GPTModel(config, spec, vocab_size=128, max_sequence_length=32,
+                         position_embedding_type="rope")  # fmt: skip
+        ddp_config = DistributedDataParallelConfig(use_distributed_optimizer=True)
+        ddp = DistributedDataParallel(config=config, ddp_config=ddp_config, module=model)
+        optimizer_config = OptimizerConfig(optimizer="adam", lr=1e-3, bf16=False,
+                                           use_distributed_optimizer=True)  # fmt: skip
+        return ddp, get_megatron_optimizer(optimizer_config, [ddp])
+
+    model, optimizer = build(0)
+    trained = optimizer.chained_optimizers[0]
+    trained.init_state_fn(trained.optimizer, trained.config)
+    for state in trained.optimizer.state.values():  # as if trained: moments and a step
+        state["exp_avg"].normal_()
+        state["exp_avg_sq"].uniform_()
+        state["step"] = torch.tensor(7.0)
+    checkpoint.save(root, 3, model, optimizer)
+    fresh_model, fresh = build(1)
+    assert checkpoint.load(f"{root}/iter_0000003", fresh_model, fresh) == 3
+    for ours, theirs in zip(fresh_model.parameters(), model.parameters(), strict=True):
+        assert torch.equal(ours, theirs)
+    loaded = fresh.chained_optimizers[0]
+    pairs = zip(loaded.optimizer.param_groups, trained.optimizer.param_groups, strict=True)
+    for group, trained_group in pairs:
+        for p, q in zip(group["params"], trained_group["params"], strict=True):
+            assert torch.equal(p, q)  # the fp32 main params
+            state, trained_state = loaded.optimizer.state[p], trained.optimizer.state[q]
+            assert torch.equal(state["exp_avg"], trained_state["exp_avg"])
+            assert torch.equal(state["exp_avg_sq"], trained_state["exp_avg_sq"])
+            assert state["step"] == 7
+    assert "load_parameter_state_from_fully_reshardable" not in vars(loaded)  # unpatched
+
+    # The next Adam step is the saving run's: Megatron hands every param one shared 'step'
+    # tensor, which torch's Adam would bump once per param (step 7 + n_params).
+    tokens = torch.randint(0, 128, (2, 32), generator=torch.Generator().manual_seed(3))
+    positions = torch.arange(32).expand(2, 32)
+    causal = torch.ones(2, 1, 32, 32, dtype=torch.bool).triu(1)
+    for ddp, opt in ((model, optimizer), (fresh_model, fresh)):
+        ddp.zero_grad_buffer()
+        opt.zero_grad()
+        ddp(tokens, positions, causal, labels=tokens).float().mean().backward()
+        ddp.finish_grad_sync()
+        opt.step()
+    assert all(state["step"] == 8 for state in loaded.optimizer.state.values())
+    for ours, theirs in zip(fresh_model.parameters(), model.parameters(), strict=True):
+        assert torch.equal(ours, theirs)
+
+
+def _resume_worker(rank: int, world_size: int, rendezvous: str, root: str) -> None:
     with megatron_parallel(rank, world_size, rendezvous):
         shim_distributed_optimizer()
-        args = parse_args([*TINY, "--mlp-impl", impl])
-        config = transformer_config(args)
-
-        def build(seed: int):
-            torch.manual_seed(seed)
-            spec = get_gpt_layer_spec(impl)
-            model = GPTModel(config, spec, vocab_size=128, max_sequence_length=32,
-                             position_embedding_type="rope")  # fmt: skip
-            ddp_config = DistributedDataParallelConfig(use_distributed_optimizer=True)
-            ddp = DistributedDataParallel(config=config, ddp_config=ddp_config, module=model)
-            optimizer_config = OptimizerConfig(optimizer="adam", lr=1e-3, bf16=False,
-                                               use_distributed_optimizer=True)  # fmt: skip
-            return ddp, get_megatron_optimizer(optimizer_config, [ddp])
-
-        model, optimizer = build(0)
-        trained = optimizer.chained_optimizers[0]
-        trained.init_state_fn(trained.optimizer, trained.config)
-        for state in trained.optimizer.state.values():  # as if trained: moments and a step
-            state["exp_avg"].normal_()
-            state["exp_avg_sq"].uniform_()
-            state["step"] = torch.tensor(7.0)
-        checkpoint.save(root, 3, model, optimizer)
-        fresh_model, fresh = build(1)
-        assert checkpoint.load(f"{root}/iter_0000003", fresh_model, fresh) == 3
-        for ours, theirs in zip(fresh_model.parameters(), model.parameters(), strict=True):
-            assert torch.equal(ours, theirs)
-        loaded = fresh.chained_optimizers[0]
-        pairs = zip(loaded.optimizer.param_groups, trained.optimizer.param_groups, strict=True)
-        for group, trained_group in pairs:
-            for p, q in zip(group["params"], trained_group["params"], strict=True):
-                assert torch.equal(p, q)  # the fp32 main params
-                state, trained_state = loaded.optimizer.state[p], trained.optimizer.state[q]
-                assert torch.equal(state["exp_avg"], trained_state["exp_avg"])
-                assert torch.equal(state["exp_avg_sq"], trained_state["exp_avg_sq"])
-                assert state["step"] == 7
-        assert "load_parameter_state_from_fully_reshardable" not in vars(loaded)  # unpatched
-
-        # The next Adam step is the saving run's: Megatron hands every param one shared 'step'
-        # tensor, which torch's Adam would bump once per param (step 7 + n_params).
-        tokens = torch.randint(0, 128, (2, 32), generator=torch.Generator().manual_seed(3))
-        positions = torch.arange(32).expand(2, 32)
-        causal = torch.ones(2, 1, 32, 32, dtype=torch.bool).triu(1)
-        for ddp, opt in ((model, optimizer), (fresh_model, fresh)):
-            ddp.zero_grad_buffer()
-            opt.zero_grad()
-            ddp(tokens, positions, causal, labels=tokens).float().mean().backward()
-            ddp.finish_grad_sync()
-            opt.step()
-        assert all(state["step"] == 8 for state in loaded.optimizer.state.values())
-        for ours, theirs in zip(fresh_model.parameters(), model.parameters(), strict=True):
-            assert torch.equal(ours, theirs)
+        for impl in ("drop_h", "save_factors"):  # canonical and packed fc1: one process start
+            _check_resume(f"{root}/{impl}", impl)
 
 
-@pytest.mark.parametrize("impl", ["drop_h", "save_factors"])
 @pytest.mark.slow
-def test_distributed_optimizer_resume_restores_weights_moments_and_step(tmp_path, impl) -> None:
+def test_distributed_optimizer_resume_restores_weights_moments_and_step(tmp_path) -> None:
     """The recipe's --load into a fresh DistributedOptimizer running torch's Adam (no Apex or
     TE: the GPU box's case, where it first failed): weights, fp32 main params, Adam moments and
     step come back exactly, a packed fc1 (save_factors) included, and the next step matches."""
-    spawn(_resume_worker, 1, str(tmp_path / "ckpt"), impl)
+    spawn(_resume_worker, 1, str(tmp_path / "ckpt"))
 
 
 def test_recompute_options_reach_megatrons_config_and_bad_combinations_are_refused(capsys):

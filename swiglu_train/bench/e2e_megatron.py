@@ -35,6 +35,7 @@ def run_megatron(
     commit: str | None,
     profiles: dict[str, Path] | None = None,
     host_samples: Path | None = None,
+    native_samples: bool = False,
     on_point: Callable[[list[dict]], None] = lambda _: None,
 ) -> dict:
     """Run ``rounds`` rounds after ``points`` (an earlier run's, or none), the recipe's summary
@@ -43,7 +44,8 @@ def run_megatron(
     (``--profile-step``), so no extra process is launched; one step of 20 under the profiler
     barely moves the median. ``host_samples`` (a folder): every run under py-spy, its raw
     stacks kept there as IMPL_roundR.txt and the top frames of its steps (``run_step``) in the
-    point (``host_samples``), at about 1 % of a core. ``on_point(points so far)`` after each run."""
+    point (``host_samples``), at about 1 % of a core; ``native_samples``: with C and C++
+    frames (py-spy ``--native``). ``on_point(points so far)`` after each run."""
     names, warmup, steps = settings["impls"], settings["warmup_steps"], settings["timed_steps"]
     commit = commit or git_commit()  # the caller names the tree it ran: a copy's .git may lag
     schedule, order = next_rounds(points, rounds, seed)
@@ -72,7 +74,8 @@ def run_megatron(
                     run += ["--profile-step", last, "--profile-json", str(profile)]
                 if host_samples is not None:
                     host_samples.mkdir(parents=True, exist_ok=True)
-                    run = sampled(run, host_samples / f"{impl}_round{r}.txt")
+                    path = host_samples / f"{impl}_round{r}.txt"
+                    run = sampled(run, path, native=native_samples)
                 done = subprocess.run(run, capture_output=True, text=True)
                 if done.returncode:
                     raise RuntimeError(f"{shlex.join(run)} failed:\n{done.stderr[-3000:]}")

@@ -21,9 +21,10 @@ _RECORD = re.compile(r"^(?P<stack>.*) (?P<count>\d+)$")
 _FRAME = re.compile(r"^(?P<name>.+ \([^()]*?)(?::\d+)?\)$")  # "function (file:line)"
 
 
-def sampled(command: list[str], path: Path) -> list[str]:
-    """``command`` under py-spy, its raw stacks (and its children's) written to ``path``. A
-    ValueError before anything runs where py-spy is not installed. It is looked for on PATH,
+def sampled(command: list[str], path: Path, native: bool = False) -> list[str]:
+    """``command`` under py-spy, its raw stacks (and its children's) written to ``path``;
+    ``native``: C and C++ frames too (``--native``), where a stall below one Python line sits.
+    A ValueError before anything runs where py-spy is not installed. It is looked for on PATH,
     then beside this Python: a virtual environment used without activating it (the GPU box's)
     installs it there, off PATH."""
     beside_python = str(Path(sys.executable).parent)
@@ -33,7 +34,7 @@ def sampled(command: list[str], path: Path) -> list[str]:
             f"host sampling needs py-spy, on PATH or in {beside_python}: pip install py-spy"
         )
     return [spy, "record", "--rate", str(RATE_HZ), "--subprocesses", "--format", "raw",
-            "--output", str(path), "--", *command]  # fmt: skip
+            *(["--native"] if native else []), "--output", str(path), "--", *command]  # fmt: skip
 
 
 def top_frames(path: Path, top: int = 15, within: str | None = None) -> dict:
