@@ -271,6 +271,10 @@ def test_megatron_rounds_on_cpu_profile_a_step_inside_a_measured_run(tmp_path, m
     phases = [p["phases_s"] for p in r["points"]]
     assert all(set(x) == {"schedule_s", "optimizer_s", "sync_s"} for x in phases)
     assert all(0 <= v < 60 for x in phases for v in x.values())
+    held = [p["schedule_host"] for p in r["points"]]
+    for h, x in zip(held, phases, strict=True):
+        assert 0 < h["data_s"] + h["forward_s"] < x["schedule_s"]
+    assert "'schedule_cpu_s'" in result.output  # each run's line names what held it
     assert all(statistics.median(p["timed_tokens_per_s"]) == p["tokens_per_s"] for p in r["points"])
     assert rows["stock"]["gc_ms_per_step"] == {"min": 0.0, "median": 0.0, "max": 0.0}
     assert "GC ms/step" in result.output
@@ -288,6 +292,8 @@ def test_megatron_rounds_on_cpu_profile_a_step_inside_a_measured_run(tmp_path, m
         assert point["host_samples"]["samples"] > 0 and frames[0].startswith("run_step (")
         assert point["host_samples"]["frames"][0]["share"] == 1.0  # the step and below only
         assert not any(f.startswith("main (") for f in frames)
+        leaves = point["host_samples"]["leaves"]
+        assert leaves and sum(f["share"] for f in leaves) <= 1.0 + 1e-9
 
 
 def test_a_call_stopped_mid_round_keeps_its_points_for_the_next(tmp_path, monkeypatch):

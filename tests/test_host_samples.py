@@ -36,6 +36,12 @@ def test_frames_are_counted_once_per_sample_and_lines_merge(tmp_path):
         "main (run.py)": 2 / 12,
         "wait (threading.py)": 2 / 12,
     }
+    # self shares: the innermost frame of each sample (the process-name-only sample has none)
+    assert {f["frame"]: f["share"] for f in got["leaves"]} == {
+        "work (<string>)": 6 / 12,
+        "loop (<string>)": 1 / 12,
+        "wait (threading.py)": 2 / 12,
+    }
     assert {f["frame"] for f in top_frames(path, top=2)["frames"]} == {
         "<module> (<string>)",
         "loop (<string>)",
@@ -57,7 +63,7 @@ def test_samples_within_a_function(tmp_path):
 def test_no_samples_gives_no_frames(tmp_path):
     path = tmp_path / "raw.txt"
     path.write_text("")
-    assert top_frames(path) == {"samples": 0, "frames": []}
+    assert top_frames(path) == {"samples": 0, "frames": [], "leaves": []}
 
 
 def test_without_py_spy_sampling_is_refused_by_name(monkeypatch, tmp_path):

@@ -81,7 +81,9 @@ def run_megatron(
                     raise RuntimeError(f"{shlex.join(run)} failed:\n{done.stderr[-3000:]}")
                 s = json.loads(summary.read_text())
                 rates = s["step_tokens_per_s"]
-                print(f"round {r} {impl}: {s['tokens_per_s']:,.0f} tokens/s")
+                held = _median_phases(s["step_schedule_host"][s["warmup_steps"] :])
+                print(f"round {r} {impl}: {s['tokens_per_s']:,.0f} tokens/s; schedule",
+                      {k: round(v, 4) for k, v in held.items()})  # fmt: skip
                 points.append(
                     {
                         "round": r,
@@ -96,6 +98,10 @@ def run_megatron(
                         "gc_ms_per_step": s["gc_ms_per_step"],
                         # the timed steps' median host time per phase of the step
                         "phases_s": _median_phases(s["step_phases_s"][s["warmup_steps"] :]),
+                        # and what held the schedule: fetch, forward, thread CPU, faults
+                        "schedule_host": _median_phases(
+                            s["step_schedule_host"][s["warmup_steps"] :]
+                        ),
                         "commit": commit,
                     }
                 )
@@ -128,5 +134,5 @@ def megatron_rows(points: list[dict]) -> list[dict]:
 
 
 def _median_phases(steps: list[dict]) -> dict:
-    """Per phase of a step (``step.run_step``), the median over ``steps``."""
+    """Per phase (or host figure) of a step (``step.run_step``), the median over ``steps``."""
     return {k: statistics.median(step[k] for step in steps) for k in steps[0]}

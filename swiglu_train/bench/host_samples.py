@@ -38,8 +38,10 @@ def sampled(command: list[str], path: Path, native: bool = False) -> list[str]:
 
 
 def top_frames(path: Path, top: int = 15, within: str | None = None) -> dict:
-    """The samples in py-spy's raw file: their count, and the ``top`` frames by inclusive
-    share (a frame counted once per sample, wherever it sits in the stack). ``within`` (a
+    """The samples in py-spy's raw file: their count, the ``top`` frames by inclusive share (a
+    frame counted once per sample, wherever it sits in the stack), and the ``top`` leaves by
+    self share (the innermost frame of each sample: where the time was spent, which names a
+    stall below the Python line that waited on it). ``within`` (a
     function's name): only the samples taken inside it, and only it and the frames it called,
     such as a training step's, where a whole run's would be mostly start-up and imports.
     Frames are named
@@ -47,6 +49,7 @@ def top_frames(path: Path, top: int = 15, within: str | None = None) -> dict:
     (the process names py-spy puts first on each stack, which a command line may break over
     lines) is left out."""
     per_frame: collections.Counter[str] = collections.Counter()
+    per_leaf: collections.Counter[str] = collections.Counter()
     total = 0
     for line in Path(path).read_text().splitlines():
         record = _RECORD.match(line)
@@ -64,5 +67,8 @@ def top_frames(path: Path, top: int = 15, within: str | None = None) -> dict:
         total += count
         for frame in frames:
             per_frame[frame] += count
+        if stack:
+            per_leaf[stack[-1]] += count
     shares = [{"frame": f, "share": n / total} for f, n in per_frame.most_common(top)]
-    return {"samples": total, "frames": shares if total else []}
+    leaves = [{"frame": f, "share": n / total} for f, n in per_leaf.most_common(top)]
+    return {"samples": total, "frames": shares if total else [], "leaves": leaves}

@@ -184,7 +184,7 @@ def _steps(args, name: str, n: int, steps: Steps, model, optimizer) -> Profile:
     seconds, peaks, after = [], [], []
     try:
         for step in range(steps.warmup + steps.measured):
-            _, record, phases = run_step(args, model, optimizer, data, profiler, step)
+            _, record, phases, _ = run_step(args, model, optimizer, data, profiler, step)
             seconds.append(sum(phases.values()))
             if cuda:  # absolute: the profiler reset the peak as the step began
                 peaks.append(torch.cuda.max_memory_allocated() / MiB)

@@ -4,6 +4,7 @@ micro-batches, the loss, and the optimizer step, timed with the GPU's work; the 
 
 from __future__ import annotations
 
+import resource
 import time
 from functools import partial
 
@@ -23,23 +24,47 @@ def loss_func(loss_mask: torch.Tensor, on_first: list, output: torch.Tensor):
     return loss, {"lm loss": loss.detach().clone()}
 
 
-def forward_step(device: torch.device | None, on_first: list, data_iterator, model):
+def forward_step(device: torch.device | None, on_first: list, host: dict, data_iterator, model):
+    """One micro-batch's forward; its host time is added to ``host``, split into the batch's
+    fetch (the DataLoader's collate and the copy to the device) and the model's forward."""
+    tic = time.perf_counter()
     batch = {k: v.to(device) if device else v for k, v in next(data_iterator).items()}
+    fetched = time.perf_counter()
     output = model(
         batch["tokens"], batch["position_ids"], batch["attention_mask"], labels=batch["labels"]
     )
+    host["data_s"] += fetched - tic
+    host["forward_s"] += time.perf_counter() - fetched
     return output, partial(loss_func, batch["loss_mask"].float(), on_first)
+
+
+def _thread_counters() -> dict[str, float]:
+    """This thread's CPU time, minor page faults and context switches so far (Linux's
+    per-thread usage; the process's elsewhere)."""
+    usage = resource.getrusage(getattr(resource, "RUSAGE_THREAD", resource.RUSAGE_SELF))
+    return {
+        "cpu_s": time.thread_time(),
+        "minor_faults": usage.ru_minflt,
+        "involuntary_switches": usage.ru_nivcsw,
+        "voluntary_switches": usage.ru_nvcsw,
+    }
 
 
 def run_step(args, model, optimizer, data, profiler: MemoryProfiler | None, step: int):
     """One optimizer step of Megatron's schedule over --num-microbatches micro-batches:
     (each micro-batch's loss stats on the last stage, the profiler's record or None, the
-    step's seconds by phase). The phases, whose sum is the step with the GPU's work included,
-    are the host's wall time in the schedule (forward and backward queued), in the optimizer
-    step (its ``.item()`` reads wait for the GPU) and in the final sync: where a step whose GPU
-    waits on the host loses its time."""
+    step's seconds by phase, the schedule's host figures). The phases, whose sum is the step
+    with the GPU's work included, are the host's wall time in the schedule (forward and
+    backward queued), in the optimizer step (its ``.item()`` reads wait for the GPU) and in the
+    final sync: where a step whose GPU waits on the host loses its time. The schedule's host
+    figures say what held a slow schedule: its wall time fetching batches and in the model's
+    forward, and the main thread's CPU seconds, minor page faults and context switches in it
+    (a thread descheduled or faulting in fresh pages shows there, a GPU sync as voluntary
+    switches)."""
     cuda = args.device == "cuda"
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else None
+    host = {"data_s": 0.0, "forward_s": 0.0}
+    before = _thread_counters()
     tic = time.perf_counter()
     on_first = []
     if profiler is not None:
@@ -48,7 +73,7 @@ def run_step(args, model, optimizer, data, profiler: MemoryProfiler | None, step
     model.zero_grad_buffer()
     optimizer.zero_grad()
     stats = get_forward_backward_func()(
-        forward_step_func=partial(forward_step, device, on_first),
+        forward_step_func=partial(forward_step, device, on_first, host),
         data_iterator=data,
         model=[model],
         num_microbatches=args.num_microbatches,
@@ -58,6 +83,8 @@ def run_step(args, model, optimizer, data, profiler: MemoryProfiler | None, step
     )
     record = profiler.backward_done() if profiler is not None else None
     scheduled = time.perf_counter()
+    after = _thread_counters()
+    host |= {f"schedule_{k}": after[k] - before[k] for k in after}
     optimizer.step()
     stepped = time.perf_counter()
     if cuda:
@@ -65,4 +92,4 @@ def run_step(args, model, optimizer, data, profiler: MemoryProfiler | None, step
     done = time.perf_counter()
     phases = {"schedule_s": scheduled - tic, "optimizer_s": stepped - scheduled,
               "sync_s": done - stepped}  # fmt: skip
-    return stats, record, phases
+    return stats, record, phases, host

@@ -60,15 +60,18 @@ def main(argv: list[str] | None = None) -> list[float]:
         * args.num_microbatches
         * parallel_state.get_data_parallel_world_size()
     )
-    losses, rates, records, gc_ms, phases = [], [], [], [], []
+    losses, rates, records, gc_ms, phases, hosts = [], [], [], [], [], []
     cuda = args.device == "cuda"
     with manual_gc(args.manual_gc), GcPauses() as pauses:
         for step in range(start, args.max_steps):
             pauses.take()
             with step_profile(rank0 and step == args.profile_step, cuda) as prof:
-                stats, record, step_phases = run_step(args, model, optimizer, data, profiler, step)
+                stats, record, step_phases, host = run_step(
+                    args, model, optimizer, data, profiler, step
+                )
             gc_ms.append(pauses.take()[0] * 1e3)  # collections inside the timed step
             phases.append(step_phases)
+            hosts.append(host)
             seconds = sum(step_phases.values())
             if prof is not None:
                 about = {k: getattr(args, k) for k in ("mlp_impl", "tp", *SHAPE_ARGS)}
@@ -94,7 +97,7 @@ def main(argv: list[str] | None = None) -> list[float]:
     if logger is not None:
         logger.run.finish()
     if args.summary_json and rank0 and losses:
-        write_summary(args, losses, rates, records, gc_ms, phases, first_step=start)
+        write_summary(args, losses, rates, records, gc_ms, phases, hosts, first_step=start)
     parallel_state.destroy_model_parallel()
     torch.distributed.destroy_process_group()
     return losses
@@ -115,6 +118,7 @@ def write_summary(
     records: list,
     gc_ms: list,
     phases: list,
+    hosts: list,
     first_step: int,
 ) -> None:
     """Losses, median tokens/s past --warmup-steps (compile, autotune) and the profiler's
@@ -145,6 +149,7 @@ def write_summary(
         "step_gc_ms": gc_ms,
         "gc_ms_per_step": statistics.fmean(gc_ms[len(rates) - len(steady) :] or gc_ms),
         "step_phases_s": phases,  # the host's wall time per phase of each step (step.run_step)
+        "step_schedule_host": hosts,  # what held each step's schedule (step.run_step)
         "after_forward_MiB": last.after_forward_MiB if last else None,
         "peak_MiB": max(peaks) if peaks else None,
         "saved_MiB": last.saved_bytes / 2**20 if last else None,
