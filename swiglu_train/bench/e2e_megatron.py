@@ -107,7 +107,7 @@ def run_megatron(
                 )
                 if host_samples is not None:
                     raw = host_samples / f"{impl}_round{r}.txt"
-                    points[-1]["host_samples"] = top_frames(raw, within="run_step")
+                    points[-1]["host_samples"] = top_frames(raw, top=40, within="run_step")
                 on_point(points)
     return settings | {
         "command": command,
