@@ -244,7 +244,7 @@ def _stack_table(cfg: BenchConfig, device: torch.device, progress, measured) -> 
     return rows
 
 
-def environment(device: torch.device, commit: str | None) -> dict:
+def provenance(device: torch.device, commit: str | None) -> dict:
     """Where and when a result was measured: date, device name, package versions, commit."""
     versions = {"torch": torch.__version__}
     for pkg in ("triton", *PEERS.values()):
@@ -255,8 +255,12 @@ def environment(device: torch.device, commit: str | None) -> dict:
         "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "versions": versions,
         "commit": commit or git_commit(),
-        "timing": TIMING_DEFINITION,
     }
+
+
+def environment(device: torch.device, commit: str | None) -> dict:
+    """A timed result's provenance, with what its times mean."""
+    return provenance(device, commit) | {"timing": TIMING_DEFINITION}
 
 
 def write_probe_result(

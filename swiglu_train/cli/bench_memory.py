@@ -52,7 +52,7 @@ def bench_memory(
     import torch
 
     from swiglu_train.bench import memory_stack
-    from swiglu_train.bench.mlp import DTYPES, environment
+    from swiglu_train.bench.mlp import DTYPES, provenance
     from swiglu_train.layers import get_impl
     from swiglu_train.layers.registry import FP8_LABEL
 
@@ -102,7 +102,7 @@ def bench_memory(
             "shape": dims,
             "dtype": dtype,
             "device": device,
-            **environment(torch.device(device), None),  # the GPU's name, versions, commit
+            **provenance(torch.device(device), None),  # the GPU's name, versions, commit
         }
         # Everything is rendered in memory before any file is touched, then each is written
         # atomically: a failed render (the plot) leaves the previous run's three files as they
