@@ -261,7 +261,7 @@ for stage in "$@"; do
       liger=$(python3 -c "import liger_kernel.megatron" 2>/dev/null && echo liger)  # the peer
       # the box's busiest processes over each 10 s: host contention would show (stock's slow
       # runs); top's first frame counts since boot, the later ones each interval
-      top -b -d 10 -o %CPU -w 160 2>&1 | awk '/^top -/ {n = 0} n++ < 16' > "$RES/e2e/$name.top.log" &
+      top -b -d 10 -o %CPU -w 160 2>&1 | awk '/^top -/ {n = 0} n++ < 16 {print; fflush()}' > "$RES/e2e/$name.top.log" &
       watcher=$!
       impls=${E2E_MEGATRON_IMPLS:-$(echo stock stock_eager $liger normal drop_h save_factors $(quack_impl) | tr ' ' ',')}
       # where a steady step's time goes: the first run of each of these also profiles its last

@@ -83,7 +83,7 @@ def run_megatron(
                 rates = s["step_tokens_per_s"]
                 held = _median_phases(s["step_schedule_host"][s["warmup_steps"] :])
                 print(f"round {r} {impl}: {s['tokens_per_s']:,.0f} tokens/s; schedule",
-                      {k: round(v, 4) for k, v in held.items()})  # fmt: skip
+                      {k: round(v, 4) for k, v in held.items()}, s["host_threads"])  # fmt: skip
                 points.append(
                     {
                         "round": r,
@@ -102,6 +102,7 @@ def run_megatron(
                         "schedule_host": _median_phases(
                             s["step_schedule_host"][s["warmup_steps"] :]
                         ),
+                        "host_threads": s["host_threads"],
                         "commit": commit,
                     }
                 )

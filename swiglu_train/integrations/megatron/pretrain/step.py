@@ -4,9 +4,11 @@ micro-batches, the loss, and the optimizer step, timed with the GPU's work; the 
 
 from __future__ import annotations
 
+import os
 import resource
 import time
 from functools import partial
+from pathlib import Path
 
 import torch
 from megatron.core.pipeline_parallel import get_forward_backward_func
@@ -26,15 +28,19 @@ def loss_func(loss_mask: torch.Tensor, on_first: list, output: torch.Tensor):
 
 def forward_step(device: torch.device | None, on_first: list, host: dict, data_iterator, model):
     """One micro-batch's forward; its host time is added to ``host``, split into the batch's
-    fetch (the DataLoader's collate and the copy to the device) and the model's forward."""
+    collate (the DataLoader's), its copy to the device (pageable: a stream sync) and the
+    model's forward."""
     tic = time.perf_counter()
-    batch = {k: v.to(device) if device else v for k, v in next(data_iterator).items()}
+    collated = next(data_iterator)
     fetched = time.perf_counter()
+    batch = {k: v.to(device) if device else v for k, v in collated.items()}
+    copied = time.perf_counter()
     output = model(
         batch["tokens"], batch["position_ids"], batch["attention_mask"], labels=batch["labels"]
     )
-    host["data_s"] += fetched - tic
-    host["forward_s"] += time.perf_counter() - fetched
+    host["collate_s"] += fetched - tic
+    host["copy_s"] += copied - fetched
+    host["forward_s"] += time.perf_counter() - copied
     return output, partial(loss_func, batch["loss_mask"].float(), on_first)
 
 
@@ -50,6 +56,20 @@ def _thread_counters() -> dict[str, float]:
     }
 
 
+def host_threads() -> dict[str, int]:
+    """What the process's CPU work runs on: torch's intra-op threads, the cores it may use, and
+    its OS threads (Linux; -1 elsewhere), which a stage that spawned pools (torch.compile's)
+    may change."""
+    status = Path("/proc/self/status")
+    lines = status.read_text().splitlines() if status.exists() else []
+    threads = [int(line.split()[1]) for line in lines if line.startswith("Threads:")]
+    return {
+        "torch_threads": torch.get_num_threads(),
+        "cpu_affinity": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else -1,
+        "os_threads": threads[0] if threads else -1,
+    }
+
+
 def run_step(args, model, optimizer, data, profiler: MemoryProfiler | None, step: int):
     """One optimizer step of Megatron's schedule over --num-microbatches micro-batches:
     (each micro-batch's loss stats on the last stage, the profiler's record or None, the
@@ -57,13 +77,13 @@ def run_step(args, model, optimizer, data, profiler: MemoryProfiler | None, step
     with the GPU's work included, are the host's wall time in the schedule (forward and
     backward queued), in the optimizer step (its ``.item()`` reads wait for the GPU) and in the
     final sync: where a step whose GPU waits on the host loses its time. The schedule's host
-    figures say what held a slow schedule: its wall time fetching batches and in the model's
-    forward, and the main thread's CPU seconds, minor page faults and context switches in it
-    (a thread descheduled or faulting in fresh pages shows there, a GPU sync as voluntary
-    switches)."""
+    figures say what held a slow schedule: its wall time collating batches, copying them to
+    the device and in the model's forward, and the main thread's CPU seconds, minor page
+    faults and context switches in it (a thread descheduled or faulting in fresh pages shows
+    there, a GPU sync as voluntary switches)."""
     cuda = args.device == "cuda"
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else None
-    host = {"data_s": 0.0, "forward_s": 0.0}
+    host = {"collate_s": 0.0, "copy_s": 0.0, "forward_s": 0.0}
     before = _thread_counters()
     tic = time.perf_counter()
     on_first = []

@@ -19,7 +19,7 @@ from swiglu_train.integrations.megatron.pretrain.build import build_training, in
 from swiglu_train.integrations.megatron.pretrain.checkpoint import load, save
 from swiglu_train.integrations.megatron.pretrain.data import train_loader
 from swiglu_train.integrations.megatron.pretrain.plan import plan_run, recompute_of
-from swiglu_train.integrations.megatron.pretrain.step import run_step
+from swiglu_train.integrations.megatron.pretrain.step import host_threads, run_step
 from swiglu_train.integrations.megatron.pretrain.step_profile import step_profile, write_profile
 from swiglu_train.memory import MemoryProfiler
 from swiglu_train.memory.wandb_run import WandbMemoryLogger, init_run
@@ -150,6 +150,7 @@ def write_summary(
         "gc_ms_per_step": statistics.fmean(gc_ms[len(rates) - len(steady) :] or gc_ms),
         "step_phases_s": phases,  # the host's wall time per phase of each step (step.run_step)
         "step_schedule_host": hosts,  # what held each step's schedule (step.run_step)
+        "host_threads": host_threads(),  # after the steps: what the CPU work ran on
         "after_forward_MiB": last.after_forward_MiB if last else None,
         "peak_MiB": max(peaks) if peaks else None,
         "saved_MiB": last.saved_bytes / 2**20 if last else None,
