@@ -276,6 +276,8 @@ def test_megatron_rounds_on_cpu_profile_a_step_inside_a_measured_run(tmp_path, m
         assert 0 < h["collate_s"] + h["copy_s"] + h["forward_s"] < x["schedule_s"]
     assert "'schedule_cpu_s'" in result.output  # each run's line names what held it
     assert all(p["host_threads"]["torch_threads"] >= 1 for p in r["points"])
+    # released after the warm-up step, a count of ended processes (0 where none was started)
+    assert all(p["compile_workers_released"] >= 0 for p in r["points"])
     assert all(statistics.median(p["timed_tokens_per_s"]) == p["tokens_per_s"] for p in r["points"])
     assert rows["stock"]["gc_ms_per_step"] == {"min": 0.0, "median": 0.0, "max": 0.0}
     assert "GC ms/step" in result.output

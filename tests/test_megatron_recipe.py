@@ -109,6 +109,7 @@ def test_recipe_trains_logs_memory_and_resumes(tmp_path: Path) -> None:
         assert host["collate_s"] + host["copy_s"] + host["forward_s"] < phases["schedule_s"]
         assert host["schedule_cpu_s"] > 0 and host["schedule_minor_faults"] >= 0
         assert host["schedule_involuntary_switches"] >= 0 <= host["schedule_voluntary_switches"]
+    assert summary["compile_workers_released"] is None  # 4 steps: still inside the warm-up
     threads = summary["host_threads"]
     assert threads["torch_threads"] >= 1 and threads["cpu_affinity"] >= 1
     assert threads["os_threads"] >= 1

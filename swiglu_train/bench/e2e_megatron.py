@@ -103,6 +103,8 @@ def run_megatron(
                             s["step_schedule_host"][s["warmup_steps"] :]
                         ),
                         "host_threads": s["host_threads"],
+                        # torch.compile's workers ended after the warm-up (None: kept)
+                        "compile_workers_released": s["compile_workers_released"],
                         "commit": commit,
                     }
                 )

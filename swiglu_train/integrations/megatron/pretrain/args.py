@@ -120,6 +120,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "use_cpu_initialization), so runs at different TP sizes start from the same model",
     )
     p.add_argument(
+        "--keep-compile-workers",
+        action="store_true",
+        help="keep torch.compile's worker processes after the warm-up steps (PyTorch keeps "
+        "them 60 s after the last compile; by default the recipe releases them, as their CPU "
+        "use slows the steps: swiglu_train.compile_workers)",
+    )
+    p.add_argument(
         "--manual-gc",
         action="store_true",
         help="as Megatron-LM's: disable Python's automatic garbage collection, so no "

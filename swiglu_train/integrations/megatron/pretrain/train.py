@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 from megatron.core import parallel_state
 
+from swiglu_train.compile_workers import release_compile_workers
 from swiglu_train.files import write_json_atomic
 from swiglu_train.gc_pauses import GcPauses, manual_gc
 from swiglu_train.integrations.megatron.pretrain.args import parse_args
@@ -88,6 +89,8 @@ def main(argv: list[str] | None = None) -> list[float]:
                 if logger is not None and record is not None:
                     logger.log(record, {"loss": losses[-1], "tokens_per_s": rates[-1]})
             done = step + 1
+            if done == start + max(args.warmup_steps, 1) and not args.keep_compile_workers:
+                args.compile_workers_released = release_compile_workers()  # compiling is done
             if args.manual_gc_interval and done % args.manual_gc_interval == 0:
                 gc.collect()  # between steps, outside the timed window
             if args.save and (
@@ -151,6 +154,8 @@ def write_summary(
         "step_phases_s": phases,  # the host's wall time per phase of each step (step.run_step)
         "step_schedule_host": hosts,  # what held each step's schedule (step.run_step)
         "host_threads": host_threads(),  # after the steps: what the CPU work ran on
+        # torch.compile's worker processes ended after the warm-up (None: kept)
+        "compile_workers_released": getattr(args, "compile_workers_released", None),
         "after_forward_MiB": last.after_forward_MiB if last else None,
         "peak_MiB": max(peaks) if peaks else None,
         "saved_MiB": last.saved_bytes / 2**20 if last else None,
