@@ -1,16 +1,19 @@
 """torch.compile's compile workers, released once a run's compiling is done.
 
-Inductor compiles Triton kernels in a pool of worker processes, as many as the process may use
-cores (up to 32), which PyTorch keeps for 60 s after the last compile
-(``torch._inductor.config.quiesce_async_compile_time``). A training step has CPU work on its
-critical path, and on a box whose cores those workers share it slows down. Measured on the
-H200 box (16 cores, torch 2.11): stock Megatron's bias-SwiGLU, the recipe's one
-``torch.compile``'d function, starts the pool in the first step; while the workers lived, the
-DataLoader's collate (an OpenMP-parallel ``torch.stack`` of the 32 MiB attention mask) took
-67 ms a step instead of 4-10, with the GPU idle after the previous step's sync. That was stock's
-0.80x in the end-to-end table, and its bimodality: the runs whose workers went quiet early were
-fast (docs/planner.md). Newer PyTorch quiesces the pool as each compile ends
-(pytorch/pytorch#183003); releasing it after the warm-up steps gives that on any version.
+At a process's first compile, Inductor starts its compile-worker pool in the background: a
+sidecar process that imports torch and forks up to one worker per core (32 at most), kept
+until 60 s after the last compile (``torch._inductor.config.quiesce_async_compile_time``).
+Training goes on meanwhile, and a step has CPU work on its critical path that the pool's
+start-up slows. Measured on the H200 box (16 cores, torch 2.11, ``benchmarks/results/e2e``):
+stock Megatron's bias-SwiGLU, the recipe's one ``torch.compile``'d function, starts the pool
+in the first step; ``top`` showed its sidecar at 32-117 % of a core during stock's runs. While
+it lived, the DataLoader's collate (an intra-op-parallel ``torch.stack`` of the 32 MiB attention
+mask, whose threads wait on the one the sidecar preempts) took 67 ms a step instead of 4-5, with
+the GPU idle after the previous step's sync: stock's 0.80x of earlier tables, and its
+bimodality (runs whose pool settled early went fast mid-run). With one OpenMP thread, or
+with no pool (``TORCHINDUCTOR_COMPILE_THREADS=1``), stock ran as fast as ours. Releasing the
+pool after the warm-up steps removes it on any PyTorch version; newer ones quiesce the pool as
+each compile ends (pytorch/pytorch#183003).
 """
 
 from __future__ import annotations
