@@ -122,9 +122,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--keep-compile-workers",
         action="store_true",
-        help="keep torch.compile's worker processes after the warm-up steps (PyTorch keeps "
-        "them 60 s after the last compile; by default the recipe releases them, as their CPU "
-        "use slows the steps: swiglu_train.compile_workers)",
+        help="keep torch.compile's worker pool after the warm-up steps (PyTorch keeps it 60 s "
+        "after the last compile; by default the recipe releases it, as the pool starting up "
+        "beside the run slowed every step: swiglu_train.compile_workers)",
     )
     p.add_argument(
         "--manual-gc",
