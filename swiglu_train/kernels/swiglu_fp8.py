@@ -79,15 +79,17 @@ def _round_e4m3(v):
 @triton.jit
 def _block_tile(pid, M, F, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """A flat program id's rows [BLOCK_M, 1, 1], columns [1, S, 128] (S = BLOCK_N / 128 scale
-    blocks), their mask, and the scale columns [1, S, 1] with theirs."""
+    blocks), their mask, the scale columns [1, S, 1] with theirs, and the scale blocks per row
+    of each half (where up's scales start)."""
     SCALES: tl.constexpr = BLOCK_N // _BLOCK
-    pid_m = pid // tl.cdiv(F, BLOCK_N)
-    pid_n = pid % tl.cdiv(F, BLOCK_N)
+    tiles_n = tl.cdiv(F, BLOCK_N)
+    pid_m = pid // tiles_n
+    pid_n = pid % tiles_n
     rows = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)[:, None, None]
     blocks = (pid_n * SCALES + tl.arange(0, SCALES))[None, :, None]
     cols = blocks * _BLOCK + tl.arange(0, _BLOCK)[None, None, :]
-    scale_mask = (rows < M) & (blocks < tl.cdiv(F, _BLOCK))
-    return rows, cols, (rows < M) & (cols < F), blocks, scale_mask
+    nb = tl.cdiv(F, _BLOCK)
+    return rows, cols, (rows < M) & (cols < F), blocks, (rows < M) & (blocks < nb), nb
 
 
 @triton.jit
@@ -141,8 +143,7 @@ def _swiglu_fwd_fp8_kernel(
     INTERPRET: tl.constexpr,
 ):
     """h = silu(gate) * up, and the preact as e4m3 bytes with one scale per row per block."""
-    rows, cols, mask, blocks, scale_mask = _block_tile(tl.program_id(0), M, F, BLOCK_M, BLOCK_N)
-    nb = tl.cdiv(F, _BLOCK)
+    rows, cols, mask, blocks, scale_mask, nb = _block_tile(tl.program_id(0), M, F, BLOCK_M, BLOCK_N)
     gate_ptrs = preact_ptr + rows * stride_preact + cols
     gate = tl.load(gate_ptrs, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(gate_ptrs + F, mask=mask, other=0.0).to(tl.float32)
@@ -172,8 +173,7 @@ def _swiglu_bwd_fp8_kernel(
 ):
     """grad_preact = [grad_h*up*silu'(gate) | grad_h*silu(gate)] from the dequantized preact,
     and h over grad_h, stored through the pointers grad_h was loaded from."""
-    rows, cols, mask, blocks, scale_mask = _block_tile(tl.program_id(0), M, F, BLOCK_M, BLOCK_N)
-    nb = tl.cdiv(F, _BLOCK)
+    rows, cols, mask, blocks, scale_mask, nb = _block_tile(tl.program_id(0), M, F, BLOCK_M, BLOCK_N)
     q_ptrs = q_ptr + rows * stride_q + cols
     scale_ptrs = scale_ptr + rows * stride_scale + blocks
     gate = _dequantize(q_ptrs, scale_ptrs, mask, scale_mask, INTERPRET)
