@@ -6,14 +6,14 @@ until 60 s after the last compile (``torch._inductor.config.quiesce_async_compil
 Training goes on meanwhile, and a step has CPU work on its critical path that the pool's
 start-up slows. Measured on the H200 box (16 cores, torch 2.11, ``benchmarks/results/e2e``):
 stock Megatron's bias-SwiGLU, the recipe's one ``torch.compile``'d function, starts the pool
-in the first step; ``top`` showed its sidecar at 32-117 % of a core during stock's runs. While
-it lived, the DataLoader's collate (an intra-op-parallel ``torch.stack`` of the 32 MiB attention
-mask, whose threads wait on the one the sidecar preempts) took 67 ms a step instead of 4-5, with
-the GPU idle after the previous step's sync: stock's 0.80x of earlier tables, and its
-bimodality (runs whose pool settled early went fast mid-run). With one OpenMP thread, or
-with no pool (``TORCHINDUCTOR_COMPILE_THREADS=1``), stock ran as fast as ours. Releasing the
-pool after the warm-up steps removes it on any PyTorch version; newer ones quiesce the pool as
-each compile ends (pytorch/pytorch#183003).
+in the first step; ``top`` showed a second Python process at 32-117 % of a core in stock's
+runs alone. While it lived, the DataLoader's collate (an intra-op-parallel ``torch.stack`` of
+the 32 MiB attention mask, whose threads wait on any one the pool preempts) took 67 ms a step
+instead of 4-5, with the GPU idle after the previous step's sync: stock's 0.80x of earlier
+tables, and its bimodality (runs whose pool settled early went fast mid-run). With one OpenMP
+thread, or with no pool (``TORCHINDUCTOR_COMPILE_THREADS=1``), stock ran as fast as ours.
+Releasing the pool after the warm-up steps removes it on any PyTorch version; newer ones
+quiesce the pool as each compile ends (pytorch/pytorch#183003).
 """
 
 from __future__ import annotations
