@@ -50,11 +50,11 @@ def test_descendants_follow_the_tree_down():
         [sys.executable, "-c", "import subprocess; subprocess.run(['sleep', '30'])"]
     )
     try:
-        for _ in range(200):  # until the grandchild has started
-            below = descendants()
-            if len(below) >= 2:
+        for _ in range(200):  # until the child has started its sleep
+            if descendants(child.pid):
                 break
             time.sleep(0.05)
+        below = descendants()
         assert child.pid in below and len(descendants(child.pid)) == 1  # the child's sleep
         assert descendants(child.pid) <= below and os.getpid() not in below
     finally:

@@ -10,15 +10,12 @@ and with ``--cpu-init``) and the in-place one under its RNG tracker, which the G
 
 from __future__ import annotations
 
-from functools import partial
-
 import pytest
 import torch
 from megatron_support import megatron_parallel, shim_cuda_only_calls, spawn
 from test_megatron_recipe import TINY
 
 from megatron.core.distributed import finalize_model_grads  # isort: skip
-from megatron.core.pipeline_parallel import get_forward_backward_func  # isort: skip
 
 from swiglu_train.integrations.megatron.mlp import ParMLPMegatron
 from swiglu_train.integrations.megatron.pretrain.args import parse_args
@@ -28,7 +25,7 @@ from swiglu_train.integrations.megatron.pretrain.build import (
     transformer_config,
 )
 from swiglu_train.integrations.megatron.pretrain.data import train_loader
-from swiglu_train.integrations.megatron.pretrain.step import forward_step
+from swiglu_train.integrations.megatron.pretrain.step import run_step
 from swiglu_train.kernels.runtime import triton_runs_on
 from swiglu_train.layers.layout import CANONICAL, relayout
 from swiglu_train.ops.activation import use_backend
@@ -66,19 +63,8 @@ def canonical_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 def train(args, model, optimizer, steps: int) -> list[float]:
     """The recipe's step (train.main without its logging): Megatron's schedule, its loss."""
     data, losses = iter(train_loader(args)), []
-    for _ in range(steps):
-        model.zero_grad_buffer()
-        optimizer.zero_grad()
-        stats = get_forward_backward_func()(
-            forward_step_func=partial(forward_step, None, []),
-            data_iterator=data,
-            model=[model],
-            num_microbatches=1,
-            seq_length=args.seq_length,
-            micro_batch_size=args.micro_batch_size,
-            forward_only=False,
-        )
-        optimizer.step()
+    for step in range(steps):
+        stats, _, _, _ = run_step(args, model, optimizer, data, None, step)
         losses.append(stats[0]["lm loss"].item())
     return losses
 
