@@ -139,6 +139,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="with --manual-gc: collect after every N steps (0: never during training)",
     )
     p.add_argument("--data-path", nargs="*", default=None, help="indexed dataset prefixes")
+    p.add_argument(
+        "--no-create-attention-mask-in-dataloader",
+        dest="create_attention_mask_in_dataloader",
+        action="store_false",
+        help="as Megatron-LM's: no [s, s] causal mask per sample (CUDA only; the local "
+        "attention then builds its own once), which spares each micro-batch the host's collate "
+        "and pageable copy of the masks, on the step's critical path",
+    )
     p.add_argument("--save", default=None, help="root of the iter_NNNNNNN dist-ckpt folders")
     p.add_argument("--save-interval", type=int, default=0, help="0: only at the end")
     p.add_argument("--load", default=None, help="an iter_NNNNNNN folder to resume from")
@@ -167,6 +175,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     check_recompute(p, args)
     if args.manual_gc_interval < 0 or (args.manual_gc_interval and not args.manual_gc):
         p.error(f"--manual-gc-interval {args.manual_gc_interval} needs --manual-gc and N >= 0")
+    if args.device == "cpu" and not args.create_attention_mask_in_dataloader:
+        p.error(
+            "--no-create-attention-mask-in-dataloader needs --device cuda: without a mask "
+            "Megatron's local attention builds its causal mask on the GPU"
+        )
     if args.warmup_steps < 0:
         p.error(f"--warmup-steps must be at least 0, got {args.warmup_steps}")
     if (args.profile_step is None) != (args.profile_json is None):

@@ -21,7 +21,8 @@ def train_loader(args: argparse.Namespace) -> torch.utils.data.DataLoader:
         reset_position_ids=False,
         reset_attention_mask=False,
         eod_mask_loss=False,
-        create_attention_mask=True,  # the local attention's default causal mask is CUDA-only
+        # the local attention's own causal mask is CUDA-only: on the CPU the data brings one
+        create_attention_mask=args.create_attention_mask_in_dataloader,
         tokenizer=NullTokenizer(args.vocab_size - 1),
     )
     dp = parallel_state.get_data_parallel_world_size()

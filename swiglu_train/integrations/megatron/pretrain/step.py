@@ -35,9 +35,8 @@ def forward_step(device: torch.device | None, on_first: list, host: dict, data_i
     fetched = time.perf_counter()
     batch = {k: v.to(device) if device else v for k, v in collated.items()}
     copied = time.perf_counter()
-    output = model(
-        batch["tokens"], batch["position_ids"], batch["attention_mask"], labels=batch["labels"]
-    )
+    mask = batch.get("attention_mask")  # None: the attention's own causal mask
+    output = model(batch["tokens"], batch["position_ids"], mask, labels=batch["labels"])
     host["collate_s"] += fetched - tic
     host["copy_s"] += copied - fetched
     host["forward_s"] += time.perf_counter() - copied
