@@ -226,6 +226,12 @@ def test_megatron_rows_pair_each_round_with_stock() -> None:
     assert rows["stock"]["vs_stock"]["median"] == 1.0
     assert rows["stock"]["warmup_tokens_per_s_median"] == [11.0, 100.0]
     assert rows["drop_h"]["tokens_per_s"] == {"min": 110.0, "median": 118.0, "max": 126.0}
+    assert rows["stock"]["collate_ms"] is None  # points from before the schedule was split
+    points[0]["schedule_host"] = {"collate_s": 0.067}  # stock, round 0
+    points[2]["schedule_host"] = {"collate_s": 0.004}  # stock, round 1
+    collate = {x["impl"]: x["collate_ms"] for x in megatron_rows(points)}
+    assert collate["stock"] == {"min": 4.0, "median": pytest.approx(35.5), "max": 67.0}
+    assert collate["drop_h"] is None
 
 
 @pytest.mark.slow
@@ -280,7 +286,10 @@ def test_megatron_rounds_on_cpu_profile_a_step_inside_a_measured_run(tmp_path, m
     assert all(p["compile_workers_released"] >= 0 for p in r["points"])
     assert all(statistics.median(p["timed_tokens_per_s"]) == p["tokens_per_s"] for p in r["points"])
     assert rows["stock"]["gc_ms_per_step"] == {"min": 0.0, "median": 0.0, "max": 0.0}
-    assert "GC ms/step" in result.output
+    assert "GC ms/step" in result.output and "collate ms" in result.output
+    stock_point = next(p for p in r["points"] if p["impl"] == "stock")
+    collate_s = stock_point["schedule_host"]["collate_s"]  # one round: the row's median is it
+    assert rows["stock"]["collate_ms"]["median"] == pytest.approx(1e3 * collate_s)
     profile = json.loads((tmp_path / "p" / "profile_megatron_stock.json").read_text())
     assert (profile["step"], profile["mlp_impl"]) == (2, "stock")  # the last timed step
     assert profile["unit"] == "op (self time)" and profile["total_us"] > 0

@@ -129,6 +129,9 @@ def megatron_rows(points: list[dict]) -> list[dict]:
     for r in table:
         mine = [p for p in points if p["impl"] == r["impl"]]
         r["gc_ms_per_step"] = spread([p.get("gc_ms_per_step") for p in mine])  # older: none
+        # the batch's collate in a timed step (median): where a slowed host shows first
+        r["collate_ms"] = spread([1e3 * p["schedule_host"]["collate_s"] for p in mine
+                                  if "collate_s" in p.get("schedule_host", {})])  # fmt: skip
         r["vs_stock"] = spread([p["tokens_per_s"] / base[p["round"]] for p in mine
                                 if p["round"] in base])  # fmt: skip
         warm = [p["warmup_tokens_per_s"] for p in mine]

@@ -59,17 +59,20 @@ def megatron_markdown(result: dict) -> str:
         f"{result['rounds']} rounds interleaved, {result['warmup_steps']} warm-up + "
         f"{result['timed_steps']} timed steps per run; median [min, max] over rounds. "
         f"{_commits(result)}; `{result['command']}`. GC ms/step: the host's time in Python's "
-        "garbage collector inside a timed step, mean over the timed steps.",
+        "garbage collector inside a timed step, mean over the timed steps. Collate ms: the "
+        "DataLoader's collate of a step's batches, median over the timed steps (the GPU waits "
+        "on it).",
         "",
-        "| impl | tokens/s | ÷ stock (paired) | GC ms/step | after-fwd MiB | peak MiB "
-        "| warm-up tokens/s |",
-        "|---|---|---|---|---|---|---|",
+        "| impl | tokens/s | ÷ stock (paired) | GC ms/step | collate ms | after-fwd MiB "
+        "| peak MiB | warm-up tokens/s |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for r in result["rows"]:
         warm = ", ".join(f"{v:,.0f}" for v in r["warmup_tokens_per_s_median"])
         lines.append(
             f"| {r['impl']} | {_fmt(r['tokens_per_s'])} | {_fmt(r['vs_stock'], 3)} | "
-            f"{_fmt(r.get('gc_ms_per_step'), 1)} | {_fmt(r['after_forward_MiB'])} | "
+            f"{_fmt(r.get('gc_ms_per_step'), 1)} | {_fmt(r.get('collate_ms'), 1)} | "
+            f"{_fmt(r['after_forward_MiB'])} | "
             f"{_fmt(r['peak_MiB'])} | {warm} |"
         )
     return "\n".join(lines) + "\n"
