@@ -98,10 +98,8 @@ def run_megatron(
                         "gc_ms_per_step": s["gc_ms_per_step"],
                         # the timed steps' median host time per phase of the step
                         "phases_s": _median_phases(s["step_phases_s"][s["warmup_steps"] :]),
-                        # and what held the schedule: fetch, forward, thread CPU, faults
-                        "schedule_host": _median_phases(
-                            s["step_schedule_host"][s["warmup_steps"] :]
-                        ),
+                        # and what held the schedule: collate, copy, forward, thread CPU
+                        "schedule_host": held,
                         "host_threads": s["host_threads"],
                         # torch.compile's workers ended after the warm-up (None: kept)
                         "compile_workers_released": s["compile_workers_released"],

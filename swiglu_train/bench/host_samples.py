@@ -41,13 +41,13 @@ def top_frames(path: Path, top: int = 15, within: str | None = None) -> dict:
     """The samples in py-spy's raw file: their count, the ``top`` frames by inclusive share (a
     frame counted once per sample, wherever it sits in the stack), and the ``top`` leaves by
     self share (the innermost frame of each sample: where the time was spent, which names a
-    stall below the Python line that waited on it). ``within`` (a
-    function's name): only the samples taken inside it, and only it and the frames it called,
-    such as a training step's, where a whole run's would be mostly start-up and imports.
-    Frames are named
-    by function and file, line numbers dropped, so a loop's lines add up; what is not a frame
-    (the process names py-spy puts first on each stack, which a command line may break over
-    lines) is left out."""
+    stall below the Python line that waited on it).
+
+    ``within`` (a function's name): only the samples taken inside it, and only it and the
+    frames it called, such as a training step's, where a whole run's would be mostly start-up
+    and imports. Frames are named by function and file, line numbers dropped, so a loop's lines
+    add up; what is not a frame (the process names py-spy puts first on each stack, which a
+    command line may break over lines) is left out."""
     per_frame: collections.Counter[str] = collections.Counter()
     per_leaf: collections.Counter[str] = collections.Counter()
     total = 0
