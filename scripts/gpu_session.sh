@@ -24,9 +24,11 @@
 #              ($E2E_GRID_1B/3B), $E2E_ROUNDS rounds interleaved (default 3), the planner at 4
 #              budgets between the grid's peaks; micro-batch $E2E_MBS_1B (4) / $E2E_MBS_3B (2),
 #              global batch $E2E_GBS (32 sequences: the optimizer once per global batch);
-#              $E2E_IMPLS picks the impls (at 3B, fewer: a point takes ~20 s there).
+#              $E2E_IMPLS picks the impls (at 3B a point takes ~10 s: 15 points a round, ~150 s).
 #              Rounds add up across calls of one commit (--append, kept in /tmp/gpu-e2e-COMMIT):
 #              where 3 rounds overrun a call, E2E_ROUNDS=1 E2E_PLANNER=0 twice, then E2E_ROUNDS=1.
+#              At 3B the planner alone (E2E_ROUNDS=0) takes ~6 min at 2 budgets with 5 impls (its
+#              plans measured in every round): E2E_BUDGETS=auto:2 there (default auto:4).
 #              The JSON is written after every point: a stage cut at its bound keeps its points
 #   e2e_megatron  scripts/bench_e2e.py megatron: TP=1 stock (fused and eager bias-SwiGLU, and
 #              Liger's Megatron SwiGLU where liger-kernel is installed) vs our
@@ -249,7 +251,7 @@ for stage in "$@"; do
       python3 scripts/bench_e2e.py lightning --config "$size" --seq-length 4096 \
         --micro-batch-size "$mbs" --global-batch-size "${E2E_GBS:-32}" --impls "$impls" \
         --checkpoint-layers "$grid" \
-        --rounds "${E2E_ROUNDS:-3}" --budgets-gb auto:4 $([ "${E2E_PLANNER:-1}" = 1 ] && echo --planner) \
+        --rounds "${E2E_ROUNDS:-3}" --budgets-gb "${E2E_BUDGETS:-auto:4}" $([ "${E2E_PLANNER:-1}" = 1 ] && echo --planner) \
         --commit "$commit" --append \
         --json "$E2E/e2e_${size}_h200.json" --md "$E2E/e2e_${size}_h200.md" \
         --plot "$E2E/e2e_${size}_h200.png" 2>&1 | grep -v "^planner:" | tail -40
