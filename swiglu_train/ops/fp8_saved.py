@@ -76,6 +76,7 @@ from swiglu_train.kernels.runtime import device_capability
 from swiglu_train.ops import reference
 from swiglu_train.ops.activation import triton_enabled
 from swiglu_train.ops.eager import eager_op
+from swiglu_train.ops.fc2_node import Fc2Handoff, fc2_grad_y, fc2_or_h, with_fc2_node
 from swiglu_train.ops.fp8_chunks import (
     backward_row_chunks,
     row_chunks,
@@ -194,7 +195,10 @@ def _(q: torch.Tensor, scales: torch.Tensor, grad_h: torch.Tensor, grad_preact: 
 
 class _DropHFP8(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, fc1_weight, fc1_bias, fc2_weight, fc2_bias, inplace: bool, rows, lengths):
+    def forward(
+        ctx, x, fc1_weight, fc1_bias, fc2_weight, fc2_bias, inplace: bool, rows, lengths,
+        handoff: Fc2Handoff | None,
+    ):  # fmt: skip
         (m, d), ffn, out = x.shape, fc1_weight.shape[0] // 2, fc2_weight.shape[0]
         freed = inplace and not torch.compiler.is_compiling()  # claim_inplace_backward's
         lengths = lengths or backward_row_chunks(m, d, ffn, out, x.element_size(), freed=freed)
@@ -222,10 +226,10 @@ class _DropHFP8(torch.autograd.Function):
         ctx.has_bias = (fc1_bias is not None, fc2_bias is not None)
         ctx.backward_ran = False
         ctx.pieces = pieces
-        return F.linear(h, fc2_weight, fc2_bias)
+        return fc2_or_h(ctx, handoff, h, fc2_weight, fc2_bias)
 
     @staticmethod
-    def backward(ctx, grad_y: torch.Tensor):
+    def backward(ctx, grad_out: torch.Tensor):
         refuse_double_backward()
         consume = claim_inplace_backward(
             ctx, SECOND_BACKWARD_ERROR_FP8, SECOND_BACKWARD_FREED_ERROR_FP8
@@ -234,13 +238,13 @@ class _DropHFP8(torch.autograd.Function):
         copies = list(zip(flat[::2], flat[1::2], strict=True))
         needs = list(ctx.needs_input_grad[:5])
         needs[2], needs[4] = needs[2] and ctx.has_bias[0], needs[4] and ctx.has_bias[1]
-        grad_y = grad_y.contiguous()
+        grad_y = fc2_grad_y(ctx, grad_out)
         grad_x, grad_w1, grad_b1, grad_w2 = _backward_rows(
             grad_y, x, fc1_weight, fc2_weight, copies, ctx.pieces, consume, needs
         )
         grad_b1 = grad_b1.to(grad_y.dtype) if needs[2] else None
         grad_b2 = grad_y.sum(0) if needs[4] else None
-        return grad_x, grad_w1, grad_b1, grad_w2, grad_b2, None, None, None
+        return grad_x, grad_w1, grad_b1, grad_w2, grad_b2, None, None, None, None
 
 
 def _free(consume: bool, *saved: torch.Tensor) -> None:
@@ -308,6 +312,6 @@ def drop_h_fp8_mlp(
     # (it would trace torch's capability query into the graph); pretrain checks before the run.
     if x.is_cuda and not torch.compiler.is_compiling() and triton_enabled(x):
         check_fp8_gpu(x.get_device())
-    return _DropHFP8.apply(
-        x, fc1_weight, fc1_bias, fc2_weight, fc2_bias, inplace, chunk_rows, backward_rows
+    return with_fc2_node(
+        _DropHFP8, x, fc1_weight, fc1_bias, fc2_weight, fc2_bias, inplace, chunk_rows, backward_rows
     )

@@ -18,6 +18,7 @@ from swiglu_train.ops.activation import (
     swiglu_bwd_recompute_,
     swiglu_fwd,
 )
+from swiglu_train.ops.fc2_node import Fc2Handoff, fc2_grad_y, fc2_or_h, with_fc2_node
 from swiglu_train.ops.gated import gated_enabled, gated_fwd
 
 SECOND_BACKWARD_ERROR = (
@@ -132,6 +133,7 @@ class _DropH(torch.autograd.Function):
         fc2_bias: torch.Tensor | None,
         inplace: bool,
         fused_forward: bool,
+        handoff: Fc2Handoff | None,
     ) -> torch.Tensor:
         ffn = fc1_weight.shape[0] // 2
         if fused_forward and gated_enabled(x, ffn, ffn):  # canonical = packed with chunk F
@@ -140,15 +142,15 @@ class _DropH(torch.autograd.Function):
             preact = F.linear(x, fc1_weight, fc1_bias)
             h = swiglu_fwd(preact)
         save_drop_h(ctx, x, fc1_weight, fc1_bias, fc2_weight, fc2_bias, preact, inplace)
-        return F.linear(h, fc2_weight, fc2_bias)
+        return fc2_or_h(ctx, handoff, h, fc2_weight, fc2_bias)
 
     @staticmethod
-    def backward(ctx, grad_y: torch.Tensor):
+    def backward(ctx, grad_out: torch.Tensor):
         refuse_double_backward()
         inplace = claim_inplace_backward(ctx, SECOND_BACKWARD_ERROR, SECOND_BACKWARD_FREED_ERROR)
         x, fc1_weight, fc2_weight, preact = ctx.saved_tensors
         need_w2 = ctx.needs_input_grad[3]
-        grad_y = grad_y.contiguous()
+        grad_y = fc2_grad_y(ctx, grad_out)
         grad_h = grad_y @ fc2_weight
         if inplace:
             swiglu_bwd_recompute_(preact, grad_h)
@@ -158,7 +160,7 @@ class _DropH(torch.autograd.Function):
         del grad_h
         grad_w2 = grad_y.t() @ h if need_w2 else None
         del h  # frees the [M, F] buffer before the two largest GEMM outputs are allocated
-        return *drop_h_grads(ctx, x, fc1_weight, grad_preact, grad_y, grad_w2), None, None
+        return *drop_h_grads(ctx, x, fc1_weight, grad_preact, grad_y, grad_w2), None, None, None
 
 
 def drop_h_grads(ctx, x, fc1_weight, grad_preact, grad_y, grad_w2) -> tuple:
@@ -186,5 +188,8 @@ def drop_h_mlp(
     ``fused_forward`` computes h and the saved preact in one gated GEMM (the preact is never
     read back). Off by default: on the H200 our Triton GEMM is ~7 % slower than cuBLAS, which
     outweighs the activation pass it saves (benchmarks/results/tune_gated_h200.json).
+    fc2 runs in a node of its own, which a checkpoint's recompute stops before (``fc2_node``).
     """
-    return _DropH.apply(x, fc1_weight, fc1_bias, fc2_weight, fc2_bias, inplace, fused_forward)
+    return with_fc2_node(
+        _DropH, x, fc1_weight, fc1_bias, fc2_weight, fc2_bias, inplace, fused_forward
+    )

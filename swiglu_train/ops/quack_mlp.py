@@ -28,6 +28,7 @@ import torch
 from swiglu_train.kernels.runtime import device_capability
 from swiglu_train.ops import gemm_choice
 from swiglu_train.ops.concat_gemm import concat_grad_w1, concat_grad_x
+from swiglu_train.ops.fc2_node import Fc2Handoff, fc2_grad_y, fc2_or_h, with_fc2_node
 from swiglu_train.ops.mlp import (
     SECOND_BACKWARD_ERROR,
     SECOND_BACKWARD_FREED_ERROR,
@@ -280,7 +281,15 @@ def _canonical_bias_grad(grad_preact: torch.Tensor) -> torch.Tensor:
 class _DropHQuack(torch.autograd.Function):
     @staticmethod
     def forward(
-        ctx, x, fc1_weight, fc1_bias, fc2_weight, fc2_bias, inplace: bool, dynamic: FusedSchedule
+        ctx,
+        x,
+        fc1_weight,
+        fc1_bias,
+        fc2_weight,
+        fc2_bias,
+        inplace: bool,
+        dynamic: FusedSchedule,
+        handoff: Fc2Handoff | None,
     ):
         q = require_quack()
         x = x.contiguous()
@@ -292,16 +301,16 @@ class _DropHQuack(torch.autograd.Function):
         )  # fmt: skip
         save_drop_h(ctx, x, fc1_weight, fc1_bias, fc2_weight, fc2_bias, preact, inplace)
         ctx.dynamic_grad_h = dynamic.grad_h
-        return chosen_gemm("fc2", h, fc2_weight.t(), fc2_bias)
+        return fc2_or_h(ctx, handoff, h, fc2_weight, fc2_bias, quack_fc2)
 
     @staticmethod
-    def backward(ctx, grad_y: torch.Tensor):
+    def backward(ctx, grad_out: torch.Tensor):
         refuse_double_backward()
         inplace = claim_inplace_backward(ctx, SECOND_BACKWARD_ERROR, SECOND_BACKWARD_FREED_ERROR)
         x, fc1_weight, fc2_weight, preact = ctx.saved_tensors
         need_x, need_w1, need_b1, need_w2, need_b2 = ctx.needs_input_grad[:5]
         q = require_quack()
-        grad_y = grad_y.contiguous()
+        grad_y = fc2_grad_y(ctx, grad_out)
         grad_preact, h = q.gemm_dgated(
             grad_y, fc2_weight, preact, activation="swiglu", tuned=False,
             dynamic_scheduler=ctx.dynamic_grad_h, dx_out=preact if inplace else None,
@@ -312,7 +321,12 @@ class _DropHQuack(torch.autograd.Function):
         grad_w1 = chosen_gemm("grad_w1_concat", grad_preact.t(), x) if need_w1 else None
         grad_b1 = _canonical_bias_grad(grad_preact) if need_b1 and ctx.has_bias[0] else None
         grad_b2 = grad_y.sum(0) if need_b2 and ctx.has_bias[1] else None
-        return grad_x, grad_w1, grad_b1, grad_w2, grad_b2, None, None
+        return grad_x, grad_w1, grad_b1, grad_w2, grad_b2, None, None, None
+
+
+def quack_fc2(h: torch.Tensor, fc2_weight: torch.Tensor, fc2_bias: torch.Tensor | None):
+    """The quack impls' fc2: y = h W2ᵀ (+ b2) on the GEMM ``gemm_choice`` picks."""
+    return chosen_gemm("fc2", h, fc2_weight.t(), fc2_bias)
 
 
 def drop_h_quack_mlp(
@@ -332,4 +346,6 @@ def drop_h_quack_mlp(
     check_quack_inputs(x, fc1_weight, fc2_weight)
     if x.shape[0] == 0:
         return drop_h_mlp(x, fc1_weight, fc1_bias, fc2_weight, fc2_bias, inplace)
-    return _DropHQuack.apply(x, fc1_weight, fc1_bias, fc2_weight, fc2_bias, inplace, dynamic)
+    return with_fc2_node(
+        _DropHQuack, x, fc1_weight, fc1_bias, fc2_weight, fc2_bias, inplace, dynamic, fc2=quack_fc2
+    )

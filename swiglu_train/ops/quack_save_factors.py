@@ -24,12 +24,14 @@ import functools
 import torch
 
 from swiglu_train.ops.eager import eager_op
+from swiglu_train.ops.fc2_node import Fc2Handoff, fc2_grad_y, fc2_or_h, with_fc2_node
 from swiglu_train.ops.mlp import claim_inplace_backward, refuse_double_backward
 from swiglu_train.ops.quack_mlp import (
     STATIC_FUSED,
     FusedSchedule,
     check_quack_inputs,
     chosen_gemm,
+    quack_fc2,
     require_quack,
 )
 from swiglu_train.ops.save_factors import (
@@ -118,7 +120,15 @@ def _(grad_y, fc2_weight, factors, dynamic):
 class _SaveFactorsQuack(torch.autograd.Function):
     @staticmethod
     def forward(
-        ctx, x, fc1_weight, fc1_bias, fc2_weight, fc2_bias, inplace: bool, dynamic: FusedSchedule
+        ctx,
+        x,
+        fc1_weight,
+        fc1_bias,
+        fc2_weight,
+        fc2_bias,
+        inplace: bool,
+        dynamic: FusedSchedule,
+        handoff: Fc2Handoff | None,
     ):
         x = x.contiguous()
         h, factors = quack_swiglu_factors(x, fc1_weight, fc1_bias, dynamic.fc1)
@@ -126,17 +136,17 @@ class _SaveFactorsQuack(torch.autograd.Function):
         ctx.inplace, ctx.has_bias = inplace, (fc1_bias is not None, fc2_bias is not None)
         ctx.dynamic_grad_h = dynamic.grad_h
         ctx.backward_ran = False
-        return chosen_gemm("fc2", h, fc2_weight.t(), fc2_bias)
+        return fc2_or_h(ctx, handoff, h, fc2_weight, fc2_bias, quack_fc2)
 
     @staticmethod
-    def backward(ctx, grad_y: torch.Tensor):
+    def backward(ctx, grad_out: torch.Tensor):
         refuse_double_backward()
         inplace = claim_inplace_backward(
             ctx, SECOND_BACKWARD_ERROR_FACTORS, SECOND_BACKWARD_FREED_ERROR_FACTORS
         )
         x, fc1_weight, fc2_weight, h, factors = ctx.saved_tensors
         need_x, need_w1, need_b1, need_w2, need_b2 = ctx.needs_input_grad[:5]
-        grad_y = grad_y.contiguous()
+        grad_y = fc2_grad_y(ctx, grad_out)
         if not (need_x or need_w1 or need_b1):  # a frozen fc1 fed by a frozen input
             grad_preact = None
         elif inplace:
@@ -149,7 +159,7 @@ class _SaveFactorsQuack(torch.autograd.Function):
         grad_w1 = chosen_gemm("grad_w1_packed", grad_preact.t(), x) if need_w1 else None
         grad_b1 = grad_preact.sum(0) if need_b1 and ctx.has_bias[0] else None
         grad_b2 = grad_y.sum(0) if need_b2 and ctx.has_bias[1] else None
-        return grad_x, grad_w1, grad_b1, grad_w2, grad_b2, None, None
+        return grad_x, grad_w1, grad_b1, grad_w2, grad_b2, None, None, None
 
 
 def save_factors_quack_mlp(
@@ -176,4 +186,7 @@ def save_factors_quack_mlp(
     check_quack_inputs(x, fc1_weight, fc2_weight, IMPL)
     if x.shape[0] == 0:
         return save_factors_mlp(x, fc1_weight, fc1_bias, fc2_weight, fc2_bias, inplace, CHUNK)
-    return _SaveFactorsQuack.apply(x, fc1_weight, fc1_bias, fc2_weight, fc2_bias, inplace, dynamic)
+    return with_fc2_node(
+        _SaveFactorsQuack, x, fc1_weight, fc1_bias, fc2_weight, fc2_bias, inplace, dynamic,
+        fc2=quack_fc2,
+    )  # fmt: skip
