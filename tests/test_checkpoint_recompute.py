@@ -2,7 +2,8 @@
 
 A non-reentrant checkpoint stops its recompute once the last saved tensor is saved again;
 `normal`'s fc2 saves h before its GEMM, and every other impl's fc2 is a node after the
-Function's saves, so no impl's recompute runs fc2. Grads are the same as unchecked, through
+Function's saves wherever saved-tensor hooks are on (as a checkpoint's are), so no impl's
+recompute runs fc2. Grads are the same as unchecked, through
 torch's reentrant checkpoint (Megatron's kind: it recomputes everything) too.
 """
 
@@ -59,9 +60,32 @@ def test_the_recompute_runs_fc1_and_not_fc2(impl: str, saved_fp8: bool, bias: bo
         assert torch.equal(g_ck, g) and torch.equal(g_re, g)
 
 
+@pytest.mark.parametrize("saved_fp8", [False, True])
+def test_fc2_is_a_node_of_its_own_only_under_saved_tensor_hooks(saved_fp8: bool) -> None:
+    """drop_h's Function ran fc2 in its forward (normal's and save_factors' fc2 is an F.linear
+    of their own). Unhooked, it still does (one node: less host time a step); under any
+    saved-tensor hooks fc2 is its own node, with the same grads."""
+    torch.manual_seed(0)
+    mlp = ParMLP(32, 48, impl="drop_h", saved_fp8=saved_fp8)
+    x, grad_y = torch.randn(24, 32), torch.randn(24, 32)
+    with use_backend("torch"):
+        y = mlp(x.requires_grad_())
+        assert type(y.grad_fn).__name__ != "_Fc2Backward"
+        _, grads = backward_gemms(mlp, x, grad_y, None)
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: t.clone(), lambda t: t):
+            y = mlp(x)
+        assert type(y.grad_fn).__name__ == "_Fc2Backward"
+        mlp.zero_grad(set_to_none=True)
+        x.grad = None
+        y.backward(grad_y)
+    for g, g_hooked in zip(grads, [x.grad, *(p.grad for p in mlp.parameters())], strict=True):
+        assert torch.equal(g_hooked, g)
+
+
 def test_a_second_backward_through_the_fc2_node_still_names_the_in_place_problem() -> None:
     mlp = ParMLP(32, 48, impl="drop_h")
-    y = mlp(torch.randn(8, 32, requires_grad=True))
+    with use_backend("torch"), torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
+        y = mlp(torch.randn(8, 32, requires_grad=True))
     with use_backend("torch"):
         y.sum().backward(retain_graph=True)
         with pytest.raises(RuntimeError, match=r"ran its backward in place.*inplace=False"):

@@ -13,8 +13,12 @@ So the Function returns h, and fc2 runs here, saving nothing: the Function's bac
 fc2's weight from its own saves and takes fc2's output gradient from the ``Fc2Handoff``. This
 node returns no gradient for h (None; the Function, which does not materialize it, is called
 with None): the Function computes grad_h itself, fused with its recompute of h.
-Under torch.compile the Function keeps fc2 (AOTAutograd plans its own recompute), and with
-no grad to compute there is nothing to hand off.
+The extra node costs host time (~25 us a step on CPU, where a small shape's step is the
+host's), so it is made only where saved-tensor hooks are on: a non-reentrant checkpoint sets
+them in its forward and its recompute alike, so both see the same saves. Elsewhere (no
+checkpoint, or a reentrant one, which recomputes everything anyway) the Function keeps fc2;
+under torch.compile too (AOTAutograd plans its own recompute), and with no grad to compute
+there is nothing to hand off.
 """
 
 from __future__ import annotations
@@ -54,11 +58,19 @@ class _Fc2(torch.autograd.Function):
         return None, None, None, None, None
 
 
+def saved_tensors_hooked() -> bool:
+    """Whether saved-tensor hooks are on (a checkpoint's, save_on_cpu's, a profiler's). Read
+    through torch's private query (AOTAutograd's too); a torch without it gets True."""
+    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+    return top is None or top(True) is not None
+
+
 def handoff_for_fc2() -> Fc2Handoff | None:
-    """A handoff where fc2 should run as its own node (eager, with grad), else None."""
+    """A handoff where fc2 should run as its own node (eager, with grad, saved-tensor hooks
+    on), else None."""
     if torch.compiler.is_compiling() or not torch.is_grad_enabled():
         return None
-    return Fc2Handoff()
+    return Fc2Handoff() if saved_tensors_hooked() else None
 
 
 def fc2_or_h(ctx, handoff: Fc2Handoff | None, h, fc2_weight, fc2_bias, fc2: Fc2 = F.linear):
