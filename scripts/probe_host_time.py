@@ -23,7 +23,9 @@ reset outside the timed region, medians over samples:
                 floor for drop_h's design, so ``drop_h - minimal`` is our Python overhead;
   op:drop_h, op:normal   ``ops.drop_h_mlp`` / ``ops.normal_mlp`` called directly (no module);
   normal, drop_h, drop_h:out_of_place, save_factors   ``ParMLP(impl=...)`` on x [M, D];
-  drop_h:3d     ``ParMLP(impl="drop_h")`` on x [2, M/2, D], as a model calls it.
+  drop_h:3d     ``ParMLP(impl="drop_h")`` on x [2, M/2, D], as a model calls it;
+  normal:hooked, drop_h:hooked   under identity saved-tensor hooks, as inside a checkpoint:
+                drop_h's fc2 is then a node of its own (``ops.fc2_node``), normal's the same.
 Then cProfile of ParMLP steps: the top self-time functions of swiglu_train, medians over ten
 runs (cProfile's own per-call cost inflates every figure, and self time includes the torch
 operators a function calls through Python's operators, ``a @ b``: read the ranking).
@@ -125,12 +127,22 @@ def variants(m: int, d: int, f: int) -> tuple[dict[str, Callable[[], None]], Cal
     def step3(forward):
         return lambda: forward(x3).backward(grad_y3)
 
+    def hooked(forward):  # saved-tensor hooks on, as a checkpoint's: drop_h's fc2 a node apart
+        def run() -> None:
+            with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
+                y = forward(x)
+            y.backward(grad_y)
+
+        return run
+
     def reset() -> None:
         for p in params:
             p.grad = None
 
     steps = {name: step(fwd) for name, fwd in forwards.items()}
     steps["drop_h:3d"] = step3(mlps["drop_h"])
+    steps["normal:hooked"] = hooked(mlps["normal"])
+    steps["drop_h:hooked"] = hooked(mlps["drop_h"])
     return steps, reset
 
 

@@ -13,12 +13,13 @@ So the Function returns h, and fc2 runs here, saving nothing: the Function's bac
 fc2's weight from its own saves and takes fc2's output gradient from the ``Fc2Handoff``. This
 node returns no gradient for h (None; the Function, which does not materialize it, is called
 with None): the Function computes grad_h itself, fused with its recompute of h.
-The extra node costs host time (~25 us a step on CPU, where a small shape's step is the
-host's), so it is made only where saved-tensor hooks are on: a non-reentrant checkpoint sets
-them in its forward and its recompute alike, so both see the same saves. Elsewhere (no
-checkpoint, or a reentrant one, which recomputes everything anyway) the Function keeps fc2;
-under torch.compile too (AOTAutograd plans its own recompute), and with no grad to compute
-there is nothing to hand off.
+The extra node costs host time (21 us a step on a CPU: host_time_cpu.json's fc2_node run in
+benchmarks/results; a small shape's step on an H200 is the host's), so it is made only where
+saved-tensor hooks are on: a non-reentrant checkpoint sets them in its forward and its
+recompute alike, so both see the same saves. Elsewhere (no checkpoint, or a reentrant one,
+which recomputes everything anyway) the Function keeps fc2; under torch.compile too
+(AOTAutograd plans its own recompute), and with no grad to compute there is nothing to hand
+off.
 """
 
 from __future__ import annotations
