@@ -13,6 +13,7 @@ from typer.testing import CliRunner
 
 from swiglu_train.bench.e2e_lightning import parse_budgets
 from swiglu_train.bench.e2e_megatron import megatron_rows
+from swiglu_train.bench.e2e_report import block_costs
 from swiglu_train.memory.budget import ESTIMATE
 from swiglu_train.ops import use_backend
 
@@ -342,3 +343,26 @@ def test_a_call_stopped_mid_round_keeps_its_points_for_the_next(tmp_path, monkey
     assert "partial" not in r and r["rounds"] == 2
     assert r["points"][:2] == kept["points"]  # the stopped call's points, as measured
     assert [p["round"] for p in r["points"][2:]] == [1, 1]
+
+
+def test_block_costs_read_each_impl_s_unchecked_and_most_checkpointed_rows() -> None:
+    def row(impl: str, n: int, tokens: float | None, mib: float) -> dict:
+        spread = {"min": tokens, "median": tokens, "max": tokens} if tokens else None
+        return {"impl": impl, "checkpoint_layers": n, "tokens_per_s": spread,
+                "after_forward_MiB": {"min": mib, "median": mib, "max": mib}}  # fmt: skip
+
+    rows = [
+        row("normal", 0, 1000.0, 500.0), row("normal", 2, 900.0, 300.0),
+        row("normal", 4, 800.0, 100.0), row("drop_h", 0, 1010.0, 420.0),
+        row("drop_h", 4, 760.0, 100.0), row("lonely", 0, 500.0, 50.0),
+        row("oom", 0, None, 900.0), row("oom", 4, 700.0, 100.0),
+    ]  # fmt: skip
+    costs = block_costs(rows)
+    assert set(costs) == {"normal", "drop_h"}  # one row, or no unchecked figure: no slope
+    expected = {"blocks": 4, "step_time_per_block": (1000 / 800 - 1) / 4, "MiB_per_block": 100.0}
+    expected |= {"vs_normal_unchecked": 1.0, "vs_normal_checkpointed": 1.0}
+    assert costs["normal"] == pytest.approx(expected)
+    assert costs["drop_h"]["step_time_per_block"] == pytest.approx((1010 / 760 - 1) / 4)
+    assert costs["drop_h"]["MiB_per_block"] == pytest.approx(80.0)
+    assert costs["drop_h"]["vs_normal_unchecked"] == pytest.approx(1.01)
+    assert costs["drop_h"]["vs_normal_checkpointed"] == pytest.approx(0.95)

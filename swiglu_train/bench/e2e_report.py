@@ -1,5 +1,6 @@
 """The end-to-end runs as markdown: a row per configuration with its median [min, max] over
-rounds; for Lightning, the best plan per impl at each budget and the planner's pick."""
+rounds; for Lightning, what a checkpointed block costs and frees under each impl, the best
+plan per impl at each budget and the planner's pick."""
 
 from __future__ import annotations
 
@@ -27,6 +28,7 @@ def lightning_markdown(result: dict) -> str:
             f"{mfu} | {_fmt(_ms(r.get('optimizer_s')), 1)} | {_fmt(r['after_forward_MiB'])} | "
             f"{_fmt(r['peak_MiB'])} |"
         )
+    lines += _block_cost_lines(block_costs(result["rows"]))
     for b in result["budgets"]:
         lines += [
             "",
@@ -42,6 +44,60 @@ def lightning_markdown(result: dict) -> str:
         if "planner" in b:
             lines.append(f"planner: {json.dumps(b['planner'])}")
     return head + "\n".join(lines) + "\n"
+
+
+def block_costs(rows: list[dict]) -> dict[str, dict]:
+    """Per impl, from its rows at 0 and at the most checkpointed blocks n (medians): the step
+    time a checkpointed block adds (a share of the unchecked step's), the after-forward MiB it
+    frees, and its tokens/s over normal's at 0 and at n blocks. What the memory can buy
+    follows: an impl that holds k MiB less unchecked lets about k / (normal's MiB a block)
+    fewer blocks be checkpointed, each worth normal's cost a block; and a ratio to normal
+    that falls from 0 to n blocks is a cost of that impl's recompute."""
+    by_impl: dict[str, dict[int, dict]] = {}
+    for r in rows:
+        if r["tokens_per_s"] is not None and r["after_forward_MiB"] is not None:
+            by_impl.setdefault(r["impl"], {})[r["checkpoint_layers"]] = r
+    normal = by_impl.get("normal", {})
+    out = {}
+    for impl, counts in by_impl.items():
+        n = max(counts)
+        if 0 not in counts or n == 0:
+            continue
+        t0, tn = (counts[k]["tokens_per_s"]["median"] for k in (0, n))
+        m0, mn = (counts[k]["after_forward_MiB"]["median"] for k in (0, n))
+        costs = {
+            "blocks": n,
+            "step_time_per_block": (t0 / tn - 1) / n,
+            "MiB_per_block": (m0 - mn) / n,
+        }
+        if 0 in normal and n in normal:
+            costs["vs_normal_unchecked"] = t0 / normal[0]["tokens_per_s"]["median"]
+            costs["vs_normal_checkpointed"] = tn / normal[n]["tokens_per_s"]["median"]
+        out[impl] = costs
+    return out
+
+
+def _block_cost_lines(costs: dict[str, dict]) -> list[str]:
+    if not costs:
+        return []
+    lines = [
+        "",
+        "What a checkpointed block costs and frees, from each impl's rows at 0 and at its most "
+        "checkpointed blocks (medians):",
+        "",
+        "| impl | blocks | step time a block adds | after-fwd MiB a block frees | ÷ normal, "
+        "unchecked | ÷ normal, all those blocks checkpointed |",
+        "|---|---|---|---|---|---|",
+    ]
+    for impl, c in sorted(costs.items()):
+        ratios = [c.get(k) for k in ("vs_normal_unchecked", "vs_normal_checkpointed")]
+        lines.append(
+            f"| {impl} | {c['blocks']} | {c['step_time_per_block']:.2%} | "
+            f"{c['MiB_per_block']:,.0f} | "
+            + " | ".join("—" if v is None else f"{v:.3f}" for v in ratios)
+            + " |"
+        )
+    return lines
 
 
 def _commits(result: dict) -> str:
