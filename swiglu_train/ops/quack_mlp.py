@@ -281,16 +281,9 @@ def _canonical_bias_grad(grad_preact: torch.Tensor) -> torch.Tensor:
 class _DropHQuack(torch.autograd.Function):
     @staticmethod
     def forward(
-        ctx,
-        x,
-        fc1_weight,
-        fc1_bias,
-        fc2_weight,
-        fc2_bias,
-        inplace: bool,
-        dynamic: FusedSchedule,
+        ctx, x, fc1_weight, fc1_bias, fc2_weight, fc2_bias, inplace: bool, dynamic: FusedSchedule,
         handoff: Fc2Handoff | None,
-    ):
+    ):  # fmt: skip
         q = require_quack()
         x = x.contiguous()
         # concat_layout reads [W_gate; W_up] along fc1's non-contiguous dim: it must be the rows

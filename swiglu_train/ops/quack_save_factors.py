@@ -120,16 +120,9 @@ def _(grad_y, fc2_weight, factors, dynamic):
 class _SaveFactorsQuack(torch.autograd.Function):
     @staticmethod
     def forward(
-        ctx,
-        x,
-        fc1_weight,
-        fc1_bias,
-        fc2_weight,
-        fc2_bias,
-        inplace: bool,
-        dynamic: FusedSchedule,
+        ctx, x, fc1_weight, fc1_bias, fc2_weight, fc2_bias, inplace: bool, dynamic: FusedSchedule,
         handoff: Fc2Handoff | None,
-    ):
+    ):  # fmt: skip
         x = x.contiguous()
         h, factors = quack_swiglu_factors(x, fc1_weight, fc1_bias, dynamic.fc1)
         ctx.save_for_backward(x, fc1_weight, fc2_weight, h, factors)
