@@ -11,9 +11,10 @@ from helpers import watch_planner_builds
 from test_scripts import load_script
 from typer.testing import CliRunner
 
-from swiglu_train.bench.e2e_lightning import parse_budgets
+from swiglu_train.bench.e2e import machine_id, rows
+from swiglu_train.bench.e2e_lightning import budget_plans, parse_budgets
 from swiglu_train.bench.e2e_megatron import megatron_rows
-from swiglu_train.bench.e2e_report import block_costs
+from swiglu_train.bench.e2e_report import block_costs, lightning_markdown
 from swiglu_train.memory.budget import ESTIMATE
 from swiglu_train.ops import use_backend
 
@@ -76,10 +77,16 @@ def test_lightning_rounds_spreads_budgets_and_planner(tmp_path: Path) -> None:
     assert ample["planner"]["probes"] == 2  # one per impl: nothing needs checkpointing
     assert ample["planner"]["checkpoint_layers"] == 0
     assert ample["planner"]["pick_vs_best_in_grid"] > 0
+    here = machine_id()  # one machine ran every point: no ratio is flagged as across two
+    assert {p["machine"] for p in r["points"]} == {here} and here.startswith("cpu:")
+    assert all(x["machines"] == [here] for x in rows.values())
+    assert ample["best_drop_h_vs_normal_machines"] == [here]
+    assert ample["planner"]["pick_vs_best_machines"] == [here]
     assert tight["best_per_impl"] == {} and tight["best"] is None
     assert tight["planner"]["error"].startswith("nothing fits the memory budget of 1 MiB")
     md = out["md"].read_text()
     assert "| normal | 2 |" in md and "3 rounds interleaved, 1 warm-up + 1 timed steps" in md
+    assert "Points from" not in md and "across machines" not in md
     assert out["png"].read_bytes().startswith(b"\x89PNG")
 
 
@@ -366,3 +373,33 @@ def test_block_costs_read_each_impl_s_unchecked_and_most_checkpointed_rows() -> 
     assert costs["drop_h"]["MiB_per_block"] == pytest.approx(80.0)
     assert costs["drop_h"]["vs_normal_unchecked"] == pytest.approx(1.01)
     assert costs["drop_h"]["vs_normal_checkpointed"] == pytest.approx(0.95)
+
+
+def test_a_ratio_of_rows_from_two_machines_is_flagged_in_the_json_and_the_markdown() -> None:
+    """Rounds added by a later call ran on another GPU: the budget's best normal came from one
+    machine and the best drop_h from the other, so their ratio mixes two machines' clocks."""
+
+    def point(impl: str, n: int, tokens: float, peak: float, machine: str) -> dict:
+        return {"round": 0, "impl": impl, "checkpoint_layers": n, "tokens_per_s": tokens,
+                "optimizer_s": 0.1, "after_forward_MiB": peak / 2, "peak_MiB": peak,
+                "commit": "abc", "machine": machine}  # fmt: skip
+
+    points = [
+        point("normal", 0, 1000.0, 900.0, "GPU-a"), point("drop_h", 0, 1010.0, 800.0, "GPU-a"),
+        point("normal", 1, 900.0, 600.0, "GPU-b"), point("drop_h", 1, 910.0, 550.0, "GPU-a"),
+    ]  # fmt: skip
+    table = [r | {"mfu": None} for r in rows(points, ("impl", "checkpoint_layers"))]
+    across = budget_plans(700.0, table, None)  # only the checkpointed rows fit
+    assert across["best_drop_h_vs_normal"] == pytest.approx(910 / 900)
+    assert across["best_drop_h_vs_normal_machines"] == ["GPU-a", "GPU-b"]
+    alike = budget_plans(1000.0, table, None)  # the unchecked rows, both from GPU-a
+    assert alike["best_drop_h_vs_normal_machines"] == ["GPU-a"]
+    result = {"config": "tiny", "seq_length": 32, "micro_batch_size": 2, "precision": "32",
+              "device": "H200", "rounds": 1, "warmup_steps": 1, "timed_steps": 1,
+              "memory": ESTIMATE, "command": "bench", "commit": "abc", "points": points,
+              "rows": table, "budgets": [across, alike]}  # fmt: skip
+    md = lightning_markdown(result)
+    assert "Points from 2 machines of that model: A = GPU-a, B = GPU-b." in md
+    assert "| normal | 1 | 900 [900, 900] |" in md and md.count(" B |") == 1
+    assert md.count(f"best drop_h* ÷ best normal: {910 / 900:.3f} (across machines A+B") == 1
+    assert f"best drop_h* ÷ best normal: {1010 / 1000:.3f}\n" in md

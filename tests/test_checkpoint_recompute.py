@@ -15,7 +15,7 @@ from torch.utils.checkpoint import checkpoint
 
 from swiglu_train.layers import ParMLP
 from swiglu_train.layers.registry import PORTABLE_IMPLS, QUACK_IMPLS
-from swiglu_train.ops import quack_mlp, use_backend
+from swiglu_train.ops import quack_mlp, quack_save_factors, use_backend
 from swiglu_train.ops.quack_mlp import quack_available
 
 GEMMS = {"aten.mm", "aten.addmm", "aten.linear", "aten.matmul"}
@@ -99,9 +99,10 @@ def test_quack_recompute_skips_fc2(impl: str, monkeypatch) -> None:
     """The quack impls' GEMMs are quack's (no aten op): count fc2's own calls instead."""
     names = []
     chosen = quack_mlp.chosen_gemm
-    monkeypatch.setattr(
-        quack_mlp, "chosen_gemm", lambda name, *args: names.append(name) or chosen(name, *args)
-    )
+    for module in (quack_mlp, quack_save_factors):  # each impl's own import of it
+        monkeypatch.setattr(
+            module, "chosen_gemm", lambda name, *args: names.append(name) or chosen(name, *args)
+        )
     torch.manual_seed(0)
     mlp = ParMLP(256, 512, impl=impl).cuda().bfloat16()
     x = torch.randn(512, 256, device="cuda", dtype=torch.bfloat16)

@@ -399,6 +399,7 @@ def test_fsdp2_on_one_gpu_matches_the_unsharded_run_in_bf16(
     """On CUDA (NCCL, Triton kernels, bf16-mixed): one fsdp2 process, whose blocks compute
     with bf16 gathered weights, follows the unsharded autocast run to bf16 accuracy, and the
     allocator figures are measured."""
+    pytest.importorskip("wandb", reason="pretrain logs to W&B (the wandb extra)")
     runs = []
     with use_backend("auto"):
         for strategy in ("auto", "fsdp2"):

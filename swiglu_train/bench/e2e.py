@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import random
+import socket
 import statistics
 from collections.abc import Callable
 from pathlib import Path
@@ -26,6 +27,20 @@ def device_name() -> str:
     return torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
 
 
+def machine_id() -> str:
+    """The GPU's UUID (the host's name on the CPU): rounds added by a later call may run on
+    another machine of the same model, whose clocks differ by a few percent, so every point
+    names the one it ran on and a comparison of medians can tell when it spans two."""
+    if torch.cuda.is_available():
+        return f"GPU-{torch.cuda.get_device_properties(torch.cuda.current_device()).uuid}"
+    return f"cpu:{socket.gethostname()}"
+
+
+def machines(*rows: dict) -> list[str]:
+    """The machines behind ``rows`` (their points'), in order; older points name none."""
+    return list(dict.fromkeys(m for r in rows for m in r.get("machines", ())))
+
+
 def spread(values: list[float | None]) -> dict | None:
     """min/median/max of the measured values; None when none was measured (out of memory)."""
     values = [v for v in values if v is not None]
@@ -44,6 +59,7 @@ def rows(points: list[dict], keys: tuple[str, ...]) -> list[dict]:
         | {
             "rounds": len(mine),
             "out_of_memory": sum(p["peak_MiB"] is None for p in mine),
+            "machines": list(dict.fromkeys(p["machine"] for p in mine if p.get("machine"))),
             **{f: spread([p.get(f) for p in mine]) for f in FIGURES},
         }
         for key, mine in out.items()

@@ -25,7 +25,7 @@ from collections.abc import Callable
 
 import torch
 
-from swiglu_train.bench.e2e import device_name, next_rounds, parse_list, rows
+from swiglu_train.bench.e2e import device_name, machine_id, machines, next_rounds, parse_list, rows
 from swiglu_train.bench.mlp import git_commit
 from swiglu_train.integrations.lightning.config import PretrainConfig, load_config
 from swiglu_train.integrations.lightning.planner import Steps, measurer
@@ -89,6 +89,7 @@ def run_lightning(
     ``on_point(points so far)`` after each measured point (``e2e.point_writer``)."""
     names, grid = settings["impls"], settings["grid"]
     commit = commit or git_commit()  # the caller names the tree it ran: a copy's .git may lag
+    tags = {"commit": commit, "machine": machine_id()}  # each point's own
     schedule, order = next_rounds(points, rounds, seed)
     points = list(points)
     steps = Steps(settings["warmup_steps"], settings["timed_steps"])
@@ -96,7 +97,7 @@ def run_lightning(
     for r in schedule:
         for impl in order.sample(names, len(names)):
             for n in order.sample(grid, len(grid)):
-                points.append(_point(r, impl, n, measure(impl, n)) | {"commit": commit})
+                points.append(_point(r, impl, n, measure(impl, n)) | tags)
                 on_point(points)
     table = _table(points, cfg)
     # the budgets fall between the grid's own peaks, whatever the planner adds below
@@ -114,7 +115,7 @@ def run_lightning(
         for r in range(schedule.stop):
             for impl, n in order.sample(unmeasured, len(unmeasured)):
                 point = _point(r, impl, n, measure(impl, n))
-                points.append(point | {"planned": True, "commit": commit})
+                points.append(point | {"planned": True} | tags)
                 on_point(points)
         table = _table(points, cfg)
     plans = [budget_plans(b, table, pick) for b, pick in zip(budgets, picks, strict=True)]
@@ -232,18 +233,23 @@ def budget_plans(budget_MiB: float, table: list[dict], pick: dict | None) -> dic
     if "normal" in best and top is not None:
         drop = [r for i, r in best.items() if i.startswith("drop_h")]
         if drop:
-            ratio = max(r["tokens_per_s"]["median"] for r in drop)
-            out["best_drop_h_vs_normal"] = ratio / best["normal"]["tokens_per_s"]["median"]
+            top_drop = max(drop, key=lambda r: r["tokens_per_s"]["median"])
+            out["best_drop_h_vs_normal"] = (
+                top_drop["tokens_per_s"]["median"] / best["normal"]["tokens_per_s"]["median"]
+            )
+            # medians of two machines differ by their clocks too: the ratio then says so
+            out["best_drop_h_vs_normal_machines"] = machines(top_drop, best["normal"])
     if pick is not None:
         same = next(
             (r for r in table if (r["impl"], r["checkpoint_layers"])
              == (pick.get("impl"), pick.get("checkpoint_layers"))),
             None,
         )  # fmt: skip
-        ratio = None
+        ratio, spans = None, []
         if same is not None and top is not None and same["tokens_per_s"]:
             ratio = same["tokens_per_s"]["median"] / top["tokens_per_s"]["median"]
-        out["planner"] = pick | {"pick_vs_best_in_grid": ratio}
+            spans = machines(same, top)
+        out["planner"] = pick | {"pick_vs_best_in_grid": ratio, "pick_vs_best_machines": spans}
     return out
 
 

@@ -13,7 +13,7 @@ import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
-from swiglu_train.bench.e2e import device_name, next_rounds, rows, spread
+from swiglu_train.bench.e2e import device_name, machine_id, next_rounds, rows, spread
 from swiglu_train.bench.host_samples import sampled, top_frames
 from swiglu_train.bench.mlp import git_commit
 
@@ -104,6 +104,7 @@ def run_megatron(
                         # torch.compile's workers ended after the warm-up (None: kept)
                         "compile_workers_released": s["compile_workers_released"],
                         "commit": commit,
+                        "machine": machine_id(),  # the ratio to stock pairs within a round
                     }
                 )
                 if host_samples is not None:

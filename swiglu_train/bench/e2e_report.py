@@ -17,16 +17,20 @@ def lightning_markdown(result: dict) -> str:
         f"{result['timed_steps']} timed steps each; median [min, max] over rounds; memory: "
         f"{result['memory']}. {_commits(result)}; `{result['command']}`\n\n"
     )
-    lines = [
-        "| impl | checkpointed | tokens/s | MFU | optimizer ms | after-fwd MiB | peak MiB |",
-        "|---|---|---|---|---|---|---|",
+    labels = machine_labels(result["points"])
+    many = len(labels) > 1  # then each row and each ratio says which machines measured it
+    lines = [_machines_line(labels), ""] if many else []
+    lines += [
+        "| impl | checkpointed | tokens/s | MFU | optimizer ms | after-fwd MiB | peak MiB |"
+        + (" machine |" if many else ""),
+        "|---|---|---|---|---|---|---|" + ("---|" if many else ""),
     ]
     for r in sorted(result["rows"], key=lambda r: (r["impl"], r["checkpoint_layers"])):
         mfu = "—" if r["mfu"] is None else f"{r['mfu']:.1%}"
         lines.append(
             f"| {r['impl']} | {r['checkpoint_layers']} | {_fmt(r['tokens_per_s'])} | "
             f"{mfu} | {_fmt(_ms(r.get('optimizer_s')), 1)} | {_fmt(r['after_forward_MiB'])} | "
-            f"{_fmt(r['peak_MiB'])} |"
+            f"{_fmt(r['peak_MiB'])} |" + (f" {_letters(r, labels)} |" if many else "")
         )
     lines += _block_cost_lines(block_costs(result["rows"]))
     for b in result["budgets"]:
@@ -40,7 +44,15 @@ def lightning_markdown(result: dict) -> str:
             or "none fits",
         ]
         if "best_drop_h_vs_normal" in b:
-            lines.append(f"best drop_h* ÷ best normal: {b['best_drop_h_vs_normal']:.3f}")
+            across = b.get("best_drop_h_vs_normal_machines", [])
+            lines.append(
+                f"best drop_h* ÷ best normal: {b['best_drop_h_vs_normal']:.3f}"
+                + (
+                    f" (across machines {'+'.join(labels[m] for m in across)}: not like-for-like)"
+                    if len(across) > 1
+                    else ""
+                )
+            )
         if "planner" in b:
             lines.append(f"planner: {json.dumps(b['planner'])}")
     return head + "\n".join(lines) + "\n"
@@ -98,6 +110,25 @@ def _block_cost_lines(costs: dict[str, dict]) -> list[str]:
             + " |"
         )
     return lines
+
+
+def machine_labels(points: list[dict]) -> dict[str, str]:
+    """A letter per machine the points ran on, in order of first appearance."""
+    seen = dict.fromkeys(p["machine"] for p in points if p.get("machine"))
+    return {m: chr(ord("A") + i) for i, m in enumerate(seen)}
+
+
+def _machines_line(labels: dict[str, str]) -> str:
+    return (
+        f"Points from {len(labels)} machines of that model: "
+        + ", ".join(f"{v} = {k}" for k, v in labels.items())
+        + ". Their clocks differ, so a ratio of two rows from different machines is not "
+        "like-for-like; the last column says which measured each row."
+    )
+
+
+def _letters(row: dict, labels: dict[str, str]) -> str:
+    return "+".join(labels[m] for m in row.get("machines", ())) or "—"
 
 
 def _commits(result: dict) -> str:
