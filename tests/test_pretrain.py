@@ -18,6 +18,7 @@ from lightning.fabric.utilities.types import _Stateful
 from typer.testing import CliRunner
 
 from swiglu_train.cli import app
+from swiglu_train.extras import explain
 from swiglu_train.integrations.lightning.config import CONFIG_DIR, PretrainConfig, load_config
 from swiglu_train.integrations.lightning.data import (
     ByteTokenizer,
@@ -340,6 +341,19 @@ def test_a_chunk_the_model_would_not_pack_by_is_refused(tmp_path, impl, chunk, m
     )
     with pytest.raises(ValueError, match=message):
         load_config(str(tmp_path / "c.yaml"))
+
+
+def test_a_run_without_wandb_is_refused_before_any_work(tmp_path, monkeypatch):
+    """Called from Python, not the CLI (which checks its extras first): the planner's
+    measurements and the data would otherwise run before Lightning's logger failed."""
+    monkeypatch.setitem(sys.modules, "wandb", None)  # `import wandb` now raises ImportError
+    cfg = small_config(tmp_path, None, "drop_h", 3)
+    cfg.train.activation_checkpointing, cfg.train.memory_budget_gb = "auto", 1.0
+    with pytest.raises(ModuleNotFoundError) as refused:
+        run_pretrain(cfg)
+    assert refused.value.name == "wandb"  # the CLI's line names the extra from it
+    assert explain(refused.value).startswith("wandb is not installed; the [wandb] extra brings it")
+    assert not (tmp_path / "drop_h").exists()  # no plan measured, no output dir
 
 
 @pytest.mark.parametrize(

@@ -14,6 +14,7 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_only, rank_zero_warn
 
+from swiglu_train.extras import require
 from swiglu_train.integrations.lightning.config import PretrainConfig, check_ranges
 from swiglu_train.integrations.lightning.data import PackedTextData
 from swiglu_train.integrations.lightning.fsdp2 import FSDP2, check_fsdp2, trainer_strategy
@@ -111,6 +112,7 @@ def run_pretrain(
     if cfg.train.strategy == FSDP2:
         check_fsdp2(precision)
     check_plan_settings(cfg, resuming=resume is not None)
+    require("wandb")  # the logger's: before the planner's minutes, as the CLI does
     if cfg.model.mlp_impl == AUTO and cfg.model.mlp_tokens_hint is None:  # one micro-batch
         cfg.model.mlp_tokens_hint = cfg.data.micro_batch_size * cfg.data.seq_length
     out = Path(cfg.output_dir)
