@@ -46,7 +46,8 @@ _NO_SAVED_FP8 = {
     "as well as the preactivation does (docs/fp8.md), but it needs quack epilogues that write "
     "and read them, and h stays bf16 beside them (drop_h's bf16 memory, not half of it)",
     "drop_h_quack": "it is not implemented yet for the quack impls (their GEMM epilogues would "
-    "have to write and read the FP8 copy)",
+    "have to write and read the FP8 copy, and quack's own FP8 output needs an sm_100+ GPU); "
+    "impl 'drop_h' stores it, on cuBLAS GEMMs",
     AUTO: "auto may pick an impl that cannot store it; name impl 'drop_h'",
 }
 
