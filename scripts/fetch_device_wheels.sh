@@ -6,11 +6,13 @@
 #   .whlw  wandb and the dependencies the box lacks, megatron-core for Python 3.12, py-spy (30 MB)
 #   .whlt  pytest-xdist and execnet, so the GPU tests compile their kernels in parallel   (0.1 MB)
 #   .whlm  megatron-core alone, to test the Megatron adapter on quack's kernels             (2.6 MB)
-# .whl + .whlx (+ .whlt + .whlm) fit one call (scripts/device_setup.sh installs them); .whlw
-# goes in another.
+#   .whlq  .whl less the peers: quack and its deps alone                                   (7 MB)
+# .whlq + .whlx fit one call beside the tracked tree (~8 MB; .whl + .whlx no longer do): carry
+# them and start the command with `cp -r .whlq .whl` (scripts/device_setup.sh installs .whl).
+# .whlw goes in another call.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-for d in .whl .whlx .whlw .whlt .whlm; do grep -qx "/$d/" .git/info/exclude || echo "/$d/" >> .git/info/exclude; done
+for d in .whl .whlq .whlx .whlw .whlt .whlm; do grep -qx "/$d/" .git/info/exclude || echo "/$d/" >> .git/info/exclude; done
 get() {  # get DIR PACKAGE==VERSION...
   local dir=$1; shift
   mkdir -p "$dir"
@@ -40,4 +42,6 @@ get .whlw wandb==0.31.0 cwevals==0.0.1b1 opentelemetry-api==1.45.2 opentelemetry
 ls .whlw/py_spy-*.whl > /dev/null  # its only wheel is manylinux1: a narrower list skipped it
 get .whlt pytest-xdist==3.8.0 execnet==2.1.2
 get .whlm megatron-core==0.16.1
-du -sh .whl .whlx .whlw .whlt .whlm
+rm -rf .whlq && mkdir .whlq
+cp .whl/quack_kernels-*.whl .whl/nvidia_cutlass_dsl*.whl .whl/apache_tvm_ffi-*.whl .whlq/
+du -sh .whl .whlq .whlx .whlw .whlt .whlm

@@ -181,7 +181,8 @@ for stage in "$@"; do
       done ;;
     tests)  # in parallel where pytest-xdist is carried (.whlt): Triton compiles are CPU-bound.
       # -v: a call cut at its limit still shows each test's outcome. The gpu_alone tests time
-      # the GPU and run after the rest, alone. Carry .whlw too: pretrain's tests log to W&B.
+      # the GPU and run after the rest, alone. pretrain's tests log to W&B: they skip unless
+      # .whlw was installed too (it does not fit the quack carry).
       workers=$(python3 -c "import xdist" 2>/dev/null && echo "-n 12" || true)
       python3 -m pytest -v -rfE -m "gpu and not gpu_alone" -p no:cacheprovider $workers \
         --durations=12 > "$RES/pytest.log" 2>&1
