@@ -14,6 +14,7 @@ from typer.testing import CliRunner
 from swiglu_train.bench.e2e import machine_id, rows
 from swiglu_train.bench.e2e_lightning import budget_plans, parse_budgets
 from swiglu_train.bench.e2e_megatron import megatron_rows
+from swiglu_train.bench.e2e_plot import plot_budgets
 from swiglu_train.bench.e2e_report import block_costs, lightning_markdown
 from swiglu_train.memory.budget import ESTIMATE
 from swiglu_train.ops import use_backend
@@ -403,3 +404,5 @@ def test_a_ratio_of_rows_from_two_machines_is_flagged_in_the_json_and_the_markdo
     assert "| normal | 1 | 900 [900, 900] |" in md and md.count(" B |") == 1
     assert md.count(f"best drop_h* ÷ best normal: {910 / 900:.3f} (across machines A+B") == 1
     assert f"best drop_h* ÷ best normal: {1010 / 1000:.3f}\n" in md
+    title = plot_budgets(result).axes[0].get_title()
+    assert title.endswith("; points from 2 machines: the markdown says which")

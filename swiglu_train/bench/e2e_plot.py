@@ -6,6 +6,7 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
 from swiglu_train.bench.e2e_lightning import best_per_impl
+from swiglu_train.bench.e2e_report import machine_labels
 
 
 def plot_budgets(result: dict) -> Figure:
@@ -46,10 +47,12 @@ def plot_budgets(result: dict) -> Figure:
             label = None
     ax.set_xlabel(f"memory budget, GiB ({result['memory']})")
     ax.set_ylabel("tokens/s (median over rounds)")
+    machines = len(machine_labels(result["points"]))
     ax.set_title(
         f"{result['config']}, seq {result['seq_length']}, micro-batch "
         f"{result['micro_batch_size']}, {result['device']}: tokens/s at a memory "
-        "budget (each impl's best checkpointed-blocks count that fits)",
+        "budget (each impl's best checkpointed-blocks count that fits)"
+        + (f"; points from {machines} machines: the markdown says which" if machines > 1 else ""),
         fontsize="medium",
         wrap=True,
     )
