@@ -93,17 +93,58 @@ def test_no_grad_forward_is_not_checkpointed_and_bounds_are_checked() -> None:
         ModelConfig(**SHAPE, checkpoint_layers=1.5)
 
 
-def test_a_host_model_is_not_checkpointed_by_it(tmp_path) -> None:
-    import json
-
-    config = tmp_path / "config.json"
-    config.write_text(json.dumps({
-        "model_type": "llama", "vocab_size": 320, "hidden_size": 32, "intermediate_size": 64,
-        "num_hidden_layers": 2, "num_attention_heads": 2, "max_position_embeddings": 32,
+def host_source(tmp_path, kind: str) -> str:
+    """A two-block Llama as a Hugging Face config.json, or as a LitGPT model_config.yaml."""
+    if kind == "hf":
+        transformers = pytest.importorskip("transformers")
+        transformers.LlamaConfig(
+            vocab_size=320, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+        ).save_pretrained(tmp_path)  # fmt: skip
+        return f"hf:{tmp_path / 'config.json'}"
+    yaml = pytest.importorskip("yaml")
+    pytest.importorskip("litgpt")
+    path = tmp_path / "model_config.yaml"
+    path.write_text(yaml.safe_dump({
+        "block_size": 64, "vocab_size": 320, "padded_vocab_size": 320, "n_layer": 2,
+        "n_head": 4, "n_query_groups": 2, "n_embd": 32, "intermediate_size": 64,
+        "bias": False, "norm_class_name": "RMSNorm", "mlp_class_name": "LLaMAMLP",
     }))  # fmt: skip
-    pytest.importorskip("transformers")
-    with pytest.raises(ValueError, match=r"built-in Llama; a --model host \(hf:.*leave it 0"):
-        ModelConfig(source=f"hf:{config}", checkpoint_layers=1)
+    return f"litgpt:{path}"
+
+
+@pytest.mark.parametrize("kind", ["hf", "litgpt"])
+def test_a_host_model_s_blocks_are_checkpointed_like_the_llama_s(tmp_path, kind) -> None:
+    """--model hosts' blocks take their own arguments (HF's position embeddings and keyword
+    flags, LitGPT's RoPE and mask): the same loss and grads, their saved bytes gone but their
+    inputs', the checkpoint's keys unchanged, and the count from the config."""
+    from swiglu_train.integrations.lightning.config import OptimConfig
+    from swiglu_train.integrations.lightning.module import PretrainModule
+
+    source = host_source(tmp_path, kind)
+    torch.manual_seed(0)
+    cfg = ModelConfig(source=source, mlp_impl="drop_h", checkpoint_layers=1)
+    model = PretrainModule(cfg, OptimConfig(), max_steps=1).model
+    assert model.checkpoint_layers == 1  # from the config
+    keys = list(model.state_dict())
+    tokens = torch.randint(0, 320, (BATCH, SEQ + 1))
+    with use_backend("torch"):
+        loss0, grads0, full = step(model, tokens, 0)
+        records = []
+        for n in (1, 2, 1):  # on and off again on one model, as the planner does
+            loss, grads, record = step(model, tokens, n)
+            assert torch.equal(loss, loss0)
+            for name, g in grads.items():
+                assert torch.equal(g, grads0[name]), (n, name)
+            records.append(record)
+    assert list(model.state_dict()) == keys
+    for n, record in zip((1, 2, 1), records, strict=True):
+        kept = [layer.saved_bytes for layer in record.layers]
+        unchecked = [layer.saved_bytes for layer in full.layers]
+        assert all(k < u / 2 for k, u in zip(kept[:n], unchecked[:n], strict=True)), (n, kept)
+        assert kept[n:] == unchecked[n:]
+    with pytest.raises(ValueError, match=r"checkpoint_layers must be from 0 to 2, got 3"):
+        model.checkpoint_layers = 3
 
 
 @pytest.mark.gpu

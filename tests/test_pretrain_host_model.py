@@ -66,6 +66,29 @@ def test_hf_model_trains_checkpoints_in_its_own_keys_and_resumes(tmp_path, hf_co
     assert resumed["steps"] == 3
 
 
+def test_the_planner_checkpoints_a_host_model_s_blocks_to_fit_the_budget(tmp_path, hf_config_json):
+    """--activation-checkpointing auto on an HF host: the CPU peak is an estimate, the same at
+    every step, so a budget between drop_h's peaks with both blocks checkpointed and with none
+    makes the planner checkpoint blocks of the host's own, and the run trains so."""
+    from swiglu_train.integrations.lightning.planner import Steps, measurer
+
+    cfg = host_config(tmp_path, f"hf:{hf_config_json}", "drop_h")
+    measure = measurer(cfg, Steps(warmup=0, measured=1))
+    none, every = measure("drop_h", 0).peak_MiB, measure("drop_h", 2).peak_MiB
+    assert every < none
+    cfg.train.activation_checkpointing, cfg.train.plan_impls = "auto", ["drop_h"]
+    cfg.train.memory_budget_gb = (none + every) / 2 / 1024
+    summary = run_pretrain(cfg)
+    plan = summary["plan"]
+    assert plan["impl"] == "drop_h" and 1 <= plan["checkpoint_layers"] <= 2
+    assert plan["peak_MiB"] <= plan["budget_MiB"]
+    assert summary["checkpoint_layers"] == plan["checkpoint_layers"]
+    n = plan["checkpoint_layers"]
+    chosen = next(p for p in plan["profiles"] if p["checkpoint_layers"] == n)
+    assert summary["saved_MiB"] == pytest.approx(chosen["after_forward_MiB"], rel=1e-12)  # as run
+    assert summary["final_loss"] < summary["initial_loss"]
+
+
 def test_cli_trains_a_litgpt_config(tmp_path):
     config = tmp_path / "model_config.yaml"
     config.write_text(yaml.safe_dump({

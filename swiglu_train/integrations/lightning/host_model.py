@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from swiglu_train.integrations.lightning.block_checkpoint import CheckpointLayers
 from swiglu_train.integrations.patch import patch
 from swiglu_train.layers import ParMLP
 
@@ -86,9 +87,10 @@ def host_shape(source: str) -> HostShape:
     return shape
 
 
-class HostCausalLM(nn.Module):
+class HostCausalLM(CheckpointLayers, nn.Module):
     """Token ids [B, S] -> logits [B, S, vocab] of a patched host model. ``layers`` are its
-    decoder blocks (each with its ``mlp``), as the recipe reads them of its own decoder."""
+    decoder blocks (each with its ``mlp``), as the recipe reads them of its own decoder, and
+    its first ``checkpoint_layers`` of them run under activation checkpointing."""
 
     def __init__(self, host: nn.Module, kind: str) -> None:
         super().__init__()

@@ -7,8 +7,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 
+from swiglu_train.integrations.lightning.block_checkpoint import CheckpointLayers
 from swiglu_train.layers import ParMLP
 from swiglu_train.layers.layout import CANONICAL, order
 from swiglu_train.layers.registry import (
@@ -68,18 +68,13 @@ class ModelConfig:
 
 
 def check_checkpoint_layers(cfg: ModelConfig) -> None:
-    """model.checkpoint_layers: a whole number of blocks from 0 to num_layers, and on the
-    built-in Llama only (a --model host's blocks have their own call signatures)."""
+    """model.checkpoint_layers: a whole number of blocks from 0 to num_layers (a --model
+    host's own, read from its config)."""
     n, where = cfg.checkpoint_layers, f"model.checkpoint_layers={cfg.checkpoint_layers!r}"
     if isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= cfg.num_layers:
         raise ValueError(
             f"{where} (--checkpoint-layers) must be a whole number of blocks from 0 to "
             f"num_layers={cfg.num_layers}"
-        )
-    if n and cfg.source is not None:
-        raise ValueError(
-            f"{where} (--checkpoint-layers) checkpoints blocks of the built-in Llama; a --model "
-            f"host ({cfg.source}) is not checkpointed by it: leave it 0"
         )
 
 
@@ -159,11 +154,6 @@ class Attention(nn.Module):
 class Block(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        # Checkpointed: forward keeps only the block's inputs (x and the RoPE tables) for
-        # backward, which runs the block again first. Non-reentrant, so the recompute saves
-        # through autograd as the first forward did, and our impls' in-place backwards see a
-        # fresh saved preactivation (tests/test_checkpoint_layers.py).
-        self.checkpointed = False
         self.attn_norm = nn.RMSNorm(cfg.hidden_size, eps=cfg.norm_eps)
         self.attn = Attention(cfg)
         self.mlp_norm = nn.RMSNorm(cfg.hidden_size, eps=cfg.norm_eps)
@@ -177,19 +167,13 @@ class Block(nn.Module):
         )
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        # Inside the module call, so that the memory profiler's hooks on the block count the
-        # inputs the checkpoint keeps as this block's
-        if self.checkpointed and torch.is_grad_enabled():
-            return checkpoint(self._forward, x, cos, sin, use_reentrant=False)
-        return self._forward(x, cos, sin)
-
-    def _forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.attn_norm(x), cos, sin)
         return x + self.mlp(self.mlp_norm(x))
 
 
-class LlamaDecoder(nn.Module):
-    """Token ids [B, S] -> logits [B, S, vocab]."""
+class LlamaDecoder(CheckpointLayers, nn.Module):
+    """Token ids [B, S] -> logits [B, S, vocab]; its first ``checkpoint_layers`` blocks run
+    under activation checkpointing (block_checkpoint.py)."""
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -203,19 +187,6 @@ class LlamaDecoder(nn.Module):
         self.register_buffer("rope_sin", sin, persistent=False)
         self.apply(_init_weights)
         self.checkpoint_layers = cfg.checkpoint_layers
-
-    @property
-    def checkpoint_layers(self) -> int:
-        """How many blocks, from the first, run under activation checkpointing; settable
-        between steps (the planner tries several on one model)."""
-        return sum(layer.checkpointed for layer in self.layers)
-
-    @checkpoint_layers.setter
-    def checkpoint_layers(self, n: int) -> None:
-        if isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= len(self.layers):
-            raise ValueError(f"checkpoint_layers must be from 0 to {len(self.layers)}, got {n!r}")
-        for i, layer in enumerate(self.layers):
-            layer.checkpointed = i < n
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         if tokens.shape[1] > self.cfg.max_seq_length:

@@ -144,12 +144,15 @@ class PretrainModule(pl.LightningModule):
 
 
 def _host_model(cfg: ModelConfig):
-    """A Hugging Face or LitGPT model (``--model``), its MLPs patched to ``cfg.mlp_impl``."""
+    """A Hugging Face or LitGPT model (``--model``), its MLPs patched to ``cfg.mlp_impl``, its
+    first ``cfg.checkpoint_layers`` blocks checkpointed."""
     from swiglu_train.integrations.lightning.host_model import build_host_model
 
-    return build_host_model(
+    host = build_host_model(
         cfg.source, cfg.mlp_impl, cfg.mlp_chunk, cfg.mlp_tokens_hint, cfg.saved_fp8
     )
+    host.checkpoint_layers = cfg.checkpoint_layers
+    return host
 
 
 def _settings_for(layout: dict) -> str:

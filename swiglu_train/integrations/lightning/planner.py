@@ -109,9 +109,6 @@ def check_plan_settings(cfg: PretrainConfig, resuming: bool = False) -> None:
         raise ValueError(f"--activation-checkpointing auto measures one device; train.devices "
                          f"is {t.devices!r}: plan with --devices 1, then pass its --mlp-impl "
                          "and --checkpoint-layers to the multi-device run")  # fmt: skip
-    if cfg.model.source is not None:
-        raise ValueError("--activation-checkpointing auto checkpoints blocks of the built-in "
-                         "Llama, not a --model host")  # fmt: skip
     if not torch.cuda.is_available() and t.memory_budget_gb is None:
         raise ValueError("--activation-checkpointing auto on the CPU needs --memory-budget-gb "
                          "(GiB): there is no device memory to default to, and the CPU peak is "
