@@ -93,6 +93,31 @@ def test_no_grad_forward_is_not_checkpointed_and_bounds_are_checked() -> None:
         ModelConfig(**SHAPE, checkpoint_layers=1.5)
 
 
+def test_a_forward_set_on_the_block_before_is_wrapped_and_given_back() -> None:
+    """Another wrapper's instance forward (a hook library's, say) survives checkpointing on and
+    off; the class's own forward is simply uncovered again."""
+    from swiglu_train.integrations.lightning.block_checkpoint import (
+        is_checkpointed,
+        set_checkpointed,
+    )
+
+    plain, wrapped = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
+    calls = []
+    own = wrapped.forward
+    wrapped.forward = lambda x: calls.append(x.shape) or own(x)
+    other = wrapped.forward
+    x = torch.randn(2, 4, requires_grad=True)
+    for block in (plain, wrapped):
+        for _ in range(2):  # setting what is set does nothing
+            set_checkpointed(block, True)
+        assert is_checkpointed(block)
+        block(x).sum().backward()  # the forward, and its recompute
+        set_checkpointed(block, False)
+        assert not is_checkpointed(block)
+    assert "forward" not in vars(plain) and wrapped.forward is other
+    assert calls == [(2, 4)] * 2
+
+
 def host_source(tmp_path, kind: str) -> str:
     """A two-block Llama as a Hugging Face config.json, or as a LitGPT model_config.yaml."""
     if kind == "hf":

@@ -40,8 +40,12 @@ def set_checkpointed(block: nn.Module, on: bool) -> None:
         return
     if on:
         block.forward = functools.partial(_checkpointed, block.forward)
-    else:
+        return
+    inner = block.forward.args[0]
+    if getattr(inner, "__func__", None) is type(block).forward:
         del block.forward  # the class's own again
+    else:
+        block.forward = inner  # a forward someone else had set on the block, kept
 
 
 class CheckpointLayers:
