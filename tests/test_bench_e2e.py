@@ -406,3 +406,19 @@ def test_a_ratio_of_rows_from_two_machines_is_flagged_in_the_json_and_the_markdo
     assert f"best drop_h* ÷ best normal: {1010 / 1000:.3f}\n" in md
     title = plot_budgets(result).axes[0].get_title()
     assert title.endswith("; points from 2 machines: the markdown says which")
+
+
+def test_a_gpu_is_named_by_its_uuid_or_else_its_model_and_host(monkeypatch) -> None:
+    """The CUDA branch, on this CPU: torch's device properties stand in for a GPU's."""
+    import socket
+    from types import SimpleNamespace
+
+    import torch
+
+    props = SimpleNamespace(name="NVIDIA H200", uuid="5f0c-77")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: props)
+    assert machine_id() == "GPU-5f0c-77"
+    del props.uuid  # a build whose properties lack it
+    assert machine_id() == f"NVIDIA H200 on {socket.gethostname()}"

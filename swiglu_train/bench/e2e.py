@@ -31,9 +31,11 @@ def machine_id() -> str:
     """The GPU's UUID (the host's name on the CPU): rounds added by a later call may run on
     another machine of the same model, whose clocks differ by a few percent, so every point
     names the one it ran on and a comparison of medians can tell when it spans two."""
-    if torch.cuda.is_available():
-        return f"GPU-{torch.cuda.get_device_properties(torch.cuda.current_device()).uuid}"
-    return f"cpu:{socket.gethostname()}"
+    if not torch.cuda.is_available():
+        return f"cpu:{socket.gethostname()}"
+    props = torch.cuda.get_device_properties(torch.cuda.current_device())
+    uuid = getattr(props, "uuid", None)  # absent from some builds (fbcode's)
+    return f"GPU-{uuid}" if uuid is not None else f"{props.name} on {socket.gethostname()}"
 
 
 def machines(*rows: dict) -> list[str]:
