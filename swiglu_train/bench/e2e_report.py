@@ -45,14 +45,9 @@ def lightning_markdown(result: dict) -> str:
         ]
         if "best_drop_h_vs_normal" in b:
             across = b.get("best_drop_h_vs_normal_machines", [])
-            lines.append(
-                f"best drop_h* ÷ best normal: {b['best_drop_h_vs_normal']:.3f}"
-                + (
-                    f" (across machines {'+'.join(labels[m] for m in across)}: not like-for-like)"
-                    if len(across) > 1
-                    else ""
-                )
-            )
+            flag = f" (across machines {_letters({'machines': across}, labels)}: not like-for-like)"
+            ratio = f"best drop_h* ÷ best normal: {b['best_drop_h_vs_normal']:.3f}"
+            lines.append(ratio + (flag if len(across) > 1 else ""))
         if "planner" in b:
             lines.append(f"planner: {json.dumps(b['planner'])}")
     return head + "\n".join(lines) + "\n"
