@@ -319,3 +319,16 @@ def test_an_empty_batch_takes_the_portable_twin(impl):
     y.sum().backward()
     assert y.shape == (0, 128) and x.grad.shape == (0, 256)
     assert all(p.grad is not None and not p.grad.any() for p in mlp.parameters())
+
+
+def test_quack_s_missing_optional_heuristics_are_not_searched_for_on_every_gemm():
+    """quack asks for nvMatmulHeuristics on every concat GEMM; once quack is loaded a copy
+    that is not installed is a negative sys.modules entry, so those imports fail at once."""
+    import sys
+
+    from swiglu_train.ops.quack_mlp import QUACK_OPTIONAL_HEURISTICS
+
+    require_quack()
+    entry = sys.modules.get(QUACK_OPTIONAL_HEURISTICS, "absent")
+    installed = entry is not None and entry != "absent"
+    assert installed or entry is None, "the missing module was not remembered"

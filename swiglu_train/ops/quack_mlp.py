@@ -21,6 +21,8 @@ our canonical [W_gate; W_up], so parameters, checkpoints and optimizer state are
 from __future__ import annotations
 
 import functools
+import importlib.util
+import sys
 from typing import NamedTuple
 
 import torch
@@ -52,7 +54,25 @@ def require_quack():
             "impls 'drop_h_quack' and 'save_factors_quack' need the quack-kernels package "
             "(pip install 'swiglu-train[quack]') and a CUDA GPU of compute capability 9.0+"
         ) from e
+    remember_missing_module(QUACK_OPTIONAL_HEURISTICS)
     return gemm_interface
+
+
+# quack 0.6.5 asks for nvMatmulHeuristics (its optional "heuristics" extra) on every untuned
+# GEMM that misses its plan cache, which every concat_layout GEMM does (drop_h_quack's grad_x
+# and grad_W1), and Python searches sys.path again for a module it did not find before: 16
+# path scans a drop_h_quack step, about 0.4 ms of the H200 host's time under cProfile
+# (benchmarks/results/probe_quack_host_h200.json, [2048, 4096, 11008]).
+QUACK_OPTIONAL_HEURISTICS = "nvMatmulHeuristics"
+
+
+def remember_missing_module(name: str) -> None:
+    """Make later imports of a module that is not installed fail at once: Python's negative
+    entry (None in sys.modules) raises the same ImportError without searching sys.path. An
+    installed or already imported module is left alone; one installed later in the same
+    process stays refused until the entry is deleted."""
+    if name not in sys.modules and importlib.util.find_spec(name) is None:
+        sys.modules[name] = None
 
 
 @functools.cache  # one partial per schedule, not one per GEMM of every step
