@@ -16,7 +16,6 @@ out of place, and Liger's in-place backward, so no sample runs on inputs an earl
 
 from __future__ import annotations
 
-import argparse
 import collections
 import json
 import sys
@@ -30,6 +29,7 @@ from swiglu_train.bench.mlp import (
     environment,
     floor_case,
     layer_inputs,
+    shape_probe_args,
 )
 from swiglu_train.bench.timing import (
     Clock,
@@ -134,17 +134,9 @@ def probe_shape(m: int, d: int, f: int, variants: list[str], samples: int, seed:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--shapes", nargs="+", default=["4096,4096,11008", "8192,4096,14336"])
-    parser.add_argument("--variants", default=",".join(VARIANTS + PEERS))
-    parser.add_argument("--samples", type=int, default=30)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", required=True)
-    args = parser.parse_args(argv)
-    if not torch.cuda.is_available():
-        raise SystemExit("error: this probe needs a CUDA GPU")
+    more = {"--variants": {"default": ",".join(VARIANTS + PEERS)}}
+    args, shapes = shape_probe_args(__doc__, ["4096,4096,11008", "8192,4096,14336"], argv, **more)
     variants = args.variants.split(",")
-    shapes = [tuple(int(v) for v in s.split(",")) for s in args.shapes]
     result = {
         "command": "python " + " ".join(sys.argv),
         **environment(torch.device("cuda"), None),

@@ -18,7 +18,6 @@ drop_h and Liger:
 
 from __future__ import annotations
 
-import argparse
 import sys
 
 import numpy as np
@@ -31,6 +30,7 @@ from swiglu_train.bench.mlp import (
     environment,
     floor_case,
     layer_inputs,
+    shape_probe_args,
 )
 from swiglu_train.bench.timing import Clock, paired_fresh_calls, paired_samples, run_once
 from swiglu_train.files import write_json_atomic
@@ -223,15 +223,7 @@ def check(weights, x, grad_y) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--shapes", nargs="+", default=["8192,4096,14336", "4096,4096,11008"])
-    parser.add_argument("--samples", type=int, default=30)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", required=True)
-    args = parser.parse_args(argv)
-    if not torch.cuda.is_available():
-        raise SystemExit("error: this probe needs a CUDA GPU")
-    shapes = [tuple(int(v) for v in s.split(",")) for s in args.shapes]
+    args, shapes = shape_probe_args(__doc__, ["8192,4096,14336", "4096,4096,11008"], argv)
     result = {
         "command": "python " + " ".join(sys.argv),
         **environment(torch.device("cuda"), None),

@@ -125,3 +125,26 @@ def test_fp8_accuracy_script_measures_each_format_against_float64():
         assert errors["bf16"][key] < 0.01 < errors["fp8"][key] < 0.08, key
         assert errors["fp8"][key] < errors["e5m2"][key], key
     assert errors["fp8"]["y"] == errors["bf16"]["y"]  # forward's h comes from the bf16 preact
+
+
+def test_shape_probes_parse_their_shapes_and_extra_flags(monkeypatch):
+    from swiglu_train.bench.mlp import shape_probe_args
+
+    monkeypatch.setattr("torch.cuda.is_available", lambda: True)
+    more = {"--variants": {"default": "normal,drop_h"}}
+    argv = ["--shapes", "8000,4096,14336", "2048,896,4864", "--samples", "40", "--out", "o.json"]
+    args, shapes = shape_probe_args("Doc line.\n\nMore.", ["1,2,3"], argv, **more)
+    assert shapes == [(8000, 4096, 14336), (2048, 896, 4864)]
+    assert (args.samples, args.seed, args.out, args.variants) == (40, 0, "o.json", "normal,drop_h")
+    args, shapes = shape_probe_args("Doc.", ["1,2,3"], ["--out", "o.json"])
+    assert shapes == [(1, 2, 3)] and args.samples == 30
+
+
+def test_shape_probes_refuse_a_machine_without_cuda(monkeypatch):
+    from swiglu_train.bench.mlp import shape_probe_args
+
+    monkeypatch.setattr("torch.cuda.is_available", lambda: False)
+    with pytest.raises(SystemExit, match="needs a CUDA GPU"):
+        shape_probe_args("Doc.", ["1,2,3"], ["--out", "o.json"])
+    with pytest.raises(SystemExit, match="needs a CUDA GPU"):
+        load_script("probe_stream_overlap").main(["--out", "o.json"])
