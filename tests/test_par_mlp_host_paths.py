@@ -81,3 +81,56 @@ def test_a_parametrized_weight_is_read_as_computed(device, backend, impl):
     original = mlp.fc1.parametrizations.weight.original
     assert rel_err(original.grad, 2 * w1_64.grad) < TOLERANCE[torch.float32]
     assert rel_err(x.grad, x64.grad) < TOLERANCE[torch.float32]
+
+
+def _graph_nodes(y: torch.Tensor) -> list[str]:
+    """The autograd nodes from y back to the leaves, by name."""
+    names, stack, seen = [], [y.grad_fn], set()
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        names.append(type(node).__name__)
+        stack.extend(next_fn for next_fn, _ in node.next_functions)
+    return names
+
+
+@pytest.mark.parametrize("shape", [(2, 5, 16), (3, 2, 2, 16), (16,)], ids=["3d", "4d", "1d"])
+@pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])
+def test_drop_h_flattens_any_rank_inside_its_node(shape, bias):
+    """drop_h takes [..., D] whole: the same y and grads as its [M, D] rows, bit for bit, and no
+    reshape or view nodes around its own (each costs host time in every backward)."""
+    torch.manual_seed(0)
+    mlp = ParMLP(16, 24, 12, bias=bias, impl="drop_h")
+    x = torch.randn(*shape, requires_grad=True)
+    grad_y = torch.randn(*shape[:-1], 12)
+    y = mlp(x)
+    nodes = _graph_nodes(y)
+    assert y.shape == (*shape[:-1], 12) and y._base is None
+    assert not [n for n in nodes if "View" in n or "Reshape" in n], nodes
+    y.backward(grad_y)
+    grads = [x.grad, *(p.grad for p in mlp.parameters())]
+    mlp.zero_grad(set_to_none=True)
+    rows = x.detach().reshape(-1, 16).requires_grad_()
+    y_rows = mlp(rows)
+    y_rows.backward(grad_y.reshape(-1, 12))
+    assert torch.equal(y.detach().reshape(-1, 12), y_rows.detach())
+    assert torch.equal(grads[0].reshape(-1, 16), rows.grad)
+    for got, p in zip(grads[1:], mlp.parameters(), strict=True):
+        assert torch.equal(got, p.grad)
+
+
+def test_drop_h_output_takes_an_in_place_residual():
+    """A residual added in place (``y += x``) to a [B, S, D] output: allowed (y is no view made
+    inside the Function) and differentiated as out of place."""
+    torch.manual_seed(0)
+    mlp = ParMLP(16, 24, impl="drop_h")
+    x = torch.randn(2, 3, 16, requires_grad=True)
+    y = mlp(x)
+    y += x
+    y.sum().backward()
+    in_place = x.grad.clone()
+    x.grad = None
+    (mlp(x) + x).sum().backward()
+    assert torch.equal(in_place, x.grad)
