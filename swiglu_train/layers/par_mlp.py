@@ -23,7 +23,6 @@ from swiglu_train.layers.auto import resolve_auto
 from swiglu_train.layers.layout import CANONICAL, Layout, order, permute_rows, read_stamp, stamp
 from swiglu_train.layers.loading import CheckedLoad
 from swiglu_train.layers.registry import (
-    ANY_RANK_FUNCTIONS,
     AUTO,
     FIXED_CHUNKS,
     PACKED_IMPLS,
@@ -32,7 +31,6 @@ from swiglu_train.layers.registry import (
     check_impl_name,
     check_saved_fp8,
     get_impl,
-    on_rows,
     packed_chunk,
 )
 from swiglu_train.ops import reference
@@ -231,18 +229,18 @@ class ParMLP(nn.Module, CheckedLoad):
 
     def _apply_impl(self, x: torch.Tensor, *params: torch.Tensor | None) -> torch.Tensor:
         # An [M, D] input goes to the impl as it is: a reshape and a view back would add two
-        # autograd nodes, whose backward costs host time on every step. drop_h takes any
-        # [..., D] and flattens inside its own node.
+        # autograd nodes, whose backward costs host time on every step.
+        flat = x.dim() == 2
+        x2d = x if flat else x.reshape(-1, x.shape[-1])
         if transforms_need_torch(x, *params):  # torch.func, forward AD: no kernel runs there
-            return on_rows(swiglu_mlp_torch, x, *params, chunk=self.fc1_layout.chunk)
-        if grad_needed(x, *params):
+            y = swiglu_mlp_torch(x2d, *params, chunk=self.fc1_layout.chunk)
+        elif grad_needed(x, *params):
             packed = {"chunk": self.fc1_layout.chunk} if self.fc1_layout.packed else {}
             function = self._function_for(x.dtype)
-            if function in ANY_RANK_FUNCTIONS:
-                return function(x, *params, inplace=self.inplace, **packed)
-            return on_rows(function, x, *params, inplace=self.inplace, **packed)
-        # eval, generation: every impl computes the same y, and nothing need be saved
-        return on_rows(swiglu_mlp_inference, x, *params, chunk=self.fc1_layout.chunk)
+            y = function(x2d, *params, inplace=self.inplace, **packed)
+        else:  # eval, generation: every impl computes the same y, and nothing need be saved
+            y = swiglu_mlp_inference(x2d, *params, chunk=self.fc1_layout.chunk)
+        return y if flat else y.view(*x.shape[:-1], y.shape[-1])
 
     def _function_for(self, dtype: torch.dtype) -> MLPFunction:
         """The impl's autograd function, or for a quack impl ``auto`` picked, its portable twin

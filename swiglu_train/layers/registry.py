@@ -31,19 +31,6 @@ FIXED_CHUNKS: dict[str, int] = {"save_factors_quack": QUACK_PAIR_CHUNK}  # set b
 # quack's CuTe-DSL kernels: CUDA sm_90+ with quack-kernels installed; the others run anywhere
 QUACK_IMPLS: frozenset[str] = frozenset({"drop_h_quack", "save_factors_quack"})
 PORTABLE_IMPLS: tuple[str, ...] = tuple(n for n in MLP_IMPLS if n not in QUACK_IMPLS)
-# these take x of any [..., D] and flatten it inside their autograd node (no view nodes); the
-# others are given [M, D] (ParMLP and the Megatron adapter reshape around them)
-ANY_RANK_FUNCTIONS: frozenset[MLPFunction] = frozenset({drop_h_mlp})
-
-
-def on_rows(function: MLPFunction, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
-    """``function`` of x's rows ([M, D]), its output in x's leading shape."""
-    if x.dim() == 2:
-        return function(x, *args, **kwargs)
-    y = function(x.reshape(-1, x.shape[-1]), *args, **kwargs)
-    return y.view(*x.shape[:-1], y.shape[-1])
-
-
 AUTO = "auto"  # not a function: ParMLP resolves it to one of MLP_IMPLS when built (layers/auto)
 IMPL_CHOICES: tuple[str, ...] = (*MLP_IMPLS, AUTO)  # what a user may ask a ParMLP for
 # saved_fp8=True: the impls that store their saved preactivation in FP8, and why the others don't

@@ -84,30 +84,9 @@ def fc2_or_h(ctx, handoff: Fc2Handoff | None, h, fc2_weight, fc2_bias, fc2: Fc2 
 
 
 def fc2_grad_y(ctx, grad_out: torch.Tensor) -> torch.Tensor:
-    """The start of its backward: fc2's output gradient, contiguous, [rows, O]."""
+    """The start of its backward: fc2's output gradient, contiguous."""
     grad_y = grad_out if ctx.handoff is None else ctx.handoff.take()
-    return grad_y.contiguous().view(-1, grad_y.shape[-1])
-
-
-def rows_to(x_shape: torch.Size) -> Fc2:
-    """fc2 for a Function that flattened an input of ``x_shape`` to rows: y [*x_shape[:-1], O],
-    written through a [rows, O] view of a tensor of its own. Returning the view instead would
-    make y a view made inside a custom Function, which autograd forbids modifying in place (a
-    residual ``y += x``)."""
-    lead = x_shape[:-1]
-    if len(lead) == 1:
-        return F.linear
-
-    def fc2(h: torch.Tensor, fc2_weight: torch.Tensor, fc2_bias: torch.Tensor | None):
-        y = h.new_empty(*lead, fc2_weight.shape[0])
-        rows = y.view(-1, fc2_weight.shape[0])
-        if fc2_bias is None:  # the GEMMs F.linear runs on [rows, F]
-            torch.mm(h, fc2_weight.t(), out=rows)
-        else:
-            torch.addmm(fc2_bias, h, fc2_weight.t(), out=rows)
-        return y
-
-    return fc2
+    return grad_y.contiguous()
 
 
 def with_fc2_node(

@@ -1,7 +1,6 @@
 """The autograd side of each ParMLP impl: what is saved for backward, and how backward runs.
 
-All functions take a 2D x [M, D] (``drop_h_mlp``: any [..., D]) and canonical weights:
-fc1 [2F, D] = [W_gate; W_up], fc2 [O, F].
+All functions take a 2D x [M, D] and canonical weights: fc1 [2F, D] = [W_gate; W_up], fc2 [O, F].
 
 ``normal``  saves preact (the activation Function) and h (fc2's F.linear), like eager Megatron.
 ``drop_h``  saves preact only; backward recomputes h with grad_preact in one fused kernel,
@@ -19,13 +18,7 @@ from swiglu_train.ops.activation import (
     swiglu_bwd_recompute_,
     swiglu_fwd,
 )
-from swiglu_train.ops.fc2_node import (
-    Fc2Handoff,
-    fc2_grad_y,
-    fc2_or_h,
-    rows_to,
-    with_fc2_node,
-)
+from swiglu_train.ops.fc2_node import Fc2Handoff, fc2_grad_y, fc2_or_h, with_fc2_node
 from swiglu_train.ops.gated import gated_enabled, gated_fwd
 
 SECOND_BACKWARD_ERROR = (
@@ -142,10 +135,6 @@ class _DropH(torch.autograd.Function):
         fused_forward: bool,
         handoff: Fc2Handoff | None,
     ) -> torch.Tensor:
-        # x's leading dims are flattened here, inside the node: outside, the reshape and the
-        # view back were two autograd nodes, ~30 us of host time a step (host_time_cpu.json)
-        ctx.x_shape = x.shape
-        x = x.reshape(-1, x.shape[-1])
         ffn = fc1_weight.shape[0] // 2
         if fused_forward and gated_enabled(x, ffn, ffn):  # canonical = packed with chunk F
             h, preact = gated_fwd(x, fc1_weight, fc1_bias, ffn, "preact")
@@ -153,8 +142,7 @@ class _DropH(torch.autograd.Function):
             preact = F.linear(x, fc1_weight, fc1_bias)
             h = swiglu_fwd(preact)
         save_drop_h(ctx, x, fc1_weight, fc1_bias, fc2_weight, fc2_bias, preact, inplace)
-        out = fc2_or_h(ctx, handoff, h, fc2_weight, fc2_bias, rows_to(ctx.x_shape))
-        return out if handoff is None else out.view(*ctx.x_shape[:-1], out.shape[-1])
+        return fc2_or_h(ctx, handoff, h, fc2_weight, fc2_bias)
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):
@@ -172,9 +160,7 @@ class _DropH(torch.autograd.Function):
         del grad_h
         grad_w2 = grad_y.t() @ h if need_w2 else None
         del h  # frees the [M, F] buffer before the two largest GEMM outputs are allocated
-        grad_x, *grads = drop_h_grads(ctx, x, fc1_weight, grad_preact, grad_y, grad_w2)
-        grad_x = None if grad_x is None else grad_x.view(ctx.x_shape)
-        return grad_x, *grads, None, None, None
+        return *drop_h_grads(ctx, x, fc1_weight, grad_preact, grad_y, grad_w2), None, None, None
 
 
 def drop_h_grads(ctx, x, fc1_weight, grad_preact, grad_y, grad_w2) -> tuple:

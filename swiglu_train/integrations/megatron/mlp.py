@@ -28,7 +28,6 @@ backward.
 from __future__ import annotations
 
 import inspect
-from functools import partial
 from typing import Any
 
 import torch
@@ -56,12 +55,10 @@ from swiglu_train.integrations.megatron.parallel import (
 )
 from swiglu_train.layers.layout import CANONICAL, Layout, relayout
 from swiglu_train.layers.registry import (
-    ANY_RANK_FUNCTIONS,
     FIXED_CHUNKS,
     PACKED_IMPLS,
     check_saved_fp8,
     get_impl,
-    on_rows,
     packed_chunk,
 )
 from swiglu_train.ops.inference import grad_needed, swiglu_mlp_inference
@@ -199,14 +196,13 @@ class ParMLPMegatron(MLP, metaclass=MLPDispatch):
             run_forward_pre_hooks(linear, hidden_states)
         check_input(hidden_states, fc1.weight)
         x = to_tp_region(hidden_states, self.config.sequence_parallel, self.tp_group)
-        params = (fc1.weight, fc1.bias, fc2.weight, None)
-        if grad_needed(x, *params):
+        x2d, params = x.reshape(-1, x.shape[-1]), (fc1.weight, fc1.bias, fc2.weight, None)
+        if grad_needed(x2d, *params):
             packed = {"chunk": self.fc1_layout.chunk} if self.fc1_layout.packed else {}
-            function = self._mlp_function
-            run = function if function in ANY_RANK_FUNCTIONS else partial(on_rows, function)
-            y = run(x, *params, inplace=self.inplace, **packed)
+            y = self._mlp_function(x2d, *params, inplace=self.inplace, **packed)
         else:  # eval, generation: the inference kernels, nothing saved (as ParMLP does)
-            y = on_rows(swiglu_mlp_inference, x, *params, chunk=self.fc1_layout.chunk)
+            y = swiglu_mlp_inference(x2d, *params, chunk=self.fc1_layout.chunk)
+        y = y.view(*x.shape[:-1], y.shape[-1])
         y = from_tp_region(y, self.config.sequence_parallel, self.tp_group)
         return y, fc2.bias
 
