@@ -35,6 +35,7 @@ from swiglu_train.bench.mlp import (
 from swiglu_train.bench.timing import Clock, paired_fresh_calls, paired_samples, run_once
 from swiglu_train.files import write_json_atomic
 from swiglu_train.kernels import swiglu
+from swiglu_train.ops import reference
 
 
 def row_chunks(m: int, chunks: int) -> list[slice]:
@@ -98,7 +99,8 @@ class Pipeline:
             if i:
                 self._grad_x(acts[i - 1], self.rows[i - 1], preact, grad_x)
         self._grad_x(acts[-1], self.rows[-1], preact, grad_x)
-        torch.cuda.current_stream().wait_stream(self.side or torch.cuda.current_stream())
+        if self.side is not None:
+            torch.cuda.current_stream().wait_stream(self.side)
         return grad_x, preact.t() @ x, grad_y.t() @ grad_h  # grad_h now holds h
 
     def _grad_x(self, act_done, r, grad_preact, grad_x) -> None:
@@ -112,7 +114,6 @@ def pipeline_case(name, weights, x, grad_y, chunks: int, priority: str | None) -
         _, high = torch.cuda.Stream.priority_range()
         side = torch.cuda.Stream(priority=high if priority == "high" else 0)
     p = Pipeline(x, weights.fc1, weights.fc2, grad_y, chunks, side)
-
     return Case(name, p.forward, p.backward, lambda: None)
 
 
@@ -204,8 +205,6 @@ def probe_shape(m: int, d: int, f: int, samples: int, seed: int) -> dict:
 
 def check(weights, x, grad_y) -> dict:
     """Relative error of each pipeline's y, grad_x, grad_W1, grad_W2 against fp32 autograd."""
-    from swiglu_train.ops import reference
-
     xr = x.detach().float().requires_grad_()
     w1 = weights.fc1.detach().float().requires_grad_()
     w2 = weights.fc2.detach().float().requires_grad_()

@@ -62,7 +62,7 @@ def require_quack():
 # GEMM that misses its plan cache, which every concat_layout GEMM does (drop_h_quack's grad_x
 # and grad_W1), and Python searches sys.path again for a module it did not find before: 16
 # path scans a drop_h_quack step, about 0.4 ms of the H200 host's time under cProfile
-# (benchmarks/results/probe_quack_host_h200.json, [2048, 4096, 11008]).
+# (benchmarks/results/probe_quack_host_before_h200.json, [2048, 4096, 11008]; none since).
 QUACK_OPTIONAL_HEURISTICS = "nvMatmulHeuristics"
 
 
