@@ -57,6 +57,23 @@ def saved_shapes(m: int, ffn: int) -> tuple[tuple[int, int], tuple[int, int]]:
     return (m, 2 * ffn), (m, 2 * n_blocks(ffn))
 
 
+# The paired format (drop_h_quack's): the copy keeps quack's column order, gate and up of each
+# feature side by side ([g0, u0, g1, u1, ...]), and one bf16 scale covers PAIRED_GROUP adjacent
+# columns, 64 features' gate and up values. quack's GEMM epilogue folds a max over adjacent
+# accumulator columns only, so its groups cannot hold one half alone (kernels.quack_fp8_epilogues).
+PAIRED_GROUP = 128
+
+
+def paired_saved_shapes(m: int, ffn: int) -> tuple[tuple[int, int], tuple[int, int]]:
+    """Shapes of the paired format's values and scales for a [m, 2 * ffn] preactivation; F
+    must be a multiple of PAIRED_GROUP / 2 (no group is partial)."""
+    if (2 * ffn) % PAIRED_GROUP:
+        raise ValueError(
+            f"the paired FP8 format needs F a multiple of {PAIRED_GROUP // 2}, got F={ffn}"
+        )
+    return (m, 2 * ffn), (m, 2 * ffn // PAIRED_GROUP)
+
+
 def capability_error(capability: tuple[int, int], device: str) -> str | None:
     """Why the FP8 kernels cannot run on ``device`` of this compute capability, or None."""
     if tuple(capability) >= MIN_CAPABILITY:

@@ -11,6 +11,7 @@ import torch
 from swiglu_train.layers.layout import Layout
 from swiglu_train.ops import drop_h_mlp, normal_mlp, save_factors_mlp
 from swiglu_train.ops.fp8_saved import drop_h_fp8_mlp
+from swiglu_train.ops.quack_fp8_saved import drop_h_quack_fp8_mlp
 from swiglu_train.ops.quack_mlp import drop_h_quack_mlp, require_quack
 from swiglu_train.ops.quack_save_factors import CHUNK as QUACK_PAIR_CHUNK
 from swiglu_train.ops.quack_save_factors import save_factors_quack_mlp
@@ -34,7 +35,10 @@ PORTABLE_IMPLS: tuple[str, ...] = tuple(n for n in MLP_IMPLS if n not in QUACK_I
 AUTO = "auto"  # not a function: ParMLP resolves it to one of MLP_IMPLS when built (layers/auto)
 IMPL_CHOICES: tuple[str, ...] = (*MLP_IMPLS, AUTO)  # what a user may ask a ParMLP for
 # saved_fp8=True: the impls that store their saved preactivation in FP8, and why the others don't
-SAVED_FP8_IMPLS: dict[str, MLPFunction] = {"drop_h": drop_h_fp8_mlp}
+SAVED_FP8_IMPLS: dict[str, MLPFunction] = {
+    "drop_h": drop_h_fp8_mlp,
+    "drop_h_quack": drop_h_quack_fp8_mlp,
+}
 _NO_SAVED_FP8 = {
     "normal": "it saves h (fc2's input) as well as the preactivation, and only the "
     "preactivation has an FP8 copy",
@@ -45,9 +49,6 @@ _NO_SAVED_FP8 = {
     "save_factors_quack": "it is not implemented for the saved SwiGLU factors: they survive FP8 "
     "as well as the preactivation does (docs/fp8.md), but it needs quack epilogues that write "
     "and read them, and h stays bf16 beside them (drop_h's bf16 memory, not half of it)",
-    "drop_h_quack": "it is not implemented yet for the quack impls (their GEMM epilogues would "
-    "have to write and read the FP8 copy, and quack's own FP8 output needs an sm_100+ GPU); "
-    "impl 'drop_h' stores it, on cuBLAS GEMMs",
     AUTO: "auto may pick an impl that cannot store it; name impl 'drop_h'",
 }
 
@@ -103,7 +104,8 @@ def check_saved_fp8(name: str, saved_fp8: bool = True) -> None:
         raise TypeError(f"saved_fp8 must be True or False, got {saved_fp8!r}")
     if saved_fp8 and name in _NO_SAVED_FP8:
         raise ValueError(
-            f"saved_fp8=True is for impl 'drop_h' only, not {name!r}: {_NO_SAVED_FP8[name]}"
+            f"saved_fp8=True is for impls {' and '.join(map(repr, SAVED_FP8_IMPLS))} only, "
+            f"not {name!r}: {_NO_SAVED_FP8[name]}"
         )
 
 
@@ -126,10 +128,10 @@ def get_impl(name: str, saved_fp8: bool = False) -> MLPFunction:
     rather than at its first forward.
     """
     check_saved_fp8(name, saved_fp8)
-    if saved_fp8 and name in SAVED_FP8_IMPLS:
-        return SAVED_FP8_IMPLS[name]
     if name in QUACK_IMPLS:
         require_quack()
+    if saved_fp8 and name in SAVED_FP8_IMPLS:
+        return SAVED_FP8_IMPLS[name]
     try:
         return _IMPLS[name]
     except KeyError:

@@ -230,21 +230,28 @@ class _DropHFP8(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):
-        refuse_double_backward()
-        consume = claim_inplace_backward(
-            ctx, SECOND_BACKWARD_ERROR_FP8, SECOND_BACKWARD_FREED_ERROR_FP8
-        )
-        x, fc1_weight, fc2_weight, *flat = ctx.saved_tensors
-        copies = list(zip(flat[::2], flat[1::2], strict=True))
-        needs = list(ctx.needs_input_grad[:5])
-        needs[2], needs[4] = needs[2] and ctx.has_bias[0], needs[4] and ctx.has_bias[1]
-        grad_y = fc2_grad_y(ctx, grad_out)
-        grad_x, grad_w1, grad_b1, grad_w2 = _backward_rows(
-            grad_y, x, fc1_weight, fc2_weight, copies, ctx.pieces, consume, needs
-        )
-        grad_b1 = grad_b1.to(grad_y.dtype) if needs[2] else None
-        grad_b2 = grad_y.sum(0) if needs[4] else None
-        return grad_x, grad_w1, grad_b1, grad_w2, grad_b2, None, None, None, None
+        errors = (SECOND_BACKWARD_ERROR_FP8, SECOND_BACKWARD_FREED_ERROR_FP8)
+        return (*backward_from_copies(ctx, grad_out, swiglu_bwd_fp8_, errors), None, None)
+
+
+def backward_from_copies(ctx, grad_out: torch.Tensor, kernel, errors: tuple[str, str]) -> tuple:
+    """The FP8-saved backward of a Function whose forward saved x, fc1's and fc2's weights and
+    one (values, scales) copy per row chunk (``ctx.pieces``): the gradients of x, W1, b1, W2,
+    b2, then None for the inplace flag and the fc2 handoff. ``kernel`` reads a chunk's copy
+    (its format) and writes h and grad_preact; ``errors`` are the second-backward messages."""
+    refuse_double_backward()
+    consume = claim_inplace_backward(ctx, *errors)
+    x, fc1_weight, fc2_weight, *flat = ctx.saved_tensors
+    copies = list(zip(flat[::2], flat[1::2], strict=True))
+    needs = list(ctx.needs_input_grad[:5])
+    needs[2], needs[4] = needs[2] and ctx.has_bias[0], needs[4] and ctx.has_bias[1]
+    grad_y = fc2_grad_y(ctx, grad_out)
+    grad_x, grad_w1, grad_b1, grad_w2 = _backward_rows(
+        grad_y, x, fc1_weight, fc2_weight, copies, ctx.pieces, consume, needs, kernel
+    )
+    grad_b1 = grad_b1.to(grad_y.dtype) if needs[2] else None
+    grad_b2 = grad_y.sum(0) if needs[4] else None
+    return grad_x, grad_w1, grad_b1, grad_w2, grad_b2, None, None
 
 
 def _free(consume: bool, *saved: torch.Tensor) -> None:
@@ -254,9 +261,9 @@ def _free(consume: bool, *saved: torch.Tensor) -> None:
             t.untyped_storage().resize_(0)
 
 
-def _backward_rows(grad_y, x, fc1_weight, fc2_weight, copies, pieces, consume, needs):
+def _backward_rows(grad_y, x, fc1_weight, fc2_weight, copies, pieces, consume, needs, kernel):
     """(grad_x, grad_W1, grad_b1 in fp32, grad_W2) over chunks of rows of M (``pieces``), one
-    saved copy each, freed once its kernel read it: grad_W1 is accumulated by the GEMM
+    saved copy each, freed once ``kernel`` read it: grad_W1 is accumulated by the GEMM
     (beta = 1), grad_W2 comes after the loop."""
     need_x, need_w1, need_b1, need_w2, _ = needs
     h = grad_y @ fc2_weight  # grad_h; each chunk's kernel writes h over its rows
@@ -265,7 +272,7 @@ def _backward_rows(grad_y, x, fc1_weight, fc2_weight, copies, pieces, consume, n
     grad_w1 = grad_b1 = None
     for part, (q, scales) in zip(pieces, copies, strict=True):
         grad_preact = h.new_empty(part.stop - part.start, 2 * ffn)  # this chunk's only
-        swiglu_bwd_fp8_(q, scales, h[part], grad_preact)
+        kernel(q, scales, h[part], grad_preact)
         _free(consume, q, scales)
         if need_x:
             torch.mm(grad_preact, fc1_weight, out=grad_x[part])

@@ -1,0 +1,200 @@
+"""drop_h_quack with its saved preactivation in FP8 (issue 19) on CUDA: the fc1 epilogue's bytes
+against the torch reference of the paired format, the gradients against float64, and the step
+paired against bf16 drop_h_quack, drop_h's FP8 path and the six-GEMM floor.
+
+Format check (``--check-shape``, bias on and off): the epilogue's copy and scales against
+``ops.fp8_paired.quantize_paired`` of the fp32 GEMM x @ W1ᵀ (+ b) (the same math on an fp32
+preactivation whose sums ran in another order, so a code may differ by one step where a value
+sits at a rounding boundary), each restored value within 2**-4 of the preactivation or 2**-10
+of its scale, and h against SwiGLU of that preactivation. Gradients: relative (Frobenius)
+error of y, grad_x, grad_W1, grad_W2 against float64 on the same bf16 values.
+
+Timing (``--shapes``): one layer's fwd+bwd, bf16, no bias, 30 paired samples, queued;
+``dhq+fp8[tile=N]`` pins the fc1 epilogue's N tile (the rule is 256). After-forward and peak
+are allocator MiB above the step's start, parameter grads reset.
+
+    python scripts/probe_quack_fp8.py --out $OUT/probe_quack_fp8_h200.json --profile
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from probe_fp8_chunks import layer_case
+
+from swiglu_train.bench.mlp import floor_case, git_commit, shape_probe_args, write_probe_result
+from swiglu_train.bench.timing import (
+    PHASES,
+    Clock,
+    kernel_timeline,
+    memory_mib,
+    paired_samples,
+    run_once,
+)
+from swiglu_train.bench.variants import LayerWeights
+from swiglu_train.files import write_json_atomic
+from swiglu_train.ops import quack_fp8_saved
+from swiglu_train.ops.fp8_paired import dequantize_paired, interleave, quantize_paired
+from swiglu_train.ops.fp8_saved import drop_h_fp8_mlp
+from swiglu_train.ops.quack_fp8_saved import drop_h_quack_fp8_mlp, quack_swiglu_fp8_
+from swiglu_train.ops.quack_mlp import drop_h_quack_mlp
+from swiglu_train.ops.reference import swiglu
+
+
+@contextlib.contextmanager
+def fc1_tile(tile_n: int):
+    """Pin the FP8 fc1 epilogue's N tile for the calls inside (a probe's knob, not an API)."""
+    rule = quack_fp8_saved.fp8_fc1_config
+    quack_fp8_saved.fp8_fc1_config = functools.partial(rule, tile_n)
+    try:
+        yield
+    finally:
+        quack_fp8_saved.fp8_fc1_config = rule
+
+
+def with_tile(tile_n: int, mlp):
+    def run(*args):
+        with fc1_tile(tile_n):
+            return mlp(*args)
+
+    return run
+
+
+def check_format(m: int, d: int, f: int, bias: bool, tile_n: int) -> dict:
+    """The epilogue's copy, scales and h against the torch reference on its fp32 preact."""
+    x = torch.randn(m, d, device="cuda", dtype=torch.bfloat16)
+    w1 = torch.randn(2 * f, d, device="cuda", dtype=torch.bfloat16) / d**0.5
+    b1 = torch.randn(2 * f, device="cuda", dtype=torch.bfloat16) if bias else None
+    h = torch.empty(m, f, device="cuda", dtype=torch.bfloat16)
+    q = torch.empty(m, 2 * f, device="cuda", dtype=torch.float8_e4m3fn)
+    scales = torch.empty(m, 2 * f // 128, device="cuda", dtype=torch.bfloat16)
+    with fc1_tile(tile_n):
+        quack_swiglu_fp8_(x, w1, b1, h, q, scales)
+    preact = x.float() @ w1.float().t() + (0 if b1 is None else b1.float())
+    q_ref, s_ref = quantize_paired(interleave(preact))
+    restored = dequantize_paired(q, scales)
+    paired = interleave(preact)
+    bound = 2.0**-4 * paired.abs() + 2.0**-10 * scales.float().repeat_interleave(128, dim=1)
+    ulp_bf16 = (s_ref.float() - scales.float()).abs() / s_ref.float()
+    return {
+        "shape": [m, d, f], "bias": bias, "tile_n": tile_n,
+        "codes_differing": float((q.view(torch.uint8) != q_ref.view(torch.uint8)).float().mean()),
+        "scales_differing": float((scales != s_ref).float().mean()),
+        "scale_max_rel_diff": float(ulp_bf16.max()),
+        "restored_within_bound": bool(((restored - paired).abs() <= bound).all()),
+        "restored_max_err_over_bound": float(((restored - paired).abs() / bound).max()),
+        "h_rel_err": float((h.float() - swiglu(preact)).norm() / swiglu(preact).norm()),
+    }  # fmt: skip
+
+
+def grad_errors(m: int, d: int, f: int) -> dict:
+    """Relative errors of y and the grads against float64, per impl, on the same bf16 values."""
+    torch.manual_seed(1)
+    x = torch.randn(m, d, device="cuda", dtype=torch.bfloat16)
+    w1 = (torch.randn(2 * f, d, device="cuda") / d**0.5).bfloat16()
+    w2 = (torch.randn(d, f, device="cuda") / f**0.5).bfloat16()
+    gy = torch.randn(m, d, device="cuda", dtype=torch.bfloat16)
+
+    def run(mlp, dtype):
+        xs, a, b = (t.detach().to(dtype).requires_grad_() for t in (x, w1, w2))
+        y = mlp(xs, a, None, b, None)
+        y.backward(gy.to(dtype))
+        return [t.double() for t in (y, xs.grad, a.grad, b.grad)]
+
+    def reference(x, w1, b1, w2, b2):
+        return F.linear(swiglu(F.linear(x, w1)), w2)
+
+    ref = run(reference, torch.float64)
+    out = {}
+    for name, mlp in (
+        ("drop_h_quack", drop_h_quack_mlp),
+        ("drop_h+fp8", drop_h_fp8_mlp),
+        ("drop_h_quack+fp8", drop_h_quack_fp8_mlp),
+    ):
+        got = run(mlp, torch.bfloat16)
+        out[name] = {
+            k: float((g - r).norm() / r.norm())
+            for k, g, r in zip(("y", "grad_x", "grad_W1", "grad_W2"), got, ref, strict=True)
+        }
+    return {"shape": [m, d, f], "rel_err": out}
+
+
+def time_shape(shape: tuple[int, ...], samples: int, seed: int, profile: bool) -> list[dict]:
+    m, d, f = shape[:3]
+    torch.manual_seed(seed)
+    w = LayerWeights.random(d, f, d, torch.bfloat16, "cuda")
+    x = torch.randn(m, d, dtype=torch.bfloat16, device="cuda", requires_grad=True)
+    grad_y = torch.randn(m, d, dtype=torch.bfloat16, device="cuda")
+    variants = {
+        "drop_h_quack": drop_h_quack_mlp,
+        "drop_h+fp8": drop_h_fp8_mlp,
+        "drop_h_quack+fp8": drop_h_quack_fp8_mlp,
+        "dhq+fp8[tile=128]": with_tile(128, drop_h_quack_fp8_mlp),
+    }
+    cases = [floor_case(w, x, grad_y)]
+    cases += [layer_case(name, mlp, w, x, grad_y) for name, mlp in variants.items()]
+    device = torch.device("cuda")
+    for case in cases:
+        run_once(case, Clock(device))
+    memory = {case.name: memory_mib(case, device) for case in cases[1:]}
+    times = paired_samples(cases, samples, device, seed)
+    rows = []
+    for case in cases[1:]:
+        t = times[case.name]
+        row = {"shape": list(shape), "variant": case.name}
+        row |= {f"{p}_ms": float(np.median(t[p])) for p in PHASES}
+        for base in ("floor", "drop_h_quack"):
+            row[f"full_over_{base}"] = float(np.median(t["full"] / times[base]["full"]))
+        row["after_forward_MiB"], row["peak_MiB"] = memory[case.name]
+        if profile:
+            row["kernels"] = kernel_timeline(case)
+        rows.append(row)
+    return rows
+
+
+def to_markdown(result: dict) -> str:
+    lines = [
+        f"# drop_h_quack with the FP8-saved preactivation, {result['gpu']}",
+        "",
+        f"`{result['command']}` at commit {result['commit']}, {result['samples']} paired samples.",
+        "",
+        "| shape | variant | fwd ms | bwd ms | full ÷ floor | full ÷ drop_h_quack "
+        "| after-fwd MiB | peak MiB |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in result["rows"]:
+        lines.append(
+            f"| {r['shape']} | {r['variant']} | {r['fwd_ms']:.3f} | {r['bwd_ms']:.3f} "
+            f"| {r['full_over_floor']:.3f} | {r['full_over_drop_h_quack']:.4f} "
+            f"| {r['after_forward_MiB']:.1f} | {r['peak_MiB']:.1f} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    args, shapes = shape_probe_args(
+        __doc__, ["11136,3584,14336", "8000,4096,14336"],
+        **{"--profile": {"action": "store_true"}, "--md": {}},
+    )  # fmt: skip
+    checks = [check_format(1000, 512, 1408, bias, t) for bias in (False, True) for t in (256, 128)]
+    for c in checks:
+        print(c)
+    errors = [grad_errors(4096, 1024, 2816), grad_errors(8000, 4096, 14336)]
+    for e in errors:
+        print(e)
+    rows = [r for s in shapes for r in time_shape(s, args.samples, args.seed, args.profile)]
+    result = write_probe_result(
+        "scripts/probe_quack_fp8.py", rows, args.samples, git_commit(), args.out, args.md,
+        to_markdown,
+    )  # fmt: skip
+    result["format_checks"], result["grad_errors"] = checks, errors
+    write_json_atomic(args.out, result)
+    print(to_markdown(result))
+
+
+if __name__ == "__main__":
+    main()

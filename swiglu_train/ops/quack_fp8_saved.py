@@ -1,0 +1,147 @@
+"""drop_h_quack with its saved preactivation in FP8: ``ParMLP(impl="drop_h_quack", saved_fp8=True)``
+
+Forward is one quack GEMM per backward row chunk whose epilogue (``kernels.quack_fp8_epilogues``)
+writes h for fc2 and the e4m3 copy with its scales, from the fp32 accumulator: the bf16
+preactivation is never stored, so forward moves 3 bytes per preactivation pair where
+``drop_h``'s FP8 path moves 9 (the bf16 preact written and read back, then the copy and h).
+The copy is in the paired format (``ops.fp8_paired``: quack's column order, a scale per 64
+features' gate and up values), since quack's epilogue groups adjacent accumulator columns.
+
+Backward is drop_h's FP8 backward (``ops.fp8_saved``): the grad_h GEMM per the whole batch,
+then per row chunk a Triton kernel that reads the chunk's copy, writes h and the canonical
+grad_preact, and frees the copy, and the grad_x and grad_W1 GEMMs; the peak stays within
+drop_h's (``ops.fp8_chunks``). quack's grad_h epilogue reads its preactivation as packed 16-bit
+pairs and has no per-(row, group) scale load, so the read stays in the Triton kernel.
+
+The epilogue's groups must divide the GEMM's N tile, which quack's default SM90 gated config
+(192 wide) does not: the config here pins a 256-wide tile (``FP8_FC1_CONFIG``). F must be a
+multiple of 64 (whole groups); otherwise the call runs drop_h's FP8 path, whose format has
+partial blocks.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from swiglu_train.kernels.fp8_format import PAIRED_GROUP
+from swiglu_train.ops.eager import eager_op
+from swiglu_train.ops.fc2_node import Fc2Handoff, fc2_or_h, with_fc2_node
+from swiglu_train.ops.fp8_chunks import backward_row_chunks, spans
+from swiglu_train.ops.fp8_paired import paired_copy_buffers, swiglu_bwd_fp8_paired_
+from swiglu_train.ops.fp8_saved import backward_from_copies, check_fp8_gpu, drop_h_fp8_mlp
+from swiglu_train.ops.quack_mlp import check_quack_inputs, quack_fc2, require_quack
+
+IMPL = "drop_h_quack"
+SECOND_BACKWARD_ERROR = (
+    "ParMLP(impl='drop_h_quack', saved_fp8=True) freed its saved FP8 preactivation once its "
+    "backward had read it, so a second backward through this graph (retain_graph=True) has "
+    "nothing to read. Build the layer with inplace=False to keep it and backpropagate more "
+    "than once."
+)
+SECOND_BACKWARD_FREED_ERROR = (
+    "ParMLP(impl='drop_h_quack', saved_fp8=True): a second backward through the same graph, "
+    "whose saved tensors the first backward freed (it ran without retain_graph=True). To "
+    "backpropagate more than once, build the layer with inplace=False and pass "
+    "retain_graph=True to every backward but the last."
+)
+
+
+@functools.cache
+def _epilogues():
+    """The CuTe-DSL epilogues, imported once quack is known to load."""
+    require_quack()
+    from swiglu_train.kernels import quack_fp8_epilogues
+
+    return quack_fp8_epilogues
+
+
+@functools.cache
+def fp8_fc1_config(tile_n: int = 256):
+    """quack's SM90 config for the FP8 fc1 epilogue: 128 x ``tile_n`` (a multiple of the
+    128-column groups), clustered 2 x 1 along M like quack's default, cooperative (quack's
+    SM90 gated space has pingpong up to 192 columns)."""
+    from quack.gemm_config import GemmConfig
+
+    return GemmConfig(
+        tile_m=128, tile_n=tile_n, pingpong=tile_n <= 192, cluster_m=2, cluster_n=1,
+        is_dynamic_persistent=False,
+    )  # fmt: skip
+
+
+@eager_op("swiglu_train::quack_swiglu_fp8_", mutates_args=("h", "q", "scales"))
+def quack_swiglu_fp8_(
+    x: torch.Tensor,
+    fc1_weight: torch.Tensor,
+    fc1_bias: torch.Tensor | None,
+    h: torch.Tensor,
+    q: torch.Tensor,
+    scales: torch.Tensor,
+) -> None:
+    """h [M, F], the paired e4m3 copy [M, 2F] and its scales from one GEMM x @ W1ᵀ on a
+    canonical fc1 (read through quack's concat_layout); rows as given (a chunk's)."""
+    epi = _epilogues()
+    options = {
+        "out": {"D": q, "h": h}, "scales": scales, "inv_scale": PAIRED_GROUP, "tuned": False,
+        "concat_layout": ("B",), "config": fp8_fc1_config(),
+    }  # fmt: skip
+    if fc1_bias is None:
+        epi.swiglu_fp8_saved_epilogue(x, fc1_weight.t(), **options)
+    else:  # quack's order: gate and up of each feature side by side
+        paired_bias = fc1_bias.view(2, -1).t().reshape(-1)
+        epi.swiglu_fp8_saved_bias_epilogue(x, fc1_weight.t(), bias=paired_bias, **options)
+
+
+@quack_swiglu_fp8_.register_fake
+def _(x, fc1_weight, fc1_bias, h, q, scales) -> None:
+    return None
+
+
+class _DropHQuackFP8(torch.autograd.Function):
+    @staticmethod
+    def forward(
+        ctx, x, fc1_weight, fc1_bias, fc2_weight, fc2_bias, inplace: bool,
+        handoff: Fc2Handoff | None,
+    ):  # fmt: skip
+        x = x.contiguous()
+        fc1_weight = fc1_weight if fc1_weight.stride(1) == 1 else fc1_weight.contiguous()
+        (m, d), ffn, out = x.shape, fc1_weight.shape[0] // 2, fc2_weight.shape[0]
+        freed = inplace and not torch.compiler.is_compiling()  # claim_inplace_backward's
+        pieces = spans(backward_row_chunks(m, d, ffn, out, x.element_size(), freed=freed))
+        copies = [paired_copy_buffers(p.stop - p.start, ffn, x) for p in pieces]
+        h = x.new_empty(m, ffn)
+        for piece, (q, scales) in zip(pieces, copies, strict=True):
+            quack_swiglu_fp8_(x[piece], fc1_weight, fc1_bias, h[piece], q, scales)
+        ctx.save_for_backward(x, fc1_weight, fc2_weight, *(t for c in copies for t in c))
+        ctx.inplace = inplace
+        ctx.has_bias = (fc1_bias is not None, fc2_bias is not None)
+        ctx.backward_ran = False
+        ctx.pieces = pieces
+        return fc2_or_h(ctx, handoff, h, fc2_weight, fc2_bias, quack_fc2)
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor):
+        errors = (SECOND_BACKWARD_ERROR, SECOND_BACKWARD_FREED_ERROR)
+        return backward_from_copies(ctx, grad_out, swiglu_bwd_fp8_paired_, errors)
+
+
+def drop_h_quack_fp8_mlp(
+    x: torch.Tensor,
+    fc1_weight: torch.Tensor,
+    fc1_bias: torch.Tensor | None,
+    fc2_weight: torch.Tensor,
+    fc2_bias: torch.Tensor | None,
+    inplace: bool = True,
+) -> torch.Tensor:
+    """drop_h_quack saving its preactivation in FP8 (CUDA sm_90+); ``inplace`` frees the copy
+    once backward read it. F not a multiple of 64, or an empty batch, takes drop_h's FP8 path."""
+    check_quack_inputs(x, fc1_weight, fc2_weight)
+    ffn = fc1_weight.shape[0] // 2
+    if x.shape[0] == 0 or (2 * ffn) % PAIRED_GROUP:
+        return drop_h_fp8_mlp(x, fc1_weight, fc1_bias, fc2_weight, fc2_bias, inplace)
+    if not torch.compiler.is_compiling():
+        check_fp8_gpu(x.get_device())
+    return with_fc2_node(
+        _DropHQuackFP8, x, fc1_weight, fc1_bias, fc2_weight, fc2_bias, inplace, fc2=quack_fc2
+    )
