@@ -21,12 +21,12 @@ from __future__ import annotations
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Float32, Int32
+from cutlass import BFloat16, Float32, Int32
 from cutlass._mlir.extras import types as T
 from cutlass._mlir_helpers.arith import bitcast
 from quack.activation import swiglu
 from quack.epilogue import gemm_epilogue, unpack
-from quack.epilogue.ops import GroupedColStatsBase, RowVecLoad
+from quack.epilogue.ops import GroupedColStatsBase, GroupedColStatsOut, RowVecLoad
 from quack.layout_utils import convert_layout_zero_stride
 
 from swiglu_train.kernels.fp8_format import E4M3_MAX, MIN_AMAX
@@ -67,8 +67,19 @@ class PairedBlockScale(GroupedColStatsBase):
         return out
 
 
+class StoredScale(PairedBlockScale):
+    """The scale as the bf16 the scales buffer holds (exact: its low 16 bits are 0), for the
+    ``out`` companion, whose store does not convert. It shares the value port's name, and so
+    reads that op's statistics."""
+
+    @cute.jit
+    def stat_value(self, total, group_cols):
+        return PairedBlockScale.stat_value(self, total, group_cols).to(BFloat16)
+
+
 _SCALE = PairedBlockScale("inv_scale")
 _SCALE_BIAS = PairedBlockScale("inv_scale")
+_SCALES_OUT = GroupedColStatsOut("scales", StoredScale("inv_scale"))
 
 
 def _abs_acc(acc):
@@ -85,7 +96,7 @@ def _abs_acc_bias(acc, bias):
     ops={"inv_scale": _SCALE},
     prepass=_abs_acc,
     prepass_outs=("inv_scale",),
-    extra_ops=(_SCALE.out("scales"),),
+    extra_ops=(_SCALES_OUT,),
 )
 def swiglu_fp8_saved_epilogue(acc, inv_scale):
     """D <- the e4m3 preactivation (pairs interleaved), h <- SwiGLU; no bf16 preact stored."""
@@ -99,7 +110,7 @@ def swiglu_fp8_saved_epilogue(acc, inv_scale):
     ops={"inv_scale": _SCALE_BIAS, "bias": RowVecLoad("bias")},
     prepass=_abs_acc_bias,
     prepass_outs=("inv_scale",),
-    extra_ops=(_SCALE_BIAS.out("scales"),),
+    extra_ops=(_SCALES_OUT,),
 )
 def swiglu_fp8_saved_bias_epilogue(acc, inv_scale, bias):
     """As swiglu_fp8_saved_epilogue, with fc1's bias (interleaved by concat_layout) added."""
