@@ -38,9 +38,18 @@ from swiglu_train.bench.timing import (
 from swiglu_train.bench.variants import LayerWeights
 from swiglu_train.files import write_json_atomic
 from swiglu_train.ops import quack_fp8_saved
-from swiglu_train.ops.fp8_paired import dequantize_paired, interleave, quantize_paired
-from swiglu_train.ops.fp8_saved import drop_h_fp8_mlp
-from swiglu_train.ops.quack_fp8_saved import drop_h_quack_fp8_mlp, quack_swiglu_fp8_
+from swiglu_train.ops.fp8_paired import (
+    deinterleave,
+    dequantize_paired,
+    interleave,
+    quantize_paired,
+)
+from swiglu_train.ops.fp8_saved import drop_h_fp8_mlp, recompute_from
+from swiglu_train.ops.quack_fp8_saved import (
+    drop_h_quack_fp8_mlp,
+    quack_dswiglu_fp8_,
+    quack_swiglu_fp8_,
+)
 from swiglu_train.ops.quack_mlp import drop_h_quack_mlp
 from swiglu_train.ops.reference import swiglu
 
@@ -91,6 +100,35 @@ def check_format(m: int, d: int, f: int, bias: bool, tile_n: int) -> dict:
     }  # fmt: skip
 
 
+def check_backward(m: int, d: int, f: int) -> dict:
+    """The grad_h epilogue's h and grad_preact against the torch path on the same copy, with
+    grad_h in fp32 (the epilogue's accumulator); NaN gate or up codes in a few pairs."""
+    preact = torch.randn(m, 2 * f, device="cuda") * 3
+    q, scales = quantize_paired(interleave(preact))
+    nan_rows = torch.arange(0, m, 97, device="cuda")
+    q.view(torch.uint8)[nan_rows, 1] = 0x7F  # up of feature 0 NaN
+    q.view(torch.uint8)[nan_rows, 4] = 0xFF  # gate of feature 2 NaN
+    grad_y = torch.randn(m, d, device="cuda", dtype=torch.bfloat16)
+    w2 = (torch.randn(d, f, device="cuda") / f**0.5).bfloat16()
+    h = torch.empty(m, f, device="cuda", dtype=torch.bfloat16)
+    grad_preact = torch.empty(m, 2 * f, device="cuda", dtype=torch.bfloat16)
+    quack_dswiglu_fp8_(q, scales, grad_y, w2, h, grad_preact)
+    grad_h = grad_y.float() @ w2.float()
+    h_ref, gp_ref = recompute_from(deinterleave(dequantize_paired(q, scales)), grad_h)
+
+    def rel(a, b):
+        ok = b.isfinite()
+        return float((a.float()[ok] - b[ok]).norm() / b[ok].norm())
+
+    return {
+        "shape": [m, d, f],
+        "h_rel_err": rel(h, h_ref),
+        "grad_preact_rel_err": rel(grad_preact, gp_ref),
+        "h_nan_match": bool(torch.equal(h.isnan(), h_ref.isnan())),
+        "grad_nan_match": bool(torch.equal(grad_preact.isnan(), gp_ref.isnan())),
+    }
+
+
 def grad_errors(m: int, d: int, f: int) -> dict:
     """Relative errors of y and the grads against float64, per impl, on the same bf16 values."""
     torch.manual_seed(1)
@@ -114,6 +152,7 @@ def grad_errors(m: int, d: int, f: int) -> dict:
         ("drop_h_quack", drop_h_quack_mlp),
         ("drop_h+fp8", drop_h_fp8_mlp),
         ("drop_h_quack+fp8", drop_h_quack_fp8_mlp),
+        ("dhq+fp8[unfused]", functools.partial(drop_h_quack_fp8_mlp, fused_backward=False)),
     ):
         got = run(mlp, torch.bfloat16)
         out[name] = {
@@ -133,6 +172,7 @@ def time_shape(shape: tuple[int, ...], samples: int, seed: int, profile: bool) -
         "drop_h_quack": drop_h_quack_mlp,
         "drop_h+fp8": drop_h_fp8_mlp,
         "drop_h_quack+fp8": drop_h_quack_fp8_mlp,
+        "dhq+fp8[unfused]": functools.partial(drop_h_quack_fp8_mlp, fused_backward=False),
         "dhq+fp8[tile=128]": with_tile(128, drop_h_quack_fp8_mlp),
     }
     cases = [floor_case(w, x, grad_y)]
@@ -183,6 +223,8 @@ def main() -> None:
     checks = [check_format(1000, 512, 1408, bias, t) for bias in (False, True) for t in (256, 128)]
     for c in checks:
         print(c)
+    checks += [check_backward(1000, 512, 1408), check_backward(777, 256, 192)]
+    print(checks[-2:])
     errors = [grad_errors(4096, 1024, 2816), grad_errors(8000, 4096, 14336)]
     for e in errors:
         print(e)

@@ -1,4 +1,4 @@
-"""drop_h_quack's FP8-saved fc1 epilogue, on quack's ``@gemm_epilogue`` (CuTe DSL, sm_90).
+"""drop_h_quack's FP8-saved epilogues, on quack's ``@gemm_epilogue`` (CuTe DSL, sm_90).
 
 One GEMM, x @ W1ᵀ, writes h (fc2's input) and the preactivation as e4m3 with its scales
 (``fp8_format``'s paired format), and never stores the bf16 preactivation. A prepass over the
@@ -13,6 +13,12 @@ paired format, not the canonical one of the Triton path (a group per half). The 
 divide the GEMM's N tile: the default SM90 gated tile, 192 columns, does not take 128-column
 groups, so the caller pins a 128- or 256-wide tile.
 
+Backward is one GEMM per row chunk, grad_h = grad_y @ W2, whose epilogue reads the copy back
+(``dswiglu_fp8_epilogue``): each feature's e4m3 gate and up bytes arrive as one 16-bit element
+of a bf16 view of the copy (a TileLoad), PTX's ``cvt.rn.f16x2.e4m3x2`` decodes both, and
+``LoadedGroupScale`` hands each element its group's scale; the epilogue writes h and the
+canonical grad_preact halves, and grad_h never reaches memory.
+
 Module globals, as ``quack_epilogues``: quack keys compiled kernels by the function's source
 and re-imports them by name in its compile workers.
 """
@@ -21,10 +27,14 @@ from __future__ import annotations
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import BFloat16, Float32, Int32
+from cutlass import BFloat16, Float32, Int32, const_expr
+from cutlass._mlir import ir
+from cutlass._mlir.dialects import llvm
 from cutlass._mlir.extras import types as T
 from cutlass._mlir_helpers.arith import bitcast
-from quack.activation import swiglu
+from cutlass.cutlass_dsl import dsl_user_op
+from quack.activation import dswiglu, swiglu
+from quack.cute_dsl_utils import torch2cute_dtype_map
 from quack.epilogue import gemm_epilogue, unpack
 from quack.epilogue.ops import GroupedColStatsBase, GroupedColStatsOut, RowVecLoad
 from quack.layout_utils import convert_layout_zero_stride
@@ -117,3 +127,97 @@ def swiglu_fp8_saved_bias_epilogue(acc, inv_scale, bias):
     pre = acc + bias
     gate, up = unpack(pre)
     return {"D": pre * inv_scale, "h": swiglu(gate, up)}
+
+
+@dsl_user_op
+def e4m3x2_from_bf16_bits(code: Float32, *, loc=None, ip=None) -> tuple[Float32, Float32]:
+    """The two e4m3 values whose bytes a bf16 element held (low byte first), as fp32.
+
+    ``code`` is that element widened to fp32, so its upper 16 bits are the two bytes: one
+    ``cvt.rn.f16x2.e4m3x2`` (exact, subnormals and NaN included) and two f16 -> f32.
+    """
+    res = llvm.inline_asm(
+        ir.Type.parse("!llvm.struct<(f32, f32)>"),
+        [Float32(code).ir_value(loc=loc, ip=ip)],
+        "{.reg .b16 lo, hi; .reg .b32 pair; .reg .f16 a, b;\n\t"
+        "mov.b32 {lo, hi}, $2;\n\t"
+        "cvt.rn.f16x2.e4m3x2 pair, hi;\n\t"
+        "mov.b32 {a, b}, pair;\n\t"
+        "cvt.f32.f16 $0, a;\n\t"
+        "cvt.f32.f16 $1, b;}",
+        "=f,=f,f",
+        has_side_effects=False,
+        loc=loc,
+        ip=ip,
+    )
+    f32 = T.f32()
+    return (
+        Float32(llvm.extractvalue(f32, res, [0], loc=loc, ip=ip)),
+        Float32(llvm.extractvalue(f32, res, [1], loc=loc, ip=ip)),
+    )
+
+
+class LoadedGroupScale(GroupedColStatsBase):
+    """A per-(row, group of 64 columns) value loaded from a [M, N / 64] tensor, handed to the
+    fn per element: the paired copy's scales in the grad_h GEMM, whose N is the features.
+
+    It reuses the grouped statistics' register slots and value port, filled at the start of
+    each tile by one load per slot a thread owns (rows past M read 1) instead of by a
+    prepass over the accumulator. The GEMM's N tile must hold whole groups.
+    """
+
+    GROUP = 64
+
+    def host_arg_key(self, value):
+        return (torch2cute_dtype_map[value.dtype],)
+
+    def host_fake_arg(self, key, fctx):
+        from quack.compile_utils import make_fake_tensor
+
+        return make_fake_tensor(key[0], (fctx.m, cute.sym_int()), leading_dim=1, divisibility=1)
+
+    def host_validate(self, value, *, m, n, tile_N, **_):
+        if tuple(value.shape) != (m, n // self.GROUP) or n % self.GROUP:
+            raise ValueError(
+                f"'{self.name}': expected scales of shape ({m}, {n} / {self.GROUP}), got "
+                f"{tuple(value.shape)}"
+            )
+        if tile_N % self.GROUP:
+            raise ValueError(f"'{self.name}': tile_N={tile_N} must hold whole {self.GROUP}s")
+
+    def _group_cols(self, arg):
+        return self.GROUP
+
+    @cute.jit
+    def begin(self, gemm, param, smem_tensor, ctx):
+        state = self.stats_begin(gemm, smem_tensor, ctx, const_expr(self.GROUP))
+        _, t_dcc, ref_layout, group_cols, _, r_stats, geom = state[:7]
+        rows_sub, n_e, epi_m_cnt, n_ords = geom
+        per_ord = const_expr(max(1, group_cols // n_e))
+        row0 = ctx.tile_coord_mnkl[0] * ctx.tile_M
+        col0 = ctx.tile_coord_mnkl[1] * ctx.tile_N
+        for em in cutlass.range_constexpr(epi_m_cnt):
+            for o in cutlass.range_constexpr(n_ords):
+                c_mn = convert_layout_zero_stride(
+                    t_dcc[None, None, None, (em, o * per_ord)], ref_layout
+                )
+                for r in cutlass.range_constexpr(rows_sub):
+                    coord = c_mn[r, 0]
+                    row = row0 + coord[0]
+                    value = Float32(1.0)
+                    if row < param.shape[0]:
+                        value = param[row, (col0 + coord[1]) // group_cols].to(Float32)
+                    r_stats[em * rows_sub + r, o] = value
+        return (state,)
+
+
+_GRAD_SCALE = LoadedGroupScale("scale")
+
+
+@gemm_epilogue(outputs=("h", "grad_gate", "grad_up"), ops={"scale": _GRAD_SCALE})
+def dswiglu_fp8_epilogue(acc, code, scale):
+    """grad_h GEMM: acc = grad_h; code = a feature's e4m3 gate and up bytes (a bf16 view of
+    the paired copy), scale = its group's; h and the canonical grad_preact halves out."""
+    gate, up = e4m3x2_from_bf16_bits(code)
+    grad_gate, grad_up, h = dswiglu(gate * scale, up * scale, acc)
+    return {"h": h, "grad_gate": grad_gate, "grad_up": grad_up}

@@ -57,6 +57,9 @@ the graph cannot be backpropagated twice (``inplace=False`` keeps them).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import NamedTuple
+
 import torch
 import torch.nn.functional as F
 
@@ -231,14 +234,16 @@ class _DropHFP8(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):
         errors = (SECOND_BACKWARD_ERROR_FP8, SECOND_BACKWARD_FREED_ERROR_FP8)
-        return (*backward_from_copies(ctx, grad_out, swiglu_bwd_fp8_, errors), None, None)
+        step = grad_h_then(swiglu_bwd_fp8_)
+        return (*backward_from_copies(ctx, grad_out, step, errors), None, None)
 
 
-def backward_from_copies(ctx, grad_out: torch.Tensor, kernel, errors: tuple[str, str]) -> tuple:
+def backward_from_copies(ctx, grad_out: torch.Tensor, step, errors: tuple[str, str]) -> tuple:
     """The FP8-saved backward of a Function whose forward saved x, fc1's and fc2's weights and
     one (values, scales) copy per row chunk (``ctx.pieces``): the gradients of x, W1, b1, W2,
-    b2, then None for the inplace flag and the fc2 handoff. ``kernel`` reads a chunk's copy
-    (its format) and writes h and grad_preact; ``errors`` are the second-backward messages."""
+    b2, then None for the inplace flag and the fc2 handoff. ``step`` reads a chunk's copy (its
+    format) and writes h and grad_preact (``_backward_rows``); ``errors`` are the
+    second-backward messages."""
     refuse_double_backward()
     consume = claim_inplace_backward(ctx, *errors)
     x, fc1_weight, fc2_weight, *flat = ctx.saved_tensors
@@ -247,7 +252,7 @@ def backward_from_copies(ctx, grad_out: torch.Tensor, kernel, errors: tuple[str,
     needs[2], needs[4] = needs[2] and ctx.has_bias[0], needs[4] and ctx.has_bias[1]
     grad_y = fc2_grad_y(ctx, grad_out)
     grad_x, grad_w1, grad_b1, grad_w2 = _backward_rows(
-        grad_y, x, fc1_weight, fc2_weight, copies, ctx.pieces, consume, needs, kernel
+        grad_y, x, fc1_weight, fc2_weight, copies, ctx.pieces, consume, needs, step
     )
     grad_b1 = grad_b1.to(grad_y.dtype) if needs[2] else None
     grad_b2 = grad_y.sum(0) if needs[4] else None
@@ -261,18 +266,39 @@ def _free(consume: bool, *saved: torch.Tensor) -> None:
             t.untyped_storage().resize_(0)
 
 
-def _backward_rows(grad_y, x, fc1_weight, fc2_weight, copies, pieces, consume, needs, kernel):
+class ChunkStep(NamedTuple):
+    """How a backward chunk makes its h and grad_preact from its copy:
+    ``run(q, scales, grad_y, fc2_weight, h, grad_preact)`` on the chunk's rows. With
+    ``needs_grad_h`` the loop first puts grad_h in h (one GEMM over all rows) for run to read
+    there; without, run makes grad_h itself (a GEMM whose epilogue reads the copy)."""
+
+    run: Callable[..., None]
+    needs_grad_h: bool
+
+
+def grad_h_then(kernel: Callable[..., None]) -> ChunkStep:
+    """The step of a kernel(q, scales, h, grad_preact) that reads grad_h from h's rows and
+    writes h over it, and grad_preact."""
+    return ChunkStep(lambda q, s, grad_y, w2, h, grad_preact: kernel(q, s, h, grad_preact), True)
+
+
+def _backward_rows(grad_y, x, fc1_weight, fc2_weight, copies, pieces, consume, needs, step):
     """(grad_x, grad_W1, grad_b1 in fp32, grad_W2) over chunks of rows of M (``pieces``), one
-    saved copy each, freed once ``kernel`` read it: grad_W1 is accumulated by the GEMM
-    (beta = 1), grad_W2 comes after the loop."""
+    saved copy each, freed once ``step`` read it; ``step`` writes a chunk's h and its
+    grad_preact (from grad_h the loop computed first, if it ``needs_grad_h``, or from
+    grad_y and W2 itself). grad_W1 is accumulated by the GEMM (beta = 1), grad_W2 comes after
+    the loop."""
     need_x, need_w1, need_b1, need_w2, _ = needs
-    h = grad_y @ fc2_weight  # grad_h; each chunk's kernel writes h over its rows
+    if step.needs_grad_h:
+        h = grad_y @ fc2_weight  # grad_h; each chunk's kernel writes h over its rows
+    else:
+        h = grad_y.new_empty(grad_y.shape[0], fc2_weight.shape[1])
     (m, ffn), d = h.shape, x.shape[1]
     grad_x = h.new_empty(m, d) if need_x else None
     grad_w1 = grad_b1 = None
     for part, (q, scales) in zip(pieces, copies, strict=True):
         grad_preact = h.new_empty(part.stop - part.start, 2 * ffn)  # this chunk's only
-        kernel(q, scales, h[part], grad_preact)
+        step.run(q, scales, grad_y[part], fc2_weight, h[part], grad_preact)
         _free(consume, q, scales)
         if need_x:
             torch.mm(grad_preact, fc1_weight, out=grad_x[part])

@@ -30,7 +30,13 @@ from swiglu_train.ops.eager import eager_op
 from swiglu_train.ops.fc2_node import Fc2Handoff, fc2_or_h, with_fc2_node
 from swiglu_train.ops.fp8_chunks import backward_row_chunks, spans
 from swiglu_train.ops.fp8_paired import paired_copy_buffers, swiglu_bwd_fp8_paired_
-from swiglu_train.ops.fp8_saved import backward_from_copies, check_fp8_gpu, drop_h_fp8_mlp
+from swiglu_train.ops.fp8_saved import (
+    ChunkStep,
+    backward_from_copies,
+    check_fp8_gpu,
+    drop_h_fp8_mlp,
+    grad_h_then,
+)
 from swiglu_train.ops.quack_mlp import check_quack_inputs, quack_fc2, require_quack
 
 IMPL = "drop_h_quack"
@@ -98,10 +104,38 @@ def _(x, fc1_weight, fc1_bias, h, q, scales) -> None:
     return None
 
 
+@eager_op("swiglu_train::quack_dswiglu_fp8_", mutates_args=("h", "grad_preact"))
+def quack_dswiglu_fp8_(
+    q: torch.Tensor,
+    scales: torch.Tensor,
+    grad_y: torch.Tensor,
+    fc2_weight: torch.Tensor,
+    h: torch.Tensor,
+    grad_preact: torch.Tensor,
+) -> None:
+    """h [M, F] and grad_preact [M, 2F] ([gate | up]) from one GEMM grad_y @ W2 whose epilogue
+    reads the paired copy; grad_h never reaches memory (rows as given: a chunk's)."""
+    ffn = h.shape[1]
+    _epilogues().dswiglu_fp8_epilogue(
+        grad_y, fc2_weight, code=q.view(torch.bfloat16), scale=scales, store_d=False,
+        out={"h": h, "grad_gate": grad_preact[:, :ffn], "grad_up": grad_preact[:, ffn:]},
+        tuned=False,
+    )  # fmt: skip
+
+
+@quack_dswiglu_fp8_.register_fake
+def _(q, scales, grad_y, fc2_weight, h, grad_preact) -> None:
+    return None
+
+
+FUSED_STEP = ChunkStep(quack_dswiglu_fp8_, needs_grad_h=False)
+UNFUSED_STEP = grad_h_then(swiglu_bwd_fp8_paired_)
+
+
 class _DropHQuackFP8(torch.autograd.Function):
     @staticmethod
     def forward(
-        ctx, x, fc1_weight, fc1_bias, fc2_weight, fc2_bias, inplace: bool,
+        ctx, x, fc1_weight, fc1_bias, fc2_weight, fc2_bias, inplace: bool, step: ChunkStep,
         handoff: Fc2Handoff | None,
     ):  # fmt: skip
         x = x.contiguous()
@@ -117,13 +151,13 @@ class _DropHQuackFP8(torch.autograd.Function):
         ctx.inplace = inplace
         ctx.has_bias = (fc1_bias is not None, fc2_bias is not None)
         ctx.backward_ran = False
-        ctx.pieces = pieces
+        ctx.pieces, ctx.step = pieces, step
         return fc2_or_h(ctx, handoff, h, fc2_weight, fc2_bias, quack_fc2)
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):
         errors = (SECOND_BACKWARD_ERROR, SECOND_BACKWARD_FREED_ERROR)
-        return backward_from_copies(ctx, grad_out, swiglu_bwd_fp8_paired_, errors)
+        return (*backward_from_copies(ctx, grad_out, ctx.step, errors), None)
 
 
 def drop_h_quack_fp8_mlp(
@@ -133,9 +167,12 @@ def drop_h_quack_fp8_mlp(
     fc2_weight: torch.Tensor,
     fc2_bias: torch.Tensor | None,
     inplace: bool = True,
+    fused_backward: bool = True,
 ) -> torch.Tensor:
     """drop_h_quack saving its preactivation in FP8 (CUDA sm_90+); ``inplace`` frees the copy
-    once backward read it. F not a multiple of 64, or an empty batch, takes drop_h's FP8 path."""
+    once backward read it. F not a multiple of 64, or an empty batch, takes drop_h's FP8 path.
+    ``fused_backward=False`` reads the copy in a Triton kernel after a grad_h GEMM instead of
+    in the GEMM's epilogue (benchmarks compare the two)."""
     check_quack_inputs(x, fc1_weight, fc2_weight)
     ffn = fc1_weight.shape[0] // 2
     if x.shape[0] == 0 or (2 * ffn) % PAIRED_GROUP:
@@ -143,5 +180,6 @@ def drop_h_quack_fp8_mlp(
     if not torch.compiler.is_compiling():
         check_fp8_gpu(x.get_device())
     return with_fc2_node(
-        _DropHQuackFP8, x, fc1_weight, fc1_bias, fc2_weight, fc2_bias, inplace, fc2=quack_fc2
-    )
+        _DropHQuackFP8, x, fc1_weight, fc1_bias, fc2_weight, fc2_bias, inplace,
+        FUSED_STEP if fused_backward else UNFUSED_STEP, fc2=quack_fc2,
+    )  # fmt: skip
