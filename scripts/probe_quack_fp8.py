@@ -57,12 +57,12 @@ from swiglu_train.ops.reference import swiglu
 @contextlib.contextmanager
 def fc1_tile(tile_n: int):
     """Pin the FP8 fc1 epilogue's N tile for the calls inside (a probe's knob, not an API)."""
-    rule = quack_fp8_saved.fp8_fc1_config
-    quack_fp8_saved.fp8_fc1_config = functools.partial(rule, tile_n)
+    rule = quack_fp8_saved._fc1_tile
+    quack_fp8_saved._fc1_tile = lambda x, w: (tile_n, *rule(x, w)[1:])
     try:
         yield
     finally:
-        quack_fp8_saved.fp8_fc1_config = rule
+        quack_fp8_saved._fc1_tile = rule
 
 
 def with_tile(tile_n: int, mlp):

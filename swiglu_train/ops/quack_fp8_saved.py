@@ -14,7 +14,7 @@ drop_h's (``ops.fp8_chunks``). quack's grad_h epilogue reads its preactivation a
 pairs and has no per-(row, group) scale load, so the read stays in the Triton kernel.
 
 The epilogue's groups must divide the GEMM's N tile, which quack's default SM90 gated config
-(192 wide) does not: the config here pins a 256-wide tile (``FP8_FC1_CONFIG``). F must be a
+(192 wide) does not: ``fp8_fc1_tile`` picks a 256- or 128-wide one. F must be a
 multiple of 64 (whole groups); otherwise the call runs drop_h's FP8 path, whose format has
 partial blocks.
 """
@@ -37,7 +37,17 @@ from swiglu_train.ops.fp8_saved import (
     drop_h_fp8_mlp,
     grad_h_then,
 )
-from swiglu_train.ops.quack_mlp import check_quack_inputs, quack_fc2, require_quack
+from swiglu_train.ops.quack_mlp import (
+    CLUSTER_N,
+    DEFAULT_CLUSTER_M,
+    FILL_MARGIN,
+    SMALL_M,
+    TILE_M,
+    check_quack_inputs,
+    quack_fc2,
+    require_quack,
+    wave_fill,
+)
 
 IMPL = "drop_h_quack"
 SECOND_BACKWARD_ERROR = (
@@ -63,17 +73,40 @@ def _epilogues():
     return quack_fp8_epilogues
 
 
+FP8_FC1_TILES_N = (256, 128)  # the multiples of the 128-column groups in quack's SM90 space
+
+
 @functools.cache
-def fp8_fc1_config(tile_n: int = 256):
-    """quack's SM90 config for the FP8 fc1 epilogue: 128 x ``tile_n`` (a multiple of the
-    128-column groups), clustered 2 x 1 along M like quack's default, cooperative (quack's
-    SM90 gated space has pingpong up to 192 columns)."""
+def fp8_fc1_config(tile_n: int, cluster_m: int, cluster_n: int):
+    """quack's SM90 config for the FP8 fc1 epilogue: 128 x ``tile_n``, pingpong where quack's
+    SM90 gated space has it (up to 192 columns), cooperative above."""
     from quack.gemm_config import GemmConfig
 
     return GemmConfig(
-        tile_m=128, tile_n=tile_n, pingpong=tile_n <= 192, cluster_m=2, cluster_n=1,
-        is_dynamic_persistent=False,
+        tile_m=TILE_M, tile_n=tile_n, pingpong=tile_n <= 192, cluster_m=cluster_m,
+        cluster_n=cluster_n, is_dynamic_persistent=False,
     )  # fmt: skip
+
+
+@functools.lru_cache(maxsize=256)
+def fp8_fc1_tile(m: int, fc1_rows: int, sms: int) -> tuple[int, int, int]:
+    """(tile_n, cluster_m, cluster_n) of the FP8 fc1 GEMM at m rows. quack's default tile, 192
+    wide, does not hold whole 128-column groups, so the tile is 256 or 128 wide: 256 (faster
+    at the seed shape: 4.56 against 4.66 ms forward, probe_quack_fp8_h200.json) unless 128
+    fills the SMs' last wave FILL_MARGIN better. Clustered along M as quack's default, or
+    along N up to SMALL_M rows, where one M tile would idle half of an M cluster (as
+    ``small_m_tile_n``)."""
+    cluster = (1, CLUSTER_N) if m <= SMALL_M else (DEFAULT_CLUSTER_M, 1)
+    m_tiles = -(-m // TILE_M)
+    fills = {n: wave_fill(m_tiles, -(-fc1_rows // n), *cluster, sms) for n in FP8_FC1_TILES_N}
+    wide, narrow = FP8_FC1_TILES_N
+    tile_n = narrow if fills[narrow] > FILL_MARGIN * fills[wide] else wide
+    return (tile_n, *cluster)
+
+
+def _fc1_tile(x: torch.Tensor, fc1_weight: torch.Tensor) -> tuple[int, int, int]:
+    sms = torch.cuda.get_device_properties(x.device).multi_processor_count
+    return fp8_fc1_tile(x.shape[0], fc1_weight.shape[0], sms)
 
 
 @eager_op("swiglu_train::quack_swiglu_fp8_", mutates_args=("h", "q", "scales"))
@@ -90,7 +123,7 @@ def quack_swiglu_fp8_(
     epi = _epilogues()
     options = {
         "out": {"D": q, "h": h}, "scales": scales, "inv_scale": PAIRED_GROUP, "tuned": False,
-        "concat_layout": ("B",), "config": fp8_fc1_config(),
+        "concat_layout": ("B",), "config": fp8_fc1_config(*_fc1_tile(x, fc1_weight)),
     }  # fmt: skip
     if fc1_bias is None:
         epi.swiglu_fp8_saved_epilogue(x, fc1_weight.t(), **options)
