@@ -23,10 +23,13 @@ the rest, the way a few channels dominate in LLMs); "outlier tokens" (8 rows of 
 
 On the CPU (small shapes, the torch path, every format). With ``--device cuda --grid-m M``:
 the model grid's (D, F) at M tokens, the impls' own CUDA kernels (Triton, and the FP8 path's
-row chunks), bf16 against fp8 only, the float64 reference on the GPU.
+row chunks), bf16 against fp8 only, the float64 reference on the GPU. ``--impl drop_h_quack``
+measures that impl's bf16 and FP8 paths instead (its quack epilogues, the paired format).
 
     python scripts/measure_fp8_saved.py --json benchmarks/results/fp8_saved_errors_cpu.json
     python scripts/measure_fp8_saved.py --device cuda --grid-m 8000 --json OUT.json
+    python scripts/measure_fp8_saved.py --device cuda --grid-m 8000 --impl drop_h_quack \
+        --json OUT.json
 """
 
 from __future__ import annotations
@@ -155,14 +158,14 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.double() - b).norm() / b.norm()).item()
 
 
-def measure(shapes, kinds, seed: int, device: str = "cpu") -> list[dict]:
+def measure(shapes, kinds, seed: int, device: str = "cpu", impl: str = "drop_h") -> list[dict]:
     rows = []
     for m, d, f in shapes:
         for kind in kinds:
             t = on(inputs(m, d, f, kind, seed), device)
             ref = float64_reference(t)
-            runs = {"bf16": par_mlp(t, False), "fp8": par_mlp(t, True)}
-            if device == "cpu":  # the comparison formats: the torch path's math, checked
+            runs = {"bf16": par_mlp(t, False, impl), "fp8": par_mlp(t, True, impl)}
+            if device == "cpu" and impl == "drop_h":  # the comparison formats: torch math, checked
                 check = with_format(t, 128, torch.float8_e4m3fn)
                 for key in OUTPUTS:  # the comparison path is fp8's own math
                     assert torch.equal(check[key], runs["fp8"][key]), key
@@ -170,11 +173,13 @@ def measure(shapes, kinds, seed: int, device: str = "cpu") -> list[dict]:
                 runs["fp8_pow2"] = with_format(t, 128, torch.float8_e4m3fn, scales="pow2")
                 runs["fp8_row"] = with_format(t, f, torch.float8_e4m3fn)
                 runs["e5m2"] = with_format(t, 128, torch.float8_e5m2)
-            runs["save_factors"] = par_mlp(t, False, impl="save_factors")
-            runs["save_factors_fp8"] = with_fp8_factors(t)
+            if impl == "drop_h":
+                runs["save_factors"] = par_mlp(t, False, impl="save_factors")
+                runs["save_factors_fp8"] = with_fp8_factors(t)
             for name, got in runs.items():
                 errors = {key: rel(got[key], ref[key]) for key in OUTPUTS}
-                rows.append({"M": m, "D": d, "F": f, "input": kind, "format": name, **errors})
+                row = {"M": m, "D": d, "F": f, "input": kind, "impl": impl, "format": name}
+                rows.append(row | errors)
                 print(f"{m}x{d}x{f} {kind:16} {name:8}",
                       " ".join(f"{k} {v:.2e}" for k, v in errors.items()), flush=True)  # fmt: skip
     return rows
@@ -186,17 +191,21 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--grid-m", type=int, help="the model grid's (D, F) at M tokens")
+    parser.add_argument(
+        "--impl", choices=("drop_h", "drop_h_quack"), default="drop_h",
+        help="drop_h_quack: its bf16 and FP8 paths only (CUDA sm_90 with quack)",
+    )  # fmt: skip
     args = parser.parse_args()
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: torch sees no CUDA device")
     shapes = SHAPES
     if args.grid_m is not None:
         shapes = tuple((args.grid_m, s.d, s.f) for s in grid_shapes())
-    rows = measure(shapes, KINDS, args.seed, args.device)
+    rows = measure(shapes, KINDS, args.seed, args.device, args.impl)
     if args.json:
         grid = f" --grid-m {args.grid_m}" if args.grid_m is not None else ""
         command = (f"python scripts/measure_fp8_saved.py --device {args.device}{grid} "
-                   f"--seed {args.seed} --json {args.json}")  # fmt: skip
+                   f"--impl {args.impl} --seed {args.seed} --json {args.json}")  # fmt: skip
         about = {"command": command, "commit": git_commit(), "torch": torch.__version__,
                  "machine": platform.machine(), "device": device_name()}  # fmt: skip
         write_json_atomic(args.json, {**about, "seed": args.seed, "rows": rows})
