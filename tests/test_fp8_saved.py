@@ -395,12 +395,12 @@ def test_a_model_trained_with_it_loads_into_one_without_it():
         ("normal", "it saves h .fc2's input. as well as the preactivation"),
         ("save_factors", "it is not implemented for the saved SwiGLU factors: they survive FP8"),
         ("save_factors_quack", "it is not implemented for the saved SwiGLU factors: .*quack epi"),
-        ("drop_h_quack", "it is not implemented yet for the quack impls .*impl 'drop_h' stores it"),
         ("auto", "auto may pick an impl that cannot store it; name impl 'drop_h'"),
     ],
 )
 def test_impls_without_an_fp8_copy_are_refused_with_the_reason(impl, reason):
-    message = f"saved_fp8=True is for impl 'drop_h' only, not '{impl}': {reason}"
+    impls = "impls 'drop_h' and 'drop_h_quack'"
+    message = f"saved_fp8=True is for {impls} only, not '{impl}': {reason}"
     with pytest.raises(ValueError, match=message):
         ParMLP(D, FFN, impl=impl, saved_fp8=True, tokens_hint=M)
 

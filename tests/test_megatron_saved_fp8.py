@@ -3,6 +3,8 @@ FP8 computes drop_h's loss, gradients within e4m3's rounding, and the same check
 
 from __future__ import annotations
 
+import importlib.util
+
 import pytest
 import torch
 from helpers import rel_err
@@ -15,7 +17,12 @@ from swiglu_train.integrations.megatron import (
     get_mlp_layer_spec,
     mlp_spec,
 )
+from swiglu_train.layers import registry
+from swiglu_train.layers.registry import check_saved_fp8
 from swiglu_train.ops import use_backend
+from swiglu_train.ops.quack_mlp import quack_available
+
+QUACK_INSTALLED = importlib.util.find_spec("quack") is not None
 
 
 def _gpt_with_fp8_saved(rank: int, world_size: int, rendezvous: str) -> None:
@@ -45,20 +52,44 @@ def test_gpt_spec_builds_fp8_saving_mlps_with_drop_h_s_checkpoints():
     spawn(_gpt_with_fp8_saved, 1)
 
 
+def spec_params(spec) -> dict:
+    """The keyword arguments a spec builds its MLP with (a ModuleSpec's or a builder's)."""
+    return spec.keywords if hasattr(spec, "keywords") else spec.params
+
+
 def test_specs_carry_the_option_and_refuse_it_for_other_impls():
     layer = get_mlp_layer_spec(saved_fp8=True)
     for spec in (mlp_spec("drop_h", saved_fp8=True), layer.submodules.mlp):
-        params = spec.keywords if hasattr(spec, "keywords") else spec.params
-        assert params["saved_fp8"] is True
+        assert spec_params(spec)["saved_fp8"] is True
     with pytest.raises(ValueError, match="not 'normal': it saves h"):
         get_gpt_layer_spec("normal", saved_fp8=True)
     with pytest.raises(
         ValueError, match="not 'save_factors': it is not implemented for the saved SwiGLU"
     ):
         get_gpt_layer_spec("save_factors", saved_fp8=True)
-    with pytest.raises(ValueError, match="not 'drop_h_quack': it is not implemented yet"):
-        get_gpt_layer_spec("drop_h_quack", saved_fp8=True)
     with pytest.raises(ValueError, match="not 'normal': it saves h"):  # TE installed or not
         get_gpt_layer_spec("normal", backend="te", saved_fp8=True)
     with pytest.raises(ValueError, match="not 'normal': it saves h"):  # before any weight
         ParMLPMegatron(swiglu_config(), stock_submodules(), impl="normal", saved_fp8=True)
+
+
+@pytest.mark.skipif(QUACK_INSTALLED, reason="quack is installed here: the spec builds for real")
+def test_drop_h_quack_with_the_option_needs_only_quack_itself(monkeypatch):
+    """saved_fp8 is accepted for drop_h_quack: without quack the spec fails on quack's absence
+    alone (an ImportError, not the saved_fp8 refusal), and with quack's check passed it builds
+    an MLP spec that carries the option."""
+    check_saved_fp8("drop_h_quack")
+    with pytest.raises(ImportError, match="need the quack-kernels package"):
+        get_gpt_layer_spec("drop_h_quack", saved_fp8=True)
+    monkeypatch.setattr(registry, "require_quack", lambda: None)  # as if quack were installed
+    params = spec_params(get_gpt_layer_spec("drop_h_quack", saved_fp8=True).submodules.mlp)
+    assert params["impl"] == "drop_h_quack" and params["saved_fp8"] is True
+    assert spec_params(mlp_spec("drop_h_quack", saved_fp8=True))["saved_fp8"] is True
+    assert spec_params(mlp_spec("drop_h_quack"))["saved_fp8"] is False
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not quack_available(), reason="needs quack-kernels and an sm_90+ GPU")
+def test_drop_h_quack_spec_carries_the_option():
+    params = spec_params(get_gpt_layer_spec("drop_h_quack", saved_fp8=True).submodules.mlp)
+    assert params["impl"] == "drop_h_quack" and params["saved_fp8"] is True

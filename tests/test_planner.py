@@ -263,7 +263,8 @@ def test_manual_checkpoint_layers_from_the_flag_and_the_yaml(small, tmp_path):
             marks=pytest.mark.skipif(quack_available(), reason="quack runs here"),
         ),
         (["--activation-checkpointing", "auto", "--memory-budget-gb", "1", "--plan-impls",
-          "normal+fp8"], r"saved_fp8=True is for impl 'drop_h' only, not 'normal'"),
+          "normal+fp8"], r"saved_fp8=True is for impls 'drop_h' and 'drop_h_quack' only, "
+         r"not 'normal'"),
         (["--activation-checkpointing", "auto", "--memory-budget-gb", "1", "--resume", "last"],
          r"a resume keeps its run's plan"),
         (["--activation-checkpointing", "auto", "--memory-budget-gb", "1", "--micro-batch-size",

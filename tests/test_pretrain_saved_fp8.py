@@ -47,11 +47,11 @@ def test_the_yaml_key_is_read_and_checked(tmp_path):
     with pytest.raises(ValueError) as e:
         ModelConfig(mlp_impl="save_factors", saved_fp8=True)
     assert str(e.value) == (
-        "model.saved_fp8 (--saved-fp8): saved_fp8=True is for impl 'drop_h' only, not "
-        "'save_factors': it is not implemented for the saved SwiGLU factors: they survive FP8 "
-        "as well as the preactivation does (docs/fp8.md), but h stays bf16 beside them, so x + "
-        "h + FP8 factors would hold what bf16 drop_h holds (4 bytes per M·F element), twice "
-        "drop_h's with saved_fp8 (2)"
+        "model.saved_fp8 (--saved-fp8): saved_fp8=True is for impls 'drop_h' and "
+        "'drop_h_quack' only, not 'save_factors': it is not implemented for the saved SwiGLU "
+        "factors: they survive FP8 as well as the preactivation does (docs/fp8.md), but h "
+        "stays bf16 beside them, so x + h + FP8 factors would hold what bf16 drop_h holds (4 "
+        "bytes per M·F element), twice drop_h's with saved_fp8 (2)"
     )
 
 
