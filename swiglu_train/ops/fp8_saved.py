@@ -12,7 +12,7 @@ its own absolute max, and it would double that error. A scale per 128 columns (D
 activation tiles) keeps an outlier from costing more than its own block: with one scale per
 row and half, it pushes the whole row's small values toward e4m3's subnormals, where the
 rounding is coarser. The scale is amax / 448 rounded up to bf16, so a block's max lands
-within 2**-8 of 448 and is stored nearly exactly; where a few features dominate, their error
+within 2**-7 of 448 and is stored nearly exactly; where a few features dominate, their error
 is most of the gradients', and that is what a scale buys. fp32 scales (the format before)
 store the max exactly, for 9.5 MiB a layer at the seed shape instead of 4.8; power-of-two
 scales (OCP MX's E8M0, 2.4 MiB) round the max like any value and so lose most of that gain.
