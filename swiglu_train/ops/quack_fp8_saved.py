@@ -7,11 +7,13 @@ preactivation is never stored, so forward moves 3 bytes per preactivation pair w
 The copy is in the paired format (``ops.fp8_paired``: quack's column order, a scale per 64
 features' gate and up values), since quack's epilogue groups adjacent accumulator columns.
 
-Backward is drop_h's FP8 backward (``ops.fp8_saved``): the grad_h GEMM per the whole batch,
-then per row chunk a Triton kernel that reads the chunk's copy, writes h and the canonical
-grad_preact, and frees the copy, and the grad_x and grad_W1 GEMMs; the peak stays within
-drop_h's (``ops.fp8_chunks``). quack's grad_h epilogue reads its preactivation as packed 16-bit
-pairs and has no per-(row, group) scale load, so the read stays in the Triton kernel.
+Backward runs in drop_h's FP8 row chunks (``ops.fp8_saved``, ``ops.fp8_chunks``: the peak
+stays within drop_h's). Each chunk is one GEMM, grad_y @ W2 on its rows, whose epilogue reads
+the chunk's copy and scales and writes h (for grad_W2) and the canonical grad_preact, so grad_h
+never reaches memory and no kernel passes over [M, 2F] besides the GEMMs; then the chunk's
+copy is freed and its grad_x and grad_W1 GEMMs run on cuBLAS. ``fused_backward=False`` keeps
+the grad_h GEMM apart and reads the copy in a Triton kernel (``kernels.swiglu_fp8_paired``),
+as drop_h's FP8 path does: the benchmarks' comparison.
 
 The epilogue's groups must divide the GEMM's N tile, which quack's default SM90 gated config
 (192 wide) does not: ``fp8_fc1_tile`` picks a 256- or 128-wide one. F must be a
