@@ -253,6 +253,18 @@ def test_candidates_default_to_ours_that_run_here_and_fp8_alone_with_saved_fp8()
     assert candidates(args) == ["drop_h+fp8"]
 
 
+def test_with_quack_the_fp8_candidates_take_drop_h_quack_s_too(monkeypatch) -> None:
+    from swiglu_train.integrations.megatron.pretrain.plan import candidates
+    from swiglu_train.ops import quack_mlp
+
+    monkeypatch.setattr(quack_mlp, "quack_available", lambda: True)
+    args = parse_args([*TINY, "--activation-checkpointing", "auto", "--memory-budget-gb", "1"])
+    args.saved_fp8 = True
+    assert candidates(args) == ["drop_h+fp8", "drop_h_quack+fp8"]
+    parse_args([*TINY, "--activation-checkpointing", "auto", "--memory-budget-gb", "1",
+                "--plan-impls", "drop_h_quack+fp8,drop_h"])  # fmt: skip
+
+
 def test_a_model_left_allocated_after_its_point_stops_the_plan(monkeypatch) -> None:
     """On CUDA the peaks are absolute: more than LEAK_MiB still allocated after a point's
     model was freed would inflate every later peak, so the planners stop, naming the point

@@ -16,7 +16,7 @@ from typer.testing import CliRunner
 from swiglu_train.cli import app
 from swiglu_train.integrations.lightning.config import load_config
 from swiglu_train.integrations.lightning.model import LlamaDecoder
-from swiglu_train.integrations.lightning.planner import Steps, measurer
+from swiglu_train.integrations.lightning.planner import Steps, candidates, measurer
 from swiglu_train.memory.budget import ESTIMATE
 from swiglu_train.memory.plan import NoPlanFits, Profile, choose_plan
 from swiglu_train.memory.runs import load_runs
@@ -311,3 +311,15 @@ def measure_params(cfg):
     from swiglu_train.integrations.lightning.model import LlamaDecoder
 
     return list(LlamaDecoder(cfg.model).parameters())
+
+
+def test_saved_fp8_candidates_are_the_fp8_impls_that_run_here(small, monkeypatch):
+    """model.saved_fp8 plans drop_h+fp8, and drop_h_quack+fp8 where quack runs."""
+    from swiglu_train.ops import quack_mlp
+
+    cfg = load_config(str(small))
+    cfg.model.saved_fp8 = True
+    monkeypatch.setattr(quack_mlp, "quack_available", lambda: False)
+    assert candidates(cfg) == ["drop_h+fp8"]
+    monkeypatch.setattr(quack_mlp, "quack_available", lambda: True)
+    assert candidates(cfg) == ["drop_h+fp8", "drop_h_quack+fp8"]

@@ -115,6 +115,12 @@ def check_saved_fp8(name: str, saved_fp8: bool = True) -> None:
 FP8_LABEL = "+fp8"
 
 
+def saved_fp8_labels(quack: bool) -> list[str]:
+    """The labels of the impls that store their saved preactivation in FP8 (``drop_h+fp8``,
+    and ``drop_h_quack+fp8`` where ``quack`` runs): a planner's candidates with saved_fp8."""
+    return [name + FP8_LABEL for name in SAVED_FP8_IMPLS if quack or name not in QUACK_IMPLS]
+
+
 def impl_label(name: str, saved_fp8: bool) -> str:
     """``name``, with ``+fp8`` when its saved preactivation is stored in FP8."""
     return name + FP8_LABEL if saved_fp8 else name

@@ -36,7 +36,13 @@ from lightning.fabric import Fabric
 
 from swiglu_train.integrations.lightning.config import PretrainConfig
 from swiglu_train.integrations.lightning.module import PretrainModule
-from swiglu_train.layers.registry import FP8_LABEL, PORTABLE_IMPLS, QUACK_IMPLS, check_saved_fp8
+from swiglu_train.layers.registry import (
+    FP8_LABEL,
+    PORTABLE_IMPLS,
+    QUACK_IMPLS,
+    check_saved_fp8,
+    saved_fp8_labels,
+)
 from swiglu_train.memory.budget import (
     ALLOCATOR,
     ESTIMATE,
@@ -118,20 +124,21 @@ def check_plan_settings(cfg: PretrainConfig, resuming: bool = False) -> None:
 
 def candidates(cfg: PretrainConfig) -> list[str]:
     """The impls the planner tries: train.plan_impls, else every exact impl that runs here
-    (the quack ones with quack on an sm_90+ GPU); with model.saved_fp8, drop_h+fp8 alone."""
+    (the quack ones with quack on an sm_90+ GPU); with model.saved_fp8, the impls that save in
+    FP8 (drop_h_quack+fp8 with quack)."""
     from swiglu_train.ops.quack_mlp import quack_available
 
     names = cfg.train.plan_impls
     if names is None:
         if cfg.model.saved_fp8:
-            return [f"drop_h{FP8}"]
+            return saved_fp8_labels(quack_available())
         quack = sorted(QUACK_IMPLS) if quack_available() else []
         return [*PORTABLE_IMPLS, *quack]
     if not names:
         raise ValueError("train.plan_impls (--plan-impls) is empty: name at least one impl")
     for name in names:
         impl, fp8 = split_candidate(name)
-        valid = [*PORTABLE_IMPLS, *sorted(QUACK_IMPLS), f"drop_h{FP8}"]
+        valid = [*PORTABLE_IMPLS, *sorted(QUACK_IMPLS), *saved_fp8_labels(quack=True)]
         if impl not in (*PORTABLE_IMPLS, *QUACK_IMPLS):
             raise ValueError(f"train.plan_impls (--plan-impls): unknown impl {name!r}; the "
                              f"planner tries concrete impls: {', '.join(valid)}")  # fmt: skip

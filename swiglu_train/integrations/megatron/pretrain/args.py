@@ -9,7 +9,11 @@ import os
 from pathlib import Path
 
 from swiglu_train.integrations.megatron import SUPPORTED_IMPLS
-from swiglu_train.layers.registry import FP8_LABEL, check_saved_fp8
+from swiglu_train.layers.registry import (
+    SAVED_FP8_IMPLS,
+    check_saved_fp8,
+    saved_fp8_labels,
+)
 from swiglu_train.memory.budget import split_candidate
 
 AUTO = "auto"
@@ -311,9 +315,10 @@ def check_auto(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     runnable = [*SUPPORTED_IMPLS, *MEGATRON_MLP]
     for name in args.plan_impls if args.plan_impls is not None else []:
         impl, fp8 = split_candidate(name)
-        if impl not in runnable or (fp8 and impl != "drop_h"):
+        if impl not in runnable or (fp8 and impl not in SAVED_FP8_IMPLS):
+            fp8_labels = ", ".join(saved_fp8_labels(quack=True))
             p.error(f"--plan-impls: {name!r} is not one this recipe runs ({', '.join(runnable)}"
-                    f", drop_h{FP8_LABEL})")  # fmt: skip
+                    f", {fp8_labels})")  # fmt: skip
     if args.plan_impls == []:
         p.error("--plan-impls is empty: name at least one impl")
 

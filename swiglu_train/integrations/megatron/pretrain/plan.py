@@ -34,7 +34,7 @@ from swiglu_train.integrations.megatron.pretrain.args import AUTO
 from swiglu_train.integrations.megatron.pretrain.build import build_training
 from swiglu_train.integrations.megatron.pretrain.data import train_loader
 from swiglu_train.integrations.megatron.pretrain.step import run_step
-from swiglu_train.layers.registry import FP8_LABEL, QUACK_IMPLS
+from swiglu_train.layers.registry import QUACK_IMPLS, saved_fp8_labels
 from swiglu_train.memory import MemoryProfiler
 from swiglu_train.memory.budget import (
     ALLOCATOR,
@@ -67,13 +67,13 @@ class Steps:
 
 def candidates(args: argparse.Namespace) -> list[str]:
     """--plan-impls, else every impl of ours that runs here (the quack ones with quack on an
-    sm_90+ GPU); with --saved-fp8, drop_h+fp8 alone."""
+    sm_90+ GPU); with --saved-fp8, the impls that save in FP8 (drop_h_quack+fp8 with quack)."""
     from swiglu_train.ops.quack_mlp import quack_available
 
     if args.plan_impls is not None:
         return args.plan_impls
     if args.saved_fp8:
-        return [f"drop_h{FP8_LABEL}"]
+        return saved_fp8_labels(quack_available())
     return [i for i in SUPPORTED_IMPLS if i not in QUACK_IMPLS or quack_available()]
 
 
