@@ -461,6 +461,12 @@ PY
         --json "$RES/probe_fp8_chunks_h200.json" --md "$RES/probe_fp8_chunks_h200.md"
       python3 scripts/probe_fp8_chunks.py --profile --shape 8000 4096 14336 4096 --rows 8000 \
         --json "$RES/probe_fp8_chunks_8000_h200.json" --md "$RES/probe_fp8_chunks_8000_h200.md" ;;
+    quack_fp8)  # issue 19: drop_h_quack with the FP8 copy (its quack epilogues), format and step
+      # at the seed shape and Llama-3-8B's at M = 8000; then its gradients' errors on the grid
+      python3 scripts/probe_quack_fp8.py --profile --samples 30 \
+        --out "$RES/probe_quack_fp8_h200.json" --md "$RES/probe_quack_fp8_h200.md" | tail -14
+      python3 scripts/measure_fp8_saved.py --device cuda --grid-m 8000 --impl drop_h_quack \
+        --json "$RES/fp8_saved_errors_grid_quack_h200.json" | tail -4 ;;
     fp8_loss_ab)  # issue 19 item 4: bf16 and FP8-saved drop_h from the same seeds, interleaved
       AB=/tmp/gpu-fp8ab-$commit && steps=${FP8_AB_STEPS:-1000} && mkdir -p "$AB" "$RES/fp8_loss_ab"
       for seed in 1 2; do
