@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import sys
 import traceback
 
 import numpy as np
@@ -201,6 +202,47 @@ def time_shape(shape: tuple[int, ...], samples: int, seed: int, profile: bool) -
     return rows
 
 
+def time_fc1(shape: tuple[int, ...], samples: int, seed: int) -> dict:
+    """fc1's GEMM alone over all M rows, paired: quack's gated GEMM as drop_h_quack runs it
+    (its default 128 x 192 pingpong tile, the bf16 preactivation stored), and the FP8
+    epilogue at the rule's tile, at 128 x 128 pingpong, and with 64-column groups (twice the
+    scales) at quack's default 128 x 192 pingpong tile. Median microseconds."""
+    from swiglu_train.bench.timing import paired_fresh_calls
+    from swiglu_train.kernels import quack_fp8_epilogues as epi
+    from swiglu_train.ops.quack_fp8_saved import _fc1_tile, fp8_fc1_config
+    from swiglu_train.ops.quack_mlp import require_quack
+
+    m, d, f = shape[:3]
+    torch.manual_seed(seed)
+    x = torch.randn(m, d, device="cuda", dtype=torch.bfloat16)
+    w1 = (torch.randn(2 * f, d, device="cuda") / d**0.5).bfloat16()
+    h = x.new_empty(m, f)
+    q = torch.empty(m, 2 * f, device="cuda", dtype=torch.float8_e4m3fn)
+
+    def fp8(group: int, config):
+        scales = x.new_empty(m, 2 * f // group)
+        return lambda: epi.swiglu_fp8_saved_epilogue(
+            x, w1.t(), out={"D": q, "h": h}, scales=scales, inv_scale=group, tuned=False,
+            concat_layout=("B",), config=config,
+        )  # fmt: skip
+
+    def gated():
+        require_quack().gemm_gated(
+            x, w1.t(), activation="swiglu", tuned=False, concat_layout=("B",)
+        )  # fmt: skip
+
+    calls = {
+        "quack gated (drop_h_quack)": gated,
+        "fp8, the rule": fp8(128, fp8_fc1_config(*_fc1_tile(x, w1))),
+        "fp8, 128 x 128 pingpong": fp8(128, fp8_fc1_config(128, 2, 1)),
+        "fp8, 64-column groups, 128 x 192 pingpong": fp8(64, fp8_fc1_config(192, 2, 1)),
+    }
+    for call in calls.values():
+        call()
+    times = paired_fresh_calls(calls, tuple, samples, torch.device("cuda"), seed)
+    return {"shape": list(shape), **{k: float(np.median(v)) * 1e3 for k, v in times.items()}}
+
+
 def to_markdown(result: dict) -> str:
     lines = [
         f"# drop_h_quack with the FP8-saved preactivation, {result['gpu']}",
@@ -223,8 +265,21 @@ def to_markdown(result: dict) -> str:
 def main() -> None:
     args, shapes = shape_probe_args(
         __doc__, ["11136,3584,14336", "8000,4096,14336"],
-        **{"--profile": {"action": "store_true"}, "--md": {}},
+        **{"--profile": {"action": "store_true"}, "--md": {},
+           "--fc1-only": {"action": "store_true"}},
     )  # fmt: skip
+    if args.fc1_only:  # the fc1 GEMM's tiles and groups alone
+        fc1 = [time_fc1(s, args.samples, args.seed) for s in shapes]
+        for row in fc1:
+            print(row)
+        write_json_atomic(
+            args.out,
+            {
+                "command": "python scripts/probe_quack_fp8.py " + " ".join(sys.argv[1:]),
+                "fc1_us": fc1,
+            },
+        )
+        return
     checks = [check_format(1000, 512, 1408, bias, t) for bias in (False, True) for t in (256, 128)]
     for c in checks:
         print(c)
