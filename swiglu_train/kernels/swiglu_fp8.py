@@ -179,16 +179,22 @@ def _swiglu_bwd_fp8_kernel(
     gate = _dequantize(q_ptrs, scale_ptrs, mask, scale_mask, INTERPRET)
     up = _dequantize(q_ptrs + F, scale_ptrs + nb, mask, scale_mask, INTERPRET)
     grad_h_ptrs = grad_h_ptr + rows * stride_grad_h + cols
-    grad_h = tl.load(grad_h_ptrs, mask=mask).to(tl.float32)
+    out_ptrs = grad_preact_ptr + rows * stride_grad_preact + cols
+    recompute_store(gate, up, grad_h_ptrs, out_ptrs, F, mask)
 
+
+@triton.jit
+def recompute_store(gate, up, grad_h_ptrs, out_ptrs, F, mask):
+    """From the restored gate and up: grad_preact's gate half at out_ptrs and its up half F
+    further, and h over grad_h (read from and stored through grad_h_ptrs)."""
+    grad_h = tl.load(grad_h_ptrs, mask=mask).to(tl.float32)
     sig = 1.0 / (1.0 + tl.exp(-gate))
     grad_up = grad_h * gate * sig
     grad_gate = grad_h * up * sig * (1.0 + gate * (1.0 - sig))
-    dtype = grad_h_ptr.dtype.element_ty
+    dtype = grad_h_ptrs.dtype.element_ty
     h = _silu_times_up(gate, up, dtype)
     tl.store(grad_h_ptrs, h.to(dtype), mask=mask)
-    out_ptrs = grad_preact_ptr + rows * stride_grad_preact + cols
-    out_dtype = grad_preact_ptr.dtype.element_ty
+    out_dtype = out_ptrs.dtype.element_ty
     tl.store(out_ptrs, grad_gate.to(out_dtype), mask=mask)
     tl.store(out_ptrs + F, grad_up.to(out_dtype), mask=mask)
 

@@ -22,8 +22,8 @@ from swiglu_train.kernels.fp8_format import (
     paired_saved_shapes,
 )
 from swiglu_train.kernels.runtime import INTERPRET, SUPPORTED_DTYPES
-from swiglu_train.kernels.swiglu import BWD_TILE, _check_like, _silu_times_up
-from swiglu_train.kernels.swiglu_fp8 import _dequantize, fp8_tile
+from swiglu_train.kernels.swiglu import BWD_TILE, _check_like
+from swiglu_train.kernels.swiglu_fp8 import _dequantize, fp8_tile, recompute_store
 
 _GROUP: tl.constexpr = tl.constexpr(PAIRED_GROUP)
 _HALF: tl.constexpr = tl.constexpr(PAIRED_GROUP // 2)
@@ -63,17 +63,8 @@ def _swiglu_bwd_fp8_paired_kernel(
     cols = groups * _HALF + tl.arange(0, _HALF)[None, None, :]
     col_mask = group_mask & (cols < F)
     grad_h_ptrs = grad_h_ptr + rows * stride_grad_h + cols
-    grad_h = tl.load(grad_h_ptrs, mask=col_mask).to(tl.float32)
-    sig = 1.0 / (1.0 + tl.exp(-gate))
-    grad_up = grad_h * gate * sig
-    grad_gate = grad_h * up * sig * (1.0 + gate * (1.0 - sig))
-    dtype = grad_h_ptr.dtype.element_ty
-    h = _silu_times_up(gate, up, dtype)
-    tl.store(grad_h_ptrs, h.to(dtype), mask=col_mask)
     out_ptrs = grad_preact_ptr + rows * stride_grad_preact + cols
-    out_dtype = grad_preact_ptr.dtype.element_ty
-    tl.store(out_ptrs, grad_gate.to(out_dtype), mask=col_mask)
-    tl.store(out_ptrs + F, grad_up.to(out_dtype), mask=col_mask)
+    recompute_store(gate, up, grad_h_ptrs, out_ptrs, F, col_mask)
 
 
 def check_paired(q: torch.Tensor, scales: torch.Tensor, ref: torch.Tensor, m: int, ffn: int):
