@@ -132,3 +132,33 @@ def watch_planner_builds(monkeypatch) -> list:
 def fp8_buffers(m: int, ffn: int, like: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """Empty h [m, F] (``like``'s dtype) and the FP8 copy's buffers: the forward op's outputs."""
     return (like.new_empty(m, ffn), *copy_buffers(m, ffn, like))
+
+
+SEED_SHAPE = (11136, 3584, 14336, 3584)  # issue 19's M, D, F, O
+
+
+def seed_step_bytes(saved_fp8: bool, impl: str = "drop_h") -> tuple[int, int, int]:
+    """(forward's peak, after forward, backward's peak) allocator bytes above the step's start
+    for ``impl`` at issue 19's seed shape, bf16 on CUDA; x, the weights and grad_y exist
+    before, parameter grads do not."""
+    from swiglu_train import ParMLP
+
+    m, d, ffn, out = SEED_SHAPE
+    mlp = ParMLP(d, ffn, out, impl=impl, saved_fp8=saved_fp8, device="cuda",
+                 dtype=torch.bfloat16)  # fmt: skip
+    x = torch.randn(m, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    grad_y = torch.randn(m, out, device="cuda", dtype=torch.bfloat16)
+    mlp(x).backward(grad_y)  # warm-up: compiles and cuBLAS workspaces
+    x.grad = None
+    mlp.zero_grad(set_to_none=True)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    y = mlp(x)
+    torch.cuda.synchronize()
+    forward_peak = torch.cuda.max_memory_allocated() - base
+    after_forward = torch.cuda.memory_allocated() - base
+    torch.cuda.reset_peak_memory_stats()
+    y.backward(grad_y)
+    torch.cuda.synchronize()
+    return forward_peak, after_forward, torch.cuda.max_memory_allocated() - base

@@ -9,7 +9,7 @@ format and chunking checks on the GPU.
 
 import pytest
 import torch
-from helpers import fp8_buffers, rel_err
+from helpers import SEED_SHAPE, fp8_buffers, rel_err, seed_step_bytes
 
 from swiglu_train import ParMLP
 from swiglu_train.kernels.fp8_format import n_blocks
@@ -105,32 +105,6 @@ def test_after_forward_holds_the_fp8_copy_and_scales_instead_of_the_preactivatio
     drop_h, fp8 = after_forward_bytes(False, ffn), after_forward_bytes(True, ffn)
     scales = ALIGNED_M * 2 * n_blocks(ffn) * 2  # bf16
     assert drop_h - fp8 == ALIGNED_M * 2 * ffn * 2 - (ALIGNED_M * 2 * ffn + scales)
-
-
-SEED_SHAPE = (11136, 3584, 14336, 3584)  # issue 19's M, D, F, O
-
-
-def seed_step_bytes(saved_fp8: bool) -> tuple[int, int, int]:
-    """(forward's peak, after forward, backward's peak) allocator bytes above the step's start
-    at the seed shape, bf16; x, the weights and grad_y exist before, parameter grads do not."""
-    m, d, ffn, out = SEED_SHAPE
-    mlp = ParMLP(d, ffn, out, saved_fp8=saved_fp8, device="cuda", dtype=torch.bfloat16)
-    x = torch.randn(m, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    grad_y = torch.randn(m, out, device="cuda", dtype=torch.bfloat16)
-    mlp(x).backward(grad_y)  # warm-up: compiles and cuBLAS workspaces
-    x.grad = None
-    mlp.zero_grad(set_to_none=True)
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    base = torch.cuda.memory_allocated()
-    y = mlp(x)
-    torch.cuda.synchronize()
-    forward_peak = torch.cuda.max_memory_allocated() - base
-    after_forward = torch.cuda.memory_allocated() - base
-    torch.cuda.reset_peak_memory_stats()
-    y.backward(grad_y)
-    torch.cuda.synchronize()
-    return forward_peak, after_forward, torch.cuda.max_memory_allocated() - base
 
 
 def test_seed_shape_peaks_are_within_drop_h_s():

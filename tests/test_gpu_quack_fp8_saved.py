@@ -16,9 +16,11 @@ amax / 448 rounded up to bf16: one accumulator differing from torch's across a b
 moves it one bf16 ulp (2**-7 of itself), which a few groups in a thousand may see.
 """
 
+import itertools
+
 import pytest
 import torch
-from helpers import rel_err
+from helpers import SEED_SHAPE, rel_err, seed_step_bytes
 
 from swiglu_train import ParMLP
 from swiglu_train.kernels.fp8_format import (
@@ -37,6 +39,7 @@ from swiglu_train.ops.fp8_paired import (
 )
 from swiglu_train.ops.fp8_saved import recompute_from
 from swiglu_train.ops.quack_fp8_saved import (
+    IMPL,
     SECOND_BACKWARD_ERROR,
     SECOND_BACKWARD_FREED_ERROR,
     drop_h_quack_fp8_mlp,
@@ -257,45 +260,19 @@ def test_f_not_a_multiple_of_64_takes_drop_h_s_fp8_path(bias):
         assert (value is None) == (got[name] is None), name
         assert value is None or torch.equal(got[name], value), name
     saved = kept["fp8"]  # each copy's values (e4m3) are saved just before their scales
-    scales = [b for a, b in zip(saved, saved[1:]) if a.dtype == FP8_DTYPE]
+    scales = [b for a, b in itertools.pairwise(saved) if a.dtype == FP8_DTYPE]
     assert scales and all(s.dtype == SCALE_DTYPE for s in scales)
     assert all(s.shape[1] == 2 * n_blocks(ffn) for s in scales)  # 16: canonical, not 2F / 128
 
 
-SEED_SHAPE = (11136, 3584, 14336, 3584)  # issue 19's M, D, F, O
 MiB = 2**20
-
-
-def seed_step_bytes(saved_fp8: bool) -> tuple[int, int, int]:
-    """(forward's peak, after forward, backward's peak) allocator bytes above the step's start
-    for drop_h_quack at the seed shape, bf16; x, the weights and grad_y exist before,
-    parameter grads do not (tests/test_gpu_fp8_saved.py's measure)."""
-    m, d, ffn, out = SEED_SHAPE
-    mlp = ParMLP(d, ffn, out, impl="drop_h_quack", saved_fp8=saved_fp8, device="cuda",
-                 dtype=torch.bfloat16)  # fmt: skip
-    x = torch.randn(m, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    grad_y = torch.randn(m, out, device="cuda", dtype=torch.bfloat16)
-    mlp(x).backward(grad_y)  # warm-up: compiles, cuBLAS workspaces
-    x.grad = None
-    mlp.zero_grad(set_to_none=True)
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    base = torch.cuda.memory_allocated()
-    y = mlp(x)
-    torch.cuda.synchronize()
-    forward_peak = torch.cuda.max_memory_allocated() - base
-    after_forward = torch.cuda.memory_allocated() - base
-    torch.cuda.reset_peak_memory_stats()
-    y.backward(grad_y)
-    torch.cuda.synchronize()
-    return forward_peak, after_forward, torch.cuda.max_memory_allocated() - base
 
 
 def test_seed_shape_holds_the_copy_after_forward_within_drop_h_quack_s_peak():
     """After forward y and the paired copy with its scales (76.1 + 304.5 + 4.8 MiB), at most
     390 MiB; the step's peak at most drop_h_quack's (which holds the bf16 preactivation)."""
     m, _, ffn, _ = SEED_SHAPE
-    plain, fp8 = seed_step_bytes(False), seed_step_bytes(True)
+    plain, fp8 = seed_step_bytes(False, IMPL), seed_step_bytes(True, IMPL)
     copy = m * 2 * ffn + m * 2 * ffn // PAIRED_GROUP * 2
     assert copy <= fp8[1] <= 390 * MiB, (fp8, copy)
     assert fp8[1] < plain[1], (plain, fp8)
