@@ -5,8 +5,19 @@ order, [g0, u0, g1, u1, ...], with one bf16 scale per ``PAIRED_GROUP`` (128) of 
 64 features' gate and up values share a scale, where the canonical format (``fp8_saved``)
 gives each half its own per 128 columns. Same bytes per row (one e4m3 value per element, one
 scale per 128), so the same memory; the scale is taken over a gate and an up block together.
-The torch functions here are the reference the GPU tests hold the epilogue to, and the CPU
-path of the backward op.
+Measured on the H200 at the model grid's 12 shapes, M = 8000 (scripts/measure_fp8_saved.py
+--impl drop_h_quack, benchmarks/results/fp8_saved_errors_grid_quack_h200.json), relative error
+against float64:
+
+    input             saved as            grad_x         grad_W1        grad_W2
+    random            bf16 (drop_h_quack) 0.30 %         0.30 %         0.35 %
+                      paired e4m3         2.92 %         2.92-2.93 %    4.04 %
+    8 features x50    paired e4m3         2.23-2.64 %    1.69-2.52 %    3.08-3.65 %
+    8 tokens x30      paired e4m3         2.72-2.78 %    2.57-2.62 %    3.59-3.69 %
+
+within 1.023x of the canonical format's errors on the same inputs: sharing a scale between a
+gate and an up block costs little, since their magnitudes are alike. The torch functions here
+are the reference the GPU tests hold the epilogue to, and the CPU path of the backward op.
 """
 
 from __future__ import annotations
