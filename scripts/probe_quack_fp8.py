@@ -34,6 +34,7 @@ from swiglu_train.bench.timing import (
     Clock,
     kernel_timeline,
     memory_mib,
+    paired_fresh_calls,
     paired_samples,
     run_once,
 )
@@ -49,10 +50,11 @@ from swiglu_train.ops.fp8_paired import (
 from swiglu_train.ops.fp8_saved import drop_h_fp8_mlp, recompute_from
 from swiglu_train.ops.quack_fp8_saved import (
     drop_h_quack_fp8_mlp,
+    fp8_fc1_config,
     quack_dswiglu_fp8_,
     quack_swiglu_fp8_,
 )
-from swiglu_train.ops.quack_mlp import drop_h_quack_mlp
+from swiglu_train.ops.quack_mlp import drop_h_quack_mlp, require_quack
 from swiglu_train.ops.reference import swiglu
 
 
@@ -207,11 +209,7 @@ def time_fc1(shape: tuple[int, ...], samples: int, seed: int) -> dict:
     (its default 128 x 192 pingpong tile, the bf16 preactivation stored), and the FP8
     epilogue at the rule's tile, at 128 x 128 pingpong, and with 64-column groups (twice the
     scales) at quack's default 128 x 192 pingpong tile. Median microseconds."""
-    from swiglu_train.bench.timing import paired_fresh_calls
-    from swiglu_train.kernels import quack_fp8_epilogues as epi
-    from swiglu_train.ops.quack_fp8_saved import _fc1_tile, fp8_fc1_config
-    from swiglu_train.ops.quack_mlp import require_quack
-
+    epi = quack_fp8_saved._epilogues()
     m, d, f = shape[:3]
     torch.manual_seed(seed)
     x = torch.randn(m, d, device="cuda", dtype=torch.bfloat16)
@@ -233,7 +231,7 @@ def time_fc1(shape: tuple[int, ...], samples: int, seed: int) -> dict:
 
     calls = {
         "quack gated (drop_h_quack)": gated,
-        "fp8, the rule": fp8(128, fp8_fc1_config(*_fc1_tile(x, w1))),
+        "fp8, the rule": fp8(128, fp8_fc1_config(*quack_fp8_saved._fc1_tile(x, w1))),
         "fp8, 128 x 128 pingpong": fp8(128, fp8_fc1_config(128, 2, 1)),
         "fp8, 64-column groups, 128 x 192 pingpong": fp8(64, fp8_fc1_config(192, 2, 1)),
     }

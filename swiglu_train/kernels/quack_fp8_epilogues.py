@@ -34,6 +34,7 @@ from cutlass._mlir.extras import types as T
 from cutlass._mlir_helpers.arith import bitcast
 from cutlass.cutlass_dsl import dsl_user_op
 from quack.activation import dswiglu, swiglu
+from quack.compile_utils import make_fake_tensor
 from quack.cute_dsl_utils import torch2cute_dtype_map
 from quack.epilogue import gemm_epilogue, unpack
 from quack.epilogue.ops import GroupedColStatsBase, GroupedColStatsOut, RowVecLoad
@@ -172,8 +173,6 @@ class LoadedGroupScale(GroupedColStatsBase):
         return (torch2cute_dtype_map[value.dtype],)
 
     def host_fake_arg(self, key, fctx):
-        from quack.compile_utils import make_fake_tensor
-
         return make_fake_tensor(key[0], (fctx.m, cute.sym_int()), leading_dim=1, divisibility=1)
 
     def host_validate(self, value, *, m, n, tile_N, **_):
