@@ -94,7 +94,7 @@ def fp8_fc1_config(tile_n: int, cluster_m: int, cluster_n: int):
 def fp8_fc1_tile(m: int, fc1_rows: int, sms: int) -> tuple[int, int, int]:
     """(tile_n, cluster_m, cluster_n) of the FP8 fc1 GEMM at m rows. quack's default tile, 192
     wide, does not hold whole 128-column groups, so the tile is 256 or 128 wide: 256 (faster
-    at the seed shape: 4.56 against 4.66 ms forward, probe_quack_fp8_h200.json) unless 128
+    at the seed shape: 4.54 against 4.63 ms forward, probe_quack_fp8_h200.json) unless 128
     fills the SMs' last wave FILL_MARGIN better. Clustered along M as quack's default, or
     along N up to SMALL_M rows, where one M tile would idle half of an M cluster (as
     ``small_m_tile_n``)."""
