@@ -50,8 +50,9 @@ from swiglu_train.ops.quack_fp8_saved import (
     SECOND_BACKWARD_ERROR,
     SECOND_BACKWARD_FREED_ERROR,
     drop_h_quack_fp8_mlp,
+    fp8_fc1_tile,
 )
-from swiglu_train.ops.quack_mlp import drop_h_quack_mlp
+from swiglu_train.ops.quack_mlp import drop_h_quack_mlp, wave_fill
 
 KERNEL_DEVICES = [
     pytest.param(
@@ -511,3 +512,15 @@ def test_other_impls_are_refused_naming_both_fp8_impls(impl):
     assert str(e.value).startswith(
         f"saved_fp8=True is for impls 'drop_h' and 'drop_h_quack' only, not '{impl}': "
     )
+
+
+def test_the_fc1_tile_holds_whole_groups_and_is_256_wide_unless_128_fills_the_gpu_better():
+    assert fp8_fc1_tile(11136, 2 * 14336, 132) == (256, 2, 1)  # the seed shape: cooperative
+    for m in (1, 64, 512, 513, 4096, 11136):
+        for rows in (2 * 704, 2 * 4864, 2 * 14336, 2 * 18944):
+            tile_n, cluster_m, cluster_n = fp8_fc1_tile(m, rows, 132)
+            assert tile_n % PAIRED_GROUP == 0
+            assert (cluster_m, cluster_n) == ((1, 2) if m <= 512 else (2, 1)), m
+            fill = {n: wave_fill(-(-m // 128), -(-rows // n), cluster_m, cluster_n, 132)
+                    for n in (128, 256)}  # fmt: skip
+            assert (tile_n == 128) == (fill[128] > 1.05 * fill[256]), (m, rows, fill)
