@@ -277,3 +277,34 @@ def test_seed_shape_holds_the_copy_after_forward_within_drop_h_quack_s_peak():
     assert copy <= fp8[1] <= 390 * MiB, (fp8, copy)
     assert fp8[1] < plain[1], (plain, fp8)
     assert max(fp8) <= max(plain), (plain, fp8)
+
+
+def non_finite_grads(saved_fp8: bool, where: str, value: float) -> dict:
+    """y and every gradient of a drop_h_quack step with one non-finite ``value`` put
+    ``where``; the same weights and inputs with and without ``saved_fp8``."""
+    torch.manual_seed(0)
+    m, d, ffn = 1000, 512, 1408
+    mlp = ParMLP(d, ffn, bias=True, impl="drop_h_quack", saved_fp8=saved_fp8, device="cuda",
+                 dtype=torch.bfloat16)  # fmt: skip
+    x = torch.randn(m, d, device="cuda", dtype=torch.bfloat16)
+    grad_y = torch.randn(m, d, device="cuda", dtype=torch.bfloat16)
+    with torch.no_grad():
+        target = {"x": x, "gate weight": mlp.fc1.weight, "up weight": mlp.fc1.weight,
+                  "fc2 weight": mlp.fc2.weight}[where]  # fmt: skip
+        index = {"x": (3, 5), "gate weight": (7, 2), "up weight": (ffn + 150, 2),
+                 "fc2 weight": (4, 130)}[where]  # fmt: skip
+        target[index] = value
+    return run(mlp, x, grad_y)
+
+
+@pytest.mark.parametrize("value", [float("inf"), float("-inf"), float("nan")])
+@pytest.mark.parametrize("where", ["x", "gate weight", "up weight", "fc2 weight"])
+def test_non_finite_inputs_give_the_bf16_path_s_non_finite_grads(where, value):
+    """Every y and gradient entry that bf16 drop_h_quack makes non-finite, the FP8 copy does
+    too: never a silently finite one (a NaN keeps its own value in the paired format; an inf
+    spoils its 128-column group, which may spread non-finite entries further)."""
+    plain, fp8 = non_finite_grads(False, where, value), non_finite_grads(True, where, value)
+    assert not plain["w1"].isfinite().all()  # the case makes the bf16 path non-finite at all
+    for name, expected in plain.items():
+        bad_plain, bad_fp8 = ~expected.isfinite(), ~fp8[name].isfinite()
+        assert not (bad_plain & ~bad_fp8).any(), name
