@@ -41,11 +41,10 @@ from swiglu_train.ops.fp8_paired import (
     deinterleave,
     dequantize_paired,
     interleave,
-    paired_copy_buffers,
     quantize_paired,
     swiglu_bwd_fp8_paired_,
 )
-from swiglu_train.ops.fp8_saved import recompute_from
+from swiglu_train.ops.fp8_saved import copy_buffers, recompute_from
 from swiglu_train.ops.quack_fp8_saved import (
     SECOND_BACKWARD_ERROR,
     SECOND_BACKWARD_FREED_ERROR,
@@ -137,7 +136,7 @@ def test_shapes_and_dtypes(m, ffn):
     assert q.shape == (m, 2 * ffn) and q.dtype == torch.float8_e4m3fn == FP8_DTYPE
     assert scales.shape == (m, 2 * ffn // 128) and scales.dtype == torch.bfloat16 == SCALE_DTYPE
     assert paired_saved_shapes(m, ffn) == (tuple(q.shape), tuple(scales.shape))
-    empty_q, empty_scales = paired_copy_buffers(m, ffn, torch.empty(0))
+    empty_q, empty_scales = copy_buffers(m, ffn, torch.empty(0), paired_saved_shapes)
     assert (empty_q.shape, empty_q.dtype) == (q.shape, q.dtype)
     assert (empty_scales.shape, empty_scales.dtype) == (scales.shape, scales.dtype)
     # the same bytes as the canonical format where F is a multiple of 128
@@ -221,7 +220,7 @@ def test_f_not_a_multiple_of_64_is_refused(ffn):
     with pytest.raises(ValueError, match=f"multiple of 64, got F={ffn}"):
         quantize_paired(torch.randn(2, 2 * ffn))
     with pytest.raises(ValueError, match="multiple of 64"):
-        paired_copy_buffers(2, ffn, torch.empty(0))
+        copy_buffers(2, ffn, torch.empty(0), paired_saved_shapes)
     with pytest.raises(ValueError, match="multiple of 64"):
         paired_saved_shapes(2, ffn)
 

@@ -28,16 +28,16 @@ from swiglu_train.kernels.fp8_format import (
     PAIRED_GROUP,
     SCALE_DTYPE,
     n_blocks,
+    paired_saved_shapes,
 )
 from swiglu_train.ops import reference
 from swiglu_train.ops.fp8_paired import (
     deinterleave,
     dequantize_paired,
     interleave,
-    paired_copy_buffers,
     quantize_paired,
 )
-from swiglu_train.ops.fp8_saved import recompute_from
+from swiglu_train.ops.fp8_saved import copy_buffers, recompute_from
 from swiglu_train.ops.quack_fp8_saved import (
     IMPL,
     SECOND_BACKWARD_ERROR,
@@ -78,7 +78,7 @@ def test_fc1_epilogue_writes_the_paired_copy_of_its_fp32_preactivation(m, bias):
     d, ffn = 512, 1408
     x, w1, b1 = fc1_inputs(m, d, ffn, bias)
     h = x.new_empty(m, ffn)
-    q, scales = paired_copy_buffers(m, ffn, x)
+    q, scales = copy_buffers(m, ffn, x, paired_saved_shapes)
     assert (q.dtype, scales.dtype, tuple(scales.shape)) == (FP8_DTYPE, SCALE_DTYPE, (m, 22))
     quack_swiglu_fp8_(x, w1, b1, h, q, scales)
     preact = x.float() @ w1.float().t() + (0 if b1 is None else b1.float())  # [gate | up]

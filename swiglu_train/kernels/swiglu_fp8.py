@@ -199,16 +199,27 @@ def recompute_store(gate, up, grad_h_ptrs, out_ptrs, F, mask):
     tl.store(out_ptrs + F, grad_up.to(out_dtype), mask=mask)
 
 
-def _check_saved(q: torch.Tensor, scales: torch.Tensor, ref: torch.Tensor, m: int, ffn: int):
-    q_shape, scale_shape = saved_shapes(m, ffn)
+def check_saved(
+    q: torch.Tensor,
+    scales: torch.Tensor,
+    ref: torch.Tensor,
+    m: int,
+    ffn: int,
+    shapes=saved_shapes,
+    fmt: str = "",
+) -> None:
+    """A ValueError naming the tensor unless q and scales are a copy of a [m, 2 * ffn]
+    preactivation on ref's device, with the value and scale shapes ``shapes`` gives (``fmt``
+    names a format other than the canonical one in the message)."""
+    q_shape, scale_shape = shapes(m, ffn)
     for name, t, shape, dtype in (
         ("q", q, q_shape, FP8_DTYPE),
         ("scales", scales, scale_shape, SCALE_DTYPE),
     ):
-        if tuple(t.shape) != shape or t.dtype != dtype or t.stride(1) != 1:
+        if tuple(t.shape) != shape or t.dtype != dtype or (t.numel() and t.stride(1) != 1):
             raise ValueError(
-                f"{name} must be row-major {dtype} {shape}, got {t.dtype} {tuple(t.shape)} "
-                f"{t.stride()}"
+                f"{name} must be a row-major {dtype} {shape}{fmt}, got {t.dtype} "
+                f"{tuple(t.shape)} {t.stride()}"
             )
         if t.device != ref.device:
             raise ValueError(f"{name} is on {t.device}, expected {ref.device}")
@@ -251,7 +262,7 @@ def swiglu_forward_fp8(
     """Write h, the e4m3 copy of ``preact`` and its scales into the given buffers."""
     m, ffn = _check_preact(preact)
     _check_like("h", h, preact, (m, ffn))
-    _check_saved(q, scales, preact, m, ffn)
+    check_saved(q, scales, preact, m, ffn)
     if m == 0:
         return
     code = q.view(torch.uint8)  # bytes: the interpreter's own fp8 conversion is inexact
@@ -272,7 +283,7 @@ def swiglu_backward_fp8(
         raise TypeError(f"grad_h dtype must be one of {SUPPORTED_DTYPES}, got {grad_h.dtype}")
     m, ffn = grad_h.shape
     _check_like("grad_preact", grad_preact, grad_h, (m, 2 * ffn))
-    _check_saved(q, scales, grad_h, m, ffn)
+    check_saved(q, scales, grad_h, m, ffn)
     if m == 0:
         return
     code, scale_bits = q.view(torch.uint8), scales.view(torch.int16)

@@ -16,14 +16,12 @@ import triton
 import triton.language as tl
 
 from swiglu_train.kernels.fp8_format import (
-    FP8_DTYPE,
     PAIRED_GROUP,
-    SCALE_DTYPE,
     paired_saved_shapes,
 )
 from swiglu_train.kernels.runtime import INTERPRET, SUPPORTED_DTYPES
 from swiglu_train.kernels.swiglu import BWD_TILE, _check_like
-from swiglu_train.kernels.swiglu_fp8 import _dequantize, fp8_tile, recompute_store
+from swiglu_train.kernels.swiglu_fp8 import _dequantize, check_saved, fp8_tile, recompute_store
 
 _GROUP: tl.constexpr = tl.constexpr(PAIRED_GROUP)
 _HALF: tl.constexpr = tl.constexpr(PAIRED_GROUP // 2)
@@ -67,22 +65,6 @@ def _swiglu_bwd_fp8_paired_kernel(
     recompute_store(gate, up, grad_h_ptrs, out_ptrs, F, col_mask)
 
 
-def check_paired(q: torch.Tensor, scales: torch.Tensor, ref: torch.Tensor, m: int, ffn: int):
-    """A ValueError naming the tensor unless q and scales are a paired copy of [m, 2 * ffn]."""
-    q_shape, scale_shape = paired_saved_shapes(m, ffn)
-    for name, t, shape, dtype in (
-        ("q", q, q_shape, FP8_DTYPE),
-        ("scales", scales, scale_shape, SCALE_DTYPE),
-    ):
-        if tuple(t.shape) != shape or t.dtype != dtype or (t.numel() and t.stride(1) != 1):
-            raise ValueError(
-                f"{name} must be a row-major {dtype} {shape} (the paired FP8 format), got "
-                f"{t.dtype} {tuple(t.shape)} {t.stride()}"
-            )
-        if t.device != ref.device:
-            raise ValueError(f"{name} is on {t.device}, expected {ref.device}")
-
-
 def swiglu_backward_fp8_paired(
     q: torch.Tensor, scales: torch.Tensor, grad_h: torch.Tensor, grad_preact: torch.Tensor
 ) -> None:
@@ -94,7 +76,7 @@ def swiglu_backward_fp8_paired(
         raise TypeError(f"grad_h dtype must be one of {SUPPORTED_DTYPES}, got {grad_h.dtype}")
     m, ffn = grad_h.shape
     _check_like("grad_preact", grad_preact, grad_h, (m, 2 * ffn))
-    check_paired(q, scales, grad_h, m, ffn)
+    check_saved(q, scales, grad_h, m, ffn, paired_saved_shapes, " (the paired FP8 format)")
     if m == 0:
         return
     block_m, block_n, warps = fp8_tile(m, ffn, BWD_TILE)

@@ -60,13 +60,14 @@ def quantize_paired(paired: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(e4m3 values [M, 2F], bf16 scales [M, 2F / 128]) of a preactivation in quack's order:
     what the epilogue writes from its fp32 accumulator. Its max skips NaN (``fmax``), so a NaN
     stays a NaN of its own; an inf makes the group's scale inf."""
-    (m, n), _ = paired.shape, paired_saved_shapes(paired.shape[0], paired.shape[1] // 2)
+    m, n = paired.shape
+    _, scale_shape = paired_saved_shapes(m, n // 2)  # refuses F not a multiple of 64
     groups = paired.float().view(m, n // PAIRED_GROUP, PAIRED_GROUP)
     magnitude = groups.abs()
     amax = magnitude.masked_fill(magnitude.isnan(), 0).amax(-1, keepdim=True).clamp_min(MIN_AMAX)
     scale = round_up_bf16(amax / torch.full_like(amax, E4M3_MAX))
     q = (groups * (torch.ones_like(scale) / scale)).clamp(-E4M3_MAX, E4M3_MAX)
-    return q.view(m, n).to(FP8_DTYPE), scale.view(m, -1).to(SCALE_DTYPE)
+    return q.view(m, n).to(FP8_DTYPE), scale.view(scale_shape).to(SCALE_DTYPE)
 
 
 def dequantize_paired(q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
@@ -74,12 +75,6 @@ def dequantize_paired(q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     m, n = q.shape
     groups = q.float().view(m, n // PAIRED_GROUP, PAIRED_GROUP)
     return restore(groups, scales.float().unsqueeze(-1)).view(m, n)
-
-
-def paired_copy_buffers(m: int, ffn: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Empty (e4m3 values, bf16 scales) for m rows' paired copy, on ``like``'s device."""
-    q_shape, scale_shape = paired_saved_shapes(m, ffn)
-    return like.new_empty(q_shape, dtype=FP8_DTYPE), like.new_empty(scale_shape, dtype=SCALE_DTYPE)
 
 
 @eager_op("swiglu_train::swiglu_bwd_fp8_paired_", mutates_args=("grad_h", "grad_preact"))

@@ -172,9 +172,12 @@ def _(preact: torch.Tensor, h: torch.Tensor, q: torch.Tensor, scales: torch.Tens
     return None
 
 
-def copy_buffers(m: int, ffn: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Empty (e4m3 values [m, 2F], bf16 scales) for m rows' copy, on ``like``'s device."""
-    q_shape, scale_shape = saved_shapes(m, ffn)
+def copy_buffers(
+    m: int, ffn: int, like: torch.Tensor, shapes=saved_shapes
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Empty (e4m3 values [m, 2F], bf16 scales) for m rows' copy, on ``like``'s device; the
+    shapes of the canonical format, or of the format ``shapes`` gives."""
+    q_shape, scale_shape = shapes(m, ffn)
     return like.new_empty(q_shape, dtype=FP8_DTYPE), like.new_empty(scale_shape, dtype=SCALE_DTYPE)
 
 

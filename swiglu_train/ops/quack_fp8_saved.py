@@ -27,15 +27,16 @@ import functools
 
 import torch
 
-from swiglu_train.kernels.fp8_format import PAIRED_GROUP
+from swiglu_train.kernels.fp8_format import PAIRED_GROUP, paired_saved_shapes
 from swiglu_train.ops.eager import eager_op
 from swiglu_train.ops.fc2_node import Fc2Handoff, fc2_or_h, with_fc2_node
 from swiglu_train.ops.fp8_chunks import backward_row_chunks, spans
-from swiglu_train.ops.fp8_paired import paired_copy_buffers, swiglu_bwd_fp8_paired_
+from swiglu_train.ops.fp8_paired import swiglu_bwd_fp8_paired_
 from swiglu_train.ops.fp8_saved import (
     ChunkStep,
     backward_from_copies,
     check_fp8_gpu,
+    copy_buffers,
     drop_h_fp8_mlp,
     grad_h_then,
 )
@@ -178,7 +179,7 @@ class _DropHQuackFP8(torch.autograd.Function):
         (m, d), ffn, out = x.shape, fc1_weight.shape[0] // 2, fc2_weight.shape[0]
         freed = inplace and not torch.compiler.is_compiling()  # claim_inplace_backward's
         pieces = spans(backward_row_chunks(m, d, ffn, out, x.element_size(), freed=freed))
-        copies = [paired_copy_buffers(p.stop - p.start, ffn, x) for p in pieces]
+        copies = [copy_buffers(p.stop - p.start, ffn, x, paired_saved_shapes) for p in pieces]
         h = x.new_empty(m, ffn)
         for piece, (q, scales) in zip(pieces, copies, strict=True):
             quack_swiglu_fp8_(x[piece], fc1_weight, fc1_bias, h[piece], q, scales)
@@ -208,7 +209,7 @@ def drop_h_quack_fp8_mlp(
     once backward read it. F not a multiple of 64, or an empty batch, takes drop_h's FP8 path.
     ``fused_backward=False`` reads the copy in a Triton kernel after a grad_h GEMM instead of
     in the GEMM's epilogue (benchmarks compare the two)."""
-    check_quack_inputs(x, fc1_weight, fc2_weight)
+    check_quack_inputs(x, fc1_weight, fc2_weight, IMPL)
     ffn = fc1_weight.shape[0] // 2
     if x.shape[0] == 0 or (2 * ffn) % PAIRED_GROUP:
         return drop_h_fp8_mlp(x, fc1_weight, fc1_bias, fc2_weight, fc2_bias, inplace)
