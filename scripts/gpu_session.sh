@@ -109,6 +109,10 @@ export SWIGLU_TRAIN_COMMIT=$commit  # results name it, not the box's own (stale)
 # The quack impls join the training stages where they run (quack installed, sm_90+). Its wheels
 # (.whl + .whlx) and .whlw do not fit one carry; a machine keeps what `setup` installed while it
 # stays warm (30 s after a call), so run setup with .whl + .whlx, then straight away carry .whlw.
+fp8_quack_impl() {  # drop_h_quack with its preactivation saved in FP8, where quack runs
+  [ -n "$(quack_impl)" ] && echo drop_h_quack+fp8
+  return 0
+}
 quack_impl() {  # asked per stage: `setup` may have installed quack earlier in the same call
   python3 -c "
 from swiglu_train.layers.registry import QUACK_IMPLS
@@ -223,10 +227,29 @@ for stage in "$@"; do
         --command "bash scripts/gpu_session.sh pretrain" \
         --json "$RES/pretrain_125m_h200.json" --md "$RES/pretrain_125m_h200.md" \
         && cat "$RES/pretrain_125m_h200.md" ;;
-    microbatch)
-      impls=$(echo normal drop_h drop_h+fp8 $(quack_impl) | tr ' ' ',')
-      python3 scripts/max_micro_batch.py --config 1b --mlp-impl "$impls" --commit "$commit" \
-        --json "$RES/max_micro_batch_1b.json" ;;
+    microbatch)  # per config in MICROBATCH_CONFIGS; FP8-saved drop_h_quack where quack runs
+      impls=$(echo normal drop_h drop_h+fp8 $(quack_impl) $(fp8_quack_impl) | tr ' ' ',')
+      for config in ${MICROBATCH_CONFIGS:-1b}; do
+        python3 scripts/max_micro_batch.py --config "$config" --mlp-impl "$impls" \
+          --commit "$commit" --json "$RES/max_micro_batch_$config.json"
+      done ;;
+    fp8_lightning)  # issue 19: after-forward and peak of the Lightning models, FP8-saved or not
+      for config in ${FP8_LIGHTNING_CONFIGS:-125m 1b}; do
+        for impl in normal drop_h drop_h+fp8 drop_h_quack $(fp8_quack_impl); do
+          fp8=$([ "${impl%+fp8}" != "$impl" ] && echo --saved-fp8 || echo --no-saved-fp8)
+          run="fp8mem_${config}_${impl/+/_}"
+          python3 -m swiglu_train pretrain --config "$config" --mlp-impl "${impl%+fp8}" $fp8 \
+            --max-steps "${FP8_LIGHTNING_STEPS:-20}" --output-dir "$SCRATCH/$run" \
+            --summary-json "$RES/${run}_1.json" > "$SCRATCH/$run.log" 2>&1 \
+            || tail -5 "$SCRATCH/$run.log"
+          rm -rf "$SCRATCH/$run/checkpoints"
+        done
+        python3 scripts/summarize_runs.py "$RES"/fp8mem_${config}_*_1.json --commit "$commit" \
+          --title "$config Lightning pretrain, bf16-mixed, ${FP8_LIGHTNING_STEPS:-20} steps: FP8-saved preactivation against bf16" \
+          --command "bash scripts/gpu_session.sh fp8_lightning" \
+          --json "$RES/fp8_lightning_${config}_h200.json" --md "$RES/fp8_lightning_${config}_h200.md" \
+          && cat "$RES/fp8_lightning_${config}_h200.md"
+      done ;;
     megatron)  # two rounds, the order reversed in the second, so no impl always runs first
       order="stock stock_eager normal drop_h save_factors $(quack_impl)"
       for round in 1 2; do
@@ -467,6 +490,11 @@ PY
         --out "$RES/probe_quack_fp8_h200.json" --md "$RES/probe_quack_fp8_h200.md" | tail -14
       python3 scripts/measure_fp8_saved.py --device cuda --grid-m 8000 --impl drop_h_quack \
         --json "$RES/fp8_saved_errors_grid_quack_h200.json" | tail -4 ;;
+    quack_fp8_oos)  # issue 19: the FP8-saved step at shapes no table or earlier probe used
+      python3 scripts/probe_quack_fp8.py --step-only --samples 30 --shapes ${QUACK_FP8_OOS:-\
+        12288,2304,9216 6144,5120,17920 12288,7168,18432 2048,3200,8640 16384,1536,8960} \
+        --out "$RES/probe_quack_fp8_oos_h200.json" --md "$RES/probe_quack_fp8_oos_h200.md" \
+        | tail -30 ;;
     fp8_loss_ab)  # issue 19 item 4: bf16 and FP8-saved drop_h from the same seeds, interleaved
       AB=/tmp/gpu-fp8ab-$commit && steps=${FP8_AB_STEPS:-1000} && mkdir -p "$AB" "$RES/fp8_loss_ab"
       for seed in 1 2; do

@@ -10,8 +10,9 @@ of its scale, and h against SwiGLU of that preactivation. Gradients: relative (F
 error of y, grad_x, grad_W1, grad_W2 against float64 on the same bf16 values.
 
 Timing (``--shapes``): one layer's fwd+bwd, bf16, no bias, 30 paired samples, queued;
-``dhq+fp8[tile=N]`` pins the fc1 epilogue's N tile (the rule is 256). After-forward and peak
-are allocator MiB above the step's start, parameter grads reset.
+``dhq+fp8[tile=N]`` pins the fc1 epilogue's N tile (the rule is 256), ``[rows/N]`` the
+backward chunks' alignment (drop_h_quack's rule is 256 rows, drop_h's 128). After-forward and
+peak are allocator MiB above the step's start, parameter grads reset.
 
     python scripts/probe_quack_fp8.py --out $OUT/probe_quack_fp8_h200.json --profile
 """
@@ -41,6 +42,7 @@ from swiglu_train.bench.timing import (
 from swiglu_train.bench.variants import LayerWeights
 from swiglu_train.files import write_json_atomic
 from swiglu_train.ops import quack_fp8_saved
+from swiglu_train.ops.fp8_chunks import backward_row_chunks
 from swiglu_train.ops.fp8_paired import (
     deinterleave,
     dequantize_paired,
@@ -73,6 +75,36 @@ def with_tile(tile_n: int, mlp):
     def run(*args):
         with fc1_tile(tile_n):
             return mlp(*args)
+
+    return run
+
+
+@contextlib.contextmanager
+def chunk_align(rows: int):
+    """Pin drop_h_quack+fp8's backward chunk alignment for the calls inside (a probe's knob)."""
+    rule = quack_fp8_saved.CHUNK_ALIGN
+    quack_fp8_saved.CHUNK_ALIGN = rows
+    try:
+        yield
+    finally:
+        quack_fp8_saved.CHUNK_ALIGN = rule
+
+
+def with_chunk_align(rows: int, mlp):
+    def run(*args):
+        with chunk_align(rows):
+            return mlp(*args)
+
+    return run
+
+
+def drop_h_fp8_aligned(rows: int):
+    """drop_h's FP8 path with its backward chunks in whole ``rows``."""
+
+    def run(x, w1, b1, w2, b2):
+        ffn, out, itemsize = w1.shape[0] // 2, w2.shape[0], x.element_size()
+        lengths = backward_row_chunks(*x.shape, ffn, out, itemsize, align=rows)
+        return drop_h_fp8_mlp(x, w1, b1, w2, b2, backward_rows=lengths)
 
     return run
 
@@ -179,9 +211,11 @@ def time_shape(shape: tuple[int, ...], samples: int, seed: int, profile: bool) -
     variants = {
         "drop_h_quack": drop_h_quack_mlp,
         "drop_h+fp8": drop_h_fp8_mlp,
+        "drop_h+fp8[rows/256]": drop_h_fp8_aligned(256),
         "dhq+fp8[unfused]": UNFUSED,
         "dhq+fp8[unfused, tile=128]": with_tile(128, UNFUSED),
         **FUSED_VARIANTS,
+        **{f"{k}[rows/128]": with_chunk_align(128, v) for k, v in FUSED_VARIANTS.items()},
     }
     cases = [floor_case(w, x, grad_y)]
     cases += [layer_case(name, mlp, w, x, grad_y) for name, mlp in variants.items()]
@@ -207,8 +241,10 @@ def time_shape(shape: tuple[int, ...], samples: int, seed: int, profile: bool) -
 def time_fc1(shape: tuple[int, ...], samples: int, seed: int) -> dict:
     """fc1's GEMM alone over all M rows, paired: quack's gated GEMM as drop_h_quack runs it
     (its default 128 x 192 pingpong tile, the bf16 preactivation stored), and the FP8
-    epilogue at the rule's tile, at 128 x 128 pingpong, and with 64-column groups (twice the
-    scales) at quack's default 128 x 192 pingpong tile. Median microseconds."""
+    epilogue at the rule's tile, at 128 x 128 pingpong, with 64-column groups (twice the
+    scales) at quack's default 128 x 192 pingpong tile, and at the two other tiles that hold
+    whole 128-column groups: 64 x 256 pingpong and 256 x 128 cooperative. Median
+    microseconds; a tile that fails to build is listed under "failed"."""
     epi = quack_fp8_saved._epilogues()
     m, d, f = shape[:3]
     torch.manual_seed(seed)
@@ -229,16 +265,32 @@ def time_fc1(shape: tuple[int, ...], samples: int, seed: int) -> dict:
             x, w1.t(), activation="swiglu", tuned=False, concat_layout=("B",)
         )  # fmt: skip
 
+    from quack.gemm_config import GemmConfig
+
+    def tile(tile_m: int, tile_n: int, pingpong: bool):
+        return GemmConfig(
+            tile_m=tile_m, tile_n=tile_n, pingpong=pingpong, cluster_m=2, cluster_n=1,
+            is_dynamic_persistent=False,
+        )  # fmt: skip
+
     calls = {
         "quack gated (drop_h_quack)": gated,
         "fp8, the rule": fp8(128, fp8_fc1_config(*quack_fp8_saved._fc1_tile(x, w1))),
         "fp8, 128 x 128 pingpong": fp8(128, fp8_fc1_config(128, 2, 1)),
         "fp8, 64-column groups, 128 x 192 pingpong": fp8(64, fp8_fc1_config(192, 2, 1)),
+        "fp8, 64 x 256 pingpong": fp8(128, tile(64, 256, True)),
+        "fp8, 256 x 128 cooperative": fp8(128, tile(256, 128, False)),
     }
-    for call in calls.values():
-        call()
+    failed = {}
+    for name, call in list(calls.items()):  # a config quack cannot build is reported, not fatal
+        try:
+            call()
+        except Exception as error:
+            failed[name] = f"{type(error).__name__}: {str(error)[-600:]}"
+            del calls[name]
     times = paired_fresh_calls(calls, tuple, samples, torch.device("cuda"), seed)
-    return {"shape": list(shape), **{k: float(np.median(v)) * 1e3 for k, v in times.items()}}
+    medians = {k: float(np.median(v)) * 1e3 for k, v in times.items()}
+    return {"shape": list(shape), **medians, "failed": failed}
 
 
 def to_markdown(result: dict) -> str:
@@ -264,7 +316,8 @@ def main() -> None:
     args, shapes = shape_probe_args(
         __doc__, ["11136,3584,14336", "8000,4096,14336"],
         **{"--profile": {"action": "store_true"}, "--md": {},
-           "--fc1-only": {"action": "store_true"}},
+           "--fc1-only": {"action": "store_true"},
+           "--step-only": {"action": "store_true", "help": "the step timing alone"}},
     )  # fmt: skip
     if args.fc1_only:  # the fc1 GEMM's tiles and groups alone
         fc1 = [time_fc1(s, args.samples, args.seed) for s in shapes]
@@ -274,10 +327,28 @@ def main() -> None:
             args.out,
             {
                 "command": "python scripts/probe_quack_fp8.py " + " ".join(sys.argv[1:]),
+                "commit": git_commit(),
+                "gpu": torch.cuda.get_device_name(),
                 "fc1_us": fc1,
             },
         )
         return
+    checks, errors = [], []
+    if not args.step_only:
+        checks, errors = format_and_errors()
+    rows = [r for s in shapes for r in time_shape(s, args.samples, args.seed, args.profile)]
+    result = write_probe_result(
+        "scripts/probe_quack_fp8.py", rows, args.samples, git_commit(), args.out, args.md,
+        to_markdown,
+    )  # fmt: skip
+    result["format_checks"], result["grad_errors"] = checks, errors
+    write_json_atomic(args.out, result)
+    print(to_markdown(result))
+
+
+def format_and_errors() -> tuple[list[dict], list[dict]]:
+    """The format checks (the fused backward's too, unless it fails to build) and the
+    gradients' errors against float64."""
     checks = [check_format(1000, 512, 1408, bias, t) for bias in (False, True) for t in (256, 128)]
     for c in checks:
         print(c)
@@ -292,14 +363,7 @@ def main() -> None:
     errors = [grad_errors(4096, 1024, 2816), grad_errors(8000, 4096, 14336)]
     for e in errors:
         print(e)
-    rows = [r for s in shapes for r in time_shape(s, args.samples, args.seed, args.profile)]
-    result = write_probe_result(
-        "scripts/probe_quack_fp8.py", rows, args.samples, git_commit(), args.out, args.md,
-        to_markdown,
-    )  # fmt: skip
-    result["format_checks"], result["grad_errors"] = checks, errors
-    write_json_atomic(args.out, result)
-    print(to_markdown(result))
+    return checks, errors
 
 
 if __name__ == "__main__":

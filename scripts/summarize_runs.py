@@ -16,6 +16,7 @@ import statistics
 from pathlib import Path
 
 from swiglu_train.files import atomic_write, write_json_atomic
+from swiglu_train.layers.registry import FP8_LABEL
 
 ROUND = re.compile(r"_(\d+)\.json$")
 
@@ -26,6 +27,8 @@ def load(paths: list[str]) -> list[dict]:
         run = json.loads(Path(path).read_text())
         match = ROUND.search(path)
         run["round"] = int(match.group(1)) if match else 1
+        if run.get("saved_fp8"):  # a row of its own, named as the planner names it
+            run["mlp_impl"] += FP8_LABEL
         runs.append(run)
     return runs
 

@@ -364,11 +364,12 @@ def torch_quack(monkeypatch):
     monkeypatch.setattr(quack_fp8_saved, "quack_fc2", F.linear)
     monkeypatch.setattr(quack_fp8_saved, "check_quack_inputs", lambda *args: None)
     monkeypatch.setattr(quack_fp8_saved, "check_fp8_gpu", lambda index: None)
-    monkeypatch.setattr(
-        quack_fp8_saved,
-        "backward_row_chunks",
-        lambda *args, **kw: chunks["rows"] or real_chunks(*args, **kw),
-    )
+
+    def row_chunks(*args, **kw):
+        chunks["asked"] = args, kw
+        return chunks["rows"] or real_chunks(*args, **kw)
+
+    monkeypatch.setattr(quack_fp8_saved, "backward_row_chunks", row_chunks)
     return chunks
 
 
@@ -418,6 +419,16 @@ def test_backward_reads_the_paired_copy_chunk_by_chunk(torch_quack, device, back
     reference.mlp(*exact).backward(grad_y.double())
     for name, t, e in zip(("x", "w1", "b1", "w2"), tensors[:4], exact[:4], strict=True):
         assert 1e-2 < rel_err(t.grad, e.grad) < 0.06, name  # from the copy, not the preact
+
+
+def test_chunks_are_whole_clusters_of_the_quack_gemms_tiles(torch_quack):
+    """The backward's rule is asked for chunks in whole 2 x 128-row clusters (the fc1 and
+    grad_h GEMMs' M tiles), and freeing ones, as inplace is on."""
+    x, w1, b1, w2, b2 = leaves(21, 16, 128, 12)
+    drop_h_quack_fp8_mlp(x, w1, b1, w2, b2)
+    args, kw = torch_quack["asked"]
+    assert args == (21, 16, 128, 12, 4) and kw == {"freed": True, "align": 256}
+    assert quack_fp8_saved.CHUNK_ALIGN == quack_fp8_saved.TILE_M * 2
 
 
 def saved_by(fn):

@@ -45,6 +45,7 @@ from swiglu_train.ops.fp8_saved import (
     swiglu_fwd_fp8_,
 )
 from swiglu_train.ops.mlp import drop_h_mlp
+from swiglu_train.ops.quack_fp8_saved import CHUNK_ALIGN
 
 D, FFN, OUT = 24, 200, 16  # FFN 200: a partial 128-column scale block per half
 NAMES = ("x", "w1", "b1", "w2", "b2")
@@ -294,26 +295,27 @@ def test_forward_rows_keep_the_peak_within_drop_h_s(shape, itemsize):
 
 @pytest.mark.parametrize(("shape", "itemsize"), SHAPES)
 @pytest.mark.parametrize("freed", [True, False], ids=["freed", "kept"])
-def test_backward_row_chunks_keep_the_peak_within_drop_h_s(shape, itemsize, freed):
+@pytest.mark.parametrize("align", [ROW_ALIGN, CHUNK_ALIGN], ids=["tiles", "quack-clusters"])
+def test_backward_row_chunks_keep_the_peak_within_drop_h_s(shape, itemsize, freed, align):
     """Covering M in aligned chunks, and one chunk fewer, evenly, does not fit. Freeing each
     chunk's copy (inplace, the default) keeps the whole step within drop_h's peak and never
     needs more chunks than holding the copy whole; a kept copy (inplace=False) is beside
     grad_W2 after the loop, above drop_h's peak at some shapes whatever the chunks; its chunks
-    are even."""
+    are even. The same at drop_h_quack's alignment (whole 2-CTA clusters of 128-row tiles)."""
     m, d, ffn, _ = shape
     limit = drop_h_backward_peak(*shape, itemsize)
-    lengths = backward_row_chunks(*shape, itemsize, freed=freed)
-    assert sum(lengths) == m and all(n % ROW_ALIGN == 0 for n in lengths[:-1])
+    lengths = backward_row_chunks(*shape, itemsize, freed=freed, align=align)
+    assert sum(lengths) == m and all(n % align == 0 for n in lengths[:-1])
     assert min(lengths) >= MIN_CHUNK_ROWS
     if freed:
         assert fp8_backward_peak(m, d, ffn, itemsize, lengths) <= limit
-        kept = backward_row_chunks(*shape, itemsize, freed=False)
+        kept = backward_row_chunks(*shape, itemsize, freed=False, align=align)
         assert len(lengths) <= len(kept)
     else:
-        assert max(lengths) - min(lengths) <= 2 * ROW_ALIGN  # the last takes what is left
+        assert max(lengths) - min(lengths) <= 2 * align  # the last takes what is left
     fewer = len(lengths) - 1
     if fewer >= 1:
-        even = uniform_rows(m, ceil_to(-(-m // fewer), ROW_ALIGN))
+        even = uniform_rows(m, ceil_to(-(-m // fewer), align))
         assert fp8_backward_peak(m, d, ffn, itemsize, even, freed=freed) > limit
 
 

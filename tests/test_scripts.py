@@ -50,12 +50,14 @@ def test_summarize_runs_pairs_rounds_and_writes_both_files(tmp_path, monkeypatch
         "drop_h_1": (99.0, 700.0),
         "normal_2": (200.0, 800.0),
         "drop_h_2": (202.0, 700.0),
+        "drop_h+fp8_1": (95.0, 600.0),
     }
     paths = []
     for name, (rate, after) in runs.items():
         path = tmp_path / f"pretrain_{name}.json"
-        impl = name.rsplit("_", 1)[0]
-        summary = {"mlp_impl": impl, "tokens_per_s": rate, "after_forward_MiB": after}
+        impl, fp8 = name.rsplit("_", 1)[0].removesuffix("+fp8"), "+fp8" in name
+        summary = {"mlp_impl": impl, "saved_fp8": fp8, "tokens_per_s": rate}
+        summary["after_forward_MiB"] = after
         summary |= {"peak_MiB": 900.0, "initial_loss": 5.7, "final_loss": 3.0}
         path.write_text(json.dumps(summary))
         paths.append(str(path))
@@ -67,6 +69,9 @@ def test_summarize_runs_pairs_rounds_and_writes_both_files(tmp_path, monkeypatch
     # paired per round: 0.99 and 1.01, median 1.00; unpaired medians would give 150.5/150
     assert rows["drop_h"]["tokens_per_s_vs_normal"] == pytest.approx(1.0)
     assert rows["drop_h"]["rounds"] == 2 and rows["drop_h"]["after_forward_MiB"] == 700.0
+    # an FP8-saved run is a row of its own, never a round of the bf16 impl's
+    assert rows["drop_h+fp8"]["rounds"] == 1 and rows["drop_h+fp8"]["after_forward_MiB"] == 600
+    assert rows["drop_h+fp8"]["tokens_per_s_vs_normal"] == pytest.approx(0.95)
     assert "| drop_h | 2 | 150 | 1.000 | 700.0 | 900.0 | 5.700 → 3.000 |" in out_md.read_text()
     assert not list(tmp_path.glob("*.tmp"))
 

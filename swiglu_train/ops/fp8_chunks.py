@@ -107,9 +107,9 @@ def rows_per_chunk(m: int, d: int, ffn: int, out: int, itemsize: int) -> int:
 
 @functools.lru_cache(maxsize=256)  # ~150 us of bisection a shape, once per shape, not per step
 def backward_row_chunks(
-    m: int, d: int, ffn: int, out: int, itemsize: int, *, freed: bool = True
+    m: int, d: int, ffn: int, out: int, itemsize: int, *, freed: bool = True, align: int = ROW_ALIGN
 ) -> tuple[int, ...]:
-    """Rows of each chunk of the row-split backward: each the most (in ROW_ALIGN rows) that
+    """Rows of each chunk of the row-split backward: each the most (in ``align`` rows) that
     keep ``fp8_backward_peak`` within drop_h's peak, given the copy's rows the chunks before
     it freed (none unless ``freed``). Where the last chunk would be short, the chunks after
     the ones the bound holds down take even shares instead (as many chunks, better filled).
@@ -121,37 +121,37 @@ def backward_row_chunks(
     if m <= MIN_CHUNK_ROWS:
         return (m,)
     limit = drop_h_backward_peak(m, d, ffn, out, itemsize)
-    greedy = _grow(m, d, ffn, itemsize, limit, freed, None)
-    return _grow(m, d, ffn, itemsize, limit, freed, len(greedy))
+    greedy = _grow(m, d, ffn, itemsize, limit, freed, None, align)
+    return _grow(m, d, ffn, itemsize, limit, freed, len(greedy), align)
 
 
-def _grow(m, d, ffn, itemsize, limit, freed, chunks: int | None) -> tuple[int, ...]:
+def _grow(m, d, ffn, itemsize, limit, freed, chunks: int | None, align) -> tuple[int, ...]:
     """Chunk rows, each the most that fits (``chunks`` None) or at most an even share of the
     rows left over the ``chunks`` planned."""
     lengths: list[int] = []
     left = m
     while left > 0:
-        n = min(left, _most_rows(m, d, ffn, itemsize, limit, left, not lengths, freed))
+        n = min(left, _most_rows(m, d, ffn, itemsize, limit, left, not lengths, freed, align))
         if chunks is not None and len(lengths) < chunks - 1:
-            share = -(-left // ((chunks - len(lengths)) * ROW_ALIGN)) * ROW_ALIGN
-            n = min(n, max(share, ROW_ALIGN))
+            share = -(-left // ((chunks - len(lengths)) * align)) * align
+            n = min(n, max(share, align))
         n = min(left, max(n, MIN_CHUNK_ROWS))
         lengths.append(n)
         left -= n
     return tuple(lengths)
 
 
-def _most_rows(m, d, ffn, itemsize, limit, left, first, freed) -> int:
-    """The most rows, in whole ROW_ALIGN, that a chunk starting with ``left`` rows unread may
+def _most_rows(m, d, ffn, itemsize, limit, left, first, freed, align) -> int:
+    """The most rows, in whole ``align``, that a chunk starting with ``left`` rows unread may
     take within ``limit`` (0 if none)."""
-    low, high = 0, left // ROW_ALIGN + 1  # _row_chunk_peak grows with the rows: bisect
+    low, high = 0, left // align + 1  # _row_chunk_peak grows with the rows: bisect
     while high - low > 1:
         mid = (low + high) // 2
-        if _row_chunk_peak(m, d, ffn, itemsize, left, mid * ROW_ALIGN, first, freed) <= limit:
+        if _row_chunk_peak(m, d, ffn, itemsize, left, mid * align, first, freed) <= limit:
             low = mid
         else:
             high = mid
-    fits = low * ROW_ALIGN
+    fits = low * align
     if fits < left and _row_chunk_peak(m, d, ffn, itemsize, left, left, first, freed) <= limit:
         fits = left  # the rest fits whole, unaligned
     return fits

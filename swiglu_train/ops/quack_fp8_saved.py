@@ -76,6 +76,9 @@ def _epilogues():
     return quack_fp8_epilogues
 
 
+# Backward chunks (and so forward's GEMMs) in whole M clusters of the fc1 and grad_h GEMMs:
+# an odd count of 128-row tiles leaves half of a 2-CTA cluster idle for a row of tiles.
+CHUNK_ALIGN = TILE_M * DEFAULT_CLUSTER_M
 FP8_FC1_TILES_N = (256, 128)  # the multiples of the 128-column groups in quack's SM90 space
 
 
@@ -178,7 +181,10 @@ class _DropHQuackFP8(torch.autograd.Function):
         fc1_weight = fc1_weight if fc1_weight.stride(1) == 1 else fc1_weight.contiguous()
         (m, d), ffn, out = x.shape, fc1_weight.shape[0] // 2, fc2_weight.shape[0]
         freed = inplace and not torch.compiler.is_compiling()  # claim_inplace_backward's
-        pieces = spans(backward_row_chunks(m, d, ffn, out, x.element_size(), freed=freed))
+        lengths = backward_row_chunks(
+            m, d, ffn, out, x.element_size(), freed=freed, align=CHUNK_ALIGN
+        )
+        pieces = spans(lengths)
         copies = [copy_buffers(p.stop - p.start, ffn, x, paired_saved_shapes) for p in pieces]
         h = x.new_empty(m, ffn)
         for piece, (q, scales) in zip(pieces, copies, strict=True):
