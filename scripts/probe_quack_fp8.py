@@ -10,8 +10,8 @@ of its scale, and h against SwiGLU of that preactivation. Gradients: relative (F
 error of y, grad_x, grad_W1, grad_W2 against float64 on the same bf16 values.
 
 Timing (``--shapes``): one layer's fwd+bwd, bf16, no bias, 30 paired samples, queued;
-``dhq+fp8[tile=N]`` pins the fc1 epilogue's N tile (the rule is 256), ``[rows/N]`` the
-backward chunks' alignment (drop_h_quack's rule is 256 rows, drop_h's 128). After-forward and
+``dhq+fp8[tile=N]`` pins the fc1 epilogue's N tile, ``[rows/N]`` the backward chunks'
+alignment (the rule's is 256 rows). After-forward and
 peak are allocator MiB above the step's start, parameter grads reset.
 
     python scripts/probe_quack_fp8.py --out $OUT/probe_quack_fp8_h200.json --profile
@@ -82,12 +82,12 @@ def with_tile(tile_n: int, mlp):
 @contextlib.contextmanager
 def chunk_align(rows: int):
     """Pin drop_h_quack+fp8's backward chunk alignment for the calls inside (a probe's knob)."""
-    rule = quack_fp8_saved.CHUNK_ALIGN
-    quack_fp8_saved.CHUNK_ALIGN = rows
+    rule = quack_fp8_saved.backward_row_chunks
+    quack_fp8_saved.backward_row_chunks = functools.partial(rule, align=rows)
     try:
         yield
     finally:
-        quack_fp8_saved.CHUNK_ALIGN = rule
+        quack_fp8_saved.backward_row_chunks = rule
 
 
 def with_chunk_align(rows: int, mlp):
@@ -211,7 +211,7 @@ def time_shape(shape: tuple[int, ...], samples: int, seed: int, profile: bool) -
     variants = {
         "drop_h_quack": drop_h_quack_mlp,
         "drop_h+fp8": drop_h_fp8_mlp,
-        "drop_h+fp8[rows/256]": drop_h_fp8_aligned(256),
+        "drop_h+fp8[rows/128]": drop_h_fp8_aligned(128),
         "dhq+fp8[unfused]": UNFUSED,
         "dhq+fp8[unfused, tile=128]": with_tile(128, UNFUSED),
         **FUSED_VARIANTS,

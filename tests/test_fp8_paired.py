@@ -364,12 +364,11 @@ def torch_quack(monkeypatch):
     monkeypatch.setattr(quack_fp8_saved, "quack_fc2", F.linear)
     monkeypatch.setattr(quack_fp8_saved, "check_quack_inputs", lambda *args: None)
     monkeypatch.setattr(quack_fp8_saved, "check_fp8_gpu", lambda index: None)
-
-    def row_chunks(*args, **kw):
-        chunks["asked"] = args, kw
-        return chunks["rows"] or real_chunks(*args, **kw)
-
-    monkeypatch.setattr(quack_fp8_saved, "backward_row_chunks", row_chunks)
+    monkeypatch.setattr(
+        quack_fp8_saved,
+        "backward_row_chunks",
+        lambda *args, **kw: chunks["rows"] or real_chunks(*args, **kw),
+    )
     return chunks
 
 
@@ -419,16 +418,6 @@ def test_backward_reads_the_paired_copy_chunk_by_chunk(torch_quack, device, back
     reference.mlp(*exact).backward(grad_y.double())
     for name, t, e in zip(("x", "w1", "b1", "w2"), tensors[:4], exact[:4], strict=True):
         assert 1e-2 < rel_err(t.grad, e.grad) < 0.06, name  # from the copy, not the preact
-
-
-def test_chunks_are_whole_clusters_of_the_quack_gemms_tiles(torch_quack):
-    """The backward's rule is asked for chunks in whole 2 x 128-row clusters (the fc1 and
-    grad_h GEMMs' M tiles), and freeing ones, as inplace is on."""
-    x, w1, b1, w2, b2 = leaves(21, 16, 128, 12)
-    drop_h_quack_fp8_mlp(x, w1, b1, w2, b2)
-    args, kw = torch_quack["asked"]
-    assert args == (21, 16, 128, 12, 4) and kw == {"freed": True, "align": 256}
-    assert quack_fp8_saved.CHUNK_ALIGN == quack_fp8_saved.TILE_M * 2
 
 
 def saved_by(fn):
@@ -524,13 +513,16 @@ def test_other_impls_are_refused_naming_both_fp8_impls(impl):
     )
 
 
-def test_the_fc1_tile_holds_whole_groups_and_is_256_wide_unless_128_fills_the_gpu_better():
-    assert fp8_fc1_tile(11136, 2 * 14336, 132) == (256, 2, 1)  # the seed shape: cooperative
+def test_the_fc1_tile_holds_whole_groups_and_is_256_wide_unless_shallow_or_128_fills_better():
+    assert fp8_fc1_tile(11136, 2 * 14336, 3584, 132) == (256, 2, 1)  # the seed shape
+    assert fp8_fc1_tile(12288, 2 * 9216, 2304, 132) == (128, 2, 1)  # shallow: pingpong
     for m in (1, 64, 512, 513, 4096, 11136):
         for rows in (2 * 704, 2 * 4864, 2 * 14336, 2 * 18944):
-            tile_n, cluster_m, cluster_n = fp8_fc1_tile(m, rows, 132)
-            assert tile_n % PAIRED_GROUP == 0
-            assert (cluster_m, cluster_n) == ((1, 2) if m <= 512 else (2, 1)), m
-            fill = {n: wave_fill(-(-m // 128), -(-rows // n), cluster_m, cluster_n, 132)
-                    for n in (128, 256)}  # fmt: skip
-            assert (tile_n == 128) == (fill[128] > 1.05 * fill[256]), (m, rows, fill)
+            for depth in (896, 3072, 3073, 8192):
+                tile_n, cluster_m, cluster_n = fp8_fc1_tile(m, rows, depth, 132)
+                assert tile_n % PAIRED_GROUP == 0
+                assert (cluster_m, cluster_n) == ((1, 2) if m <= 512 else (2, 1)), m
+                fill = {n: wave_fill(-(-m // 128), -(-rows // n), cluster_m, cluster_n, 132)
+                        for n in (128, 256)}  # fmt: skip
+                narrow = depth <= 3072 or fill[128] > 1.05 * fill[256]
+                assert (tile_n == 128) == narrow, (m, rows, depth, fill)

@@ -30,6 +30,7 @@ from swiglu_train.kernels.fp8_format import SCALE_DTYPE, n_blocks
 from swiglu_train.ops import reference, use_backend
 from swiglu_train.ops.activation import swiglu_bwd_recompute_, swiglu_fwd
 from swiglu_train.ops.fp8_chunks import (
+    BACKWARD_ROW_ALIGN,
     MIN_CHUNK_ROWS,
     ROW_ALIGN,
     backward_row_chunks,
@@ -45,7 +46,6 @@ from swiglu_train.ops.fp8_saved import (
     swiglu_fwd_fp8_,
 )
 from swiglu_train.ops.mlp import drop_h_mlp
-from swiglu_train.ops.quack_fp8_saved import CHUNK_ALIGN
 
 D, FFN, OUT = 24, 200, 16  # FFN 200: a partial 128-column scale block per half
 NAMES = ("x", "w1", "b1", "w2", "b2")
@@ -254,16 +254,17 @@ def test_chunks_at_the_seed_shape():
     """drop_h's backward peaks at x + preact + grad_h + grad_W2 = 1087.6 MiB, above its
     forward's x + preact + h. Through the forward's loop x, h and the copy hold 689.9 MiB,
     leaving 397.7: 7273 rows, 7168 aligned, 2 chunks, 5568 evened, 5632. The row-split
-    backward frees each chunk's copy once read, so its chunks grow; 3 chunks fit, evened to
-    3712 rows each. Held whole through the loop, the copy would allow 6 chunks."""
+    backward frees each chunk's copy once read, so its chunks grow; 3 chunks fit, evened in
+    whole 256 rows (2-CTA clusters of 128-row tiles): 3840, 3840, 3456. Held whole through the
+    loop, the copy would allow 6 chunks."""
     m, d, ffn, out = SEED_SHAPE
     limit = drop_h_backward_peak(m, d, ffn, out, 2)
     assert round(limit / MiB, 1) == 1087.6
     backward = backward_row_chunks(m, d, ffn, out, 2)
-    assert backward == (3712, 3712, 3712)
-    assert round(fp8_backward_peak(m, d, ffn, 2, backward) / MiB, 1) == 1061.9
+    assert backward == (3840, 3840, 3456)
+    assert round(fp8_backward_peak(m, d, ffn, 2, backward) / MiB, 1) == 1065.4
     kept = backward_row_chunks(m, d, ffn, out, 2, freed=False)
-    assert kept == (1920, 1920, 1920, 1792, 1792, 1792)
+    assert kept == (2048, 2048, 1792, 1792, 1792, 1664)
     assert fp8_backward_peak(m, d, ffn, 2, backward, freed=False) > limit  # needs the freeing
     forward = rows_per_chunk(m, d, ffn, out, 2)
     assert forward == 5632 and -(-m // forward) == 2
@@ -295,13 +296,13 @@ def test_forward_rows_keep_the_peak_within_drop_h_s(shape, itemsize):
 
 @pytest.mark.parametrize(("shape", "itemsize"), SHAPES)
 @pytest.mark.parametrize("freed", [True, False], ids=["freed", "kept"])
-@pytest.mark.parametrize("align", [ROW_ALIGN, CHUNK_ALIGN], ids=["tiles", "quack-clusters"])
+@pytest.mark.parametrize("align", [ROW_ALIGN, BACKWARD_ROW_ALIGN], ids=["tiles", "clusters"])
 def test_backward_row_chunks_keep_the_peak_within_drop_h_s(shape, itemsize, freed, align):
     """Covering M in aligned chunks, and one chunk fewer, evenly, does not fit. Freeing each
     chunk's copy (inplace, the default) keeps the whole step within drop_h's peak and never
     needs more chunks than holding the copy whole; a kept copy (inplace=False) is beside
     grad_W2 after the loop, above drop_h's peak at some shapes whatever the chunks; its chunks
-    are even. The same at drop_h_quack's alignment (whole 2-CTA clusters of 128-row tiles)."""
+    are even. The same in whole 128-row tiles and in the default 2-CTA clusters of them."""
     m, d, ffn, _ = shape
     limit = drop_h_backward_peak(*shape, itemsize)
     lengths = backward_row_chunks(*shape, itemsize, freed=freed, align=align)
@@ -335,7 +336,7 @@ def test_chunks_at_small_or_tight_shapes():
     assert fp8_backward_peak(*tight[:3], 2, lengths, freed=False) > drop_h_backward_peak(*tight, 2)
     # freeing each chunk's copy makes room: 3 chunks, within drop_h's peak
     lengths = backward_row_chunks(*tight, 2)
-    assert lengths == (1408, 1408, 1280)
+    assert lengths == (1536, 1280, 1280)  # in whole 256 rows
     assert fp8_backward_peak(*tight[:3], 2, lengths) <= drop_h_backward_peak(*tight, 2)
 
 

@@ -10,10 +10,11 @@ it once more); x, grad_h (becoming h), grad_x and grad_W1 live through the loop,
 comes after it. The copy is saved as one allocation per chunk (forward writes it so), and each
 chunk's copy is freed once its kernel has read it: every chunk has the bytes of the copies
 before it to spare, and the first allocates grad_W1 only once its copy is gone. At the seed
-shape [11136, 3584, 14336, 3584] bf16 that is 3 chunks of 3712 rows; one whole copy held
-through the loop allowed 6 of 1920, whose grad_x GEMMs ([1920, 2F] @ [2F, D]) fill few waves of
-output tiles (0.3 ms more on the H200). A split of F's columns, tried in session 16, fit 3
-chunks there too but cost 0.3 ms: 6 GEMMs a chunk against a row chunk's 2 (docs/fp8.md).
+shape [11136, 3584, 14336, 3584] bf16 that is 3 chunks, of 3840, 3840 and 3456 rows; one
+whole copy held through the loop allows 6 of about 1900, whose grad_x GEMMs ([1920, 2F] @
+[2F, D]) fill few waves of output tiles (0.3 ms more on the H200). A split of F's columns,
+tried in session 16, fit 3 chunks there too but cost 0.3 ms: 6 GEMMs a chunk against a row
+chunk's 2 (docs/fp8.md).
 """
 
 from __future__ import annotations
@@ -26,6 +27,13 @@ from swiglu_train.kernels.fp8_format import FP8_DTYPE, SCALE_DTYPE, saved_shapes
 # MIN_CHUNK_ROWS unless M is smaller, so the per-chunk GEMMs keep enough rows to fill the GPU.
 ROW_ALIGN = 128
 MIN_CHUNK_ROWS = 1024
+# Backward chunks in whole 2-CTA clusters of 128-row tiles, quack's default cluster (drop_h_quack's
+# FP8 fc1 and grad_h GEMMs run per backward chunk): an odd count of M tiles leaves half of a
+# cluster idle along a row of output tiles. On the H200 (probe_quack_fp8_align_h200.json) the
+# step ran 1.3-1.7 points of the floor faster for drop_h_quack+fp8 and 0.8 for drop_h+fp8 (cuBLAS)
+# at [11136, 3584, 14336] and [8000, 4096, 14336]; shapes whose 128-row chunks were whole
+# clusters already are unchanged.
+BACKWARD_ROW_ALIGN = 256
 
 
 def spans(lengths: tuple[int, ...]) -> list[slice]:
@@ -107,7 +115,14 @@ def rows_per_chunk(m: int, d: int, ffn: int, out: int, itemsize: int) -> int:
 
 @functools.lru_cache(maxsize=256)  # ~150 us of bisection a shape, once per shape, not per step
 def backward_row_chunks(
-    m: int, d: int, ffn: int, out: int, itemsize: int, *, freed: bool = True, align: int = ROW_ALIGN
+    m: int,
+    d: int,
+    ffn: int,
+    out: int,
+    itemsize: int,
+    *,
+    freed: bool = True,
+    align: int = BACKWARD_ROW_ALIGN,
 ) -> tuple[int, ...]:
     """Rows of each chunk of the row-split backward: each the most (in ``align`` rows) that
     keep ``fp8_backward_peak`` within drop_h's peak, given the copy's rows the chunks before

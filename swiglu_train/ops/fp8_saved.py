@@ -43,8 +43,8 @@ grad_preact cannot go in place over the 1-byte copy, so each backward chunk's ke
 into a buffer of its own. The copy is saved as one allocation per backward chunk, and each is
 freed once its kernel read it, so later chunks have its bytes to spare. At the seed shape
 [11136, 3584, 14336, 3584] bf16: forward 2 chunks of 5632 rows, 997.9 MiB, backward 3 chunks
-of 3712 rows, 1061.9 MiB, against drop_h's 1087.6. Before chunking both were 1303.6 (the
-whole bf16 preactivation, or grad_preact, beside the copy and h or grad_h).
+of 3840, 3840 and 3456 rows, 1065.4 MiB, against drop_h's 1087.6. Before chunking both were
+1303.6 (the whole bf16 preactivation, or grad_preact, beside the copy and h or grad_h).
 
 The accumulated gradient stays in the parameters' dtype: an fp32 grad_W1 would hold 2F*D*4
 bytes, 196 MiB more than bf16's at the seed shape, more than the backward's buffers may take.

@@ -76,9 +76,6 @@ def _epilogues():
     return quack_fp8_epilogues
 
 
-# Backward chunks (and so forward's GEMMs) in whole M clusters of the fc1 and grad_h GEMMs:
-# an odd count of 128-row tiles leaves half of a 2-CTA cluster idle for a row of tiles.
-CHUNK_ALIGN = TILE_M * DEFAULT_CLUSTER_M
 FP8_FC1_TILES_N = (256, 128)  # the multiples of the 128-column groups in quack's SM90 space
 
 
@@ -94,25 +91,36 @@ def fp8_fc1_config(tile_n: int, cluster_m: int, cluster_n: int):
     )  # fmt: skip
 
 
+# The deepest K (D) at which the 128-wide pingpong tile beats the 256-wide cooperative one:
+# the epilogue's cost per tile is fixed while the mainloop's grows with K, and pingpong hides
+# the epilogue under the other warpgroup's mainloop at a smaller tile's lower operand reuse.
+# Measured on the H200 (probe_quack_fp8_oos_h200.json, the fc1 GEMM alone or in the step):
+# 128 faster by 4.2 % at D = 1536 and 2.4 % at 2304; 256 faster by 1.2-2.4 % at D = 3584 and
+# 4096, and from 5120 up; the two meet near D = 3150.
+PINGPONG_MAX_DEPTH = 3072
+
+
 @functools.lru_cache(maxsize=256)
-def fp8_fc1_tile(m: int, fc1_rows: int, sms: int) -> tuple[int, int, int]:
-    """(tile_n, cluster_m, cluster_n) of the FP8 fc1 GEMM at m rows. quack's default tile, 192
-    wide, does not hold whole 128-column groups, so the tile is 256 or 128 wide: 256 (faster
-    at the seed shape: 4.54 against 4.63 ms forward, probe_quack_fp8_h200.json) unless 128
-    fills the SMs' last wave FILL_MARGIN better. Clustered along M as quack's default, or
-    along N up to SMALL_M rows, where one M tile would idle half of an M cluster (as
-    ``small_m_tile_n``)."""
+def fp8_fc1_tile(m: int, fc1_rows: int, depth: int, sms: int) -> tuple[int, int, int]:
+    """(tile_n, cluster_m, cluster_n) of the FP8 fc1 GEMM at m rows and K = ``depth``. quack's
+    default tile, 192 wide, does not hold whole 128-column groups, so the tile is 256 or 128
+    wide: 128 (pingpong) up to PINGPONG_MAX_DEPTH, where the epilogue is a large share of a
+    tile's time; deeper, 256 (cooperative; 4.54 against 4.63 ms forward at the seed shape,
+    probe_quack_fp8_h200.json) unless 128 fills the SMs' last wave FILL_MARGIN better.
+    Clustered along M as quack's default, or along N up to SMALL_M rows, where one M tile
+    would idle half of an M cluster (as ``small_m_tile_n``)."""
     cluster = (1, CLUSTER_N) if m <= SMALL_M else (DEFAULT_CLUSTER_M, 1)
     m_tiles = -(-m // TILE_M)
     fills = {n: wave_fill(m_tiles, -(-fc1_rows // n), *cluster, sms) for n in FP8_FC1_TILES_N}
     wide, narrow = FP8_FC1_TILES_N
-    tile_n = narrow if fills[narrow] > FILL_MARGIN * fills[wide] else wide
+    shallow = depth <= PINGPONG_MAX_DEPTH
+    tile_n = narrow if shallow or fills[narrow] > FILL_MARGIN * fills[wide] else wide
     return (tile_n, *cluster)
 
 
 def _fc1_tile(x: torch.Tensor, fc1_weight: torch.Tensor) -> tuple[int, int, int]:
     sms = torch.cuda.get_device_properties(x.device).multi_processor_count
-    return fp8_fc1_tile(x.shape[0], fc1_weight.shape[0], sms)
+    return fp8_fc1_tile(x.shape[0], fc1_weight.shape[0], x.shape[1], sms)
 
 
 @eager_op("swiglu_train::quack_swiglu_fp8_", mutates_args=("h", "q", "scales"))
@@ -181,10 +189,7 @@ class _DropHQuackFP8(torch.autograd.Function):
         fc1_weight = fc1_weight if fc1_weight.stride(1) == 1 else fc1_weight.contiguous()
         (m, d), ffn, out = x.shape, fc1_weight.shape[0] // 2, fc2_weight.shape[0]
         freed = inplace and not torch.compiler.is_compiling()  # claim_inplace_backward's
-        lengths = backward_row_chunks(
-            m, d, ffn, out, x.element_size(), freed=freed, align=CHUNK_ALIGN
-        )
-        pieces = spans(lengths)
+        pieces = spans(backward_row_chunks(m, d, ffn, out, x.element_size(), freed=freed))
         copies = [copy_buffers(p.stop - p.start, ffn, x, paired_saved_shapes) for p in pieces]
         h = x.new_empty(m, ffn)
         for piece, (q, scales) in zip(pieces, copies, strict=True):
