@@ -67,6 +67,7 @@ def trainer(config: str, impl: str) -> Callable[[int], bool]:
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
 
     def fits(micro_batch: int) -> bool:
+        print(f"{impl}: trying micro-batch {micro_batch}", flush=True)  # a crash names its size
         tokens = torch.randint(0, 256, (micro_batch, cfg.data.seq_length + 1), device="cuda")
         try:
             for _ in range(2):
@@ -81,9 +82,11 @@ def trainer(config: str, impl: str) -> Callable[[int], bool]:
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
             torch.cuda.synchronize()
+            print(f"{impl}: micro-batch {micro_batch} trains", flush=True)
             return True
         except torch.cuda.OutOfMemoryError:
             optimizer.zero_grad(set_to_none=True)
+            print(f"{impl}: micro-batch {micro_batch} is out of memory", flush=True)
             return False
         finally:
             del tokens
