@@ -163,8 +163,10 @@ class LoadedGroupScale(GroupedColStatsBase):
     fn per element: the paired copy's scales in the grad_h GEMM, whose N is the features.
 
     It reuses the grouped statistics' register slots and value port, filled at the start of
-    each tile by one load per slot a thread owns (rows past M read 1) instead of by a
-    prepass over the accumulator. The GEMM's N tile must hold whole groups.
+    each tile by one load per slot a thread owns instead of by a prepass over the accumulator.
+    Slots past M's rows or past N's groups (a last N tile that F does not fill, as 192-wide
+    tiles at F = 8192) read 1, never the memory after the scales: reading there crashed the
+    1B model with an illegal address. The GEMM's N tile must hold whole groups.
     """
 
     GROUP = 64
@@ -203,9 +205,10 @@ class LoadedGroupScale(GroupedColStatsBase):
                 for r in cutlass.range_constexpr(rows_sub):
                     coord = c_mn[r, 0]
                     row = row0 + coord[0]
+                    group = (col0 + coord[1]) // group_cols
                     value = Float32(1.0)
-                    if row < param.shape[0]:
-                        value = param[row, (col0 + coord[1]) // group_cols].to(Float32)
+                    if row < param.shape[0] and group < param.shape[1]:
+                        value = param[row, group].to(Float32)
                     r_stats[em * rows_sub + r, o] = value
         return (state,)
 
