@@ -19,10 +19,10 @@ peak are allocator MiB above the step's start, parameter grads reset.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import sys
 import traceback
+from unittest import mock
 
 import numpy as np
 import torch
@@ -60,39 +60,23 @@ from swiglu_train.ops.quack_mlp import drop_h_quack_mlp, require_quack
 from swiglu_train.ops.reference import swiglu
 
 
-@contextlib.contextmanager
 def fc1_tile(tile_n: int):
     """Pin the FP8 fc1 epilogue's N tile for the calls inside (a probe's knob, not an API)."""
     rule = quack_fp8_saved._fc1_tile
-    quack_fp8_saved._fc1_tile = lambda x, w: (tile_n, *rule(x, w)[1:])
-    try:
-        yield
-    finally:
-        quack_fp8_saved._fc1_tile = rule
+    return mock.patch.object(quack_fp8_saved, "_fc1_tile", lambda x, w: (tile_n, *rule(x, w)[1:]))
 
 
-def with_tile(tile_n: int, mlp):
-    def run(*args):
-        with fc1_tile(tile_n):
-            return mlp(*args)
-
-    return run
-
-
-@contextlib.contextmanager
 def chunk_align(rows: int):
     """Pin drop_h_quack+fp8's backward chunk alignment for the calls inside (a probe's knob)."""
-    rule = quack_fp8_saved.backward_row_chunks
-    quack_fp8_saved.backward_row_chunks = functools.partial(rule, align=rows)
-    try:
-        yield
-    finally:
-        quack_fp8_saved.backward_row_chunks = rule
+    aligned = functools.partial(quack_fp8_saved.backward_row_chunks, align=rows)
+    return mock.patch.object(quack_fp8_saved, "backward_row_chunks", aligned)
 
 
-def with_chunk_align(rows: int, mlp):
+def pinned(knob, mlp):
+    """mlp run inside the ``knob`` patch, made afresh per call."""
+
     def run(*args):
-        with chunk_align(rows):
+        with knob():
             return mlp(*args)
 
     return run
@@ -213,9 +197,12 @@ def time_shape(shape: tuple[int, ...], samples: int, seed: int, profile: bool) -
         "drop_h+fp8": drop_h_fp8_mlp,
         "drop_h+fp8[rows/128]": drop_h_fp8_aligned(128),
         "dhq+fp8[unfused]": UNFUSED,
-        "dhq+fp8[unfused, tile=128]": with_tile(128, UNFUSED),
+        "dhq+fp8[unfused, tile=128]": pinned(functools.partial(fc1_tile, 128), UNFUSED),
         **FUSED_VARIANTS,
-        **{f"{k}[rows/128]": with_chunk_align(128, v) for k, v in FUSED_VARIANTS.items()},
+        **{
+            f"{k}[rows/128]": pinned(functools.partial(chunk_align, 128), v)
+            for k, v in FUSED_VARIANTS.items()
+        },
     }
     cases = [floor_case(w, x, grad_y)]
     cases += [layer_case(name, mlp, w, x, grad_y) for name, mlp in variants.items()]
