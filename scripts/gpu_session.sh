@@ -235,7 +235,8 @@ for stage in "$@"; do
       done ;;
     fp8_lightning)  # issue 19: after-forward and peak of the Lightning models, FP8-saved or not
       for config in ${FP8_LIGHTNING_CONFIGS:-125m 1b}; do
-        for impl in normal drop_h drop_h+fp8 drop_h_quack $(fp8_quack_impl); do
+        quack_pair=$([ -n "$(fp8_quack_impl)" ] && echo drop_h_quack drop_h_quack+fp8)
+        for impl in normal drop_h drop_h+fp8 $quack_pair; do
           fp8=$([ "${impl%+fp8}" != "$impl" ] && echo --saved-fp8 || echo --no-saved-fp8)
           run="fp8mem_${config}_${impl/+/_}"
           python3 -m swiglu_train pretrain --config "$config" --mlp-impl "${impl%+fp8}" $fp8 \

@@ -27,11 +27,12 @@ from swiglu_train.kernels.fp8_format import FP8_DTYPE, SCALE_DTYPE, saved_shapes
 # MIN_CHUNK_ROWS unless M is smaller, so the per-chunk GEMMs keep enough rows to fill the GPU.
 ROW_ALIGN = 128
 MIN_CHUNK_ROWS = 1024
-# Backward chunks in whole 2-CTA clusters of 128-row tiles, quack's default cluster (drop_h_quack's
-# FP8 fc1 and grad_h GEMMs run per backward chunk): an odd count of M tiles leaves half of a
-# cluster idle along a row of output tiles. On the H200 (probe_quack_fp8_align_h200.json) the
-# step ran 1.3-1.7 points of the floor faster for drop_h_quack+fp8 and 0.8 for drop_h+fp8 (cuBLAS)
-# at [11136, 3584, 14336] and [8000, 4096, 14336]; shapes whose 128-row chunks were whole
+# Backward chunks in whole 2-CTA clusters of 128-row tiles (quack_mlp's TILE_M x
+# DEFAULT_CLUSTER_M; drop_h_quack's FP8 fc1 and grad_h GEMMs run once per backward chunk): an
+# odd count of M tiles leaves half of a cluster idle along a row of output tiles. On the H200
+# (probe_quack_fp8_align_h200.json, probe_quack_fp8_rule_h200.json) the step ran 1.4-1.8
+# points of the floor faster for drop_h_quack+fp8 and 0.7-0.9 for drop_h+fp8 (cuBLAS) at
+# [11136, 3584, 14336] and [8000, 4096, 14336]; shapes whose 128-row chunks were whole
 # clusters already are unchanged.
 BACKWARD_ROW_ALIGN = 256
 
