@@ -10,9 +10,9 @@ of its scale, and h against SwiGLU of that preactivation. Gradients: relative (F
 error of y, grad_x, grad_W1, grad_W2 against float64 on the same bf16 values.
 
 Timing (``--shapes``): one layer's fwd+bwd, bf16, no bias, 30 paired samples, queued;
-``dhq+fp8[tile=N]`` pins the fc1 epilogue's N tile, ``[rows/N]`` the backward chunks'
-alignment (the rule's is 256 rows). After-forward and peak are allocator MiB above the step's
-start, parameter grads reset. ``--step-only`` skips the format checks and errors.
+``[tile=N]`` pins the fc1 epilogue's N tile (both widths, so the rule's pick meets the other),
+``[rows/N]`` the backward chunks' alignment (the rule's is 256 rows). After-forward and peak
+are allocator MiB above the step's start, parameter grads reset. ``--step-only`` skips the format checks and errors.
 
     python scripts/probe_quack_fp8.py --out $OUT/probe_quack_fp8_h200.json --profile
 """
@@ -202,6 +202,11 @@ def time_shape(shape: tuple[int, ...], samples: int, seed: int, profile: bool) -
         **{
             f"{k}[rows/128]": pinned(functools.partial(chunk_align, 128), v)
             for k, v in FUSED_VARIANTS.items()
+        },
+        **{
+            f"{k}[tile={n}]": pinned(functools.partial(fc1_tile, n), v)
+            for k, v in FUSED_VARIANTS.items()
+            for n in quack_fp8_saved.FP8_FC1_TILES_N
         },
     }
     cases = [floor_case(w, x, grad_y)]
