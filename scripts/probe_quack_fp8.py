@@ -12,7 +12,8 @@ error of y, grad_x, grad_W1, grad_W2 against float64 on the same bf16 values.
 Timing (``--shapes``): one layer's fwd+bwd, bf16, no bias, 30 paired samples, queued;
 ``[tile=N]`` pins the fc1 epilogue's N tile (both widths, so the rule's pick meets the other),
 ``[rows/N]`` the backward chunks' alignment (the rule's is 256 rows). After-forward and peak
-are allocator MiB above the step's start, parameter grads reset. ``--step-only`` skips the format checks and errors.
+are allocator MiB above the step's start, parameter grads reset. ``--step-only`` skips the
+format checks and errors.
 
     python scripts/probe_quack_fp8.py --out $OUT/probe_quack_fp8_h200.json --profile
 """

@@ -96,7 +96,9 @@ def fp8_fc1_config(tile_n: int, cluster_m: int, cluster_n: int):
 # the epilogue under the other warpgroup's mainloop at a smaller tile's lower operand reuse.
 # Measured on the H200 (probe_quack_fp8_oos_h200.json, the fc1 GEMM alone or in the step):
 # 128 faster by 4.2 % at D = 1536 and 2.4 % at 2304; 256 faster by 1.2-2.4 % at D = 3584 and
-# 4096, and from 5120 up; the two meet near D = 3150.
+# 4096, and from 5120 up; the two meet near D = 3150. In the step at D = 2560-3584, paired
+# (probe_quack_fp8_krule_h200.md): 128 faster by 0.8-1.0 points below 3072, the two within
+# 0.15 points from 3072 up, so a depth just past the bound loses nothing measurable.
 PINGPONG_MAX_DEPTH = 3072
 
 
