@@ -96,6 +96,21 @@ def test_bench_smoke_on_cpu(tmp_path):
     assert [r["layers"] for r in payload["stack"]] == [2] * 5
 
 
+def test_bench_races_the_fp8_saved_option_beside_its_bf16_impl(tmp_path):
+    """``drop_h+fp8`` is drop_h with saved_fp8: the same MLP, its backward off by e4m3's
+    rounding of the saved preactivation (errors are relative to the first variant, drop_h),
+    in both tables."""
+    out = tmp_path / "mlp.json"
+    args = ["bench", "--device", "cpu", "--dtype", "fp32", "--shape", f"{M},{D},{FFN},{D}"]
+    args += ["--variants", "drop_h,drop_h+fp8", "--samples", "2", "--stack-layers", "2"]
+    result = runner.invoke(app, [*args, "--json", str(out)])
+    assert result.exit_code == 0, result.output
+    payload = json.loads(out.read_text())
+    errors = {r["variant"]: r["rel_err_vs_reference"] for r in payload["results"][1:]}
+    assert errors["drop_h"] == 0.0 and 1e-4 < errors["drop_h+fp8"] < 0.1
+    assert [r["variant"] for r in payload["stack"]] == ["drop_h", "drop_h+fp8"]
+
+
 def test_bench_prints_skip_reasons_with_their_brackets(monkeypatch):
     from swiglu_train.bench import mlp
 

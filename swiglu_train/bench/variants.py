@@ -14,6 +14,7 @@ import torch.nn.functional as F
 
 from swiglu_train.layers import ParMLP
 from swiglu_train.layers.layout import CANONICAL, relayout
+from swiglu_train.layers.registry import SAVED_FP8_IMPLS, impl_label
 from swiglu_train.ops import drop_h_mlp, reference, save_factors_mlp
 
 Layer = Callable[[torch.Tensor], torch.Tensor]
@@ -43,10 +44,12 @@ def eager(w: LayerWeights) -> Layer:
     return lambda x: reference.mlp(x, w.fc1, None, w.fc2, None)
 
 
-def ours(impl: str, inplace: bool = True) -> Callable[[LayerWeights], Layer]:
+def ours(
+    impl: str, inplace: bool = True, saved_fp8: bool = False
+) -> Callable[[LayerWeights], Layer]:
     def build(w: LayerWeights) -> Layer:
         d, f, o = w.fc1.shape[1], w.fc2.shape[1], w.fc2.shape[0]
-        mlp = ParMLP(d, f, o, impl=impl, inplace=inplace, device="meta")
+        mlp = ParMLP(d, f, o, impl=impl, inplace=inplace, saved_fp8=saved_fp8, device="meta")
         mlp.fc2.weight = w.fc2
         if mlp.fc1_layout.packed:  # its own packed copy of the canonical weight
             mlp.fc1.weight = torch.nn.Parameter(relayout(w.fc1.detach(), CANONICAL, mlp.fc1_layout))
@@ -145,6 +148,8 @@ BUILDERS: dict[str, Callable[[LayerWeights], Layer]] = {
     # preact it reads (a higher backward peak); does the aliasing cost drop_h_quack time?
     "drop_h_quack_out_of_place": ours("drop_h_quack", inplace=False),
     "save_factors_quack": ours("save_factors_quack"),
+    # the opt-in FP8-saved preactivation (issue 19), named as the planner and profiler name it
+    **{impl_label(impl, True): ours(impl, saved_fp8=True) for impl in SAVED_FP8_IMPLS},
     # diagnostics: the fused GEMMs' tile schedule (static in the impls); see quack_fused_dynamic
     **{
         f"{impl}_dynamic_{which}": quack_fused_dynamic(impl, with_fc1=which == "fused")

@@ -32,7 +32,8 @@ def bench(
         str,
         typer.Option(
             help="comma-separated: eager,compile,normal,drop_h,drop_h_fused,drop_h_quack,"
-            "save_factors,save_factors_fused,save_factors_quack,liger,fla,quack, and "
+            "save_factors,save_factors_fused,save_factors_quack,liger,fla,quack; "
+            "drop_h+fp8 and drop_h_quack+fp8 (the FP8-saved preactivation); and "
             "quack_tuned (quack autotuned: minutes of warm-up)"
         ),
     ] = (
