@@ -103,26 +103,27 @@ def main(
     commit: Annotated[str | None, typer.Option(help="commit to record if git is absent")] = None,
     json_path: Annotated[Path | None, typer.Option("--json")] = None,
 ) -> None:
-    results = []
-    for impl in mlp_impl.split(","):
-        best, tried = largest_fitting(trainer(config, impl), limit)
-        gc.collect()
-        torch.cuda.empty_cache()
-        results.append({"impl": impl, "max_micro_batch": best, "tried": tried})
-        print(f"{impl}: largest micro-batch {best} (tried {tried})")
-    by_impl = {r["impl"]: r["max_micro_batch"] for r in results}
+    """Search each impl in turn; the JSON is rewritten after each, so a run cut short (a
+    time bound, a crash) keeps the impls that finished."""
     payload = {
         "command": shlex.join(["python", *sys.argv]),
         "commit": commit or git_commit(),  # the caller names the tree it ran: a copy's .git may lag
         "config": config,
         "device_name": torch.cuda.get_device_name(),
         "seq_length": load_config(config).data.seq_length,
-        "results": results,
+        "results": [],
     }
-    if by_impl.get("normal"):
-        payload["ratio_to_normal"] = {k: v / by_impl["normal"] for k, v in by_impl.items()}
-    if json_path is not None:
-        write_json_atomic(json_path, payload)
+    for impl in mlp_impl.split(","):
+        best, tried = largest_fitting(trainer(config, impl), limit)
+        gc.collect()
+        torch.cuda.empty_cache()
+        payload["results"].append({"impl": impl, "max_micro_batch": best, "tried": tried})
+        print(f"{impl}: largest micro-batch {best} (tried {tried})")
+        by_impl = {r["impl"]: r["max_micro_batch"] for r in payload["results"]}
+        if by_impl.get("normal"):
+            payload["ratio_to_normal"] = {k: v / by_impl["normal"] for k, v in by_impl.items()}
+        if json_path is not None:
+            write_json_atomic(json_path, payload)
 
 
 if __name__ == "__main__":

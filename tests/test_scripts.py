@@ -43,6 +43,31 @@ def test_micro_batch_search_builds_drop_h_fp8_as_the_planner_names_it():
     assert fp8.hidden_size == plain.hidden_size  # the same 1b model otherwise
 
 
+def test_micro_batch_search_keeps_the_impls_that_finished_when_a_later_one_crashes(
+    tmp_path, monkeypatch
+):
+    script = load_script("max_micro_batch")
+    capacity = {"normal": 5, "drop_h": 7}
+
+    def trainer(config, impl):
+        if impl not in capacity:
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+        return lambda n: n <= capacity[impl]
+
+    monkeypatch.setattr(script, "trainer", trainer)
+    monkeypatch.setattr(script.torch.cuda, "get_device_name", lambda: "test GPU")
+    out = tmp_path / "mb.json"
+    with pytest.raises(RuntimeError, match="illegal memory access"):
+        script.main("125m", "normal,drop_h,drop_h_quack+fp8", 64, "abc1234", out)
+    payload = json.loads(out.read_text())
+    assert [(r["impl"], r["max_micro_batch"]) for r in payload["results"]] == [
+        ("normal", 5),
+        ("drop_h", 7),
+    ]
+    assert payload["ratio_to_normal"] == {"normal": 1.0, "drop_h": 1.4}
+    assert payload["commit"] == "abc1234" and payload["device_name"] == "test GPU"
+
+
 def test_summarize_runs_pairs_rounds_and_writes_both_files(tmp_path, monkeypatch):
     summarize = load_script("summarize_runs")
     runs = {
