@@ -10,6 +10,8 @@ For each shape (M, D, F) and kind of input, bf16 x, W1, W2 and grad_y, and the r
             brings the block's max to 448 or under
   fp8_row   for comparison: e4m3 with one bf16 scale per row per half (block = F)
   e5m2      for comparison: e5m2 with the 128-column blocks and bf16 scales
+  int8      for comparison: int8 with the 128-column blocks, amax / 127 rounded up to bf16,
+            values rounded to nearest (8 bits of uniform steps, not e4m3's relative ones)
   save_factors        ParMLP(impl="save_factors"): the SwiGLU factors [up·silu'(gate),
             silu(gate)] and h saved in bf16
   save_factors_fp8    whether save_factors could take the option: its factors through the
@@ -103,10 +105,13 @@ def block_quantize(
     preact: torch.Tensor, block: int, dtype: torch.dtype, scales: str = "bf16"
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(values, fp32 scale per block) in ``ops.fp8_saved.quantize``'s layout for any block and
-    FP8 dtype. ``scales``: "bf16" (amax / top rounded up to bf16, as shipped), "fp32" (amax /
-    top) or "pow2" (the least power of two that brings amax to top or under)."""
+    FP8 (or int8: rounded to nearest) dtype. ``scales``: "bf16" (amax / top rounded up to
+    bf16, as shipped), "fp32" (amax / top) or "pow2" (the least power of two that brings amax
+    to top or under)."""
     m, f = preact.shape[0], preact.shape[1] // 2
-    nb, top = -(-f // block), torch.finfo(dtype).max
+    integer = not dtype.is_floating_point
+    nb = -(-f // block)
+    top = torch.iinfo(dtype).max if integer else torch.finfo(dtype).max
     blocks = F.pad(preact.float().view(m, 2, f), (0, nb * block - f)).view(m, 2, nb, block)
     amax = blocks.abs().amax(-1, keepdim=True).clamp_min(top * 2.0**-126)
     if scales == "pow2":
@@ -117,6 +122,7 @@ def block_quantize(
         scale = amax / torch.full_like(amax, top)
         scale = round_up_bf16(scale) if scales == "bf16" else scale
     q = (blocks * (torch.ones_like(scale) / scale)).clamp(-top, top).view(m, 2, nb * block)
+    q = q.round() if integer else q
     return q[..., :f].reshape(m, 2 * f).to(dtype), scale.view(m, 2 * nb)
 
 
@@ -173,6 +179,7 @@ def measure(shapes, kinds, seed: int, device: str = "cpu", impl: str = "drop_h")
                 runs["fp8_pow2"] = with_format(t, 128, torch.float8_e4m3fn, scales="pow2")
                 runs["fp8_row"] = with_format(t, f, torch.float8_e4m3fn)
                 runs["e5m2"] = with_format(t, 128, torch.float8_e5m2)
+                runs["int8"] = with_format(t, 128, torch.int8)
             if impl == "drop_h":
                 runs["save_factors"] = par_mlp(t, False, impl="save_factors")
                 runs["save_factors_fp8"] = with_fp8_factors(t)

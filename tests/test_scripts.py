@@ -146,7 +146,7 @@ def test_fp8_accuracy_script_measures_each_format_against_float64():
     probe = load_script("measure_fp8_saved")
     rows = probe.measure([(64, 32, 160)], ["normal"], seed=0)  # F 160: a partial block
     errors = {r["format"]: r for r in rows}
-    assert set(errors) == {"bf16", "fp8", "fp8_fp32", "fp8_pow2", "fp8_row", "e5m2",
+    assert set(errors) == {"bf16", "fp8", "fp8_fp32", "fp8_pow2", "fp8_row", "e5m2", "int8",
                            "save_factors", "save_factors_fp8"}  # fmt: skip
     # the factors in fp8: their own rounding on grad_x, grad_W1; grad_W2 reads the bf16 h
     assert errors["save_factors"]["grad_x"] < 0.01 < errors["save_factors_fp8"]["grad_x"] < 0.08
@@ -155,6 +155,15 @@ def test_fp8_accuracy_script_measures_each_format_against_float64():
         assert errors["bf16"][key] < 0.01 < errors["fp8"][key] < 0.08, key
         assert errors["fp8"][key] < errors["e5m2"][key], key
     assert errors["fp8"]["y"] == errors["bf16"]["y"]  # forward's h comes from the bf16 preact
+    # int8's uniform steps beat e4m3 on unit-normal blocks, yet stay over bf16's rounding
+    for key in ("grad_x", "grad_W1", "grad_W2"):
+        assert errors["bf16"][key] < errors["int8"][key] < errors["fp8"][key] / 2, key
+    # but where a few features dominate, their blocks' uniform steps flatten the rest: e4m3's
+    # relative steps keep them, which is why the format is e4m3
+    rows = probe.measure([(64, 32, 160)], ["outlier features"], seed=0)
+    outliers = {r["format"]: r for r in rows}
+    for key in ("grad_x", "grad_W1", "grad_W2"):
+        assert outliers["int8"][key] > 2 * outliers["fp8"][key], key
 
 
 def test_shape_probes_parse_their_shapes_and_extra_flags(monkeypatch):
