@@ -28,7 +28,7 @@ the model grid's (D, F) at M tokens, the impls' own CUDA kernels (Triton, and th
 row chunks), bf16 against fp8 only, the float64 reference on the GPU. ``--impl drop_h_quack``
 measures that impl's bf16 and FP8 paths instead (its quack epilogues, the paired format).
 
-    python scripts/measure_fp8_saved.py --json benchmarks/results/fp8_saved_errors_cpu.json
+    python scripts/measure_fp8_saved.py --json benchmarks/results/fp8/fp8_saved_errors_cpu.json
     python scripts/measure_fp8_saved.py --device cuda --grid-m 8000 --json OUT.json
     python scripts/measure_fp8_saved.py --device cuda --grid-m 8000 --impl drop_h_quack \
         --json OUT.json

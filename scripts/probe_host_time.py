@@ -1,7 +1,7 @@
 """Host time of one ParMLP forward+backward, on CPU (issue 18): the Python a step costs.
 
 At small shapes (D <= 2048) an H200 finishes a layer's kernels before the host has queued them,
-so the host's time is the step time (benchmarks/results/probe_step_gap_h200.json, ``host_ms``).
+so the host's time is the step time (benchmarks/results/host/probe_step_gap_h200.json, ``host_ms``).
 This probe times that Python on CPU, at a tiny shape (default M=8, D=F=O=16, fp32) where the
 arithmetic is negligible, with one intra-op thread.
 
@@ -37,8 +37,8 @@ exported package is the one imported):
 
     git archive BEFORE swiglu_train | tar -x -C /tmp/before
     cd /tmp && PYTHONPATH=/tmp/before python /path/to/scripts/probe_host_time.py \
-        --label before --commit BEFORE --out /path/to/benchmarks/results/host_time_cpu.json
-    python scripts/probe_host_time.py --label after --out benchmarks/results/host_time_cpu.json
+        --label before --commit BEFORE --out /path/to/benchmarks/results/host/host_time_cpu.json
+    python scripts/probe_host_time.py --label after --out benchmarks/results/host/host_time_cpu.json
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Where the quack impls spend host time per step (issue 18): each GEMM call alone, and cProfile.
 
-At M = 2048 the grid (benchmarks/results/grid_m2048_h200.md) found `drop_h_quack` host-bound
+At M = 2048 the grid (benchmarks/results/grid/grid_m2048_h200.md) found `drop_h_quack` host-bound
 up to D = 4096 (queuing a step took ~2.4 ms against `save_factors_quack`'s ~1.7), although both
 make six GEMM calls on quack or cuBLAS. This probe queues each call 200 times behind a spin
 kernel long enough that the GPU never waits on the host, and reports the host's microseconds

@@ -13,9 +13,9 @@ from swiglu_train.layers.auto_model import MIB, AutoModel
 
 ROOT = Path(__file__).resolve().parents[1]
 SHIP_COMMAND = (
-    "swiglu-train bench-grid --merge benchmarks/results/grid_h200.json "
-    "--json benchmarks/results/grid_h200.json --md benchmarks/results/grid_h200.md "
-    "--plot benchmarks/results/grid_h200.png --auto-model swiglu_train/layers/auto_h200.json"
+    "swiglu-train bench-grid --merge benchmarks/results/grid/grid_h200.json "
+    "--json benchmarks/results/grid/grid_h200.json --md benchmarks/results/grid/grid_h200.md "
+    "--plot benchmarks/results/grid/grid_h200.png --auto-model swiglu_train/layers/auto_h200.json"
 )
 TFLOPS = 800.0
 # impl -> (c, a, host_ms, after-forward bytes per M·D, per M·F)
@@ -118,7 +118,7 @@ def test_a_result_without_cuda_readings_is_refused():
 
 
 def test_the_old_crossover_run_without_gpu_and_host_time_is_refused():
-    old = json.loads((ROOT / "benchmarks/results/crossover_h200.json").read_text())
+    old = json.loads((ROOT / "benchmarks/results/grid/crossover_h200.json").read_text())
     with pytest.raises(ValueError, match="gpu_ms is None; an auto model needs every row's"):
         fit_auto_model(old, "fit")
 
@@ -132,7 +132,7 @@ def test_too_few_shapes_to_fit_say_why():
 
 def test_the_shipped_model_is_the_fit_of_the_committed_grid():
     """Reproducible: the command in the file refits it from the committed JSON."""
-    grid = json.loads((ROOT / "benchmarks/results/grid_h200.json").read_text())
+    grid = json.loads((ROOT / "benchmarks/results/grid/grid_h200.json").read_text())
     shipped = json.loads((ROOT / "swiglu_train/layers/auto_h200.json").read_text())
     assert shipped["command"] == SHIP_COMMAND
     assert fit_auto_model(grid, SHIP_COMMAND) == shipped

@@ -404,21 +404,21 @@ def test_markdown_of_the_evaluation(tiny_run):
 def test_the_committed_quack_regrid_reads_as_judged_now():
     """grid_quack_h200 timed four variants: its report is the committed one, and auto is
     judged only among the two impls of ours it timed."""
-    grid = json.loads((ROOT / "benchmarks/results/grid_quack_h200.json").read_text())
+    grid = json.loads((ROOT / "benchmarks/results/grid/grid_quack_h200.json").read_text())
     assert grid["meta"]["variants"] == ["drop_h_quack", "save_factors_quack", "quack", "liger"]
     evaluation = grid_auto.evaluate_auto(grid)
     assert json.loads(json.dumps(evaluation)) == grid["auto_eval"]
     assert evaluation["impl_sets"] == ["with_quack"]
-    assert to_markdown(grid) == (ROOT / "benchmarks/results/grid_quack_h200.md").read_text()
+    assert to_markdown(grid) == (ROOT / "benchmarks/results/grid/grid_quack_h200.md").read_text()
 
 
 def test_the_committed_h200_grid_reads_as_judged_now():
     """Judged again with the shipped model, the committed grid's evaluation and markdown are
     the committed ones (the LOFO and shipped summaries the docs quote among them)."""
-    grid = json.loads((ROOT / "benchmarks/results/grid_h200.json").read_text())
+    grid = json.loads((ROOT / "benchmarks/results/grid/grid_h200.json").read_text())
     evaluation = grid_auto.evaluate_auto(grid)
     assert json.loads(json.dumps(evaluation)) == grid["auto_eval"]
-    assert to_markdown(grid) == (ROOT / "benchmarks/results/grid_h200.md").read_text()
+    assert to_markdown(grid) == (ROOT / "benchmarks/results/grid/grid_h200.md").read_text()
     lofo = evaluation["lofo_summary"]
     line = next(x for x in to_markdown(grid).splitlines() if "**Leave one family out**" in x)
     for name, label in (("with_quack", "with quack"), ("without_quack", "without quack")):

@@ -132,7 +132,10 @@ def test_results_onto_a_full_disk_are_one_line(entry, tmp_path, monkeypatch, com
     monkeypatch.setattr(swiglu_train.files, "os", FullDisk(10))
     out = tmp_path / "result.json"
     args = {
-        "bench-inference": ("--merge", str(ROOT / "benchmarks/results/inference_h200.json")),
+        "bench-inference": (
+            "--merge",
+            str(ROOT / "benchmarks/results/inference/inference_h200.json"),
+        ),
         "bench-memory": ("--device", "cpu", "--shape", "8,16,24,16", "--layers", "1"),
     }[command]
     code, err = entry(command, *args, "--json", str(out))

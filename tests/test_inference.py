@@ -219,7 +219,7 @@ def test_packaged_table_loads_and_ships_as_package_data():
     raw = json.loads(resource.read_text())
     assert {"schema", "gpu", "commit", "dtype", "shapes"} <= set(raw)
     assert "H200" in raw["gpu"] and raw["dtype"] == "bf16"
-    measured = json.loads((ROOT / "benchmarks/results/inference_h200.json").read_text())
+    measured = json.loads((ROOT / "benchmarks/results/inference/inference_h200.json").read_text())
     assert raw["shapes"] == measured["dispatch"] and raw["commit"] == measured["commit"]
     assert isinstance(dispatch.packaged_table(), DispatchTable)
     globs = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]

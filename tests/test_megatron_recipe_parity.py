@@ -2,7 +2,7 @@
 and ``liger``, Liger-Kernel's SwiGLU patched into it) and our impls start from the same weights
 and see the same batches, so in fp32 they train alike.
 
-The H200 runs (benchmarks/results/megatron_h200_tp1.json) end 30 bf16 steps at different
+The H200 runs (benchmarks/results/megatron/megatron_h200_tp1.json) end 30 bf16 steps at different
 losses per impl; this pins that the cause is bf16 rounding, not the init or the data. Both of
 Megatron's init paths are checked: the CPU one (``use_cpu_initialization``, this recipe's on CPU
 and with ``--cpu-init``) and the in-place one under its RNG tracker, which the GPU runs take.

@@ -12,7 +12,7 @@ compared on the same input (``memory.SavedTensorCounter``).
 An output over tolerance is checked against torch's own eager MLP in the same dtype on the same
 values: where that is as far off (within ``PLATFORM_SLACK``), the case is ``platform``, the
 GEMM library's error and not the impl's, counted and listed apart from failures. The H200 fuzz
-found one (benchmarks/results/cublas_fp16_k_tail_h200.txt).
+found one (benchmarks/results/gemm/cublas_fp16_k_tail_h200.txt).
 
 A failing case replays alone from its JSON (``scripts/fuzz_gpu.py --repro``).
 ``scripts/fuzz_gpu.py`` runs a thousand on the GPU, in worker processes

@@ -2,7 +2,7 @@
 processes before the timing pass, so that pass finds the compilers' on-disk caches warm.
 
 One timing process paid 46-108 s of compiling at the first M of each new (D, F)
-(``benchmarks/results/grid_h200.json``), and 6-12 s at the next M. The compiles are CPU-bound
+(``benchmarks/results/grid/grid_h200.json``), and 6-12 s at the next M. The compiles are CPU-bound
 and every compiler keeps a cache on disk that another process reuses: quack's ``.o`` files
 (``QUACK_CACHE_DIR``), Triton's ``~/.triton/cache``, inductor's FX-graph and kernel caches. So N
 workers compile N shapes at once. They time nothing and write no results: a variant that fails

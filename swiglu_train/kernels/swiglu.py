@@ -21,7 +21,8 @@ from swiglu_train.kernels.runtime import INTERPRET, SUPPORTED_DTYPES
 # sets their speed is the bytes each thread keeps in flight: 8 elements per thread, one 16-byte
 # bf16 vector per operand. 1024-element programs of 4 warps (forward) and 2048-element programs
 # of 8 warps (backward and factors) came within 2.2 % of the best of 15 tiles at each of six
-# [M, F] training shapes on the H200 (benchmarks/results/activation_bandwidth_h200.json), where
+# [M, F] training shapes on the H200
+# (benchmarks/results/activation/activation_bandwidth_h200.json), where
 # Triton's autotuner, timing each candidate once, lost up to 35 %
 # (activation_bandwidth_autotuned_h200.json). 16 elements per thread is as fast out of place
 # but not in place: drop_h's in-place backward ran 1.33x slower at 4096 elements on 8 warps and

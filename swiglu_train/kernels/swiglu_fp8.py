@@ -228,7 +228,8 @@ def check_saved(
 # (elements per program, warps) of the forward: 16 elements of each half per thread. On the H200
 # 1 x 2048 over 4 warps ran at 0.96 and 0.89 of the copy bandwidth at [11136, 14336] and [8000,
 # 11008], where drop_h's 1 x 1024 over 4 (8 a thread) ran at 0.83 and 0.80, and the 8 x 128
-# tiles before at 0.82 and 0.79 (benchmarks/results/activation_bandwidth_fp8_tiles_h200): the
+# tiles before at 0.82 and 0.79
+# (benchmarks/results/activation/activation_bandwidth_fp8_tiles_h200): the
 # quantization's block reductions and divisions hide the loads' latency only with more
 # elements in flight a thread. 32 a thread spilled. The backward keeps BWD_TILE (1 x 2048 over
 # 8 warps, 0.94 and 0.92; 16 a thread there ran at 0.86 and 0.80).

@@ -4,7 +4,7 @@ interleaved per column ([g_0, u_0, g_1, u_1, ...]) while fc1 and its grad are ou
 
 quack's GEMM reads and writes that pairing directly (``concat_layout``), but at three of four
 H200 training shapes its concat grad_x ran 1.10-1.63x cuBLAS's plain one and its grad_W1
-1.03-1.45x (benchmarks/results/probe_quack_gemms_h200.json). cuBLAS needs the pair order on
+1.03-1.45x (benchmarks/results/gemm/probe_quack_gemms_h200.json). cuBLAS needs the pair order on
 both sides: grad_x reads fc1's rows interleaved, a copy; grad_W1 comes out interleaved and is
 scattered into the canonical rows. Both go in row chunks, each temporary at most the bytes of
 the [M, F] h that backward has just freed, so that the peak does not rise. Whether the copies

@@ -19,7 +19,7 @@ device, as the constants it replaces did, until another GPU family is measured.
 
 Fallback: with no entry of the kind asked (the shipped file until the H200 run fills it), the
 rules measured before the table: fused_mlp up to DEFAULT_FUSED_MLP_MAX_M rows, the gated GEMM up
-to DEFAULT_GATED_MAX_M (tie with cuBLAS at Qwen-7B, benchmarks/results/tune_gated_h200.json),
+to DEFAULT_GATED_MAX_M (tie with cuBLAS at Qwen-7B, benchmarks/results/gemm/tune_gated_h200.json),
 cuBLAS + the activation kernel beyond.
 """
 

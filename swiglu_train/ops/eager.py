@@ -5,7 +5,7 @@ mutations. In eager mode its Python dispatch (autograd, ADInplaceOrView, backend
 each behind a dynamo-disable guard) cost ~100 µs of host time per call on our CPU runner,
 and a training step of one ParMLP makes two to three such calls: as much host time as a
 small layer's kernels take on an H200, where the grid measured our impls trailing Liger's
-plain autograd Function most at small D and M (benchmarks/results/grid_h200.md). So eager
+plain autograd Function most at small D and M (benchmarks/results/grid/grid_h200.md). So eager
 calls go straight to the implementation, which is the op's own body; under torch.compile
 the registered op is traced.
 """

@@ -9,11 +9,11 @@ not hold takes the default below: a training step never stalls to time anything.
 
 The defaults come from two probes of the model grid (12 public (D, F)). The first timed each
 library from an idle GPU over 36 shapes (M 4096, 8000, 16384;
-benchmarks/results/probe_gemm_defaults_h200.json): cuBLAS for fc2 (won 20, lost 8) and the
+benchmarks/results/gemm/probe_gemm_defaults_h200.json): cuBLAS for fc2 (won 20, lost 8) and the
 packed grad_x (23 to 2); quack for the packed grad_W1 (18 to 8) and both concat GEMMs (14 to
 12; 34 to 2, where cuBLAS pays a copy). The second (``bench-grid --pretune``, every GEMM
 queued behind a spin kernel as in a training step, M = 8000;
-benchmarks/results/grid_pretune_m8000_h200.json) added quack's dynamic schedule: it ran
+benchmarks/results/grid/grid_pretune_m8000_h200.json) added quack's dynamic schedule: it ran
 grad_W1 (both layouts) and the concat grad_x in 0.945-0.994x the static schedule's time at
 every shape with D >= 1536 (1.007-1.012x at the host-bound D = 896), so those three default
 to it. Queued, a static persistent schedule's last wave waits on its slowest tile; the

@@ -187,7 +187,7 @@ def drop_h_mlp(
 
     ``fused_forward`` computes h and the saved preact in one gated GEMM (the preact is never
     read back). Off by default: on the H200 our Triton GEMM is ~7 % slower than cuBLAS, which
-    outweighs the activation pass it saves (benchmarks/results/tune_gated_h200.json).
+    outweighs the activation pass it saves (benchmarks/results/gemm/tune_gated_h200.json).
     fc2 runs in a node of its own, which a checkpoint's recompute stops before (``fc2_node``).
     """
     return with_fc2_node(

@@ -11,7 +11,7 @@ pair the interleaved grad_preact with the canonical fc1, which quack does inside
 (``concat_layout``) and cuBLAS through ``ops.concat_gemm``.
 Fusing SwiGLU into the GEMM epilogues is the route to the floor that our Triton GEMMs cannot
 take on the H200 (Triton 3.6 trails cuBLAS by 4-17 % there, and its Hopper warp specialization
-miscompiles the gated GEMM: benchmarks/results/probe_ws_h200.json).
+miscompiles the gated GEMM: benchmarks/results/gemm/probe_ws_h200.json).
 
 Saved tensors are drop_h's (x and the [M, 2F] preactivation). quack keeps the preactivation
 gate/up interleaved per column, but its ``concat_layout`` reads fc1 and writes fc1's grads in
@@ -62,7 +62,7 @@ def require_quack():
 # GEMM that misses its plan cache, which every concat_layout GEMM does (drop_h_quack's grad_x
 # and grad_W1), and Python searches sys.path again for a module it did not find before: 16
 # path scans a drop_h_quack step, about 0.4 ms of the H200 host's time under cProfile
-# (benchmarks/results/probe_quack_host_before_h200.json, [2048, 4096, 11008]; none since).
+# (benchmarks/results/host/probe_quack_host_before_h200.json, [2048, 4096, 11008]; none since).
 QUACK_OPTIONAL_HEURISTICS = "nvMatmulHeuristics"
 
 

@@ -12,7 +12,7 @@ elsewhere the same math runs in plain torch with the same saved tensors.
 with the SwiGLU epilogue, so the preactivation never reaches memory: the same saved tensors
 and peak, but on the H200 our Triton GEMM loses more to cuBLAS than the epilogue saves
 (save_factors 1.074x the floor with cuBLAS fc1, 1.109x fused:
-benchmarks/results/mlp_all_variants_h200.json).
+benchmarks/results/mlp/mlp_all_variants_h200.json).
 """
 
 from __future__ import annotations
