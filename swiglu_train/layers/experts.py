@@ -1,0 +1,104 @@
+"""``ParExperts``: the routed SwiGLU experts of a Mixture-of-Experts block, as one module.
+
+Routing stays the caller's (router, top-k, load-balancing loss): the module takes the tokens,
+their top-k expert indices and weights, and returns the weighted sum of the chosen experts'
+outputs. Parameter names and shapes are the same for every impl, so a model switches impls
+freely and checkpoints carry over: fc1_weight [E, 2F, D] (canonical [gate; up] per expert,
+Megatron's and HF transformers 5's ``gate_up_proj`` layout) and fc2_weight [E, D, F] (HF's
+``down_proj``).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from swiglu_train.ops.experts import IMPLS, WEIGHTS_ON, experts_mlp
+
+
+class ParExperts(nn.Module):
+    """E SwiGLU experts of hidden size D and expert FFN size F, run as grouped GEMMs.
+
+    ``impl``: "drop_h" (default: keeps x and the preactivation alone for backward) or
+    "normal" (the reference; keeps the gathered input, preact, h and the expert outputs).
+    ``saved_fp8`` keeps drop_h's preactivation in e4m3 (1x128 blocks, bf16 scales).
+    ``router_weights_on``: "output" (Mixtral, Qwen, DeepSeek) or "input" (Llama-4).
+    ``inplace=False`` keeps the saved tensors intact so a graph can be backpropagated twice.
+    """
+
+    def __init__(
+        self,
+        num_experts: int,
+        hidden_size: int,
+        ffn_hidden_size: int,
+        impl: str = "drop_h",
+        saved_fp8: bool = False,
+        router_weights_on: str = "output",
+        inplace: bool = True,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__()
+        for name, value in (
+            ("num_experts", num_experts),
+            ("hidden_size", hidden_size),
+            ("ffn_hidden_size", ffn_hidden_size),
+        ):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if impl not in IMPLS:
+            raise ValueError(f"unknown experts impl {impl!r}; choose one of {IMPLS}")
+        if router_weights_on not in WEIGHTS_ON:
+            raise ValueError(
+                f"router_weights_on must be one of {WEIGHTS_ON}, got {router_weights_on!r}"
+            )
+        if saved_fp8 and impl == "normal":
+            raise ValueError("saved_fp8=True needs impl='drop_h' (normal saves h as well)")
+        self.num_experts, self.hidden_size, self.ffn_hidden_size = (
+            num_experts,
+            hidden_size,
+            ffn_hidden_size,
+        )
+        self.impl, self.saved_fp8, self.inplace = impl, saved_fp8, inplace
+        self.router_weights_on = router_weights_on
+        factory = {"device": device, "dtype": dtype}
+        self.fc1_weight = nn.Parameter(
+            torch.empty(num_experts, 2 * ffn_hidden_size, hidden_size, **factory)
+        )
+        self.fc2_weight = nn.Parameter(
+            torch.empty(num_experts, hidden_size, ffn_hidden_size, **factory)
+        )
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """Each expert initialised as an ``nn.Linear`` of its shape would be."""
+        for weight in (self.fc1_weight, self.fc2_weight):
+            bound = 1 / math.sqrt(weight.shape[-1])
+            nn.init.uniform_(weight, -bound, bound)
+
+    def forward(
+        self, x: torch.Tensor, expert_indices: torch.Tensor, expert_weights: torch.Tensor
+    ) -> torch.Tensor:
+        """y [..., D] for tokens x [..., D] with their top-k indices and weights [..., k]."""
+        lead = x.shape[:-1]
+        y = experts_mlp(
+            x.reshape(-1, x.shape[-1]),
+            expert_indices.reshape(-1, expert_indices.shape[-1]),
+            expert_weights.reshape(-1, expert_weights.shape[-1]),
+            self.fc1_weight,
+            self.fc2_weight,
+            impl=self.impl,
+            saved_fp8=self.saved_fp8,
+            weights_on=self.router_weights_on,
+            inplace=self.inplace,
+        )
+        return y.view(*lead, self.hidden_size)
+
+    def extra_repr(self) -> str:
+        return (
+            f"num_experts={self.num_experts}, hidden_size={self.hidden_size}, "
+            f"ffn_hidden_size={self.ffn_hidden_size}, impl={self.impl!r}, "
+            f"saved_fp8={self.saved_fp8}, router_weights_on={self.router_weights_on!r}"
+        )

@@ -1,0 +1,221 @@
+"""Routed SwiGLU experts (MoE): what each impl saves for backward, and how backward runs.
+
+Inputs: x [T, D], expert_indices [T, k] (-1 drops a slot), expert_weights [T, k]; weights
+fc1 [E, 2F, D] (canonical [gate; up] per expert) and fc2 [E, D, F]. With e = indices[t, j]:
+
+    weights_on="output" (Mixtral, Qwen, DeepSeek):  y[t] = Σ_j w[t,j] · fc2[e] swiglu(fc1[e] x[t])
+    weights_on="input"  (Llama-4):                  y[t] = Σ_j fc2[e] swiglu(fc1[e] (w[t,j] x[t]))
+
+The experts run as grouped GEMMs over the slots sorted by expert (``experts_routing``); a
+token's k rows are summed back by one deterministic gather-and-sum. R = T·k below.
+
+``normal``  plain autograd, the reference: keeps the gathered input [R, D], preact [R, 2F],
+            h [R, F] and the expert outputs [R, D] (for the router weight's gradient), as the
+            eager MoE layers of HF transformers and torchtitan do.
+``drop_h``  keeps x [T, D] (the caller's own tensor), the routing inputs and preact [R, 2F]
+            alone, or with ``saved_fp8`` its e4m3 copy (``kernels.fp8_format``). Backward
+            re-gathers x and grad_y, recomputes h inside the kernel that writes grad_preact,
+            and takes the router weight's gradient from that kernel's row sums
+            (``kernels.experts_swiglu``): h and the expert outputs are never kept.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from swiglu_train.ops.activation import swiglu_fwd, triton_enabled
+from swiglu_train.ops.experts_routing import (
+    check_routing,
+    combine,
+    grouped_linear,
+    grouped_weight_grad,
+    live_weights,
+    route,
+)
+from swiglu_train.ops.fp8_saved import copy_buffers, dequantize, swiglu_fwd_fp8_
+from swiglu_train.ops.mlp import claim_inplace_backward, refuse_double_backward, swiglu_activation
+from swiglu_train.ops.reference import swiglu_grad
+
+try:
+    from swiglu_train.kernels import experts_swiglu as kernels
+except ImportError:  # no Triton on this platform: the torch path serves everything
+    kernels = None
+
+WEIGHTS_ON = ("output", "input")
+IMPLS = ("normal", "drop_h")
+SECOND_BACKWARD_ERROR = (
+    "ParExperts(impl='drop_h') ran its backward in place: its saved preactivation now holds "
+    "the gradient (or, with saved_fp8, was freed once read), so a second backward through "
+    "this graph (retain_graph=True) would compute garbage. Build the layer with "
+    "inplace=False to backpropagate more than once."
+)
+SECOND_BACKWARD_FREED_ERROR = (
+    "ParExperts(impl='drop_h'): a second backward through the same graph, whose saved tensors "
+    "the first backward freed (it ran without retain_graph=True). Build the layer with "
+    "inplace=False and pass retain_graph=True to every backward but the last."
+)
+
+
+class _GroupedLinear(torch.autograd.Function):
+    """Rows of expert e times weight[e]ᵀ, saving its input: ``normal``'s GEMM node."""
+
+    @staticmethod
+    def forward(ctx, a: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor):
+        ctx.save_for_backward(a, weight, offsets)
+        return grouped_linear(a, weight, offsets)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        refuse_double_backward()
+        a, weight, offsets = ctx.saved_tensors
+        grad = grad.contiguous()
+        grad_a = grouped_linear(grad, weight.transpose(1, 2), offsets)
+        grad_w = grouped_weight_grad(grad, a, offsets) if ctx.needs_input_grad[1] else None
+        return grad_a, grad_w, None
+
+
+def normal_experts(x, indices, weights, fc1, fc2, weights_on: str, **_) -> torch.Tensor:
+    """The reference impl: plain autograd through grouped GEMMs."""
+    plan = route(indices, weights, fc1.shape[0])
+    w = live_weights(indices, weights)
+    xg = x.index_select(0, plan.token)
+    if weights_on == "input":
+        xg = xg * w.reshape(-1).index_select(0, plan.slot).to(x.dtype)[:, None]
+    h = swiglu_activation(_GroupedLinear.apply(xg, fc1, plan.offsets))
+    out = _GroupedLinear.apply(h, fc2, plan.offsets)
+    return combine(out, plan, None if weights_on == "input" else w)
+
+
+def _backward_rows(saved: tuple, g: torch.Tensor, w: torch.Tensor | None):
+    """(grad_preact, (w·)h, grad_w or None) from the saved preact, overwritten in place, or
+    from its FP8 copy (q, scales); g [R, F] is overwritten by (w·)h where Triton runs."""
+    grad_w = torch.empty(g.shape[0], device=g.device) if w is not None else None
+    if kernels is not None and triton_enabled(g):
+        if len(saved) == 2:
+            grad_preact = g.new_empty(g.shape[0], 2 * g.shape[1])
+            kernels.experts_backward_fp8(*saved, g, grad_preact, w, grad_w)
+            return grad_preact, g, grad_w
+        kernels.experts_backward_(saved[0], g, w, grad_w)
+        return saved[0], g, grad_w
+    preact = dequantize(*saved) if len(saved) == 2 else saved[0].float()
+    ffn = g.shape[1]
+    h = (F.silu(preact[:, :ffn]).to(g.dtype).float() * preact[:, ffn:]).to(g.dtype).float()
+    scale = 1.0 if w is None else w[:, None]
+    grad_preact = (swiglu_grad(preact, g.float()) * scale).to(g.dtype)
+    gh = (g.float() * h).sum(-1) if w is not None else None
+    return grad_preact, (h * scale).to(g.dtype), gh
+
+
+class _ExpertsDropH(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, indices, weights, fc1, fc2, weights_on: str, saved_fp8: bool, inplace):
+        plan = route(indices, weights, fc1.shape[0])
+        xg = x.index_select(0, plan.token)
+        if weights_on == "input":
+            xg.mul_(plan.weight.to(x.dtype)[:, None])
+        preact = grouped_linear(xg, fc1, plan.offsets)
+        del xg
+        if saved_fp8:
+            h = preact.new_empty(preact.shape[0], fc2.shape[2])
+            saved = copy_buffers(preact.shape[0], fc2.shape[2], preact)
+            swiglu_fwd_fp8_(preact, h, *saved)
+            del preact  # only the e4m3 copy is kept
+        else:
+            h, saved = swiglu_fwd(preact), (preact,)
+        out = grouped_linear(h, fc2, plan.offsets)
+        del h
+        y = combine(out, plan, None if weights_on == "input" else live_weights(indices, weights))
+        ctx.save_for_backward(x, indices, weights, fc1, fc2, *saved)
+        ctx.weights_on, ctx.inplace, ctx.backward_ran = weights_on, inplace, False
+        return y
+
+    @staticmethod
+    def backward(ctx, grad_y: torch.Tensor):
+        refuse_double_backward()
+        errors = (SECOND_BACKWARD_ERROR, SECOND_BACKWARD_FREED_ERROR)
+        inplace = claim_inplace_backward(ctx, *errors)
+        x, indices, weights, fc1, fc2, *saved = ctx.saved_tensors
+        if not inplace and len(saved) == 1:
+            saved = [saved[0].clone()]
+        plan = route(indices, weights, fc1.shape[0])
+        on_output = ctx.weights_on == "output"
+        grad_yg = grad_y.contiguous().index_select(0, plan.token)
+        g = grouped_linear(grad_yg, fc2.transpose(1, 2), plan.offsets)  # unweighted grad_h
+        grad_preact, wh, grad_w_rows = _backward_rows(
+            tuple(saved), g, plan.weight if on_output else None
+        )
+        if inplace and len(saved) == 2:
+            for t in saved:  # the FP8 copy, read for the last time: its memory goes back now
+                t.untyped_storage().resize_(0)
+        del saved, g
+        grad_fc2 = grouped_weight_grad(grad_yg, wh, plan.offsets)
+        del grad_yg, wh
+        xg = x.index_select(0, plan.token)
+        grad_xg = grouped_linear(grad_preact, fc1.transpose(1, 2), plan.offsets)
+        if not on_output:  # d(w x)/dw = x: the router's gradient from grad_xg before scaling
+            grad_w_rows = torch.bmm(grad_xg.unsqueeze(1), xg.unsqueeze(2)).view(-1).float()
+            xg.mul_(plan.weight.to(x.dtype)[:, None])
+        grad_fc1 = grouped_weight_grad(grad_preact, xg, plan.offsets)
+        del xg, grad_preact
+        live = live_weights(indices, weights) if not on_output else None
+        grad_x = combine(grad_xg, plan, live)
+        grad_w = torch.empty(indices.numel(), device=x.device).index_copy_(
+            0, plan.slot, grad_w_rows
+        )
+        grad_w = torch.where(indices >= 0, grad_w.view(indices.shape), 0.0).to(weights.dtype)
+        return grad_x, None, grad_w, grad_fc1, grad_fc2, None, None, None
+
+
+def drop_h_experts(x, indices, weights, fc1, fc2, weights_on, saved_fp8=False, inplace=True):
+    """Seed 000's drop-h for routed experts (the module docstring)."""
+    return _ExpertsDropH.apply(x, indices, weights, fc1, fc2, weights_on, saved_fp8, inplace)
+
+
+_IMPLS = {"normal": normal_experts, "drop_h": drop_h_experts}
+
+
+def experts_mlp(
+    x: torch.Tensor,
+    expert_indices: torch.Tensor,
+    expert_weights: torch.Tensor,
+    fc1_weight: torch.Tensor,
+    fc2_weight: torch.Tensor,
+    impl: str = "drop_h",
+    saved_fp8: bool = False,
+    weights_on: str = "output",
+    inplace: bool = True,
+) -> torch.Tensor:
+    """y [T, D] of the routed experts (the module docstring), after checking every input."""
+    if impl not in _IMPLS:
+        raise ValueError(f"unknown experts impl {impl!r}; choose one of {tuple(_IMPLS)}")
+    if weights_on not in WEIGHTS_ON:
+        raise ValueError(f"weights_on must be one of {WEIGHTS_ON}, got {weights_on!r}")
+    if saved_fp8 and impl == "normal":
+        raise ValueError("saved_fp8=True needs impl='drop_h' (normal saves h as well)")
+    check_routing(x, expert_indices, expert_weights, fc1_weight.shape[0])
+    check_weights(x, fc1_weight, fc2_weight)
+    return _IMPLS[impl](
+        x, expert_indices, expert_weights, fc1_weight, fc2_weight, weights_on,
+        saved_fp8=saved_fp8, inplace=inplace,
+    )  # fmt: skip
+
+
+def check_weights(x: torch.Tensor, fc1: torch.Tensor, fc2: torch.Tensor) -> None:
+    """A one-line error unless fc1 is [E, 2F, D] and fc2 [E, D, F] in x's dtype and device."""
+    if fc1.dim() != 3 or fc2.dim() != 3 or fc1.shape[1] % 2:
+        raise ValueError(
+            f"fc1_weight must be [E, 2F, D] and fc2_weight [E, D, F], got "
+            f"{tuple(fc1.shape)} and {tuple(fc2.shape)}"
+        )
+    e, two_f, d = fc1.shape
+    if tuple(fc2.shape) != (e, d, two_f // 2) or d != x.shape[1]:
+        raise ValueError(
+            f"fc2_weight must be [E, D, F] = [{e}, {d}, {two_f // 2}] for fc1_weight "
+            f"{tuple(fc1.shape)}, and x [T, {d}]; got fc2 {tuple(fc2.shape)}, x {tuple(x.shape)}"
+        )
+    for name, w in (("fc1_weight", fc1), ("fc2_weight", fc2)):
+        if w.dtype != x.dtype or w.device != x.device:
+            raise ValueError(
+                f"{name} is {w.dtype} on {w.device}, x is {x.dtype} on {x.device}: they must match"
+            )

@@ -1,0 +1,141 @@
+"""Routing plans and grouped GEMMs for the routed experts (``ops.experts``).
+
+A token's top-k choices are k *slots*; slot (t, j) goes to expert ``indices[t, j]`` with
+router weight ``weights[t, j]``. The experts' GEMMs run on the slots sorted by expert (stable,
+so within an expert slots keep token order), as groups of consecutive rows: ``offsets[e]`` is
+the end of expert e's rows, the form ``torch._grouped_mm`` takes. An index of -1 drops the slot
+(a token routed to no expert, as capacity-limited or expert-parallel routers produce): it is
+computed by expert 0 with weight 0, so it adds exactly 0 to y and to every gradient, and
+the plan needs no host synchronization to know how many slots are live.
+
+Nothing here reads a tensor's values on the host: the plan is built with sort and
+searchsorted on the device, so a step never waits for the GPU. A bad index is caught by an
+asynchronous device assert on CUDA (eagerly on CPU), never turned into a wrong row.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+
+BAD_INDEX = "expert_indices must hold values in [0, num_experts) or -1 (slot dropped)"
+
+
+class Routing(NamedTuple):
+    """Where each sorted slot comes from and goes: every tensor is on the input's device."""
+
+    token: torch.Tensor  # [R] int64: the token of each sorted slot
+    slot: torch.Tensor  # [R] int64: its flat index t * k + j into [T, k]
+    bags: torch.Tensor  # [T, k] int64: the sorted row of each slot (the inverse of slot)
+    offsets: torch.Tensor  # [E] int32: cumulative ends of each expert's rows
+    weight: torch.Tensor  # [R] fp32: each sorted slot's router weight, 0 if dropped
+
+
+def check_routing(
+    x: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor, num_experts: int
+) -> None:
+    """A one-line error naming the problem with the experts' inputs (shapes, dtypes, devices;
+    index values eagerly on CPU, by device assert on CUDA)."""
+    if x.dim() != 2:
+        raise ValueError(f"x must be [T, D] (tokens, hidden), got {tuple(x.shape)}")
+    if indices.dim() != 2 or indices.shape[0] != x.shape[0]:
+        raise ValueError(
+            f"expert_indices must be [T, k] with T = {x.shape[0]} (x's tokens), "
+            f"got {tuple(indices.shape)}"
+        )
+    if tuple(weights.shape) != tuple(indices.shape):
+        raise ValueError(
+            f"expert_weights must match expert_indices' shape {tuple(indices.shape)}, "
+            f"got {tuple(weights.shape)}"
+        )
+    if indices.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"expert_indices must be int32 or int64, got {indices.dtype}")
+    if not weights.is_floating_point():
+        raise TypeError(f"expert_weights must be floating point, got {weights.dtype}")
+    for name, t in (("expert_indices", indices), ("expert_weights", weights)):
+        if t.device != x.device:
+            raise ValueError(f"{name} is on {t.device}, x on {x.device}")
+    if indices.shape[1] == 0:
+        raise ValueError("expert_indices must have k >= 1 choices per token, got k = 0")
+    if indices.numel() == 0:
+        return
+    ok = (indices >= -1) & (indices < num_experts)
+    if indices.is_cuda:
+        torch._assert_async(ok.all(), BAD_INDEX)
+    elif not bool(ok.all()):
+        bad = indices[~ok][0].item()
+        raise ValueError(f"{BAD_INDEX} (num_experts={num_experts}), found {bad}")
+
+
+def route(indices: torch.Tensor, weights: torch.Tensor, num_experts: int) -> Routing:
+    """The sorted-slot plan of [T, k] expert indices and weights (the module docstring)."""
+    flat = indices.reshape(-1).long()
+    live = flat >= 0
+    sorted_expert, slot = torch.sort(torch.where(live, flat, 0), stable=True)
+    bounds = torch.arange(num_experts, device=flat.device, dtype=sorted_expert.dtype)
+    offsets = torch.searchsorted(sorted_expert, bounds, right=True).to(torch.int32)
+    rows = torch.arange(slot.numel(), device=slot.device)
+    bags = torch.empty_like(slot).index_copy_(0, slot, rows).view(indices.shape)
+    weight = torch.where(live, weights.detach().reshape(-1).float(), 0.0).index_select(0, slot)
+    return Routing(slot // indices.shape[1], slot, bags, offsets, weight)
+
+
+def combine(rows: torch.Tensor, plan: Routing, slot_weights: torch.Tensor | None) -> torch.Tensor:
+    """[T, D]: each token's k sorted rows summed, each times its slot's weight if given
+    ([T, k], slot order): one deterministic gather-and-sum with fp32 accumulation."""
+    if plan.bags.shape[0] == 0:
+        return rows.new_zeros(0, rows.shape[1])
+    weights = None if slot_weights is None else slot_weights.to(rows.dtype)
+    return F.embedding_bag(plan.bags, rows, mode="sum", per_sample_weights=weights)
+
+
+def live_weights(indices: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """[T, k]: the router weights with a dropped slot's set to 0 (differentiable)."""
+    return torch.where(indices >= 0, weights, torch.zeros_like(weights))
+
+
+def _grouped_mm_runs(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether torch's grouped GEMM takes these operands: bf16 on CUDA (fp32 too on CPU),
+    16-byte aligned pointers and strides; otherwise a loop over experts computes the same
+    product. Group sizes need no alignment: the kernel checks only the static dimensions."""
+    if not hasattr(torch, "_grouped_mm") or a.dtype != b.dtype:
+        return False
+    dtypes = (torch.bfloat16,) if a.is_cuda else (torch.bfloat16, torch.float32)
+    aligned = all(
+        t.data_ptr() % 16 == 0
+        and all(s == 1 or (s * t.element_size()) % 16 == 0 for s in t.stride())
+        for t in (a, b)
+    )
+    return a.dtype in dtypes and aligned
+
+
+def _groups(offsets: torch.Tensor) -> list[tuple[int, int]]:
+    """Host (start, end) row spans per expert: the loop's only synchronization."""
+    ends = offsets.tolist()
+    return list(zip([0, *ends[:-1]], ends, strict=True))
+
+
+def grouped_linear(a: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """Rows of expert e times weight[e]ᵀ: a [R, K], weight [E, N, K] -> [R, N]."""
+    if _grouped_mm_runs(a, weight):
+        return torch._grouped_mm(a, weight.transpose(1, 2), offs=offsets)
+    out = a.new_empty(a.shape[0], weight.shape[1])
+    for e, (start, end) in enumerate(_groups(offsets)):
+        torch.mm(a[start:end], weight[e].t(), out=out[start:end])
+    return out
+
+
+def grouped_weight_grad(
+    grad_out: torch.Tensor, inp: torch.Tensor, offsets: torch.Tensor
+) -> torch.Tensor:
+    """Σ over expert e's rows of grad_outᵀ inp: grad_out [R, N], inp [R, K] -> [E, N, K]
+    (zeros for an expert with no rows)."""
+    if _grouped_mm_runs(grad_out, inp):
+        return torch._grouped_mm(grad_out.t(), inp, offs=offsets)
+    out = inp.new_zeros(offsets.shape[0], grad_out.shape[1], inp.shape[1])
+    for e, (start, end) in enumerate(_groups(offsets)):
+        if end > start:
+            torch.mm(grad_out[start:end].t(), inp[start:end], out=out[e])
+    return out
