@@ -34,3 +34,25 @@ def mlp(
 ) -> torch.Tensor:
     """The eager SwiGLU MLP, differentiable by autograd: the reference every impl must match."""
     return F.linear(swiglu(F.linear(x, fc1_weight, fc1_bias)), fc2_weight, fc2_bias)
+
+
+def experts(
+    x: torch.Tensor,
+    expert_indices: torch.Tensor,
+    expert_weights: torch.Tensor,
+    fc1_weight: torch.Tensor,
+    fc2_weight: torch.Tensor,
+    weights_on: str = "output",
+) -> torch.Tensor:
+    """Routed SwiGLU experts as a loop over experts in x's dtype, differentiable by autograd:
+    the oracle of ``ops.experts`` (in float64) and the eager baseline its bf16 error is judged
+    against. fc1 [E, 2F, D], fc2 [E, D, F]; an index of -1 drops the slot."""
+    y = torch.zeros_like(x)
+    weights = expert_weights.to(x.dtype)
+    for e in range(fc1_weight.shape[0]):
+        token, choice = torch.nonzero(expert_indices == e, as_tuple=True)
+        w = weights[token, choice][:, None]
+        xe = x[token] * w if weights_on == "input" else x[token]
+        out = F.linear(swiglu(F.linear(xe, fc1_weight[e])), fc2_weight[e])
+        y = y.index_add(0, token, out * w if weights_on == "output" else out)
+    return y
