@@ -29,6 +29,7 @@ from swiglu_train.bench.e2e import device_name, machine_id, machines, next_round
 from swiglu_train.bench.mlp import git_commit
 from swiglu_train.integrations.lightning.config import PretrainConfig, load_config
 from swiglu_train.integrations.lightning.planner import Steps, measurer
+from swiglu_train.integrations.lightning.precision import resolve_precision
 from swiglu_train.memory.budget import ALLOCATOR, ESTIMATE
 from swiglu_train.memory.plan import NoPlanFits, accumulation, choose_plan, search
 
@@ -127,7 +128,7 @@ def run_lightning(
             k: getattr(cfg.model, k)
             for k in ("hidden_size", "ffn_hidden_size", "num_layers", "num_heads")
         },
-        "precision": measure_precision(cfg),
+        "precision": resolve_precision(cfg.train.precision),
         "rounds": schedule.stop,
         "flops_per_token": flops_per_token(cfg.model, cfg.data.seq_length),
         "peak_flops": peak_flops(),
@@ -201,12 +202,6 @@ def parse_budgets(value: str, table: list[dict]) -> list[float]:
     peaks = [r["peak_MiB"]["max"] for r in table if r["peak_MiB"]]
     k, low, high = int(value.removeprefix("auto:")), min(peaks), max(peaks)
     return [float(round(low + (high - low) * (i + 1) / (k + 1))) for i in range(k)]
-
-
-def measure_precision(cfg: PretrainConfig) -> str:
-    from swiglu_train.integrations.lightning.pretrain import resolve_precision
-
-    return resolve_precision(cfg.train.precision)
 
 
 def budget_plans(budget_MiB: float, table: list[dict], pick: dict | None) -> dict:

@@ -19,7 +19,7 @@ import torch
 from lightning.pytorch.strategies import ModelParallelStrategy
 from torch import nn
 
-from swiglu_train.integrations.lightning.module import LAYOUT_KEY
+from swiglu_train.integrations.lightning.checkpoint_record import LAYOUT_KEY
 from swiglu_train.integrations.lightning.sharded_checkpoint import by_name, is_sharded
 
 FSDP2 = "fsdp2"

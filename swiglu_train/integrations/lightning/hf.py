@@ -25,10 +25,11 @@ import lightning
 import torch
 
 from swiglu_train.files import atomic_directory
+from swiglu_train.integrations.lightning.checkpoint_record import LAYOUT_KEY
 from swiglu_train.integrations.lightning.config import TrainConfig
 from swiglu_train.integrations.lightning.data import EOD
 from swiglu_train.integrations.lightning.model import ModelConfig
-from swiglu_train.integrations.lightning.module import LAYOUT_KEY, OptimConfig, PretrainModule
+from swiglu_train.integrations.lightning.module import OptimConfig, PretrainModule
 from swiglu_train.layers.layout import CANONICAL
 from swiglu_train.packing import from_hf, to_hf
 

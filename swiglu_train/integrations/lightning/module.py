@@ -9,10 +9,10 @@ import lightning.pytorch as pl
 import torch
 import torch.nn.functional as F
 
+from swiglu_train.integrations.lightning.checkpoint_record import LAYOUT_KEY
+from swiglu_train.integrations.lightning.fsdp2 import is_fully_sharded, shard
 from swiglu_train.integrations.lightning.model import LlamaDecoder, ModelConfig
 from swiglu_train.layers.layout import CANONICAL
-
-LAYOUT_KEY = "swiglu_train"
 
 
 class LayoutMismatchError(ValueError):
@@ -66,8 +66,6 @@ class PretrainModule(pl.LightningModule):
         """Under --strategy fsdp2, shard the model (each block, then the root) over the device
         mesh that Lightning's ModelParallelStrategy makes; other strategies make none. Lightning
         calls this hook again on each fit, validate or test: a sharded model is left as is."""
-        from swiglu_train.integrations.lightning.fsdp2 import is_fully_sharded, shard
-
         if self.device_mesh is not None and not is_fully_sharded(self.model):
             shard(self.model, self.device_mesh["data_parallel"], self.trainer.precision)
 

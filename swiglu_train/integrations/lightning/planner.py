@@ -36,6 +36,7 @@ from lightning.fabric import Fabric
 
 from swiglu_train.integrations.lightning.config import PretrainConfig
 from swiglu_train.integrations.lightning.module import PretrainModule
+from swiglu_train.integrations.lightning.precision import resolve_precision
 from swiglu_train.layers.registry import (
     FP8_LABEL,
     PORTABLE_IMPLS,
@@ -158,7 +159,7 @@ def measurer(
     built on the device when first asked for and kept while the next points measure the same
     candidate (only ``checkpoint_layers`` and the micro-batch change)."""
     held: dict[str, tuple] = {}
-    precision = _precision(cfg.train.precision)
+    precision = resolve_precision(cfg.train.precision)
     cuda = _device().type == "cuda"
     before = torch.cuda.memory_allocated() if cuda else 0
 
@@ -251,16 +252,10 @@ def record(
         "accumulate_grad_batches": cfg.train.accumulate_grad_batches,
         "global_batch_size": cfg.train.global_batch_size,  # None: the micro-batch was not planned
         "seq_length": cfg.data.seq_length,
-        "precision": _precision(cfg.train.precision),
+        "precision": resolve_precision(cfg.train.precision),
         "steps": asdict(steps),
         "profiles": [asdict(p) for p in profiles],
     }
-
-
-def _precision(precision: str) -> str:
-    from swiglu_train.integrations.lightning.pretrain import resolve_precision
-
-    return resolve_precision(precision)
 
 
 def _build(fabric: Fabric, cfg: PretrainConfig, name: str):

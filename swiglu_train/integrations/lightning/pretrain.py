@@ -15,6 +15,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_only, rank_zero_warn
 
 from swiglu_train.extras import require
+from swiglu_train.integrations.lightning.checkpoint_record import LAYOUT_KEY
 from swiglu_train.integrations.lightning.config import PretrainConfig, check_ranges
 from swiglu_train.integrations.lightning.data import PackedTextData
 from swiglu_train.integrations.lightning.fsdp2 import FSDP2, check_fsdp2, trainer_strategy
@@ -24,8 +25,9 @@ from swiglu_train.integrations.lightning.model import (
     check_mlp_chunk,
     check_model_saved_fp8,
 )
-from swiglu_train.integrations.lightning.module import LAYOUT_KEY, PretrainModule
+from swiglu_train.integrations.lightning.module import PretrainModule
 from swiglu_train.integrations.lightning.planner import check_plan_settings, plan_run
+from swiglu_train.integrations.lightning.precision import resolve_precision
 from swiglu_train.integrations.lightning.pretune_hint import log_pretune_hints
 from swiglu_train.integrations.lightning.resume import StepProgressBar, run_loggers
 from swiglu_train.integrations.lightning.sharded_checkpoint import (
@@ -78,14 +80,6 @@ class StepCheckpoint(ModelCheckpoint):
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if not self._should_skip_saving_checkpoint(trainer):
             self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))
-
-
-def resolve_precision(precision: str, accelerator: str = "auto") -> str:
-    """``auto``: bf16-mixed where the run trains on a GPU, 32-true on the CPU."""
-    if precision != "auto":
-        return precision
-    gpu = torch.cuda.is_available() and accelerator != "cpu"
-    return "bf16-mixed" if gpu else "32-true"
 
 
 def run_pretrain(

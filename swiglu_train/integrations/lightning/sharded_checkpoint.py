@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from swiglu_train.integrations.lightning.module import LAYOUT_KEY
+from swiglu_train.integrations.lightning.checkpoint_record import LAYOUT_KEY
 
 INDEX = ".metadata"  # torch.distributed.checkpoint's
 META = "meta.pt"  # Lightning's (lightning.fabric.utilities.load._METADATA_FILENAME)
