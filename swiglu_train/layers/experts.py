@@ -16,13 +16,15 @@ import torch
 from torch import nn
 
 from swiglu_train.ops.experts import IMPLS, WEIGHTS_ON, experts_mlp
+from swiglu_train.ops.experts_quack import check_experts_quack_runs
 
 
 class ParExperts(nn.Module):
     """E SwiGLU experts of hidden size D and expert FFN size F, run as grouped GEMMs.
 
     ``impl``: "drop_h" (default: keeps x and the preactivation alone for backward) or
-    "normal" (the reference; keeps the gathered input, preact, h and the expert outputs).
+    "normal" (the reference; keeps the gathered input, preact, h and the expert outputs)
+    or "drop_h_quack" (drop_h on quack's gather GEMMs; sm_90+, D and F multiples of 8).
     ``saved_fp8`` keeps drop_h's preactivation in e4m3 (1x128 blocks, bf16 scales).
     ``router_weights_on``: "output" (Mixtral, Qwen, DeepSeek) or "input" (Llama-4).
     ``inplace=False`` keeps the saved tensors intact so a graph can be backpropagated twice.
@@ -56,6 +58,8 @@ class ParExperts(nn.Module):
             )
         if saved_fp8 and impl == "normal":
             raise ValueError("saved_fp8=True needs impl='drop_h' (normal saves h as well)")
+        if impl == "drop_h_quack":
+            check_experts_quack_runs(hidden_size, ffn_hidden_size)
         self.num_experts, self.hidden_size, self.ffn_hidden_size = (
             num_experts,
             hidden_size,
@@ -83,10 +87,16 @@ class ParExperts(nn.Module):
     ) -> torch.Tensor:
         """y [..., D] for tokens x [..., D] with their top-k indices and weights [..., k]."""
         lead = x.shape[:-1]
+        if expert_indices.shape[:-1] != lead or expert_indices.dim() != x.dim():
+            raise ValueError(
+                f"expert_indices must be [..., k] over x's tokens {tuple(lead)}, got "
+                f"{tuple(expert_indices.shape)}"
+            )
+        tokens, k = math.prod(lead), expert_indices.shape[-1]
         y = experts_mlp(
-            x.reshape(-1, x.shape[-1]),
-            expert_indices.reshape(-1, expert_indices.shape[-1]),
-            expert_weights.reshape(-1, expert_weights.shape[-1]),
+            x.reshape(tokens, x.shape[-1]),
+            expert_indices.reshape(tokens, k),
+            expert_weights.reshape(tokens, -1) if tokens else expert_weights.reshape(0, k),
             self.fc1_weight,
             self.fc2_weight,
             impl=self.impl,

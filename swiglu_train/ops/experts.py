@@ -17,6 +17,8 @@ token's k rows are summed back by one deterministic gather-and-sum. R = T·k bel
             re-gathers x and grad_y, recomputes h inside the kernel that writes grad_preact,
             and takes the router weight's gradient from that kernel's row sums
             (``kernels.experts_swiglu``): h and the expert outputs are never kept.
+``drop_h_quack``  drop_h on quack's GEMMs, which gather the rows inside the GEMM: the
+            gathered x and grad_y are never written (``ops.experts_quack``; sm_90+).
 """
 
 from __future__ import annotations
@@ -24,7 +26,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from swiglu_train.kernels.fp8_format import SCALE_DTYPE, saved_shapes
 from swiglu_train.ops.activation import swiglu_fwd, triton_enabled
+from swiglu_train.ops.experts_quack import drop_h_quack_experts
 from swiglu_train.ops.experts_routing import (
     check_routing,
     combine,
@@ -43,7 +47,7 @@ except ImportError:  # no Triton on this platform: the torch path serves everyth
     kernels = None
 
 WEIGHTS_ON = ("output", "input")
-IMPLS = ("normal", "drop_h")
+IMPLS = ("normal", "drop_h", "drop_h_quack")
 SECOND_BACKWARD_ERROR = (
     "ParExperts(impl='drop_h') ran its backward in place: its saved preactivation now holds "
     "the gradient (or, with saved_fp8, was freed once read), so a second backward through "
@@ -167,12 +171,41 @@ class _ExpertsDropH(torch.autograd.Function):
         return grad_x, None, grad_w, grad_fc1, grad_fc2, None, None, None
 
 
+def saved_activation_bytes(
+    impl: str,
+    saved_fp8: bool,
+    weights_on: str,
+    tokens: int,
+    hidden: int,
+    ffn: int,
+    top_k: int,
+    dtype: torch.dtype,
+) -> int:
+    """Bytes an impl keeps for backward beyond the parameters and the caller's own tensors (x,
+    the indices and weights), for T tokens routed to k experts each (R = T·k slots): what the
+    memory tests assert and the benchmarks report. ``normal`` keeps a few index vectors more
+    (O(R) integers, which torch's gather and bag ops save)."""
+    size, rows = torch.empty(0, dtype=dtype).element_size(), tokens * top_k
+    if impl == "normal":
+        gathered = 2 if weights_on == "input" else 1  # the scaled copy of the gathered x too
+        outputs = 1 if weights_on == "output" else 0  # the expert outputs, for the weights' grad
+        return size * rows * ((gathered + outputs) * hidden + 3 * ffn)
+    if saved_fp8:
+        (q_rows, q_cols), (s_rows, s_cols) = saved_shapes(rows, ffn)
+        return q_rows * q_cols + s_rows * s_cols * SCALE_DTYPE.itemsize
+    return size * rows * 2 * ffn
+
+
 def drop_h_experts(x, indices, weights, fc1, fc2, weights_on, saved_fp8=False, inplace=True):
     """Seed 000's drop-h for routed experts (the module docstring)."""
     return _ExpertsDropH.apply(x, indices, weights, fc1, fc2, weights_on, saved_fp8, inplace)
 
 
-_IMPLS = {"normal": normal_experts, "drop_h": drop_h_experts}
+_IMPLS = {
+    "normal": normal_experts,
+    "drop_h": drop_h_experts,
+    "drop_h_quack": drop_h_quack_experts,
+}
 
 
 def experts_mlp(

@@ -86,7 +86,7 @@ def combine(rows: torch.Tensor, plan: Routing, slot_weights: torch.Tensor | None
     """[T, D]: each token's k sorted rows summed, each times its slot's weight if given
     ([T, k], slot order): one deterministic gather-and-sum with fp32 accumulation."""
     if plan.bags.shape[0] == 0:
-        return rows.new_zeros(0, rows.shape[1])
+        return rows[:0]  # no tokens, so no rows: still in the graph
     weights = None if slot_weights is None else slot_weights.to(rows.dtype)
     return F.embedding_bag(plan.bags, rows, mode="sum", per_sample_weights=weights)
 

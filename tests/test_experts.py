@@ -1,0 +1,230 @@
+"""ParExperts (routed SwiGLU experts) against a float64 loop over experts, on CPU: every impl,
+both router-weight orders, the edge cases of routing, and the bytes each impl keeps."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import device_backends
+from helpers import rel_err
+
+from swiglu_train.layers.experts import ParExperts
+from swiglu_train.ops import reference
+from swiglu_train.ops.activation import use_backend
+from swiglu_train.ops.experts import experts_mlp
+
+IMPLS = [("normal", False), ("drop_h", False), ("drop_h", True)]
+FP8_TOLERANCE = 6e-2  # e4m3's 3 mantissa bits: ~3 % rms on the recomputed gradients
+
+
+def routing(t: int, e: int, k: int, skew: bool = False) -> torch.Tensor:
+    """[T, k] distinct experts per token; with ``skew`` expert 0 is half the first choices."""
+    idx = torch.stack([torch.randperm(e)[:k] for _ in range(t)]) if t else torch.zeros(0, k)
+    if skew and t:
+        first = torch.arange(t) % 2 == 0
+        idx[first] = torch.stack(
+            [
+                torch.cat([torch.tensor([0]), torch.randperm(e - 1)[: k - 1] + 1])
+                for _ in range(int(first.sum()))
+            ]
+        )
+    return idx.long()
+
+
+def run(impl, fp8, on, x, idx, w, fc1, fc2, grad_y, backend="triton"):
+    """y and the grads of x, w, fc1, fc2 for one impl."""
+    leaves = [t.detach().clone().requires_grad_() for t in (x, w, fc1, fc2)]
+    with use_backend(backend):
+        y = experts_mlp(leaves[0], idx, leaves[1], leaves[2], leaves[3], impl, fp8, on)
+        y.backward(grad_y)
+    # With no tokens plain autograd may leave a leaf out of the graph: its gradient is zero
+    return [y.detach()] + [torch.zeros_like(t) if t.grad is None else t.grad for t in leaves]
+
+
+def oracle(x, idx, w, fc1, fc2, grad_y, on, dtype=torch.float64):
+    """y and grads of the loop over experts, in ``dtype`` (float64: the truth)."""
+    leaves = [t.detach().to(dtype).requires_grad_() for t in (x, w, fc1, fc2)]
+    y = reference.experts(leaves[0], idx, leaves[1], leaves[2], leaves[3], on)
+    y.backward(grad_y.to(dtype))
+    return [y.detach()] + [torch.zeros_like(t) if t.grad is None else t.grad for t in leaves]
+
+
+def inputs(t, d, f, e, k, dtype, skew=False):
+    x = torch.randn(t, d, dtype=dtype)
+    fc1 = (torch.randn(e, 2 * f, d) / d**0.5).to(dtype)
+    fc2 = (torch.randn(e, d, f) / f**0.5).to(dtype)
+    w = torch.rand(t, k)
+    return x, routing(t, e, k, skew), w, fc1, fc2, torch.randn(t, d, dtype=dtype)
+
+
+NAMES = ("y", "grad_x", "grad_router_weights", "grad_fc1", "grad_fc2")
+
+
+@pytest.mark.parametrize(("device", "backend"), device_backends()[:2])
+@pytest.mark.parametrize(("impl", "fp8"), IMPLS)
+@pytest.mark.parametrize(("on", "skew"), [("output", True), ("input", False)])
+def test_matches_float64_in_bf16(device, backend, impl, fp8, on, skew):
+    """bf16: each output within twice the eager bf16 loop's error of float64 (FP8: 6 %)."""
+    x, idx, w, fc1, fc2, grad_y = inputs(24, 32, 40, 5, 2, torch.bfloat16, skew)
+    idx[idx == 3] = 4  # expert 3 gets no token
+    idx[5, 1] = -1  # a dropped slot
+    got = run(impl, fp8, on, x, idx, w, fc1, fc2, grad_y, backend)
+    truth = oracle(x, idx, w, fc1, fc2, grad_y, on)
+    eager = oracle(x, idx, w, fc1, fc2, grad_y, on, torch.bfloat16)
+    for name, a, b, c in zip(NAMES, got, truth, eager, strict=True):
+        bound = 2 * rel_err(c, b) + 1e-3
+        if fp8 and name != "y":
+            bound = FP8_TOLERANCE
+        assert rel_err(a, b) <= bound, (name, rel_err(a, b), bound)
+    assert got[2][5, 1] == 0, "a dropped slot's router weight gets no gradient"
+    assert got[3][3].abs().max() == 0 and got[4][3].abs().max() == 0, "expert 3 saw no token"
+
+
+@pytest.mark.parametrize(("impl", "fp8"), IMPLS[:2])
+@pytest.mark.parametrize("on", ["output", "input"])
+def test_fp32_is_exact_to_rounding(impl, fp8, on):
+    x, idx, w, fc1, fc2, grad_y = inputs(17, 24, 20, 3, 3, torch.float32)
+    for name, a, b in zip(
+        NAMES,
+        run(impl, fp8, on, x, idx, w, fc1, fc2, grad_y),
+        oracle(x, idx, w, fc1, fc2, grad_y, on),
+        strict=True,
+    ):
+        assert rel_err(a, b) < 1e-5, name
+
+
+@pytest.mark.parametrize(
+    ("t", "e", "k"),
+    [(0, 4, 2), (9, 1, 1), (11, 6, 1), (7, 3, 3)],
+    ids=["no-tokens", "one-expert", "top-1", "every-expert"],
+)
+@pytest.mark.parametrize(("impl", "fp8"), IMPLS)
+def test_edge_routings(t, e, k, impl, fp8):
+    x, idx, w, fc1, fc2, grad_y = inputs(t, 16, 24, e, k, torch.float32)
+    got = run(impl, fp8, "output", x, idx, w, fc1, fc2, grad_y, backend="torch")
+    truth = oracle(x, idx, w, fc1, fc2, grad_y, "output")
+    assert got[0].shape == (t, 16) and got[2].shape == (t, k)
+    for name, a, b in zip(NAMES, got, truth, strict=True):
+        if b.numel() and b.norm() > 0:
+            assert rel_err(a, b) < (FP8_TOLERANCE if fp8 and name != "y" else 1e-5), name
+        else:
+            assert a.abs().max() == 0 if a.numel() else True, name
+
+
+def test_every_slot_dropped_gives_zeros():
+    x, idx, w, fc1, fc2, grad_y = inputs(5, 16, 8, 2, 2, torch.float32)
+    got = run("drop_h", False, "output", x, torch.full_like(idx, -1), w, fc1, fc2, grad_y)
+    assert all(t.abs().max() == 0 for t in got)
+
+
+def test_saved_bytes_are_what_each_impl_claims():
+    from swiglu_train.memory import SavedTensorCounter
+    from swiglu_train.ops.experts import saved_activation_bytes
+
+    t, d, f, e, k = 21, 32, 136, 4, 3  # F not a multiple of 128: a partial scale block
+    for impl, fp8 in IMPLS:
+        for on in ("output", "input"):
+            m = ParExperts(e, d, f, impl, fp8, on, dtype=torch.bfloat16)
+            x = torch.randn(t, d, dtype=torch.bfloat16, requires_grad=True)
+            idx, w = routing(t, e, k), torch.rand(t, k, requires_grad=True)
+            with (
+                use_backend("torch"),
+                SavedTensorCounter(exclude=[*m.parameters(), x, idx, w]) as counter,
+            ):
+                m(x, idx, w)
+            claim = saved_activation_bytes(impl, fp8, on, t, d, f, k, torch.bfloat16)
+            if impl == "normal":  # plus the routing's index vectors torch's ops keep
+                assert claim <= counter.bytes <= claim + 64 * t * k, (impl, on)
+            else:
+                assert counter.bytes == claim, (impl, fp8, on, counter.bytes, claim)
+
+
+def test_drop_h_keeps_less_than_normal_by_h_gathered_x_and_outputs():
+    from swiglu_train.ops.experts import saved_activation_bytes
+
+    t, d, f, k = 4096, 2048, 768, 8
+    normal = saved_activation_bytes("normal", False, "output", t, d, f, k, torch.bfloat16)
+    drop_h = saved_activation_bytes("drop_h", False, "output", t, d, f, k, torch.bfloat16)
+    r = t * k
+    assert normal - drop_h == 2 * (r * d + r * f + r * d)
+
+
+def test_second_backward_is_refused_in_place_and_works_out_of_place():
+    x, idx, w, _, _, grad_y = inputs(8, 16, 24, 3, 2, torch.float32)
+    m = ParExperts(3, 16, 24)
+    y = m(x, idx, w)
+    y.backward(grad_y, retain_graph=True)
+    with pytest.raises(RuntimeError, match="inplace=False"):
+        y.backward(grad_y)
+    m = ParExperts(3, 16, 24, inplace=False)
+    y = m(x, idx, w)
+    y.backward(grad_y, retain_graph=True)
+    first = m.fc1_weight.grad.clone()
+    y.backward(grad_y)
+    assert torch.allclose(m.fc1_weight.grad, 2 * first)
+
+
+def test_module_takes_batched_tokens_and_keeps_parameter_names():
+    m = ParExperts(4, 16, 8, dtype=torch.float32)
+    assert dict(m.named_parameters()).keys() == {"fc1_weight", "fc2_weight"}
+    assert m.fc1_weight.shape == (4, 16, 16) and m.fc2_weight.shape == (4, 16, 8)
+    x = torch.randn(2, 3, 16)
+    idx, w = torch.randint(0, 4, (2, 3, 2)), torch.rand(2, 3, 2)
+    y = m(x, idx, w)
+    flat = m(x.view(6, 16), idx.view(6, 2), w.view(6, 2))
+    assert y.shape == (2, 3, 16) and torch.equal(y.view(6, 16), flat)
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        (lambda a: {**a, "idx": a["idx"].float()}, "int32 or int64"),
+        (
+            lambda a: {**a, "idx": a["idx"][:-1]},
+            r"expert_indices must be \[..., k\] over x's tokens",
+        ),
+        (lambda a: {**a, "w": a["w"][:, :1]}, "must match expert_indices' shape"),
+        (lambda a: {**a, "idx": a["idx"].clamp_max(3) + 1}, r"in \[0, num_experts\) or -1"),
+        (lambda a: {**a, "idx": a["idx"] - 3}, "found -"),
+        (lambda a: {**a, "idx": a["idx"][:, :0], "w": a["w"][:, :0]}, "k >= 1"),
+        (
+            lambda a: {**a, "x": a["x"].double()},
+            "fc1_weight is torch.float32 on cpu, x is torch.float64",
+        ),
+        (lambda a: {**a, "x": a["x"][:, :8]}, r"and x \[T, 16\]"),
+        (lambda a: {**a, "w": a["w"].long()}, "floating point"),
+    ],
+    ids=[
+        "float-indices",
+        "short-indices",
+        "weights-shape",
+        "index-too-big",
+        "index-below-minus-one",
+        "k-zero",
+        "dtype",
+        "hidden",
+        "int-weights",
+    ],
+)
+def test_bad_input_is_refused_in_one_line(change, message):
+    args = {"x": torch.randn(6, 16), "idx": torch.randint(0, 4, (6, 2)), "w": torch.rand(6, 2)}
+    args = change(args)
+    m = ParExperts(4, 16, 8)
+    with pytest.raises((ValueError, TypeError), match=message) as info:
+        m(args["x"], args["idx"], args["w"])
+    assert "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"impl": "fast"}, "unknown experts impl 'fast'"),
+        ({"impl": "normal", "saved_fp8": True}, "saved_fp8=True needs impl='drop_h'"),
+        ({"router_weights_on": "both"}, "router_weights_on must be one of"),
+        ({"num_experts": 0}, "num_experts must be a positive integer"),
+    ],
+)
+def test_bad_construction_is_refused(kwargs, message):
+    args = {"num_experts": 4, "hidden_size": 16, "ffn_hidden_size": 8, **kwargs}
+    with pytest.raises(ValueError, match=message):
+        ParExperts(**args)
