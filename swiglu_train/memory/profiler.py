@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from swiglu_train.layers import MLP_IMPLS, ParMLP
+from swiglu_train.layers.experts import ParExperts
 from swiglu_train.layers.registry import impl_label
 from swiglu_train.memory.saved import storages
 
@@ -87,14 +88,17 @@ class StepMemory:
 
 
 def is_swiglu_mlp(module: nn.Module) -> bool:
-    """A ParMLP, or a framework adapter running one of its impls (it exposes ``impl``)."""
-    return isinstance(module, ParMLP) or getattr(module, "impl", None) in MLP_IMPLS
+    """A ParMLP or ParExperts, or a framework adapter running one of their impls (it exposes
+    ``impl``)."""
+    return isinstance(module, ParMLP | ParExperts) or getattr(module, "impl", None) in MLP_IMPLS
 
 
 def mlp_label(module: nn.Module) -> str:
     """The MLP's impl as runs are compared by: ``drop_h+fp8`` when it saves its preactivation in
-    FP8 (ParMLP and the Megatron adapter both say so in ``saved_fp8``), else the impl's name."""
-    return impl_label(module.impl, getattr(module, "saved_fp8", False))
+    FP8 (ParMLP and the Megatron adapter both say so in ``saved_fp8``), else the impl's name;
+    routed experts as ``experts/`` and theirs, so a MoE model's two kinds stay apart."""
+    label = impl_label(module.impl, getattr(module, "saved_fp8", False))
+    return f"experts/{label}" if isinstance(module, ParExperts) else label
 
 
 def find_layers(
