@@ -3,6 +3,7 @@ and ``--help`` lists the commands in the order they are imported here."""
 
 # isort: off
 from swiglu_train.cli import bench_mlp, bench_inference, bench_memory, bench_crossover  # noqa: F401
+from swiglu_train.cli import bench_moe  # noqa: F401
 from swiglu_train.cli import checkpoints, grid, hf, info, train, tune  # noqa: F401
 
 # isort: on

@@ -1,0 +1,43 @@
+"""Every variant ``bench-moe`` can race, by name: our ``ParExperts`` impls and the peers.
+
+A variant is built per point (shape and routing) over that point's shared weights. Ours are
+named as the dense benchmarks name them (``drop_h+fp8`` is drop_h with ``saved_fp8=True``);
+an impl the module does not offer fails at construction and is recorded as such.
+"""
+
+from __future__ import annotations
+
+from swiglu_train.bench.moe.peers import hf_grouped_mm, liger, loop, torchtitan
+from swiglu_train.bench.moe.sonic import sonicmoe
+from swiglu_train.bench.moe.weights import Builder, ExpertWeights, Variant, shared
+from swiglu_train.layers.experts import ParExperts
+
+REFERENCE = "loop"
+
+
+def ours(impl: str, saved_fp8: bool = False) -> Builder:
+    def build(w: ExpertWeights, top_k: int) -> Variant:
+        e, d = w.fc1.shape[0], w.fc1.shape[2]
+        module = ParExperts(e, d, w.ffn, impl=impl, saved_fp8=saved_fp8, device="meta")
+        module.fc1_weight, module.fc2_weight = w.fc1, w.fc2
+        return shared(module, w)
+
+    return build
+
+
+OURS: dict[str, Builder] = {
+    "normal": ours("normal"),
+    "drop_h": ours("drop_h"),
+    "drop_h_quack": ours("drop_h_quack"),
+    "drop_h+fp8": ours("drop_h", saved_fp8=True),
+    "drop_h_quack+fp8": ours("drop_h_quack", saved_fp8=True),
+}
+PEERS: dict[str, Builder] = {
+    "loop": loop,
+    "torchtitan": torchtitan(compiled=False),
+    "torchtitan_compile": torchtitan(compiled=True),
+    "hf_grouped_mm": hf_grouped_mm,
+    "liger": liger,
+    "sonicmoe": sonicmoe,
+}
+BUILDERS: dict[str, Builder] = {**OURS, **PEERS}

@@ -1,0 +1,159 @@
+"""``swiglu-train bench-moe``: routed SwiGLU experts (ParExperts' impls and the peers) against
+the grouped-GEMM floor at the expert shapes of public MoE models (logic in ``bench/moe/``)."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated
+
+import typer
+from rich.markup import escape
+
+from swiglu_train.cli.app import app, console, invocation, progress_bars, require_device
+from swiglu_train.cli.bench_results import check_results_path, write_results
+from swiglu_train.files import write_json_atomic
+
+if TYPE_CHECKING:
+    from swiglu_train.bench.moe.harness import MoEConfig
+
+
+def _figure(result: dict) -> object:
+    from swiglu_train.bench.moe.plot import plot_moe
+
+    return plot_moe(result)
+
+
+def _names(value: str, option: str, known: list[str]) -> list[str]:
+    names = [v.strip() for v in value.split(",") if v.strip()]
+    unknown = [n for n in names if n not in known]
+    if unknown or not names:
+        what = f"unknown {unknown}" if unknown else "none given"
+        raise typer.BadParameter(f"{what}; choose from {', '.join(known)}", param_hint=option)
+    return list(dict.fromkeys(names))
+
+
+@app.command("bench-moe")
+def bench_moe(
+    models: Annotated[
+        str | None,
+        typer.Option(help="listed models, comma-separated (default: all; see --list-models)"),
+    ] = None,
+    shapes: Annotated[
+        str | None, typer.Option(help="custom D,F,E,K shapes separated by ';', not --models")
+    ] = None,
+    routing: Annotated[str, typer.Option(help="balanced, skewed or both")] = "balanced,skewed",
+    tokens: Annotated[int, typer.Option(min=1, help="tokens T per step")] = 8192,
+    variants: Annotated[str | None, typer.Option(help="comma-separated (default: all)")] = None,
+    samples: Annotated[int, typer.Option(min=1, help="paired samples per point (use >= 30)")] = 30,
+    warmup: Annotated[int, typer.Option(min=1, help="steps per variant before timing")] = 3,
+    dtype: Annotated[str, typer.Option(help="bf16, fp16 or fp32")] = "bf16",
+    device: Annotated[str, typer.Option(help="cuda, or cpu for a smoke run")] = "cuda",
+    seed: int = 0,
+    commit: Annotated[str | None, typer.Option(help="commit to record if git is absent")] = None,
+    out: Annotated[
+        Path | None,
+        typer.Option(help="write the JSON here (after every point), the .md and .png beside it"),
+    ] = None,
+    merge: Annotated[
+        list[Path] | None,
+        typer.Option(help="merge these results (same GPU, dtype, tokens) instead of running"),
+    ] = None,
+    list_models: Annotated[bool, typer.Option(help="print the model list and exit")] = False,
+) -> None:
+    """Every ParExperts impl and peer, paired with the six grouped GEMMs of the step.
+
+    SonicMoE needs a quack other than the project's, so it runs in a process of its own;
+    --merge joins that run's JSON to the main run's.
+    """
+    from swiglu_train.bench.moe.harness import MoEConfig
+    from swiglu_train.bench.moe.report import merge_results, to_markdown
+    from swiglu_train.bench.moe.routing import ROUTINGS
+    from swiglu_train.bench.moe.shapes import MODELS, parse_shapes, select_models
+    from swiglu_train.bench.moe.variants import BUILDERS
+    from swiglu_train.bench.results import DTYPES
+
+    if list_models:
+        for m in MODELS:
+            note = f"; {m.note}" if m.note else ""
+            console.print(f"{m.name}: D={m.d} F={m.f} E={m.e} k={m.k} ({m.repo}{note})")
+        return
+    check_results_path(out, (".md", ".png"))
+    if merge:
+        try:
+            result = merge_results([json.loads(path.read_text()) for path in merge])
+        except (OSError, ValueError, KeyError) as e:
+            raise typer.BadParameter(str(e), param_hint="'--merge'") from e
+    else:
+        if dtype not in DTYPES:
+            raise typer.BadParameter(f"choose from {list(DTYPES)}", param_hint="'--dtype'")
+        if models is not None and shapes is not None:
+            raise typer.BadParameter("give --models or --shapes, not both")
+        try:
+            chosen = parse_shapes(shapes) if shapes else None
+            if chosen is None:
+                names = models.split(",") if models else [m.name for m in MODELS]
+                chosen = select_models([n.strip() for n in names if n.strip()])
+        except ValueError as e:
+            raise typer.BadParameter(str(e)) from e
+        routings = _names(routing, "'--routing'", list(ROUTINGS))
+        names = _names(variants or ",".join(BUILDERS), "'--variants'", list(BUILDERS))
+        require_device(device)
+        if samples < 30:
+            console.print(f"[yellow]{samples} samples: results are not claimable (need >= 30)")
+        cfg = MoEConfig(chosen, routings, tokens, names, samples, warmup, dtype, device, seed)
+        cfg.extra = {"commit": commit, "command": invocation()}
+        result = _run(cfg, out)
+    markdown = to_markdown(result)
+    plot = out.with_suffix(".png") if out is not None else None
+    if plot is not None and not _has_matplotlib():
+        console.print("[yellow]no matplotlib here: no plot (re-render with --merge where it is)")
+        plot = None
+    md = out.with_suffix(".md") if out is not None else None
+    write_results(result, markdown, out, md, plot, _figure)
+
+
+def _run(cfg: MoEConfig, out: Path | None) -> dict:
+    """The run with progress bars and a line per point; the JSON rewritten after each."""
+    from swiglu_train.bench.moe.harness import run_moe
+
+    total, began = len(cfg.points()), time.perf_counter()
+
+    def on_point(result: dict) -> None:
+        done = len({(s["model"], s["routing"]) for s in result["skipped"]} | _points(result))
+        last = result["points"][-1] if result["points"] else None
+        if last is not None:
+            ratios = ", ".join(
+                f"{r['variant']} {r['full_over_floor']:.2f}"
+                for r in result["rows"]
+                if (r["model"], r["routing"]) == (last["model"], last["routing"])
+                and r["variant"] != "floor"
+            )
+            elapsed = time.perf_counter() - began
+            console.print(
+                f"[{done}/{total}] {last['model']} {last['routing']} ({elapsed:.0f} s): "
+                f"step ÷ floor {ratios}",
+                markup=False,
+            )
+        if out is not None:
+            write_json_atomic(out, result)
+
+    with progress_bars() as progress:
+        result = run_moe(cfg, progress, on_point)
+    for s in result["skipped"]:
+        console.print(f"[yellow]skipped {s['model']} {s['routing']} {s['variant']}: "
+                      f"{escape(s['reason'])}")  # fmt: skip
+    return result
+
+
+def _points(result: dict) -> set[tuple[str, str]]:
+    return {(p["model"], p["routing"]) for p in result["points"]}
+
+
+def _has_matplotlib() -> bool:
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return False
+    return True
