@@ -308,7 +308,7 @@ def test_auto_on_this_gpu_resolves_from_its_packaged_model():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_a_quack_impl_auto_picked_runs_an_fp32_model_through_its_portable_twin():
     """The bf16 model resolves fp32 models too; one trained without autocast ran its fp32
-    forward into quack's 'needs bf16 or fp16' TypeError (scripts/fuzz_gpu.py's auto cases)."""
+    forward into quack's 'needs bf16 or fp16' TypeError (benchmarks/fuzz_gpu.py's auto cases)."""
     from helpers import TOLERANCE, reference_outputs, rel_err, run_outputs
 
     from swiglu_train.layers.registry import QUACK_IMPLS

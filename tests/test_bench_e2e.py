@@ -1,4 +1,4 @@
-"""scripts/bench_e2e.py on CPU: the Lightning harness at a tiny config (rounds, spreads, best
+"""benchmarks/bench_e2e.py on CPU: the Lightning harness at a tiny config (rounds, spreads, best
 plan per budget, the planner set against the grid, JSON, markdown and plot), and the Megatron
 harness' per-round pairing (swiglu_train/bench/e2e*.py)."""
 

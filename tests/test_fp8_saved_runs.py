@@ -1,5 +1,5 @@
 """FP8-saved runs beside bf16 ones, on real tiny pretrain runs (two seeds per arm, CPU):
-scripts/plot_loss_ab.py's A/B report, and compare-memory's labels and exact byte counts."""
+benchmarks/plot_loss_ab.py's A/B report, and compare-memory's labels and exact byte counts."""
 
 import importlib.util
 import json
@@ -26,7 +26,8 @@ LAYERS, HIDDEN, FFN, SEQ, BATCH = 2, 64, 160, 64, 4  # FFN 160: a whole and a pa
 
 
 def load_script():
-    spec = importlib.util.spec_from_file_location("plot_loss_ab", ROOT / "scripts/plot_loss_ab.py")
+    path = ROOT / "benchmarks/plot_loss_ab.py"
+    spec = importlib.util.spec_from_file_location("plot_loss_ab", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module

@@ -1,5 +1,5 @@
 """The random-shape fuzz of every impl: a fixed-seed CPU subset (Triton interpreter) passes, its
-checker fails what it should, and scripts/fuzz_gpu.py writes its summary."""
+checker fails what it should, and benchmarks/fuzz_gpu.py writes its summary."""
 
 import dataclasses
 import importlib.util
@@ -24,7 +24,7 @@ CPU = torch.device("cpu")
 
 
 def load_script():
-    spec = importlib.util.spec_from_file_location("fuzz_gpu", ROOT / "scripts" / "fuzz_gpu.py")
+    spec = importlib.util.spec_from_file_location("fuzz_gpu", ROOT / "benchmarks" / "fuzz_gpu.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -153,7 +153,7 @@ def test_the_script_writes_a_summary_and_replays_a_case(tmp_path, capsys):
     assert result["counts"] == {"passed": 8} and result["failures"] == []
     assert sum(sum(c.values()) for c in result["per_impl"].values()) == 8
     assert result["device"] == "cpu" and result["gpu"] is None
-    assert result["command"].startswith("python3 scripts/fuzz_gpu.py --device cpu --cases 8")
+    assert result["command"].startswith("python3 benchmarks/fuzz_gpu.py --device cpu --cases 8")
     assert set(result["skipped_impls"]) == registry.QUACK_IMPLS
     capsys.readouterr()
     assert script.main(["--device", "cpu", "--repro", drop_h_case().to_json()]) == 0
@@ -161,7 +161,7 @@ def test_the_script_writes_a_summary_and_replays_a_case(tmp_path, capsys):
 
 
 def run_script(monkeypatch, tmp_path, *args, wrap_pool_callback=None) -> tuple[dict, list]:
-    """scripts/fuzz_gpu.py's summary for ``args``, and the outcomes its runner returned (both
+    """benchmarks/fuzz_gpu.py's summary for ``args``, and the outcomes its runner returned (both
     runners wrapped to record them; ``wrap_pool_callback`` wraps the pool's on_outcome)."""
     returned = []
 

@@ -238,10 +238,10 @@ def test_cached_choices_compute_the_same_mlp(cache_dir, library):
 
 
 def test_the_defaults_probe_counts_wins_past_the_margin_per_gemm():
-    """scripts/probe_gemm_defaults.py's summary: a 1 % tie counts for neither library, and the
+    """benchmarks/gemm_defaults.py's summary: a 1 % tie counts for neither library, and the
     majority decides (quack on an even split)."""
     spec = importlib.util.spec_from_file_location(
-        "probe_gemm_defaults", ROOT / "scripts/probe_gemm_defaults.py"
+        "probe_gemm_defaults", ROOT / "benchmarks/gemm_defaults.py"
     )
     probe = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(probe)

@@ -312,7 +312,7 @@ def test_non_finite_inputs_give_the_bf16_path_s_non_finite_grads(where, value):
 
 def test_the_1b_model_steps_at_micro_batch_1_as_drop_h_quack_does():
     """The 1B Lightning model (D 2048, F 8192) at micro-batch 1 under bf16 autocast, as
-    scripts/max_micro_batch.py first runs it. F = 8192 leaves the grad_h GEMM's last 192-wide
+    benchmarks/max_micro_batch.py first runs it. F = 8192 leaves the grad_h GEMM's last 192-wide
     N tile part-empty; its epilogue read the scales past N there and crashed with an illegal
     address. The loss is drop_h_quack's exactly (y is, layer by layer); every gradient is
     finite and within e4m3's rounding of the bf16 run's, compounded through 16 layers'

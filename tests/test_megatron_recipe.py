@@ -179,7 +179,7 @@ def test_saved_fp8_flag_is_for_drop_h(capsys) -> None:
 
 @pytest.mark.slow
 def test_tp2_and_dp2_against_tp1_losses_agree_and_drop_h_saves_h_per_rank(tmp_path: Path) -> None:
-    """scripts/compare_tp.py on real CPU runs (fp32) at one global batch of 2 sequences: TP=2
+    """benchmarks/compare_tp.py on real CPU runs (fp32) at one global batch of 2 sequences: TP=2
     (micro-batch 2), DP=2 (micro-batch 1 per rank) and TP=1 in 2 micro-batches of 1 give the
     same losses, the DP run's being the mean over its ranks and the micro-batched one's not
     divided by the micro-batch count; per rank drop_h saves exactly n_layers·M·(F/2)·4 bytes of
@@ -199,7 +199,7 @@ def test_tp2_and_dp2_against_tp1_losses_agree_and_drop_h_saves_h_per_rank(tmp_pa
         )
         runs[impl, tp, dp] = path
     out = tmp_path / "compare.json"
-    script = Path(__file__).resolve().parents[1] / "scripts" / "compare_tp.py"
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "compare_tp.py"
     command = [sys.executable, str(script), *map(str, runs.values()), "--bytes-per-element", "4"]
     plot = tmp_path / "losses.png"
     command += ["--json", str(out), "--plot", str(plot)]

@@ -1,4 +1,4 @@
-"""ParMLP.forward's short host path (scripts/probe_host_time.py) reads what a model holds now.
+"""ParMLP.forward's short host path (benchmarks/host_time.py) reads what a model holds now.
 
 forward reads fc1's and fc2's weight and bias from their parameter dicts, skips the reshape
 for an [M, D] input and passes over its inputs once; these tests change what it reads between

@@ -1,4 +1,4 @@
-"""Logic of the GPU scripts that can be checked without a GPU."""
+"""Logic of the benchmark harnesses (benchmarks/*.py) that can be checked without a GPU."""
 
 import importlib.util
 import json
@@ -10,7 +10,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def load_script(name: str):
-    spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
+    spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -110,12 +110,12 @@ def test_probe_result_records_where_and_how_it_was_measured(tmp_path, monkeypatc
     rows = [{"M": 1, "ratio": 1.5}]
     md = tmp_path / "out.md"
     result = write_probe_result(
-        "scripts/probe.py", rows, 30, "abc1234", str(tmp_path / "out.json"), str(md),
+        "benchmarks/probe.py", rows, 30, "abc1234", str(tmp_path / "out.json"), str(md),
         lambda r: f"{len(r['rows'])} row at {r['commit']}\n", torch.device("cpu"),
     )  # fmt: skip
     saved = json.loads((tmp_path / "out.json").read_text())
     assert saved == result and saved["rows"] == rows and saved["samples"] == 30
-    assert saved["command"] == "python scripts/probe.py --models 7b --json out.json"
+    assert saved["command"] == "python benchmarks/probe.py --models 7b --json out.json"
     assert saved["commit"] == "abc1234" and saved["gpu"] == "cpu"
     assert md.read_text() == "1 row at abc1234\n"
 
@@ -128,20 +128,20 @@ def test_a_device_session_s_commit_wins_over_the_copied_tree_s_head(tmp_path, mo
 
     monkeypatch.setenv("SWIGLU_TRAIN_COMMIT", "9e25753")
     result = write_probe_result(
-        "scripts/probe.py", [], 30, None, str(tmp_path / "out.json"), None, str,
+        "benchmarks/probe.py", [], 30, None, str(tmp_path / "out.json"), None, str,
         torch.device("cpu"),
     )  # fmt: skip
     assert result["commit"] == "9e25753"
     monkeypatch.delenv("SWIGLU_TRAIN_COMMIT")
     head = write_probe_result(
-        "scripts/probe.py", [], 30, None, str(tmp_path / "out.json"), None, str,
+        "benchmarks/probe.py", [], 30, None, str(tmp_path / "out.json"), None, str,
         torch.device("cpu"),
     )["commit"]  # fmt: skip
     assert head != "9e25753" and len(head) == 40  # this checkout's HEAD
 
 
 def test_fp8_accuracy_script_measures_each_format_against_float64():
-    """scripts/measure_fp8_saved.py on the CPU at one small shape: every format's errors, the
+    """benchmarks/measure_fp8_saved.py on the CPU at one small shape: every format's errors, the
     FP8 path's bigger than bf16's (e4m3 rounding) but bounded, and bf16's at its rounding."""
     probe = load_script("measure_fp8_saved")
     rows = probe.measure([(64, 32, 160)], ["normal"], seed=0)  # F 160: a partial block
@@ -185,5 +185,3 @@ def test_shape_probes_refuse_a_machine_without_cuda(monkeypatch):
     monkeypatch.setattr("torch.cuda.is_available", lambda: False)
     with pytest.raises(SystemExit, match="needs a CUDA GPU"):
         shape_probe_args("Doc.", ["1,2,3"], ["--out", "o.json"])
-    with pytest.raises(SystemExit, match="needs a CUDA GPU"):
-        load_script("probe_stream_overlap").main(["--out", "o.json"])

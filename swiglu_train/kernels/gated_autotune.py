@@ -15,7 +15,7 @@ def autotune_configs() -> list[triton.Config]:
     if INTERPRET:
         return [triton.Config({"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 16, "GROUP_M": 2,
                                "PERSISTENT": False})]  # fmt: skip
-    # Measured on the H200 (scripts/tune_gated_gemm.py): at training shapes the 8-warp
+    # Measured on the H200 (benchmarks/tune_gated_gemm.py): at training shapes the 8-warp
     # [128, 2·128] tile with 3-4 stages wins, and a persistent grid loses 15-25 % (no epilogue
     # overlap without warp specialization; Triton 3.6's Hopper autoWS takes only 4-warp,
     # two-dot tiles here, runs 2x slower and miscompiles: probe_ws_h200.json); for decode

@@ -4,7 +4,7 @@ Triton's autotuner times each candidate in one launch after flushing L2. At the 
 of decode and short prompts that ranks configs by noise: at Qwen-0.5B, M = 128 its pick ran
 1.83x the cuBLAS fc1 GEMM where the best config ran 1.18x (benchmarks/results/
 inference/sweep_gated_h200.json; the first sweep, sweep_gated_first_h200.json, saw 1.23x against
-1.01x at M = 16). ``scripts/sweep_gated_configs.py --table`` times every config as the
+1.01x at M = 16). ``benchmarks/sweep_gated_configs.py --table`` times every config as the
 inference benchmark does (CUDA graphs, weights streaming from HBM) and writes this table: per
 measured (K, F), per measured M, the fastest config.
 

@@ -33,7 +33,7 @@ INTERPRET_TILE = (16, 32)  # (BLOCK_M, BLOCK_N): small, so CPU tests cross tile 
 
 
 # Memoized: triton.next_power_of_2 and triton.cdiv are constexpr functions in Triton 3.6, 1.5-3 us
-# of host time a call, so a launch spent ~12 us on its tile and grid (scripts/probe_host_time.py)
+# of host time a call, so a launch spent ~12 us on its tile and grid (benchmarks/host_time.py)
 # while the kernels of a small layer take about that long on the H200.
 @functools.lru_cache(maxsize=4096)
 def tile(

@@ -199,7 +199,7 @@ class ParMLP(nn.Module, CheckedLoad):
         return self.fc2.in_features
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Per-call host time is a small layer's step time (scripts/probe_host_time.py): the
+        # Per-call host time is a small layer's step time (benchmarks/host_time.py): the
         # submodules and parameters are read once, and the checks pass over them once.
         fc1, fc2 = self._modules["fc1"], self._modules["fc2"]  # as self.fc1, less __getattr__
         params = (*_weight_and_bias(fc1), *_weight_and_bias(fc2))

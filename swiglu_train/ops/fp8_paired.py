@@ -5,7 +5,7 @@ order, [g0, u0, g1, u1, ...], with one bf16 scale per ``PAIRED_GROUP`` (128) of 
 64 features' gate and up values share a scale, where the canonical format (``fp8_saved``)
 gives each half its own per 128 columns. Same bytes per row (one e4m3 value per element, one
 scale per 128), so the same memory; the scale is taken over a gate and an up block together.
-Measured on the H200 at the model grid's 12 shapes, M = 8000 (scripts/measure_fp8_saved.py
+Measured on the H200 at the model grid's 12 shapes, M = 8000 (benchmarks/measure_fp8_saved.py
 --impl drop_h_quack, benchmarks/results/fp8/fp8_saved_errors_grid_quack_h200.json), relative error
 against float64:
 

@@ -16,7 +16,7 @@ within 2**-7 of 448 and is stored nearly exactly; where a few features dominate,
 is most of the gradients', and that is what a scale buys. fp32 scales (the format before)
 store the max exactly, for 9.5 MiB a layer at the seed shape instead of 4.8; power-of-two
 scales (OCP MX's E8M0, 2.4 MiB) round the max like any value and so lose most of that gain.
-Measured on CPU (``scripts/measure_fp8_saved.py``, docs/fp8.md): relative (Frobenius) error
+Measured on CPU (``benchmarks/measure_fp8_saved.py``, docs/fp8.md): relative (Frobenius) error
 of the gradients against float64 on the same bf16 inputs, over three shapes up to
 [1024, 512, 1408]:
 

@@ -126,7 +126,7 @@ def write_summary(
 ) -> None:
     """Losses, median tokens/s past --warmup-steps (compile, autotune) and the profiler's
     memory figures, as the Lightning recipe's --summary-json writes them; plus the shape, so
-    a comparison across TP sizes (scripts/compare_tp.py) can compute the analytic figures."""
+    a comparison across TP sizes (benchmarks/compare_tp.py) can compute the analytic figures."""
     steady = rates[args.warmup_steps :] or rates
     last = records[-1] if records else None
     peaks = [r.peak_MiB for r in records if r.peak_MiB is not None]  # None off CUDA

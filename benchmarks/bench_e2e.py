@@ -1,10 +1,10 @@
 """End-to-end training-step benchmark: whole steps, configurations interleaved in rounds.
 
-    python scripts/bench_e2e.py lightning --config 1b --seq-length 4096 --micro-batch-size 8 \
+    python benchmarks/bench_e2e.py lightning --config 1b --seq-length 4096 --micro-batch-size 8 \
         --global-batch-size 32 --impls normal,drop_h,drop_h_quack,save_factors_quack \
         --checkpoint-layers 0,4,8,12,16 --budgets-gb 60,80,100 --planner --rounds 3 \
         --json e2e.json --md e2e.md --plot e2e.png
-    python scripts/bench_e2e.py megatron --impls stock,stock_eager,normal,drop_h --rounds 3 \
+    python benchmarks/bench_e2e.py megatron --impls stock,stock_eager,normal,drop_h --rounds 3 \
         --json m.json --md m.md -- --num-layers 8 --hidden-size 2048 ...   (recipe arguments)
 
 Lightning (swiglu_train/bench/e2e_lightning.py): impl x checkpointed blocks, whole optimizer

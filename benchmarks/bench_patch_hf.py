@@ -15,10 +15,10 @@ fixed gradient, the same for all. The after-forward figure of drop_h must be unp
 minus n_layers·2·M·F·2 bytes exactly (HF's eager MLP keeps gate, silu(gate), up and h; drop_h
 the [M, 2F] preactivation alone); the JSON records both and the difference.
 
-  python scripts/bench_patch_hf.py --layers 4 --out benchmarks/results/patch/patch_hf_h200.json
-  python scripts/bench_patch_hf.py --library litgpt \
+  python benchmarks/bench_patch_hf.py --layers 4 --out benchmarks/results/patch/patch_hf_h200.json
+  python benchmarks/bench_patch_hf.py --library litgpt \\
       --out benchmarks/results/patch/patch_litgpt_h200.json
-  python scripts/bench_patch_hf.py --tiny --samples 2   # a CPU smoke run of the script itself
+  python benchmarks/bench_patch_hf.py --tiny --samples 2   # a CPU smoke run of the script itself
 """
 
 from __future__ import annotations

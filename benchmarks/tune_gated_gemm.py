@@ -1,6 +1,6 @@
 """Tune and time the gated GEMM against cuBLAS fc1 (+ our activation), forward only.
 
-    python3 scripts/tune_gated_gemm.py [--shapes M,K,F ...] [--samples 30] [--json PATH]
+    python3 benchmarks/tune_gated_gemm.py [--shapes M,K,F ...] [--samples 30] [--json PATH]
 
 For each shape it prints the autotuner's top configs per variant, then paired medians and
 each variant's ratio to the cuBLAS fc1 GEMM alone. This is the measurement behind the

@@ -1,7 +1,7 @@
 """Loss-curve A/B of training runs against a baseline's seed-to-seed spread: issue 19's test
 of the FP8-saved preactivation (drop_h+fp8) against bf16 drop_h.
 
-    python scripts/plot_loss_ab.py SUMMARY.json... --last 100 --smooth 50 \\
+    python benchmarks/plot_loss_ab.py SUMMARY.json... --last 100 --smooth 50 \\
         --json fp8_loss_ab.json --md fp8_loss_ab.md --plot fp8_loss_ab.png
 
 SUMMARY.json are ``swiglu-train pretrain --summary-json`` files of one config and step count.

@@ -1,6 +1,6 @@
 """Collect the recipes' --summary-json files into one committed results file and a table.
 
-    python3 scripts/summarize_runs.py --title "125M Lightning, H200" --command "..." \
+    python3 benchmarks/summarize_runs.py --title "125M Lightning, H200" --command "..." \
         --commit SHA --json benchmarks/results/X.json --md benchmarks/results/X.md RUN.json...
 
 Runs of the same impl are rounds of one paired design (impls alternated within a round), so

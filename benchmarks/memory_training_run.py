@@ -2,7 +2,7 @@
 
 Feeds ``swiglu-train compare-memory``: one W&B run per impl, in one directory, e.g.
 
-    python scripts/memory_training_run.py --mlp-impl normal,drop_h --out runs
+    python benchmarks/memory_training_run.py --mlp-impl normal,drop_h --out runs
     swiglu-train compare-memory runs/wandb/offline-run-* --out docs/memory.png
 
 The impls run one after another in one process, so Triton autotunes each shape once.

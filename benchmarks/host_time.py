@@ -36,9 +36,9 @@ commit, so one file holds the before and after of a change, measured by the same
 exported package is the one imported):
 
     git archive BEFORE swiglu_train | tar -x -C /tmp/before
-    cd /tmp && PYTHONPATH=/tmp/before python /path/to/scripts/probe_host_time.py \
+    cd /tmp && PYTHONPATH=/tmp/before python /path/to/benchmarks/host_time.py \
         --label before --commit BEFORE --out /path/to/benchmarks/results/host/host_time_cpu.json
-    python scripts/probe_host_time.py --label after --out benchmarks/results/host/host_time_cpu.json
+    python benchmarks/host_time.py --label after --out benchmarks/results/host/host_time_cpu.json
 """
 
 from __future__ import annotations
@@ -268,7 +268,7 @@ def main(argv: list[str] | None = None) -> dict:
     torch.set_num_threads(1)
     steps, reset = variants(args.m, args.d, args.f)
     run = {
-        "command": "python scripts/probe_host_time.py " + shlex.join(argv),
+        "command": "python benchmarks/host_time.py " + shlex.join(argv),
         "commit": args.commit or git("rev-parse", "HEAD"),
         "swiglu_train": str(PACKAGE),
         "uncommitted": None if args.commit else changed_files(),

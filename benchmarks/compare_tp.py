@@ -1,7 +1,7 @@
 """Megatron runs at several parallel layouts on the same data: loss agreement, tokens/s and
 per-GPU memory.
 
-    python3 scripts/compare_tp.py RUN.json... --commit SHA --json out.json --md out.md
+    python3 benchmarks/compare_tp.py RUN.json... --commit SHA --json out.json --md out.md
 
 RUN.json are recipes/pretrain_megatron.py --summary-json files, several impls at several
 layouts (TP=1, TP=4, TP=2 x DP=2, ...). Per impl: the loss difference between layouts at step

@@ -11,7 +11,7 @@ For each [M, F] it times (CUDA events, median of --samples calls on data far pas
   liger     Liger-Kernel's fused gate-up kernels (one row per program), where installed.
 Bandwidth counts bytes read plus bytes written, like the copy's.
 
-    python scripts/probe_activation_bandwidth.py --json OUT.json [--shapes M,F ...]
+    python benchmarks/activation_bandwidth.py --json OUT.json [--shapes M,F ...]
 """
 
 from __future__ import annotations
@@ -230,7 +230,7 @@ def main() -> None:
         rows += probe_shape(m, f, args.samples)
         torch.cuda.empty_cache()
     result = write_probe_result(
-        "scripts/probe_activation_bandwidth.py", rows, args.samples, args.commit, args.json,
+        "benchmarks/activation_bandwidth.py", rows, args.samples, args.commit, args.json,
         args.md, to_markdown,
     )  # fmt: skip
     print(to_markdown(result))

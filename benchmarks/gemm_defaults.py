@@ -9,7 +9,7 @@ throwaway cache, and summarises per GEMM: how often cuBLAS, and quack's dynamic 
 more than 1 % faster or slower than quack's static one, and the median ratio. Set
 ``gemm_choice.DEFAULTS`` from the summary.
 
-    python scripts/probe_gemm_defaults.py --json $OUT/probe_gemm_defaults_h200.json
+    python benchmarks/gemm_defaults.py --json $OUT/probe_gemm_defaults_h200.json
 """
 
 from __future__ import annotations

@@ -28,9 +28,9 @@ the model grid's (D, F) at M tokens, the impls' own CUDA kernels (Triton, and th
 row chunks), bf16 against fp8 only, the float64 reference on the GPU. ``--impl drop_h_quack``
 measures that impl's bf16 and FP8 paths instead (its quack epilogues, the paired format).
 
-    python scripts/measure_fp8_saved.py --json benchmarks/results/fp8/fp8_saved_errors_cpu.json
-    python scripts/measure_fp8_saved.py --device cuda --grid-m 8000 --json OUT.json
-    python scripts/measure_fp8_saved.py --device cuda --grid-m 8000 --impl drop_h_quack \
+    python benchmarks/measure_fp8_saved.py --json benchmarks/results/fp8/fp8_saved_errors_cpu.json
+    python benchmarks/measure_fp8_saved.py --device cuda --grid-m 8000 --json OUT.json
+    python benchmarks/measure_fp8_saved.py --device cuda --grid-m 8000 --impl drop_h_quack \
         --json OUT.json
 """
 
@@ -211,7 +211,7 @@ def main() -> None:
     rows = measure(shapes, KINDS, args.seed, args.device, args.impl)
     if args.json:
         grid = f" --grid-m {args.grid_m}" if args.grid_m is not None else ""
-        command = (f"python scripts/measure_fp8_saved.py --device {args.device}{grid} "
+        command = (f"python benchmarks/measure_fp8_saved.py --device {args.device}{grid} "
                    f"--impl {args.impl} --seed {args.seed} --json {args.json}")  # fmt: skip
         about = {"command": command, "commit": git_commit(), "torch": torch.__version__,
                  "machine": platform.machine(), "device": device_name()}  # fmt: skip

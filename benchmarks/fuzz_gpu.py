@@ -1,8 +1,8 @@
 """Fuzz every ParMLP impl on random shapes against a float64 reference (swiglu_train.bench.fuzz).
 
-    python3 scripts/fuzz_gpu.py [--cases 1000] [--seed 0] [--device auto|cuda|cpu] [--workers N]
+    python3 benchmarks/fuzz_gpu.py [--cases 1000] [--seed 0] [--device auto|cuda|cpu] [--workers N]
         [--json OUT.json] [--max-seconds S] [--tune quick|full] [--impls normal,drop_h,...]
-    python3 scripts/fuzz_gpu.py --repro '<the case JSON a failure printed>' [--device cuda]
+    python3 benchmarks/fuzz_gpu.py --repro '<the case JSON a failure printed>' [--device cuda]
 
 Each failure prints a one-line reproduction as it happens; the summary (and --json) counts cases
 per status, impl and dtype, auto's picks, and lists every failure with its reproduction. Exits 1
@@ -14,7 +14,7 @@ for hundreds of shapes; which config wins does not change what a kernel must com
 most of a GPU run's time) overlap; the same seed draws the same cases, and the summary lists
 them in case order. On the H200 (16 cores):
 
-    python3 scripts/fuzz_gpu.py --cases 1000 --workers 8 --max-seconds 420 --json OUT.json
+    python3 benchmarks/fuzz_gpu.py --cases 1000 --workers 8 --max-seconds 420 --json OUT.json
 """
 
 from __future__ import annotations
@@ -76,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
     from swiglu_train.files import write_json_atomic
 
     def repro(case: fuzz_cases.Case) -> str:
-        return f"python3 scripts/fuzz_gpu.py --device {device.type} --repro '{case.to_json()}'"
+        return f"python3 benchmarks/fuzz_gpu.py --device {device.type} --repro '{case.to_json()}'"
 
     def report(outcome: fuzz.Outcome) -> None:
         if outcome.status in ("failed", "platform"):
@@ -119,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
         )
     result = {
         "schema": 1,
-        "command": shlex.join(["python3", "scripts/fuzz_gpu.py", *argv]),
+        "command": shlex.join(["python3", "benchmarks/fuzz_gpu.py", *argv]),
         "commit": git_commit(),
         "device": device.type,
         "gpu": gpu,

@@ -2,7 +2,7 @@
 (CUDA graphs over weight copies that overflow L2, paired samples in random order, per-call
 medians), against the cuBLAS fc1 GEMM alone and the autotuner's own pick.
 
-    python scripts/sweep_gated_configs.py [--shapes M,K,F ...] [--extra-tiles BM,BN,BK,S,W,P ...]
+    python benchmarks/sweep_gated_configs.py [--shapes M,K,F ...] [--extra-tiles BM,BN,BK,S,W,P ...]
         [--samples 30] --json OUT.json [--md OUT.md] [--table TILES.json]
 
 The autotuner times candidates one launch at a time with a cold L2, which at 5-10 us kernels
@@ -159,7 +159,7 @@ def main() -> None:
               f"{r['over_gemm_only'][r['best']]:.3f}, autotuned {r['autotuned']} "
               f"{r['over_gemm_only']['autotuned']:.3f}", flush=True)  # fmt: skip
     result = write_probe_result(
-        f"scripts/{Path(__file__).name}",
+        f"benchmarks/{Path(__file__).name}",
         rows,
         args.samples,
         args.commit,

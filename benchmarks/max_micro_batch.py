@@ -2,7 +2,8 @@
 
 This is the user-visible win of drop_h: at the ~1B config, how many more sequences fit.
 
-    python scripts/max_micro_batch.py --config 1b --mlp-impl normal,drop_h,drop_h+fp8 --json o.json
+    python benchmarks/max_micro_batch.py --config 1b --mlp-impl normal,drop_h,drop_h+fp8 \\
+        --json o.json
 
 ``drop_h+fp8`` is drop_h with its saved preactivation in FP8 (model.saved_fp8), named as the
 planner and bench_e2e name it.
