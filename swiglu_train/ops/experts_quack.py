@@ -1,0 +1,181 @@
+"""The routed experts' ``drop_h_quack`` impl: drop_h's saved set and math on quack's varlen GEMMs,
+which gather each token's row inside the GEMM, so neither the gathered input [R, D] nor the
+gathered grad_y is ever written (R = T·k; ``ops.experts`` has the math).
+
+The slots are sorted by expert (``experts_routing.route``); expert e owns sorted rows
+``cu[e]:cu[e+1]`` (``cu``: the plan's offsets with a leading 0) and row r reads token
+``token[r]``. quack 0.6.5's ``gemm(A, B, ...)`` takes B as (L, K, N) per expert, or (total_K, N)
+with varlen_k, and gathers A's rows (varlen_m) or columns (varlen_k) through ``A_idx``:
+
+    fc1      preact [R, 2F] = gemm(x, fc1ᵀ, cu_seqlens_m, A_idx=token)   x [T, D] never gathered
+    fc2      out [R, D]     = gemm(h, fc2ᵀ, cu_seqlens_m)
+    grad_h   g [R, F]       = gemm(grad_y, fc2, cu_seqlens_m, A_idx=token)
+    grad_W2  [E, D, F]      = gemm(grad_yᵀ, w·h, cu_seqlens_k, A_idx=token)
+    grad_xg  [R, D]         = gemm(grad_preact, fc1, cu_seqlens_m)
+    grad_W1  [E, 2F, D]     = gemm(xᵀ, grad_preact, cu_seqlens_k, A_idx=token), written
+                              through the transposed view of its [E, 2F, D] buffer
+
+h, the FP8 copy and grad_preact come from the Triton kernels drop_h uses (``swiglu_fwd``, its
+FP8 variant, ``kernels.experts_swiglu``), so the preactivation stays canonical [gate | up] and
+its saved bytes are drop_h's. quack's gated epilogues would write h with fc1's GEMM, but they
+store the preactivation gate/up interleaved, which these backward kernels do not read.
+
+With the router weight on the input (Llama-4), preact = w · (fc1 x): the gathered GEMM's rows
+are scaled after it, grad_W1 takes w on grad_preact instead of on x, and the weight's gradient
+⟨grad_xg, x⟩ gathers x a bounded chunk of rows at a time.
+
+quack's layout rules (gemm.py): varlen_m needs A and the output row-major; varlen_k needs A
+m-major (xᵀ, grad_yᵀ of row-major tensors) and B n-major (row-major [R, N]); gather_A needs
+cluster_n = 1 (quack's untuned SM90 default is 128x192, cluster 2x1, static schedule). Every
+operand's rows are 16-byte aligned, hence D and F multiples of 8 (``check_quack_inputs``).
+An empty batch (T = 0) launches nothing: quack returns empty outputs and zero-fills a grad
+whose contraction is empty, as it does for an expert with no rows.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from swiglu_train.ops.activation import swiglu_fwd
+from swiglu_train.ops.experts_routing import Routing, combine, live_weights, route
+from swiglu_train.ops.fp8_saved import copy_buffers, swiglu_fwd_fp8_
+from swiglu_train.ops.mlp import claim_inplace_backward, refuse_double_backward
+from swiglu_train.ops.quack_mlp import (
+    ALIGN,
+    check_quack_inputs,
+    quack_gemm,
+    quack_sizes_ok,
+    quack_unavailable_reason,
+)
+
+IMPL = "drop_h_quack"
+SECOND_BACKWARD_ERROR = (
+    "ParExperts(impl='drop_h_quack') ran its backward in place: its saved preactivation now "
+    "holds the gradient (or, with saved_fp8, was freed once read), so a second backward "
+    "through this graph (retain_graph=True) would compute garbage. Build the layer with "
+    "inplace=False to backpropagate more than once."
+)
+SECOND_BACKWARD_FREED_ERROR = (
+    "ParExperts(impl='drop_h_quack'): a second backward through the same graph, whose saved "
+    "tensors the first backward freed (it ran without retain_graph=True). Build the layer "
+    "with inplace=False and pass retain_graph=True to every backward but the last."
+)
+# Elements of x gathered at once for the input-side router weight's gradient: 32 MiB of bf16.
+DOT_CHUNK = 1 << 24
+
+
+def check_experts_quack_runs(hidden_size: int, ffn_hidden_size: int) -> None:
+    """A one-line ValueError when ``ParExperts(impl='drop_h_quack')`` cannot run here: no
+    quack, no sm_90+ GPU, or sizes whose rows TMA cannot take. Checked when the layer is built,
+    as ParMLP checks its quack impls, not at its first step."""
+    reason = quack_unavailable_reason()
+    if reason is None and not quack_sizes_ok(hidden_size, ffn_hidden_size):
+        reason = (
+            f"hidden_size {hidden_size} and ffn_hidden_size {ffn_hidden_size} must be "
+            f"multiples of {ALIGN} (16-byte rows for TMA)"
+        )
+    if reason is not None:
+        raise ValueError(f"ParExperts(impl={IMPL!r}) cannot run here: {reason}; use impl='drop_h'")
+
+
+def _varlen(plan: Routing) -> tuple[torch.Tensor, torch.Tensor]:
+    """(cu_seqlens [E + 1], A_idx [R]), int32 and freshly allocated: quack's varlen operands,
+    which its kernels assume 16-byte aligned."""
+    cu = torch.cat([plan.offsets.new_zeros(1), plan.offsets])
+    return cu, plan.token.to(torch.int32)
+
+
+def _swiglu_backward(
+    saved: list[torch.Tensor], g: torch.Tensor, w: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(grad_preact, grad_w [R] fp32 or None) from the saved preact (overwritten) or its FP8
+    copy; g, the unweighted grad_h, becomes (w ·) h. ``w`` is the router weight per sorted row
+    when it scales the expert output. Triton is imported here: quack needs CUDA, so it runs."""
+    from swiglu_train.kernels import experts_swiglu
+
+    grad_w = None if w is None else torch.empty(g.shape[0], device=g.device)
+    if len(saved) == 2:
+        grad_preact = g.new_empty(g.shape[0], 2 * g.shape[1])
+        experts_swiglu.experts_backward_fp8(*saved, g, grad_preact, w, grad_w)
+        return grad_preact, grad_w
+    experts_swiglu.experts_backward_(saved[0], g, w, grad_w)
+    return saved[0], grad_w
+
+
+def _gathered_row_dots(rows: torch.Tensor, x: torch.Tensor, token: torch.Tensor) -> torch.Tensor:
+    """[R] fp32: ⟨rows[r], x[token[r]]⟩, x gathered DOT_CHUNK elements at a time, so the
+    gathered [R, D] is never whole (drop_h's bmm: fp32 sums, rounded to the dtype)."""
+    out = torch.empty(rows.shape[0], device=rows.device)
+    step = max(1, DOT_CHUNK // max(rows.shape[1], 1))
+    for start in range(0, rows.shape[0], step):
+        part = slice(start, start + step)
+        xg = x.index_select(0, token[part])
+        out[part] = torch.bmm(rows[part].unsqueeze(1), xg.unsqueeze(2)).view(-1)
+    return out
+
+
+class _ExpertsDropHQuack(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, indices, weights, fc1, fc2, weights_on: str, saved_fp8: bool, inplace):
+        gemm = quack_gemm()
+        plan = route(indices, weights, fc1.shape[0])
+        cu, token = _varlen(plan)
+        preact = gemm(x, fc1.mT, cu_seqlens_m=cu, A_idx=token)
+        if weights_on == "input":  # fc1 (w x) = w (fc1 x), one rounding: fp32 product
+            preact.mul_(plan.weight[:, None])
+        if saved_fp8:
+            h = preact.new_empty(preact.shape[0], fc2.shape[2])
+            saved = copy_buffers(preact.shape[0], fc2.shape[2], preact)
+            swiglu_fwd_fp8_(preact, h, *saved)
+            del preact  # only the e4m3 copy is kept
+        else:
+            h, saved = swiglu_fwd(preact), (preact,)
+        out = gemm(h, fc2.mT, cu_seqlens_m=cu)
+        del h
+        y = combine(out, plan, None if weights_on == "input" else live_weights(indices, weights))
+        ctx.save_for_backward(x, indices, weights, fc1, fc2, *saved)
+        ctx.weights_on, ctx.inplace, ctx.backward_ran = weights_on, inplace, False
+        return y
+
+    @staticmethod
+    def backward(ctx, grad_y: torch.Tensor):
+        refuse_double_backward()
+        inplace = claim_inplace_backward(ctx, SECOND_BACKWARD_ERROR, SECOND_BACKWARD_FREED_ERROR)
+        x, indices, weights, fc1, fc2, *saved = ctx.saved_tensors
+        if not inplace and len(saved) == 1:
+            saved = [saved[0].clone()]
+        gemm = quack_gemm()
+        plan = route(indices, weights, fc1.shape[0])
+        cu, token = _varlen(plan)
+        on_output = ctx.weights_on == "output"
+        grad_y = grad_y.contiguous()
+        g = gemm(grad_y, fc2, cu_seqlens_m=cu, A_idx=token)  # unweighted grad_h
+        grad_preact, grad_w_rows = _swiglu_backward(saved, g, plan.weight if on_output else None)
+        if inplace and len(saved) == 2:
+            for t in saved:  # the FP8 copy, read for the last time: its memory goes back now
+                t.untyped_storage().resize_(0)
+        del saved
+        grad_fc2 = gemm(grad_y.T, g, cu_seqlens_k=cu, A_idx=token)  # g holds (w ·) h now
+        del g
+        grad_xg = gemm(grad_preact, fc1, cu_seqlens_m=cu)
+        if not on_output:  # d(w x)/dw = x; grad_W1 takes the weight on grad_preact's rows
+            grad_w_rows = _gathered_row_dots(grad_xg, x, plan.token)
+            grad_preact.mul_(plan.weight[:, None])
+        grad_fc1 = fc1.new_empty(fc1.shape)
+        gemm(x.T, grad_preact, out=grad_fc1.mT, cu_seqlens_k=cu, A_idx=token)
+        del grad_preact
+        grad_x = combine(grad_xg, plan, None if on_output else live_weights(indices, weights))
+        grad_w = torch.empty(indices.numel(), device=x.device).index_copy_(
+            0, plan.slot, grad_w_rows
+        )
+        grad_w = torch.where(indices >= 0, grad_w.view(indices.shape), 0.0).to(weights.dtype)
+        return grad_x, None, grad_w, grad_fc1, grad_fc2, None, None, None
+
+
+def drop_h_quack_experts(x, indices, weights, fc1, fc2, weights_on, saved_fp8=False, inplace=True):
+    """drop_h for routed experts on quack's gather GEMMs (CUDA sm_90+, D and F multiples of 8;
+    the module docstring). One expert's weights have the dense layer's shapes, which
+    ``check_quack_inputs`` reads."""
+    check_quack_inputs(x, fc1[0], fc2[0], IMPL)
+    x, fc1, fc2 = x.contiguous(), fc1.contiguous(), fc2.contiguous()
+    return _ExpertsDropHQuack.apply(x, indices, weights, fc1, fc2, weights_on, saved_fp8, inplace)
