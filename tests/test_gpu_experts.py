@@ -22,7 +22,7 @@ import torch
 
 from swiglu_train.layers.experts import ParExperts
 from swiglu_train.ops import reference
-from swiglu_train.ops.experts import WEIGHTS_ON, experts_mlp
+from swiglu_train.ops.experts import WEIGHTS_ON, experts_mlp, saved_activation_bytes
 from swiglu_train.ops.experts_quack import SECOND_BACKWARD_ERROR
 from swiglu_train.ops.quack_mlp import quack_available
 
@@ -188,8 +188,6 @@ def requested_bytes() -> int:
 def test_after_forward_holds_what_the_impl_claims(impl, fp8, on):
     """The allocator's growth over one forward is y plus the claimed saved bytes, within 512
     bytes (its rounding) per tensor: y and the preactivation, or y, the copy and its scales."""
-    from swiglu_train.ops.experts import saved_activation_bytes
-
     t, d, f, e, k = 1024, 512, 200, 16, 4
     layer = ParExperts(e, d, f, impl, fp8, on, device="cuda", dtype=torch.bfloat16)
     x = torch.randn(t, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
