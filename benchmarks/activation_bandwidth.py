@@ -23,7 +23,7 @@ import statistics
 import torch
 import triton
 
-from swiglu_train.bench.mlp import write_probe_result
+from swiglu_train.bench.results import write_probe_result
 from swiglu_train.kernels import swiglu, swiglu_fp8
 from swiglu_train.kernels.fp8_format import FP8_DTYPE, SCALE_DTYPE, saved_shapes
 

@@ -7,7 +7,7 @@
     python benchmarks/bench_e2e.py megatron --impls stock,stock_eager,normal,drop_h --rounds 3 \
         --json m.json --md m.md -- --num-layers 8 --hidden-size 2048 ...   (recipe arguments)
 
-Lightning (swiglu_train/bench/e2e_lightning.py): impl x checkpointed blocks, whole optimizer
+Lightning (swiglu_train/bench/e2e/lightning.py): impl x checkpointed blocks, whole optimizer
 steps through the planner's own measurer, ``--warmup`` then ``--steps`` timed steps of
 ``--global-batch-size`` sequences (default: one micro-batch); tokens/s, the optimizer step's
 time, after-forward and peak MiB as min/median/max over rounds, and MFU where the GPU's peak is
@@ -15,7 +15,7 @@ known. For each ``--budgets-gb``, each impl's best configuration of the grid tha
 best plan), and with ``--planner`` the planner's own pick (its short steps, its bisection, at
 the same batching) set against the grid. The plot: tokens/s against memory budget, per impl.
 
-Megatron (swiglu_train/bench/e2e_megatron.py): each round runs recipes/pretrain_megatron.py once
+Megatron (swiglu_train/bench/e2e/megatron.py): each round runs recipes/pretrain_megatron.py once
 per impl, each a process of its own (``--launcher``); tokens/s is the median over the steps
 after ``--warmup``, and the warm-up steps' own rates are kept.
 """
@@ -29,10 +29,10 @@ from typing import Annotated
 
 import typer
 
-from swiglu_train.bench.e2e import parse_list, point_writer, prior_points, write_result
-from swiglu_train.bench.e2e_lightning import configure, lightning_settings, run_lightning
-from swiglu_train.bench.e2e_megatron import megatron_settings, run_megatron
-from swiglu_train.bench.e2e_report import lightning_markdown, megatron_markdown
+from swiglu_train.bench.e2e.lightning import configure, lightning_settings, run_lightning
+from swiglu_train.bench.e2e.megatron import megatron_settings, run_megatron
+from swiglu_train.bench.e2e.report import lightning_markdown, megatron_markdown
+from swiglu_train.bench.e2e.rounds import parse_list, point_writer, prior_points, write_result
 from swiglu_train.integrations.lightning.planner import candidates
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -47,7 +47,7 @@ def command_line() -> str:
 
 
 def _budget_figure(result: dict) -> object:
-    from swiglu_train.bench.e2e_plot import plot_budgets  # matplotlib: only for --plot
+    from swiglu_train.bench.e2e.plot import plot_budgets  # matplotlib: only for --plot
 
     return plot_budgets(result)
 

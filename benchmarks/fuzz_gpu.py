@@ -1,4 +1,4 @@
-"""Fuzz every ParMLP impl on random shapes against a float64 reference (swiglu_train.bench.fuzz).
+"""Fuzz every ParMLP impl on random shapes against a float64 reference (bench/fuzz/run.py).
 
     python3 benchmarks/fuzz_gpu.py [--cases 1000] [--seed 0] [--device auto|cuda|cpu] [--workers N]
         [--json OUT.json] [--max-seconds S] [--tune quick|full] [--impls normal,drop_h,...]
@@ -71,8 +71,10 @@ def main(argv: list[str] | None = None) -> int:
     device = pick_device(args.device)
     if device.type == "cpu":  # before any kernel is defined: kernels run in the interpreter
         os.environ.setdefault("TRITON_INTERPRET", "1")
-    from swiglu_train.bench import fuzz, fuzz_cases, fuzz_pool
-    from swiglu_train.bench.mlp import git_commit
+    from swiglu_train.bench.fuzz import cases as fuzz_cases
+    from swiglu_train.bench.fuzz import pool as fuzz_pool
+    from swiglu_train.bench.fuzz import run as fuzz
+    from swiglu_train.bench.results import git_commit
     from swiglu_train.files import write_json_atomic
 
     def repro(case: fuzz_cases.Case) -> str:

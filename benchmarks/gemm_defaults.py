@@ -24,8 +24,8 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from swiglu_train.bench.grid_models import grid_shapes
-from swiglu_train.bench.mlp import environment, git_commit
+from swiglu_train.bench.grid.models import grid_shapes
+from swiglu_train.bench.results import environment, git_commit
 from swiglu_train.files import write_json_atomic
 
 GRID_M = (4096, 8000, 16384)
@@ -65,7 +65,7 @@ def main() -> int:
     if not torch.cuda.is_available():
         raise SystemExit("error: this probe needs a CUDA GPU")
     os.environ["SWIGLU_TRAIN_CACHE_DIR"] = tempfile.mkdtemp()  # never the user's cache
-    from swiglu_train.bench.pretune import MARGIN, pretune
+    from swiglu_train.bench.pretune.measure import MARGIN, pretune
     from swiglu_train.ops import gemm_choice
 
     gemm_choice.forget()

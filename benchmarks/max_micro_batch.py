@@ -26,7 +26,7 @@ from typing import Annotated
 import torch
 import typer
 
-from swiglu_train.bench.mlp import git_commit
+from swiglu_train.bench.results import git_commit
 from swiglu_train.files import write_json_atomic
 from swiglu_train.integrations.lightning.config import load_config
 from swiglu_train.integrations.lightning.model import LlamaDecoder

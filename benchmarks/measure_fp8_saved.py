@@ -43,9 +43,9 @@ import torch
 import torch.nn.functional as F
 
 from swiglu_train import ParMLP
-from swiglu_train.bench.e2e import device_name
-from swiglu_train.bench.grid_models import grid_shapes
-from swiglu_train.bench.mlp import git_commit
+from swiglu_train.bench.e2e.rounds import device_name
+from swiglu_train.bench.grid.models import grid_shapes
+from swiglu_train.bench.results import git_commit
 from swiglu_train.files import write_json_atomic
 from swiglu_train.kernels.fp8_format import restore, round_up_bf16
 from swiglu_train.layers.layout import CANONICAL, relayout

@@ -22,7 +22,7 @@ import numpy as np
 import torch
 import triton
 
-from swiglu_train.bench.inference import (
+from swiglu_train.bench.inference.run import (
     QWEN_MLP,
     call_ms,
     capture,
@@ -30,7 +30,7 @@ from swiglu_train.bench.inference import (
     rel_err,
     weight_copies,
 )
-from swiglu_train.bench.mlp import write_probe_result
+from swiglu_train.bench.results import write_probe_result
 from swiglu_train.bench.timing import Case, paired_samples
 from swiglu_train.files import write_json_atomic
 from swiglu_train.kernels import gated_autotune, gated_gemm, gated_kernels, gated_tiles

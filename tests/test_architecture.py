@@ -150,17 +150,24 @@ def room_graph() -> dict[str, set[str]]:
     return dict(rooms)
 
 
-def drawing() -> str:
-    """The rooms floor by floor, top down, each with the rooms it imports."""
+def drawing(width: int = 96) -> str:
+    """The rooms floor by floor, top down, with an arrow down between floors: the only way an
+    import may run. It names rooms, not their imports, so it changes when a room does."""
     floor = {room(module): rank(module) for module in module_files()}
-    uses = room_graph()
-    lines = []
+    blocks = []
     for level in range(len(FLOORS) - 1, -1, -1):
         rooms = sorted(r for r, f in floor.items() if f == level)
-        if rooms:
-            lines.append(f"{level} {FLOORS[level]}")
-            lines.extend(f"    {r:<32} -> {', '.join(sorted(uses[r])) or '-'}" for r in rooms)
-    return "\n".join(lines)
+        if not rooms:
+            continue
+        label, lines = f"{level} {FLOORS[level]}", [""]
+        for r in rooms:
+            if lines[-1] and len(f"{label:<22}{lines[-1]}  {r}") > width:
+                lines.append("")
+            lines[-1] = f"{lines[-1]}  {r}" if lines[-1] else r
+        blocks.append(
+            "\n".join(f"{label if i == 0 else '':<22}{line}" for i, line in enumerate(lines))
+        )
+    return "\n      |\n      v\n".join(blocks)
 
 
 def documented_drawing() -> str:

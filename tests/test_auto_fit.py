@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from swiglu_train.bench.auto_fit import fit_auto_model
 from swiglu_train.layers.auto import resolve
+from swiglu_train.layers.auto_fit import fit_auto_model
 from swiglu_train.layers.auto_model import MIB, AutoModel
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -112,7 +112,7 @@ def test_bench_races_the_fp8_saved_option_beside_its_bf16_impl(tmp_path):
 
 
 def test_bench_prints_skip_reasons_with_their_brackets(monkeypatch):
-    from swiglu_train.bench import mlp
+    from swiglu_train.bench.mlp import run as mlp
 
     real_case = mlp.layer_case
     hint = "needs quack (pip install 'swiglu-train[quack]')"
@@ -149,7 +149,7 @@ def test_bench_inference_merge_takes_several_files_after_one_flag(tmp_path):
 def test_out_of_place_variants_build_ours_with_inplace_off():
     """The aliasing diagnostic: ours(impl, inplace=False) is the same layer with grad_preact
     written to a new buffer, so its graph takes a second backward; the quack one needs quack."""
-    from swiglu_train.bench.variants import BUILDERS, LayerWeights, ours
+    from swiglu_train.bench.mlp.variants import BUILDERS, LayerWeights, ours
 
     w = LayerWeights.random(16, 40, 16, torch.float32, "cpu")
     layer = ours("drop_h", inplace=False)(w)
@@ -166,7 +166,7 @@ def test_out_of_place_variants_build_ours_with_inplace_off():
 def test_the_fused_schedule_diagnostics_are_the_quack_impls_with_a_dynamic_schedule():
     """Four grid variants put the quack impls' fused GEMMs (grad_h's, or both) on quack's
     dynamic schedule; built where quack cannot run, they say so, as the impls do."""
-    from swiglu_train.bench.variants import BUILDERS, LayerWeights
+    from swiglu_train.bench.mlp.variants import BUILDERS, LayerWeights
 
     names = [n for n in BUILDERS if "_dynamic_" in n]
     assert names == [

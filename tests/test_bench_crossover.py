@@ -6,9 +6,8 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from swiglu_train.bench import crossover
-from swiglu_train.bench.auto_fit import fit_auto_model
-from swiglu_train.bench.crossover import (
+from swiglu_train.bench.grid import crossover
+from swiglu_train.bench.grid.crossover import (
     CrossoverConfig,
     parse_m,
     parse_shapes,
@@ -17,6 +16,7 @@ from swiglu_train.bench.crossover import (
 )
 from swiglu_train.cli import app
 from swiglu_train.layers.auto import AutoModel, resolve
+from swiglu_train.layers.auto_fit import fit_auto_model
 
 runner = CliRunner()
 

@@ -11,11 +11,11 @@ from helpers import watch_planner_builds
 from test_scripts import load_script
 from typer.testing import CliRunner
 
-from swiglu_train.bench.e2e import machine_id, rows
-from swiglu_train.bench.e2e_lightning import budget_plans, parse_budgets
-from swiglu_train.bench.e2e_megatron import megatron_rows
-from swiglu_train.bench.e2e_plot import plot_budgets
-from swiglu_train.bench.e2e_report import block_costs, lightning_markdown
+from swiglu_train.bench.e2e.lightning import budget_plans, parse_budgets
+from swiglu_train.bench.e2e.megatron import megatron_rows
+from swiglu_train.bench.e2e.plot import plot_budgets
+from swiglu_train.bench.e2e.report import block_costs, lightning_markdown
+from swiglu_train.bench.e2e.rounds import machine_id, rows
 from swiglu_train.memory.budget import ESTIMATE
 from swiglu_train.ops import use_backend
 
@@ -160,7 +160,7 @@ def test_zero_rounds_add_the_planner_s_plans_to_an_earlier_run_s_rounds(tmp_path
 def test_the_planner_measures_each_configuration_once_across_budgets(tmp_path, monkeypatch):
     """A profile does not depend on the budget: at an ample budget and at one nothing fits,
     the searches read 1 and 2 profiles per impl, and only the 2 distinct ones are measured."""
-    from swiglu_train.bench import e2e_lightning
+    from swiglu_train.bench.e2e import lightning as e2e_lightning
 
     config = tmp_path / "tiny.yaml"
     config.write_text(TINY)
@@ -320,7 +320,7 @@ def test_megatron_rounds_on_cpu_profile_a_step_inside_a_measured_run(tmp_path, m
 def test_a_call_stopped_mid_round_keeps_its_points_for_the_next(tmp_path, monkeypatch):
     """The JSON is written after every point: a call killed at its time bound (here, the third
     point raises) leaves the points it measured, and the next call's --append adds to them."""
-    from swiglu_train.bench import e2e_lightning
+    from swiglu_train.bench.e2e import lightning as e2e_lightning
 
     bench, args, out = tiny_normal_grid(tmp_path)
     args[args.index("0")] = "0,1"  # --checkpoint-layers: two configurations a round

@@ -11,6 +11,7 @@ import json
 import os
 import re
 import sys
+from importlib import resources
 from pathlib import Path
 
 import pytest
@@ -19,11 +20,9 @@ from helpers import auto_model
 from matplotlib.figure import Figure
 from typer.testing import CliRunner
 
-from swiglu_train.bench import grid_auto
-from swiglu_train.bench.auto_fit import fit_auto_model
-from swiglu_train.bench.crossover import CrossoverConfig
-from swiglu_train.bench.grid import merge_results, missing_points, run_grid
-from swiglu_train.bench.grid_models import (
+from swiglu_train.bench.grid import auto as grid_auto
+from swiglu_train.bench.grid.crossover import CrossoverConfig
+from swiglu_train.bench.grid.models import (
     MODELS,
     GridShape,
     Model,
@@ -31,7 +30,7 @@ from swiglu_train.bench.grid_models import (
     select_models,
     shapes_for,
 )
-from swiglu_train.bench.grid_plan import (
+from swiglu_train.bench.grid.plan import (
     PREWARM_POINT_S,
     SHAPE_COMPILE_S,
     GridConfig,
@@ -39,13 +38,15 @@ from swiglu_train.bench.grid_plan import (
     parse_chunk,
     split_chunks,
 )
-from swiglu_train.bench.grid_plot import plot_grid
-from swiglu_train.bench.grid_prewarm import WORKER_START_S
-from swiglu_train.bench.grid_report import to_markdown
-from swiglu_train.bench.measured_rule import ImplStats
-from swiglu_train.bench.mlp import BenchConfig
+from swiglu_train.bench.grid.plot import plot_grid
+from swiglu_train.bench.grid.prewarm import WORKER_START_S
+from swiglu_train.bench.grid.report import to_markdown
+from swiglu_train.bench.grid.run import merge_results, missing_points, run_grid
+from swiglu_train.bench.mlp.run import BenchConfig
 from swiglu_train.cli import app
 from swiglu_train.layers.auto import AutoModel, resolve
+from swiglu_train.layers.auto_fit import fit_auto_model
+from swiglu_train.layers.auto_rule import ImplStats
 
 ROOT = Path(__file__).resolve().parents[1]
 runner = CliRunner()
@@ -294,7 +295,7 @@ def test_the_shipped_model_is_judged_at_every_point(tiny_run):
     judged in its place, predicts every point in sample."""
     result = as_h200(tiny_run)
     shipped = result["auto_eval"]["shipped"]
-    package_file = Path(grid_auto.__file__).parents[1] / "layers" / "auto_h200.json"
+    package_file = resources.files("swiglu_train.layers") / "auto_h200.json"
     assert shipped["file"] == "auto_h200.json"
     assert shipped["commit"] == json.loads(package_file.read_text())["commit"]
     assert list(shipped["points"]) == ["without_quack"]  # the run had no quack

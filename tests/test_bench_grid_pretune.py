@@ -13,11 +13,12 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from swiglu_train.bench import grid, grid_pretune
-from swiglu_train.bench.grid import run_grid
-from swiglu_train.bench.grid_models import GridShape
-from swiglu_train.bench.grid_plan import PRETUNE_POINT_S, GridConfig, GridPoint
-from swiglu_train.bench.grid_report import to_markdown
+from swiglu_train.bench.grid import pretune as grid_pretune
+from swiglu_train.bench.grid import run as grid
+from swiglu_train.bench.grid.models import GridShape
+from swiglu_train.bench.grid.plan import PRETUNE_POINT_S, GridConfig, GridPoint
+from swiglu_train.bench.grid.report import to_markdown
+from swiglu_train.bench.grid.run import run_grid
 from swiglu_train.cli import app
 from swiglu_train.ops import gemm_choice
 

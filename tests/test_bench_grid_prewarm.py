@@ -4,8 +4,8 @@ dies mid-point (a real process exit in a real spawned worker) costing that point
 import os
 from collections import Counter
 
-from swiglu_train.bench.grid_prewarm import Warmed, pick_next, prewarm
-from swiglu_train.bench.mlp import BenchConfig
+from swiglu_train.bench.grid.prewarm import Warmed, pick_next, prewarm
+from swiglu_train.bench.mlp.run import BenchConfig
 
 
 def test_distinct_shapes_go_first_and_a_shape_is_never_compiled_twice_at_once():

@@ -9,9 +9,9 @@ from conftest import HAS_CUDA
 from helpers import dispatch_table
 from typer.testing import CliRunner
 
-from swiglu_train.bench import inference as bench
-from swiglu_train.bench import inference_dispatch as fit
-from swiglu_train.bench import inference_variants as iv
+from swiglu_train.bench.inference import dispatch as fit
+from swiglu_train.bench.inference import run as bench
+from swiglu_train.bench.inference import variants as iv
 from swiglu_train.cli import app
 from swiglu_train.ops import dispatch
 
@@ -218,7 +218,7 @@ def test_judge_dispatch_scores_the_fitted_choice_in_sample():
 
 
 def test_plot_draws_every_timed_line_against_the_gemms_alone():
-    from swiglu_train.bench.inference_plot import plot_inference
+    from swiglu_train.bench.inference.plot import plot_inference
 
     def row(table, model, m, **ms):
         return {"table": table, "model": model, "M": m, "gemm_only_ms": 2.0} | {

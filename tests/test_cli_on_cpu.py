@@ -9,7 +9,7 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from swiglu_train.bench.memory_stack import to_markdown
+from swiglu_train.bench.memory.stack import to_markdown
 from swiglu_train.cli import app
 from swiglu_train.cli.bench_memory import CPU_SHAPE
 from swiglu_train.memory.profiler import NOT_MEASURED
@@ -56,7 +56,7 @@ def test_more_training_processes_than_cores_are_refused_in_one_line(monkeypatch,
     with pytest.raises(SystemExit) as exit_:
         app(args=["pretrain", "--devices", str(cores + 1), "--output-dir", str(tmp_path / "r")])
     err = capsys.readouterr().err
-    assert exit_.value.code == 1 and err.count("\n") == 1
+    assert exit_.value.code == 2 and err.count("\n") == 1
     assert f"train.devices={cores + 1} would start {cores + 1} training processes" in err
     assert f"{cores} CPU cores (no CUDA); use at most {cores}" in err
     assert not (tmp_path / "r").exists()

@@ -38,7 +38,7 @@ def entry(monkeypatch, capsys):
     return run
 
 
-PLOTS = ("swiglu_train.memory.plots", "swiglu_train.bench.inference_plot")
+PLOTS = ("swiglu_train.memory.plots", "swiglu_train.bench.inference.plot")
 CASES = {
     "compare-memory": (("compare-memory", "run.csv", "--out", "{tmp}/m.png"), "matplotlib", PLOTS),
     "bench-memory --json": (

@@ -14,7 +14,10 @@ import pytest
 import torch
 from conftest import HAS_CUDA
 
-from swiglu_train.bench import fuzz, fuzz_cases, fuzz_pool, fuzz_reference
+from swiglu_train.bench.fuzz import cases as fuzz_cases
+from swiglu_train.bench.fuzz import pool as fuzz_pool
+from swiglu_train.bench.fuzz import reference as fuzz_reference
+from swiglu_train.bench.fuzz import run as fuzz
 from swiglu_train.layers import registry
 from swiglu_train.ops import normal_mlp
 from swiglu_train.ops.quack_mlp import quack_available

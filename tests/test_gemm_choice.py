@@ -10,7 +10,7 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from swiglu_train.bench import pretune
+from swiglu_train.bench.pretune import measure as pretune
 from swiglu_train.cli import app
 from swiglu_train.ops import gemm_choice
 

@@ -7,7 +7,7 @@ import textwrap
 
 import pytest
 
-from swiglu_train.bench.host_samples import sampled, top_frames
+from swiglu_train.bench.e2e.host_samples import sampled, top_frames
 
 RAW = textwrap.dedent(
     """\

@@ -6,8 +6,8 @@ import json
 import pytest
 from typer.testing import CliRunner
 
-from swiglu_train.bench import inference as bench
-from swiglu_train.bench import inference_dispatch as fit
+from swiglu_train.bench.inference import dispatch as fit
+from swiglu_train.bench.inference import run as bench
 from swiglu_train.cli import app
 
 

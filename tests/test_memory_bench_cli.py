@@ -5,7 +5,7 @@ from pathlib import Path
 
 from typer.testing import CliRunner
 
-from swiglu_train.bench import memory_stack
+from swiglu_train.bench.memory import stack as memory_stack
 from swiglu_train.cli import app
 
 

@@ -6,7 +6,7 @@ import itertools
 
 import pytest
 
-from swiglu_train.bench.memory_stack import plot
+from swiglu_train.bench.memory.stack import plot
 from swiglu_train.memory.plots import plot_comparison
 from swiglu_train.memory.runs import MemoryRun, layer_key
 

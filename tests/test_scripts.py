@@ -104,7 +104,7 @@ def test_summarize_runs_pairs_rounds_and_writes_both_files(tmp_path, monkeypatch
 def test_probe_result_records_where_and_how_it_was_measured(tmp_path, monkeypatch):
     import torch
 
-    from swiglu_train.bench.mlp import write_probe_result
+    from swiglu_train.bench.results import write_probe_result
 
     monkeypatch.setattr("sys.argv", ["probe.py", "--models", "7b", "--json", "out.json"])
     rows = [{"M": 1, "ratio": 1.5}]
@@ -124,7 +124,7 @@ def test_a_device_session_s_commit_wins_over_the_copied_tree_s_head(tmp_path, mo
     """The device copies the working tree with a .git that may be another commit's."""
     import torch
 
-    from swiglu_train.bench.mlp import write_probe_result
+    from swiglu_train.bench.results import write_probe_result
 
     monkeypatch.setenv("SWIGLU_TRAIN_COMMIT", "9e25753")
     result = write_probe_result(
@@ -167,7 +167,7 @@ def test_fp8_accuracy_script_measures_each_format_against_float64():
 
 
 def test_shape_probes_parse_their_shapes_and_extra_flags(monkeypatch):
-    from swiglu_train.bench.mlp import shape_probe_args
+    from swiglu_train.bench.results import shape_probe_args
 
     monkeypatch.setattr("torch.cuda.is_available", lambda: True)
     more = {"--variants": {"default": "normal,drop_h"}}
@@ -180,7 +180,7 @@ def test_shape_probes_parse_their_shapes_and_extra_flags(monkeypatch):
 
 
 def test_shape_probes_refuse_a_machine_without_cuda(monkeypatch):
-    from swiglu_train.bench.mlp import shape_probe_args
+    from swiglu_train.bench.results import shape_probe_args
 
     monkeypatch.setattr("torch.cuda.is_available", lambda: False)
     with pytest.raises(SystemExit, match="needs a CUDA GPU"):

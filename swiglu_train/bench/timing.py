@@ -29,6 +29,10 @@ TIMING_DEFINITION = (
     "that host latency before the first kernel is not counted; host = the host's time to queue "
     "the step; full = max(gpu, host), the step time a loop of such steps sustains"
 )
+PEAK_DEFINITION = (  # what memory_mib reads
+    "max allocated during fwd+bwd minus allocated before forward; "
+    "inputs, weights and grad_output preallocated, parameter grads reset to None"
+)
 QUEUE_MS = 10.0  # the spin kernel's first hold; it grows to twice any host time seen
 
 

@@ -1,6 +1,6 @@
 """``swiglu-train bench-crossover``: where each impl wins, by time and memory, over a grid of
-(M, D, F), and impl="auto"'s cost model fitted from it (logic in ``bench/crossover.py`` and
-``bench/auto_fit.py``)."""
+(M, D, F), and impl="auto"'s cost model fitted from it (logic in ``bench/grid/crossover.py`` and
+``layers/auto_fit.py``)."""
 
 from __future__ import annotations
 
@@ -51,15 +51,15 @@ def bench_crossover(
     file has the format bench-grid --auto-model writes; ship it as
     swiglu_train/layers/auto_<gpu family>.json.
     """
-    from swiglu_train.bench.auto_fit import fit_auto_model
-    from swiglu_train.bench.crossover import (
+    from swiglu_train.bench.grid.crossover import (
         CrossoverConfig,
         parse_m,
         parse_shapes,
         run_crossover,
         to_markdown,
     )
-    from swiglu_train.bench.mlp import DTYPES, git_commit
+    from swiglu_train.bench.results import DTYPES, git_commit
+    from swiglu_train.layers.auto_fit import fit_auto_model
 
     try:
         grid_m, grid_shapes = parse_m(m), parse_shapes(shapes)

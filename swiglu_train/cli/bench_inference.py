@@ -25,7 +25,7 @@ from swiglu_train.files import write_json_atomic
 
 
 def _inference_figure(result: dict) -> object:
-    from swiglu_train.bench.inference_plot import plot_inference
+    from swiglu_train.bench.inference.plot import plot_inference
 
     return plot_inference(result)
 
@@ -77,15 +77,15 @@ def bench_inference(
 
     Ship the --dispatch-table file as swiglu_train/ops/inference_dispatch_<gpu>.json.
     """
-    from swiglu_train.bench.inference import (
+    from swiglu_train.bench.inference.dispatch import dispatch_table, judge_table, merge_results
+    from swiglu_train.bench.inference.run import (
         InferenceBenchConfig,
         parse_model,
         run_inference_bench,
         to_markdown,
     )
-    from swiglu_train.bench.inference_dispatch import dispatch_table, judge_table, merge_results
-    from swiglu_train.bench.inference_variants import TABLES
-    from swiglu_train.bench.mlp import DTYPES
+    from swiglu_train.bench.inference.variants import TABLES
+    from swiglu_train.bench.results import DTYPES
 
     if more_merge and not merge:
         raise typer.BadParameter(f"unexpected arguments {[str(p) for p in more_merge]}")

@@ -1,5 +1,5 @@
 """``swiglu-train bench-memory``: the stack table, saved-for-backward bytes and after-forward and
-peak MiB per impl and depth (logic in ``bench/memory_stack.py``)."""
+peak MiB per impl and depth (logic in ``bench/memory/stack.py``)."""
 
 from __future__ import annotations
 
@@ -51,8 +51,8 @@ def bench_memory(
     """The stack table: saved-for-backward bytes, after-forward and peak MiB per impl and depth."""
     import torch
 
-    from swiglu_train.bench import memory_stack
-    from swiglu_train.bench.mlp import DTYPES, provenance
+    from swiglu_train.bench.memory import stack as memory_stack
+    from swiglu_train.bench.results import DTYPES, provenance
     from swiglu_train.layers import get_impl
     from swiglu_train.layers.registry import FP8_LABEL
 

@@ -1,5 +1,5 @@
 """``swiglu-train bench``: each MLP variant's fwd/bwd/full time and memory against the six-GEMM
-floor (logic in ``bench/mlp.py``)."""
+floor (logic in ``bench/mlp/run.py``)."""
 
 from __future__ import annotations
 
@@ -51,8 +51,9 @@ def bench(
     json_path: Annotated[Path | None, typer.Option("--json", help="write results here")] = None,
 ) -> None:
     """Time fwd/bwd/full and read memory for each MLP variant against the six-GEMM floor."""
-    from swiglu_train.bench.mlp import DTYPES, BenchConfig, run_bench, to_markdown
-    from swiglu_train.bench.variants import BUILDERS
+    from swiglu_train.bench.mlp.run import BenchConfig, run_bench, to_markdown
+    from swiglu_train.bench.mlp.variants import BUILDERS
+    from swiglu_train.bench.results import DTYPES
 
     names = [v for v in variants.split(",") if v]
     unknown = sorted(set(names) - set(BUILDERS))

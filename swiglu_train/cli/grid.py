@@ -1,5 +1,5 @@
 """``swiglu-train bench-grid``: every impl and peer at the MLP shapes of public models, in
-chunks that merge, with impl="auto" judged there (logic in ``bench/grid.py``)."""
+chunks that merge, with impl="auto" judged there (logic in ``bench/grid/run.py``)."""
 
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ from swiglu_train.files import write_json_atomic
 
 
 def _grid_figure(result: dict) -> object:
-    from swiglu_train.bench.grid_plot import plot_grid
+    from swiglu_train.bench.grid.plot import plot_grid
 
     return plot_grid(result)
 
@@ -103,13 +103,13 @@ def bench_grid(
     (or, with --auto-model, the one fitted here), and leave-one-family-out models fitted from
     the grid.
     """
-    from swiglu_train.bench.crossover import parse_m, parse_shapes
-    from swiglu_train.bench.grid import merge_results
-    from swiglu_train.bench.grid_models import MODELS, grid_shapes, select_models, shapes_for
-    from swiglu_train.bench.grid_plan import GRID_VARIANTS, GridConfig, parse_chunk
-    from swiglu_train.bench.grid_report import to_markdown
-    from swiglu_train.bench.mlp import DTYPES
-    from swiglu_train.bench.variants import BUILDERS
+    from swiglu_train.bench.grid.crossover import parse_m, parse_shapes
+    from swiglu_train.bench.grid.models import MODELS, grid_shapes, select_models, shapes_for
+    from swiglu_train.bench.grid.plan import GRID_VARIANTS, GridConfig, parse_chunk
+    from swiglu_train.bench.grid.report import to_markdown
+    from swiglu_train.bench.grid.run import merge_results
+    from swiglu_train.bench.mlp.variants import BUILDERS
+    from swiglu_train.bench.results import DTYPES
 
     if list_models:
         for model in MODELS:
@@ -190,8 +190,8 @@ def bench_grid(
 def _write_auto_model(result: dict, path: Path) -> None:
     """Fit auto's model from ``result``, write it, and judge it as the one to ship; a result
     it cannot be fitted from raises ValueError."""
-    from swiglu_train.bench.auto_fit import fit_auto_model
-    from swiglu_train.bench.grid_auto import evaluate_auto
+    from swiglu_train.bench.grid.auto import evaluate_auto
+    from swiglu_train.layers.auto_fit import fit_auto_model
     from swiglu_train.layers.auto_model import AutoModel
 
     fitted = fit_auto_model(result, invocation())
@@ -203,7 +203,7 @@ def _write_auto_model(result: dict, path: Path) -> None:
 def _run_grid(cfg, json_path: Path | None) -> dict:
     """Run the grid with progress bars and a line per point; the JSON is rewritten after every
     point, so a run stopped at a device call's limit keeps the points it finished."""
-    from swiglu_train.bench.grid import run_grid
+    from swiglu_train.bench.grid.run import run_grid
 
     total = len(cfg.points())
     warmed = 0

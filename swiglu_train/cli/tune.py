@@ -68,8 +68,8 @@ def pretune(
     and cache the faster: training then reads the choice and never times anything itself."""
     import torch
 
-    from swiglu_train.bench.pretune import planned
-    from swiglu_train.bench.pretune import pretune as measure
+    from swiglu_train.bench.pretune.measure import planned
+    from swiglu_train.bench.pretune.measure import pretune as measure
     from swiglu_train.ops.gemm_choice import IMPL_GEMMS, cache_path
     from swiglu_train.ops.quack_mlp import quack_unavailable_reason
 

@@ -1,6 +1,6 @@
 """The cost model ``impl="auto"`` reads: its file format, validation, and per-impl predictions.
 
-One file per GPU family (``auto_<family>.json``), fitted by ``swiglu_train.bench.auto_fit``
+One file per GPU family (``auto_<family>.json``), fitted by ``swiglu_train.layers.auto_fit``
 from a measured grid. Its terms, all in units a reader can check against the grid:
 
 - ``floor_tflops``: the six-GEMM floor's throughput, 18·M·D·F FLOPs over its step time, so the

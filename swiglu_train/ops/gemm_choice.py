@@ -3,9 +3,9 @@
 fc2 and grad_W2 (both quack impls), and grad_x and grad_W1 of ``save_factors_quack`` (whose
 fc1 is packed like its grad_preact), are plain products that quack and cuBLAS compute alike.
 Neither library wins everywhere, so the choice can be measured per shape, by
-``swiglu-train pretune`` before a run (``bench/pretune.py``), and cached on disk keyed by GPU,
-torch and quack versions, dtype and the GEMM's [m, k] @ [k, n] sizes. A shape the cache does
-not hold takes the default below: a training step never stalls to time anything.
+``swiglu-train pretune`` before a run (``bench/pretune/measure.py``), and cached on disk keyed
+by GPU, torch and quack versions, dtype and the GEMM's [m, k] @ [k, n] sizes. A shape the cache
+does not hold takes the default below: a training step never stalls to time anything.
 
 The defaults come from two probes of the model grid (12 public (D, F)). The first timed each
 library from an idle GPU over 36 shapes (M 4096, 8000, 16384;

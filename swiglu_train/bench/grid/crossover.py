@@ -1,9 +1,10 @@
 """The crossover table: where each impl wins, by time and by memory, over a grid of (M, D, F).
 
-Every point is one ParMLP layer (O = D) measured with the harness of ``bench/mlp.py``: paired
-samples in random order against the six-GEMM floor of the same shape, medians, allocator
-readings, GPU and host time per step. Winners are marked by the rule auto is judged by
-(``measured_rule``); ``auto_fit`` fits auto's cost model from the rows, as from the model grid's.
+Every point is one ParMLP layer (O = D) measured with the harness of ``bench/mlp/run.py``:
+paired samples in random order against the six-GEMM floor of the same shape, medians,
+allocator readings, GPU and host time per step. Winners are marked by the rule auto is judged
+by (``layers/auto_rule.py``); ``layers/auto_fit.py`` fits auto's cost model from the rows, as
+from the model grid's.
 """
 
 from __future__ import annotations
@@ -15,15 +16,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from swiglu_train.bench.measured_rule import TIE_TOLERANCE, ImplStats, measured_pick
-from swiglu_train.bench.mlp import (
-    PEAK_DEFINITION,
-    BenchConfig,
-    environment,
-    measure_layer,
-    one_layer_config,
-)
+from swiglu_train.bench.mlp.run import BenchConfig, measure_layer, one_layer_config
+from swiglu_train.bench.results import environment
+from swiglu_train.bench.timing import PEAK_DEFINITION
 from swiglu_train.layers.auto import gpu_family
+from swiglu_train.layers.auto_rule import TIE_TOLERANCE, ImplStats, measured_pick
 from swiglu_train.layers.registry import PORTABLE_IMPLS, QUACK_IMPLS
 from swiglu_train.ops.quack_mlp import quack_available
 
@@ -109,7 +106,7 @@ def point_rows(point: Point, measured: Sequence[dict]) -> list[dict]:
 
 def mark_winners(rows: list[dict]) -> None:
     """Flag, within one point, the fastest impl, the least after-forward memory, and the
-    measured rule's choice (``measured_rule``). Off CUDA there is no memory reading: nothing
+    measured rule's choice (``auto_rule``). Off CUDA there is no memory reading: nothing
     is least, and the rule's choice is the fastest."""
     fastest = min(rows, key=lambda r: r["ratio_to_floor"])["impl"]
     if all(r["after_forward_MiB"] is not None for r in rows):
@@ -158,7 +155,7 @@ def run_crossover(cfg: CrossoverConfig, progress: Progress) -> dict:
         "impls": list(cfg.impls),
         "peak_definition": PEAK_DEFINITION,
         "winner_rule": "fastest by median paired ratio to the floor; among impls within "
-        f"{TIE_TOLERANCE:.0%} of it, least after-forward memory (bench/measured_rule.py)",
+        f"{TIE_TOLERANCE:.0%} of it, least after-forward memory (layers/auto_rule.py)",
         "elapsed_s": round(time.perf_counter() - start, 1),
     }
     return {"meta": meta, "rows": rows, "skipped": skipped}

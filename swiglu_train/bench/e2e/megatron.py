@@ -13,9 +13,9 @@ import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
-from swiglu_train.bench.e2e import device_name, machine_id, next_rounds, rows, spread
-from swiglu_train.bench.host_samples import sampled, top_frames
-from swiglu_train.bench.mlp import git_commit
+from swiglu_train.bench.e2e.host_samples import sampled, top_frames
+from swiglu_train.bench.e2e.rounds import device_name, machine_id, next_rounds, rows, spread
+from swiglu_train.bench.results import git_commit
 
 
 def megatron_settings(names: list[str], recipe_args: list[str], warmup: int, steps: int) -> dict:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from swiglu_train.bench.grid import missing_points
+from swiglu_train.bench.grid.run import missing_points
 
 
 def to_markdown(result: dict) -> str:

@@ -25,8 +25,15 @@ from collections.abc import Callable
 
 import torch
 
-from swiglu_train.bench.e2e import device_name, machine_id, machines, next_rounds, parse_list, rows
-from swiglu_train.bench.mlp import git_commit
+from swiglu_train.bench.e2e.rounds import (
+    device_name,
+    machine_id,
+    machines,
+    next_rounds,
+    parse_list,
+    rows,
+)
+from swiglu_train.bench.results import git_commit
 from swiglu_train.integrations.lightning.config import PretrainConfig, load_config
 from swiglu_train.integrations.lightning.planner import Steps, measurer
 from swiglu_train.integrations.lightning.precision import resolve_precision

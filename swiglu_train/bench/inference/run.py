@@ -28,9 +28,9 @@ from dataclasses import asdict, dataclass
 import numpy as np
 import torch
 
-from swiglu_train.bench import inference_variants as iv
-from swiglu_train.bench.inference_dispatch import NEAR_TIE, fit_dispatch, judge_dispatch
-from swiglu_train.bench.mlp import DTYPES, git_commit
+from swiglu_train.bench.inference import variants as iv
+from swiglu_train.bench.inference.dispatch import NEAR_TIE, fit_dispatch, judge_dispatch
+from swiglu_train.bench.results import DTYPES, git_commit
 from swiglu_train.bench.timing import Case, Clock, paired_samples
 from swiglu_train.ops import inference
 

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from swiglu_train.bench.mlp import BenchConfig, available_cases, layer_inputs
+from swiglu_train.bench.mlp.run import BenchConfig, available_cases, layer_inputs
 from swiglu_train.bench.timing import Clock, run_once
 
 log = logging.getLogger(__name__)

@@ -5,8 +5,8 @@ from __future__ import annotations
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
-from swiglu_train.bench.e2e_lightning import best_per_impl
-from swiglu_train.bench.e2e_report import machine_labels
+from swiglu_train.bench.e2e.lightning import best_per_impl
+from swiglu_train.bench.e2e.report import machine_labels
 
 
 def plot_budgets(result: dict) -> Figure:

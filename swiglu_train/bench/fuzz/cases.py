@@ -1,4 +1,4 @@
-"""The cases of the random-shape fuzz (:mod:`swiglu_train.bench.fuzz`): drawing them, and
+"""The cases of the random-shape fuzz (:mod:`swiglu_train.bench.fuzz.run`): drawing them, and
 building the ParMLP and input each names.
 
 A case is one ParMLP call drawn at random: impl (``auto`` and the quack impls included where

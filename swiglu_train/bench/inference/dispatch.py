@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-from swiglu_train.bench import inference_variants as iv
+from swiglu_train.bench.inference import variants as iv
 from swiglu_train.ops import dispatch
 
 # Candidates within this of the fastest median are tied: at 0.5B's 8-16 us calls two runs put

@@ -12,7 +12,7 @@ from __future__ import annotations
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
-from swiglu_train.bench import inference_variants as iv
+from swiglu_train.bench.inference import variants as iv
 
 Y_MAX = 1.6
 TITLES = {"gated": "fc1 + SwiGLU", "mlp": "whole MLP"}

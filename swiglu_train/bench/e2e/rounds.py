@@ -1,6 +1,6 @@
-"""What the end-to-end harnesses share (scripts/bench_e2e.py; the Lightning one in e2e_lightning,
-the Megatron one in e2e_megatron): their rounds, a figure's spread over rounds, one row per
-configuration, adding rounds to an earlier run, and writing the outputs."""
+"""What the end-to-end harnesses share (benchmarks/bench_e2e.py; the Lightning one in
+``lightning``, the Megatron one in ``megatron``): their rounds, a figure's spread over rounds,
+one row per configuration, adding rounds to an earlier run, and writing the outputs."""
 
 from __future__ import annotations
 

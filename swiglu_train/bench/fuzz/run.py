@@ -1,7 +1,7 @@
 """A random-shape fuzz of every ParMLP impl against the float64 eager MLP.
 
-Each case (:mod:`swiglu_train.bench.fuzz_cases`) is checked against the eager MLP in float64
-on the same device (:mod:`swiglu_train.bench.fuzz_reference`): y, and in grad mode the grads
+Each case (:mod:`swiglu_train.bench.fuzz.cases`) is checked against the eager MLP in float64
+on the same device (:mod:`swiglu_train.bench.fuzz.reference`): y, and in grad mode the grads
 of x and of every parameter, within a tolerance per dtype, relative to each value's norm or,
 where its sums cancel, to the rounding noise they carry; an impl whose kernels cannot take
 the case (quack: fp32, or a size that is no multiple of 8) must refuse it with its own error,
@@ -14,9 +14,9 @@ values: where that is as far off (within ``PLATFORM_SLACK``), the case is ``plat
 GEMM library's error and not the impl's, counted and listed apart from failures. The H200 fuzz
 found one (benchmarks/results/gemm/cublas_fp16_k_tail_h200.txt).
 
-A failing case replays alone from its JSON (``scripts/fuzz_gpu.py --repro``).
-``scripts/fuzz_gpu.py`` runs a thousand on the GPU, in worker processes
-(:mod:`swiglu_train.bench.fuzz_pool`); the test suite runs a fixed-seed few on the CPU, in the
+A failing case replays alone from its JSON (``benchmarks/fuzz_gpu.py --repro``).
+``benchmarks/fuzz_gpu.py`` runs a thousand on the GPU, in worker processes
+(:mod:`swiglu_train.bench.fuzz.pool`); the test suite runs a fixed-seed few on the CPU, in the
 Triton interpreter.
 """
 
@@ -29,8 +29,8 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from swiglu_train.bench.fuzz_cases import DTYPES, Case, build, make_input
-from swiglu_train.bench.fuzz_reference import eager_errors, reference_outputs, rel_err
+from swiglu_train.bench.fuzz.cases import DTYPES, Case, build, make_input
+from swiglu_train.bench.fuzz.reference import eager_errors, reference_outputs, rel_err
 from swiglu_train.layers import ParMLP
 from swiglu_train.layers.registry import AUTO, QUACK_IMPLS
 from swiglu_train.memory import SavedTensorCounter

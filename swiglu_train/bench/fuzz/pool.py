@@ -1,4 +1,4 @@
-"""Run fuzz cases (:mod:`swiglu_train.bench.fuzz`) in spawned worker processes.
+"""Run fuzz cases (:mod:`swiglu_train.bench.fuzz.run`) in spawned worker processes.
 
 One process on the H200 ran ~0.7 cases/s, its time mostly in Triton and quack JIT compiles,
 which are CPU-bound; workers overlap them. Cases are submitted in case order, at most one per
@@ -20,9 +20,9 @@ from concurrent.futures.process import BrokenProcessPool
 
 import torch
 
-from swiglu_train.bench import fuzz
-from swiglu_train.bench.fuzz import Outcome
-from swiglu_train.bench.fuzz_cases import Case
+from swiglu_train.bench.fuzz import run as fuzz
+from swiglu_train.bench.fuzz.cases import Case
+from swiglu_train.bench.fuzz.run import Outcome
 
 
 def quick_autotune() -> int:

@@ -1,14 +1,14 @@
 """The model-grid benchmark: the paired MLP harness over the MLP shapes of public models.
 
 At each point (M, D, F), one layer (O = D) of every impl and peer runs against the six-GEMM
-floor of the same shape with ``bench/mlp.py``'s ``measure_layer`` (paired samples in random
+floor of the same shape with ``bench/mlp/run.py``'s ``measure_layer`` (paired samples in random
 order, medians, allocator readings), and ``impl="auto"``'s pick there is recorded: the impl
 ``ParMLP(impl="auto", tokens_hint=M)`` resolves to on this GPU. With ``prewarm_workers``, the
-points are first compiled in that many worker processes (``grid_prewarm``). The quack impls'
+points are first compiled in that many worker processes (``prewarm``). The quack impls'
 GEMMs run on their default libraries, or, with ``pretune``, on what pretune measured at each
-point just before (``grid_pretune``); either way from a cache of the grid's own. A grid too long
-for one device call runs in chunks (``grid_plan``) that ``merge_results`` joins;
-``grid_auto`` judges auto's picks on the whole, and ``auto_fit`` fits auto's model from it.
+point just before (``grid/pretune.py``); either way from a cache of the grid's own. A grid too
+long for one device call runs in chunks (``plan``) that ``merge_results`` joins; ``auto``
+judges auto's picks on the whole, and ``layers/auto_fit.py`` fits auto's model from it.
 """
 
 from __future__ import annotations
@@ -20,9 +20,9 @@ from collections.abc import Callable, Mapping, Sequence
 
 import torch
 
-from swiglu_train.bench.grid_auto import evaluate_auto
-from swiglu_train.bench.grid_plan import Dims, GridConfig, GridPoint
-from swiglu_train.bench.grid_pretune import (
+from swiglu_train.bench.grid.auto import evaluate_auto
+from swiglu_train.bench.grid.plan import Dims, GridConfig, GridPoint
+from swiglu_train.bench.grid.pretune import (
     DEFAULTS,
     PRETUNED,
     pretune_point,
@@ -30,8 +30,10 @@ from swiglu_train.bench.grid_pretune import (
     warm_point_and_gemms,
     why_not,
 )
-from swiglu_train.bench.grid_prewarm import Warmed, prewarm, release, warm_point
-from swiglu_train.bench.mlp import DTYPES, PEAK_DEFINITION, environment, measure_layer
+from swiglu_train.bench.grid.prewarm import Warmed, prewarm, release, warm_point
+from swiglu_train.bench.mlp.run import measure_layer
+from swiglu_train.bench.results import DTYPES, environment
+from swiglu_train.bench.timing import PEAK_DEFINITION
 from swiglu_train.layers.auto import gpu_family, model_filename, packaged_model, resolve_auto
 from swiglu_train.ops.quack_mlp import quack_available
 

@@ -1,4 +1,4 @@
-"""What a fuzz case's outputs are checked against (:mod:`swiglu_train.bench.fuzz`).
+"""What a fuzz case's outputs are checked against (:mod:`swiglu_train.bench.fuzz.run`).
 
 The expected values are the eager MLP's in float64 on the same values, each with the norm its
 error is measured against: the value's own, or where its sums cancel, the rounding noise they

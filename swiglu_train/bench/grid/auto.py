@@ -23,10 +23,10 @@ from __future__ import annotations
 
 from collections.abc import Callable, Collection, Mapping, Sequence
 
-from swiglu_train.bench.auto_fit import fit_auto_model
-from swiglu_train.bench.measured_rule import TIE_TOLERANCE, ImplStats, measured_pick
 from swiglu_train.layers.auto import PREDICTED_TIE, model_filename, packaged_model, resolve
+from swiglu_train.layers.auto_fit import fit_auto_model
 from swiglu_train.layers.auto_model import AutoModel
+from swiglu_train.layers.auto_rule import TIE_TOLERANCE, ImplStats, measured_pick
 from swiglu_train.layers.registry import MLP_IMPLS, PORTABLE_IMPLS
 
 Dims = tuple[int, int, int]  # (M, D, F)

@@ -1,0 +1,1 @@
+"""``swiglu-train bench-grid`` and ``bench-crossover``: the layer over many shapes, for auto."""

@@ -1,0 +1,1 @@
+"""``swiglu-train bench-inference``: the no-grad paths by M, and the dispatch table they fit."""

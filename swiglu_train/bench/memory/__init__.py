@@ -1,0 +1,1 @@
+"""``swiglu-train bench-memory``: stacks of ParMLP layers through the memory profiler."""

@@ -1,0 +1,1 @@
+"""``swiglu-train bench``: one MLP layer per variant, paired against the six-GEMM floor."""

@@ -1,0 +1,1 @@
+"""``swiglu-train pretune``: each quack GEMM's fastest library at a model's shapes, cached."""

@@ -1,0 +1,98 @@
+"""What the bench commands and the lab's scripts share besides the clock (``timing``): the
+dtypes they take by name, and where a result was measured (commit, device, package versions),
+written into every result file beside its rows."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import importlib.metadata
+import os
+import shlex
+import subprocess
+import sys
+from collections.abc import Callable, Sequence
+
+import torch
+
+from swiglu_train.bench.timing import TIMING_DEFINITION
+from swiglu_train.files import atomic_write, write_json_atomic
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+PEERS = {"liger": "liger-kernel", "fla": "fla-core", "quack": "quack-kernels"}
+
+
+def provenance(device: torch.device, commit: str | None) -> dict:
+    """Where and when a result was measured: date, device name, package versions, commit."""
+    versions = {"torch": torch.__version__}
+    for pkg in ("triton", *PEERS.values()):
+        with contextlib.suppress(importlib.metadata.PackageNotFoundError):
+            versions[pkg] = importlib.metadata.version(pkg)
+    return {
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "versions": versions,
+        "commit": commit or git_commit(),
+    }
+
+
+def environment(device: torch.device, commit: str | None) -> dict:
+    """A timed result's provenance, with what its times mean."""
+    return provenance(device, commit) | {"timing": TIMING_DEFINITION}
+
+
+def shape_probe_args(
+    doc: str, default_shapes: Sequence[str], argv: Sequence[str] | None = None, **more: dict
+) -> tuple[argparse.Namespace, list[tuple[int, ...]]]:
+    """The arguments of a per-shape GPU probe script (--shapes "M,D,F" ..., --samples, --seed,
+    --out, and ``more``: flag -> add_argument keywords), parsed, with the shapes as integer
+    tuples; exits with an error on a machine without CUDA."""
+    parser = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    parser.add_argument("--shapes", nargs="+", default=list(default_shapes))
+    for flag, options in more.items():
+        parser.add_argument(flag, **options)
+    parser.add_argument("--samples", type=int, default=30)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("error: this probe needs a CUDA GPU")
+    return args, [tuple(int(v) for v in s.split(",")) for s in args.shapes]
+
+
+def write_probe_result(
+    script: str,
+    rows: list[dict],
+    samples: int,
+    commit: str | None,
+    json_path: str,
+    md_path: str | None = None,
+    to_markdown: Callable[[dict], str] | None = None,
+    device: torch.device = torch.device("cuda"),  # noqa: B008 (a constant, never mutated)
+) -> dict:
+    """A GPU probe script's result: its rows with the GPU, commit, exact command and
+    environment, written atomically as JSON (and as markdown when asked)."""
+    env = environment(device, commit)
+    command = f"python {script} " + shlex.join(sys.argv[1:])
+    result = {"gpu": env["device_name"], "commit": env["commit"], "command": command}
+    result |= {"environment": env, "samples": samples, "rows": rows}
+    write_json_atomic(json_path, result)
+    if md_path and to_markdown is not None:
+        with atomic_write(md_path) as fh:
+            fh.write(to_markdown(result))
+    return result
+
+
+def git_commit() -> str | None:
+    """The commit measured: $SWIGLU_TRAIN_COMMIT where a device session names the tree it
+    copied (a copied tree's own .git may be another commit's), else git's HEAD."""
+    if os.environ.get("SWIGLU_TRAIN_COMMIT"):
+        return os.environ["SWIGLU_TRAIN_COMMIT"]
+    try:
+        out = subprocess.run(
+            ["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True
+        )
+    except (OSError, subprocess.CalledProcessError):
+        return None
+    return out.stdout.strip()
