@@ -148,7 +148,7 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def _reason(e: BaseException) -> str:
-    kind = "not installed" if isinstance(e, ImportError) else "failed"
+    kind = "not installed" if isinstance(e, ModuleNotFoundError) else "failed"
     return f"{kind}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}".rstrip(": ")
 
 
