@@ -148,7 +148,10 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def _reason(e: BaseException) -> str:
-    kind = "not installed" if isinstance(e, ModuleNotFoundError) else "failed"
+    """One line: "not installed" where a package itself is missing, else "failed" (a module
+    missing inside a package, as SonicMoE's from quack 0.6.5, is a version clash)."""
+    missing = isinstance(e, ModuleNotFoundError) and "." not in (e.name or ".")
+    kind = "not installed" if missing else "failed"
     return f"{kind}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}".rstrip(": ")
 
 
