@@ -164,24 +164,3 @@ def test_fp8_accuracy_script_measures_each_format_against_float64():
     outliers = {r["format"]: r for r in rows}
     for key in ("grad_x", "grad_W1", "grad_W2"):
         assert outliers["int8"][key] > 2 * outliers["fp8"][key], key
-
-
-def test_shape_probes_parse_their_shapes_and_extra_flags(monkeypatch):
-    from swiglu_train.bench.results import shape_probe_args
-
-    monkeypatch.setattr("torch.cuda.is_available", lambda: True)
-    more = {"--variants": {"default": "normal,drop_h"}}
-    argv = ["--shapes", "8000,4096,14336", "2048,896,4864", "--samples", "40", "--out", "o.json"]
-    args, shapes = shape_probe_args("Doc line.\n\nMore.", ["1,2,3"], argv, **more)
-    assert shapes == [(8000, 4096, 14336), (2048, 896, 4864)]
-    assert (args.samples, args.seed, args.out, args.variants) == (40, 0, "o.json", "normal,drop_h")
-    args, shapes = shape_probe_args("Doc.", ["1,2,3"], ["--out", "o.json"])
-    assert shapes == [(1, 2, 3)] and args.samples == 30
-
-
-def test_shape_probes_refuse_a_machine_without_cuda(monkeypatch):
-    from swiglu_train.bench.results import shape_probe_args
-
-    monkeypatch.setattr("torch.cuda.is_available", lambda: False)
-    with pytest.raises(SystemExit, match="needs a CUDA GPU"):
-        shape_probe_args("Doc.", ["1,2,3"], ["--out", "o.json"])

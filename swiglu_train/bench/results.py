@@ -4,7 +4,6 @@ written into every result file beside its rows."""
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import datetime
 import importlib.metadata
@@ -12,7 +11,7 @@ import os
 import shlex
 import subprocess
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 
 import torch
 
@@ -40,25 +39,6 @@ def provenance(device: torch.device, commit: str | None) -> dict:
 def environment(device: torch.device, commit: str | None) -> dict:
     """A timed result's provenance, with what its times mean."""
     return provenance(device, commit) | {"timing": TIMING_DEFINITION}
-
-
-def shape_probe_args(
-    doc: str, default_shapes: Sequence[str], argv: Sequence[str] | None = None, **more: dict
-) -> tuple[argparse.Namespace, list[tuple[int, ...]]]:
-    """The arguments of a per-shape GPU probe script (--shapes "M,D,F" ..., --samples, --seed,
-    --out, and ``more``: flag -> add_argument keywords), parsed, with the shapes as integer
-    tuples; exits with an error on a machine without CUDA."""
-    parser = argparse.ArgumentParser(description=doc.split("\n\n")[0])
-    parser.add_argument("--shapes", nargs="+", default=list(default_shapes))
-    for flag, options in more.items():
-        parser.add_argument(flag, **options)
-    parser.add_argument("--samples", type=int, default=30)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", required=True)
-    args = parser.parse_args(argv)
-    if not torch.cuda.is_available():
-        raise SystemExit("error: this probe needs a CUDA GPU")
-    return args, [tuple(int(v) for v in s.split(",")) for s in args.shapes]
 
 
 def write_probe_result(
