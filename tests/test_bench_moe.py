@@ -205,3 +205,25 @@ def test_the_report_reads_a_cuda_result_and_merge_refuses_another_gpu():
     assert isinstance(plot_moe(result), Figure)
     with pytest.raises(ValueError, match="device_name"):
         merge_results([result, _result("NVIDIA H200")])
+
+
+def test_merging_a_merged_result_keeps_each_row_s_run():
+    runs = []
+    for variant in ("drop_h", "sonicmoe", "liger"):
+        result = _result()
+        result["meta"] |= {"variants": [variant], "command": f"run {variant}"}
+        result["rows"][1]["variant"] = variant
+        runs.append(result)
+    merged = merge_results([merge_results(runs[:2]), runs[2]])
+    assert [(r["variant"], r["run"]) for r in merged["rows"]] == [
+        ("floor", 0),
+        ("drop_h", 0),
+        ("sonicmoe", 1),
+        ("liger", 2),
+    ]
+    assert [run["command"] for run in merged["meta"]["runs"]] == [
+        "run drop_h",
+        "run sonicmoe",
+        "run liger",
+    ]
+    assert merged["meta"]["variants"] == ["drop_h", "sonicmoe", "liger"]

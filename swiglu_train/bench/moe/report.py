@@ -22,20 +22,25 @@ def merge_results(results: Sequence[dict]) -> dict:
     first = merged["meta"]
     first["runs"] = []
     merged["rows"], merged["skipped"] = [], []
-    for index, other in enumerate(results):
+    for other in results:
         meta = other["meta"]
         for key in ("device_name", "dtype", "tokens"):
             if meta[key] != first[key]:
                 raise ValueError(f"cannot merge runs with {key} {first[key]!r} and {meta[key]!r}")
-        first["runs"].append({key: meta.get(key) for key in PROVENANCE})
+        base = len(first["runs"])  # a merged result brings its runs, its rows naming theirs
+        first["runs"] += meta.get("runs") or [{key: meta.get(key) for key in PROVENANCE}]
         have, points = _measured(merged), {_point(p) for p in merged["points"]}
         merged["points"] += [p for p in other["points"] if _point(p) not in points]
-        merged["rows"] += [r | {"run": index} for r in other["rows"] if _key(r) not in have]
-        merged["skipped"] += [s | {"run": index} for s in other["skipped"]]
+        merged["rows"] += [_run(r, base) for r in other["rows"] if _key(r) not in have]
+        merged["skipped"] += [_run(s, base) for s in other["skipped"]]
     measured = _measured(merged)
     merged["skipped"] = [s for s in merged["skipped"] if _key(s) not in measured]
     first["variants"] = list(dict.fromkeys(v for run in first["runs"] for v in run["variants"]))
     return merged
+
+
+def _run(entry: dict, base: int) -> dict:
+    return entry | {"run": base + entry.get("run", 0)}
 
 
 def _point(point: dict) -> tuple[str, str]:
