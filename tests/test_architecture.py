@@ -10,7 +10,7 @@ import machinery, not from the reader who has to hold both files in mind.
 from __future__ import annotations
 
 import ast
-import sys
+import functools
 from collections import defaultdict
 from collections.abc import Iterable
 from pathlib import Path
@@ -44,14 +44,13 @@ FLOORS = ("helpers", "kernels", "ops", "layers", "packing, memory", "integration
           "bench, cli", "the package's face")  # fmt: skip
 
 
+@functools.cache
 def module_files() -> dict[str, Path]:
     """Every module of the package by dotted name (a package by its ``__init__``'s)."""
     files = {}
     for path in sorted((ROOT / PACKAGE).rglob("*.py")):
         parts = path.relative_to(ROOT).with_suffix("").parts
-        if parts[-1] == "__init__" and len(parts) > 1 + (parts[0] != PACKAGE):
-            parts = parts[:-1]
-        files[".".join(parts)] = path
+        files[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
     return files
 
 
@@ -69,6 +68,7 @@ def _imported(node: ast.AST, module: str, is_package: bool) -> Iterable[str]:
         yield from (f"{base}.{alias.name}" for alias in node.names)
 
 
+@functools.cache
 def import_graph() -> dict[str, set[str]]:
     """module -> the package's modules it imports, anywhere in its body. ``from a import b``
     points at ``a.b`` where that is a module, else at ``a``."""
@@ -76,16 +76,14 @@ def import_graph() -> dict[str, set[str]]:
     graph: dict[str, set[str]] = {}
     for module, path in files.items():
         is_package = path.name == "__init__.py"
-        targets = set()
+        targets: set[str] = set()
         for node in ast.walk(ast.parse(path.read_text(), str(path))):
             names = list(_imported(node, module, is_package))
             if isinstance(node, ast.ImportFrom):
                 base, members = names[0], [n for n in names[1:] if n in files]
                 names = members or [base]
-            targets.update(_owner(name, files) for name in names)
-        targets.discard(None)
-        targets.discard(module)
-        graph[module] = targets  # type: ignore[assignment]
+            targets.update(owner for name in names if (owner := _owner(name, files)))
+        graph[module] = targets - {module}
     return graph
 
 
@@ -196,11 +194,20 @@ def test_every_top_level_name_has_a_floor():
     assert tops <= set(RANKS), f"give {sorted(tops - set(RANKS))} a floor in RANKS"
 
 
+def test_each_bench_room_says_what_it_serves():
+    """bench/ is split by what a user runs: each sub-package names its command on its face."""
+    rooms = [p for p in (ROOT / PACKAGE / "bench").iterdir() if p.is_dir() and p.name[0] != "_"]
+    for path in rooms:
+        init = path / "__init__.py"
+        doc = ast.get_docstring(ast.parse(init.read_text())) if init.exists() else None
+        assert doc and doc.startswith(("``swiglu-train ", "``benchmarks/")), init
+
+
 def test_the_drawing_in_the_docs_is_the_code_s():
     assert documented_drawing() == drawing(), "run: python tests/test_architecture.py"
 
 
-def test_the_graph_sees_lazy_and_relative_imports(tmp_path):
+def test_the_graph_sees_lazy_and_relative_imports():
     """The reader itself: an import inside a function counts, and so does a relative one."""
     tree = ast.parse("def f():\n    from .b import c\n    import swiglu_train.ops\n")
     names = [n for node in ast.walk(tree) for n in _imported(node, "swiglu_train.x.a", False)]
@@ -213,4 +220,3 @@ if __name__ == "__main__":
     text = DOC.read_text()
     start, stop = text.index(BEGIN) + len(BEGIN), text.index(END)
     DOC.write_text(f"{text[:start]}\n```text\n{drawing()}\n```\n{text[stop:]}")
-    sys.exit(0)

@@ -1,1 +1,1 @@
-"""What the ``bench*`` and ``pretune`` commands run, one sub-package each, on a shared clock."""
+"""What the bench commands, pretune and the lab's harnesses run: a sub-package each."""
