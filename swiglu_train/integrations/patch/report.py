@@ -13,7 +13,9 @@ class Replaced:
     library: str
     impl: str  # the concrete impl (what "auto" resolved to)
     auto_reason: str | None  # why auto chose it; None for a named impl
-    shape: tuple[int, int, int]  # (D, F, O): hidden, ffn and output size
+    shape: tuple[int, int, int]  # (D, F, O): hidden, ffn and output size (per expert)
+    num_experts: int | None = None  # routed experts (a ParExperts); None for a dense MLP
+    note: str | None = None  # why routed experts run another impl than the one asked for
 
 
 @dataclass(frozen=True)
@@ -32,7 +34,7 @@ class PatchReport:
 
     @property
     def impls(self) -> Counter[str]:
-        """How many MLPs got each impl."""
+        """How many MLPs (dense or routed experts) got each impl."""
         return Counter(r.impl for r in self.replaced)
 
     def summary(self) -> str:
@@ -41,7 +43,9 @@ class PatchReport:
         lines = [f"swiglu_train.patch: replaced {len(self.replaced)} MLP(s), left {len(self.left)}"]
         groups: dict[tuple, list[str]] = {}
         for r in self.replaced:
-            key = ("replaced", r.library, r.host_class, r.impl, r.auto_reason)
+            why = r.note or (f"auto: {r.auto_reason}" if r.auto_reason else None)
+            impl = r.impl if r.num_experts is None else f"{r.num_experts} experts {r.impl}"
+            key = ("replaced", r.library, r.host_class, impl, why)
             groups.setdefault(key, []).append(r.name)
         for entry in self.left:
             groups.setdefault(("left", entry.host_class, entry.reason), []).append(entry.name)
@@ -49,8 +53,8 @@ class PatchReport:
             where = names[0] + (f" and {len(names) - 1} more" if len(names) > 1 else "")
             if key[0] == "replaced":
                 _, library, cls, impl, why = key
-                auto = f" (auto: {why})" if why else ""
-                lines.append(f"  replaced {len(names)} x {library} {cls} -> {impl}{auto}: {where}")
+                why = f" ({why})" if why else ""
+                lines.append(f"  replaced {len(names)} x {library} {cls} -> {impl}{why}: {where}")
             else:
                 _, cls, reason = key
                 lines.append(f"  left {len(names)} x {cls}: {reason}: {where}")
