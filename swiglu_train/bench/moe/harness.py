@@ -155,13 +155,18 @@ def _reason(e: BaseException) -> str:
     return f"{kind}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}".rstrip(": ")
 
 
-def release(device: torch.device) -> None:
-    """Free what a failed variant or a finished point held, and compiled graphs: each point
-    compiles its own static shapes (dynamo would fall back to eager past its recompile limit)."""
-    torch._dynamo.reset()
+def free(device: torch.device) -> None:
+    """Give back what a failed variant held, so the point's other variants have it."""
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
+
+
+def release(device: torch.device) -> None:
+    """Free a finished point and its compiled graphs: each point compiles its own static
+    shapes (dynamo would fall back to eager past its recompile limit)."""
+    torch._dynamo.reset()
+    free(device)
 
 
 def measure_point(
@@ -205,8 +210,9 @@ def measure_point(
             cases.append(case)
         except Exception as e:  # a peer that cannot run is recorded, not allowed to sink the run
             skipped[name] = _reason(e)
+        if name in skipped:  # its tensors go back once the traceback holding them is gone
             variant = case = None
-            release(device)
+            free(device)
         tick()
     del reference
     floor = floor_case(inputs.x, inputs.indices, inputs.weights.fc1, inputs.weights.fc2,
