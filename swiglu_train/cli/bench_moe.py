@@ -118,24 +118,23 @@ def _run(cfg: MoEConfig, out: Path | None) -> dict:
     """The run with progress bars and a line per point; the JSON rewritten after each."""
     from swiglu_train.bench.moe.harness import run_moe
 
-    total, began = len(cfg.points()), time.perf_counter()
+    points, began = cfg.points(), time.perf_counter()
+    done = 0
 
     def on_point(result: dict) -> None:
-        done = len({(s["model"], s["routing"]) for s in result["skipped"]} | _points(result))
-        last = result["points"][-1] if result["points"] else None
-        if last is not None:
-            ratios = ", ".join(
-                f"{r['variant']} {r['full_over_floor']:.2f}"
-                for r in result["rows"]
-                if (r["model"], r["routing"]) == (last["model"], last["routing"])
-                and r["variant"] != "floor"
-            )
-            elapsed = time.perf_counter() - began
-            console.print(
-                f"[{done}/{total}] {last['model']} {last['routing']} ({elapsed:.0f} s): "
-                f"step ÷ floor {ratios}",
-                markup=False,
-            )
+        nonlocal done
+        shape, routing = points[done]
+        done += 1
+        ratios = ", ".join(
+            f"{r['variant']} {r['full_over_floor']:.2f}"
+            for r in result["rows"]
+            if (r["model"], r["routing"]) == (shape.name, routing) and r["variant"] != "floor"
+        )
+        console.print(
+            f"[{done}/{len(points)}] {shape.name} {routing} ({time.perf_counter() - began:.0f} s): "
+            + (f"step ÷ floor {ratios}" if ratios else "nothing measured (see the skips)"),
+            markup=False,
+        )
         if out is not None:
             write_json_atomic(out, result)
 
@@ -145,10 +144,6 @@ def _run(cfg: MoEConfig, out: Path | None) -> dict:
         console.print(f"[yellow]skipped {s['model']} {s['routing']} {s['variant']}: "
                       f"{escape(s['reason'])}")  # fmt: skip
     return result
-
-
-def _points(result: dict) -> set[tuple[str, str]]:
-    return {(p["model"], p["routing"]) for p in result["points"]}
 
 
 def _has_matplotlib() -> bool:

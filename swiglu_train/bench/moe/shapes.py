@@ -82,4 +82,4 @@ def parse_shapes(value: str) -> tuple[MoEShape, ...]:
         shapes.append(listed[0] if listed else MoEShape(f"{d}x{f}-e{e}k{k}", "", d, f, e, k))
     if not shapes:
         raise ValueError("--shapes: no shapes given")
-    return tuple(shapes)
+    return tuple(dict.fromkeys(shapes))  # a shape given twice is one point
