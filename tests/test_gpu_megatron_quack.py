@@ -1,7 +1,7 @@
 """The Megatron adapter running the quack impls on CUDA: the same function and grads as drop_h.
 
 Needs a GPU with quack and megatron-core together (carry .whl, .whlx and .whlm: see
-scripts/fetch_device_wheels.sh). A world of one NCCL rank at TP=1, so Megatron's real CUDA
+python3 scripts/device.py wheels). A world of one NCCL rank at TP=1, so Megatron's real CUDA
 paths run, not the CPU shims of megatron_support.
 """
 

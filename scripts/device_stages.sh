@@ -1,0 +1,406 @@
+#!/usr/bin/env bash
+# The GPU box's stages, one bash function each, run by `python3 scripts/device.py stage NAME`
+# (which lists them from the `## NAME: help` lines). Each runs in the repository root under
+# `set -uo pipefail` with $COMMIT (the commit results name), $RES (this call's results folder),
+# $SCRATCH (run folders) and $QUACK (the quack impls, where quack runs here) set; variables in
+# the help lines pick subsets. Work that adds up across calls of one commit is kept in
+# /tmp/gpu-KIND-$COMMIT (a machine's /tmp lasts while it stays warm). Output names keep the
+# `_h200` tag the committed results carry.
+
+# A step of the recipe's CPU-sized default model is launch-bound on an H200 (30 ms): time a
+# model whose GEMMs dominate instead.
+MEGATRON_GPU="--num-layers 8 --hidden-size 2048 --ffn-hidden-size 5632 --seq-length 2048 --micro-batch-size 8"
+# A model where TP matters. Selective recompute drops the local spec's unfused attention scores
+# (1 GiB a layer at s = 4096), which would crowd TP=1 out; the MLPs' saved tensors are untouched.
+SCALE4_MODEL=${SCALE4_MODEL:-"--num-layers 16 --hidden-size 4096 --ffn-hidden-size 14336 --num-attention-heads 32 --seq-length 4096 --micro-batch-size 1 --recompute-granularity selective"}
+FP8_QUACK=$([ -n "$QUACK" ] && echo drop_h_quack+fp8)
+prior_e2e() {  # DIR NAME: an earlier call's rounds ($E2E_PRIOR/NAME, carried) to --append to
+  [ -n "${E2E_PRIOR:-}" ] && [ -f "$E2E_PRIOR/$2" ] && [ ! -f "$1/$2" ] && cp "$E2E_PRIOR/$2" "$1/"
+  return 0
+}
+scale4_run() {  # IMPL LAYOUT ARGS...: every layout at a global batch of 2 sequences
+  local impl=$1 layout=$2 n par; shift 2
+  case $layout in
+    tp1) n=1 par="--tp 1 --num-microbatches 2" ;;
+    tp4) n=4 par="--tp 4 --num-microbatches 2" ;;
+    tp2dp2) n=4 par="--tp 2 --dp 2 --num-microbatches 1" ;;
+  esac
+  torchrun --nproc-per-node "$n" recipes/pretrain_megatron.py --mlp-impl "$impl" $par \
+    $SCALE4_MODEL --output-dir "$SCRATCH/megatron-scale4" "$@"
+}
+reshard() {  # DIR EXTRA SRC_IMPL:TP TARGET_IMPL:TP...: save at step 3, resume by each target
+  local dir=$1 extra=$2 src=$3 run; shift 3
+  run="recipes/pretrain_megatron.py --max-steps 6 --output-dir $SCRATCH/megatron-runs $extra"
+  local impl=${src%:*} tp=${src#*:}
+  torchrun --nproc-per-node "$tp" $run --tp "$tp" --mlp-impl "$impl" \
+    --save "$SCRATCH/mck-$impl-$tp" --save-interval 3 > "$dir/reshard_${impl}_tp${tp}_full.log" 2>&1
+  for target in "$@"; do
+    local t_impl=${target%:*} t_tp=${target#*:}
+    local log="$dir/reshard_${t_impl}_tp${t_tp}_from_${impl}_tp$tp.log"
+    torchrun --nproc-per-node "$t_tp" $run --tp "$t_tp" --mlp-impl "$t_impl" \
+      --load "$SCRATCH/mck-$impl-$tp/iter_0000003" > "$log" 2>&1
+    python3 benchmarks/resume_check.py "$dir/reshard_${impl}_tp${tp}_full.log" "$log" \
+      "$impl TP$tp -> $t_impl TP$t_tp" --out "$RES/resume_checks.jsonl"
+  done
+}
+
+# e2e_1b / e2e_3b: rounds add up across calls (--append): where 3 rounds overrun a call,
+# E2E_ROUNDS=1 E2E_PLANNER=0 twice, then E2E_ROUNDS=1. At 3B the planner alone takes ~6 min at 2
+# budgets with 5 impls: E2E_BUDGETS=auto:2 there. The JSON is written after every point.
+e2e_lightning() {  # SIZE GRID MICRO_BATCH
+  local size=$1 grid=$2 mbs=$3
+  local E2E=/tmp/gpu-e2e-$COMMIT name=e2e_${size}_h200 && mkdir -p "$E2E" "$RES/e2e"
+  prior_e2e "$E2E" $name.json
+  python3 benchmarks/bench_e2e.py lightning --config "$size" --seq-length 4096 \
+    --micro-batch-size "$mbs" --global-batch-size "${E2E_GBS:-32}" \
+    --impls "${E2E_IMPLS:-$(echo normal drop_h $QUACK drop_h+fp8 | tr ' ' ',')}" \
+    --checkpoint-layers "$grid" --rounds "${E2E_ROUNDS:-3}" --budgets-gb "${E2E_BUDGETS:-auto:4}" \
+    $([ "${E2E_PLANNER:-1}" = 1 ] && echo --planner) --commit "$COMMIT" --append \
+    --json "$E2E/$name.json" --md "$E2E/$name.md" --plot "$E2E/$name.png" \
+    2>&1 | grep -v "^planner:" | tail -40
+  cp "$E2E"/$name.* "$RES/e2e/"
+}
+
+## setup: install the carried wheel folders
+stage_setup() {
+  python3 scripts/device.py setup
+}
+
+## tests: the gpu tests (parallel where .whlt is carried), then the gpu_alone ones alone
+stage_tests() {
+  # -v: a call cut at its limit still shows each test's outcome. pretrain's tests log to
+  # W&B: they skip unless .whlw was installed too.
+  workers=$(python3 -c "import xdist" 2>/dev/null && echo "-n 12")
+  python3 -m pytest -v -rfE -m "gpu and not gpu_alone" -p no:cacheprovider $workers \
+    --durations=12 > "$RES/pytest.log" 2>&1
+  python3 -m pytest -v -rfE -m "gpu and gpu_alone" -p no:cacheprovider >> "$RES/pytest.log" 2>&1
+  grep -E "(FAILED|ERROR) |passed|failed" "$RES/pytest.log" | tail -25
+}
+
+## tune: the gated GEMM's configs against cuBLAS ($TUNE_SHAPES)
+stage_tune() {
+  python3 benchmarks/tune_gated_gemm.py --samples 30 --json "$RES/tune_gated_h200.json" \
+    ${TUNE_SHAPES:+--shapes $TUNE_SHAPES} 2>&1 | grep -v "^ "
+}
+
+## sweep: every gated GEMM config at small M, and its tile table ($SWEEP_SHAPES)
+stage_sweep() {
+  python3 benchmarks/sweep_gated_configs.py --samples 30 --commit "$COMMIT" \
+    ${SWEEP_SHAPES:+--shapes $SWEEP_SHAPES} ${SWEEP_EXTRA_TILES:+--extra-tiles $SWEEP_EXTRA_TILES} \
+    --json "$RES/sweep_gated_h200.json" --md "$RES/sweep_gated_h200.md" \
+    --table "$RES/gated_tiles_h200.json"
+}
+
+## bench: swiglu-train bench at the seed shape, every variant
+stage_bench() {
+  python3 -m swiglu_train bench --samples 40 --commit "$COMMIT" --json "$RES/mlp_h200.json" \
+    2>&1 | tail -30
+}
+
+## stack: swiglu-train bench-memory for every impl, with the profiler's overhead
+stage_stack() {
+  python3 -m swiglu_train bench-memory --layers 1,2,4 --mlp-impl normal,drop_h,save_factors \
+    --overhead-samples 30 --json "$RES/stack_h200.json" 2>&1 | tail -20
+}
+
+## crossover: swiglu-train bench-crossover on its default grid, and auto's table
+stage_crossover() {
+  python3 -m swiglu_train bench-crossover --commit "$COMMIT" \
+    --json "$RES/crossover_h200.json" --auto-model "$RES/auto_h200.json" 2>&1 | tail -40
+}
+
+## pretrain: 125M Lightning runs, impls alternated $PRETRAIN_ROUNDS (2) times
+stage_pretrain() {
+  for round in $(seq "${PRETRAIN_ROUNDS:-2}"); do  # 125M tokens/s moves ±5 % run to run
+    for impl in normal drop_h save_factors $QUACK; do
+      python3 -m swiglu_train pretrain --config 125m --mlp-impl "$impl" --max-steps 40 \
+        --output-dir "$SCRATCH/pt-$impl-$round" --summary-json "$RES/pretrain_${impl}_$round.json" \
+        > "$SCRATCH/pt-$impl-$round.log" 2>&1 || tail -5 "$SCRATCH/pt-$impl-$round.log"
+    done
+  done
+  python3 benchmarks/summarize_runs.py "$RES"/pretrain_*_[0-9]*.json --commit "$COMMIT" \
+    --title "125M Lightning pretrain, bf16, 40 steps (impls alternated, ${PRETRAIN_ROUNDS:-2} rounds)" \
+    --command "python3 scripts/device.py stage pretrain" \
+    --json "$RES/pretrain_125m_h200.json" --md "$RES/pretrain_125m_h200.md" \
+    && cat "$RES/pretrain_125m_h200.md"
+}
+
+## microbatch: the largest micro-batch per impl ($MICROBATCH_CONFIGS: 1b)
+stage_microbatch() {
+  impls=$(echo normal drop_h drop_h+fp8 $QUACK $FP8_QUACK | tr ' ' ',')
+  for config in ${MICROBATCH_CONFIGS:-1b}; do
+    python3 benchmarks/max_micro_batch.py --config "$config" --mlp-impl "$impls" \
+      --commit "$COMMIT" --json "$RES/max_micro_batch_$config.json"
+  done
+}
+
+## fp8_lightning: after-forward and peak of the Lightning models, FP8-saved or not
+stage_fp8_lightning() {
+  for config in ${FP8_LIGHTNING_CONFIGS:-125m 1b}; do
+    for impl in normal drop_h drop_h+fp8 ${FP8_QUACK:+drop_h_quack $FP8_QUACK}; do
+      fp8=$([ "${impl%+fp8}" != "$impl" ] && echo --saved-fp8 || echo --no-saved-fp8)
+      run="fp8mem_${config}_${impl/+/_}"
+      python3 -m swiglu_train pretrain --config "$config" --mlp-impl "${impl%+fp8}" $fp8 \
+        --max-steps "${FP8_LIGHTNING_STEPS:-20}" --output-dir "$SCRATCH/$run" \
+        --summary-json "$RES/${run}_1.json" > "$SCRATCH/$run.log" 2>&1 || tail -5 "$SCRATCH/$run.log"
+      rm -rf "$SCRATCH/$run/checkpoints"
+    done
+    python3 benchmarks/summarize_runs.py "$RES"/fp8mem_${config}_*_1.json --commit "$COMMIT" \
+      --title "$config Lightning pretrain, bf16-mixed, ${FP8_LIGHTNING_STEPS:-20} steps: FP8-saved preactivation against bf16" \
+      --command "python3 scripts/device.py stage fp8_lightning" \
+      --json "$RES/fp8_lightning_${config}_h200.json" --md "$RES/fp8_lightning_${config}_h200.md" \
+      && cat "$RES/fp8_lightning_${config}_h200.md"
+  done
+}
+
+## megatron: recipes/pretrain_megatron.py at TP=1 per impl, 2 rounds, order reversed
+stage_megatron() {
+  order="stock stock_eager normal drop_h save_factors $QUACK"
+  for round in 1 2; do  # reversed in the second, so no impl always runs first
+    for impl in $order; do
+      torchrun --nproc-per-node 1 recipes/pretrain_megatron.py --mlp-impl "$impl" \
+        $MEGATRON_GPU --max-steps 30 --output-dir "$SCRATCH/megatron-runs" \
+        --summary-json "$RES/megatron_tp1_${impl}_$round.json" 2>&1 | tail -1
+    done
+    order=$(echo $order | tr ' ' '\n' | tac | tr '\n' ' ')
+  done
+  python3 benchmarks/summarize_runs.py "$RES"/megatron_tp1_*_[12].json --commit "$COMMIT" \
+    --title "Megatron recipe, TP=1, bf16 Float16Module + DistributedOptimizer, 30 steps, $MEGATRON_GPU (2 rounds, order reversed)" \
+    --command "python3 scripts/device.py stage megatron" \
+    --json "$RES/megatron_h200_tp1.json" --md "$RES/megatron_h200_tp1.md" \
+    && cat "$RES/megatron_h200_tp1.md"
+}
+
+## e2e_1b: bench_e2e.py lightning, ~1B: impl x checkpointed blocks, rounds, the planner
+stage_e2e_1b() {
+  e2e_lightning 1b "${E2E_GRID_1B:-0,4,8,12,16}" "${E2E_MBS_1B:-4}"
+}
+
+## e2e_3b: bench_e2e.py lightning, ~3B: impl x checkpointed blocks, rounds, the planner
+stage_e2e_3b() {
+  e2e_lightning 3b "${E2E_GRID_3B:-0,7,14,21,28}" "${E2E_MBS_3B:-2}"
+}
+
+## e2e_megatron: bench_e2e.py megatron: TP=1 stock (fused, eager, Liger's) vs ours, rounds
+stage_e2e_megatron() {
+  # $E2E_MEGATRON_ARGS (e.g. --manual-gc) go to every run, $E2E_MEGATRON_TAG names the
+  # files; E2E_SAMPLE_HOST=1 samples every run with py-spy (.whlw), E2E_SAMPLE_NATIVE=1
+  # C frames too; the first run of each of $E2E_PROFILE_MEGATRON profiles its last step.
+  E2E=/tmp/gpu-e2e-$COMMIT && mkdir -p "$E2E" "$RES/e2e"
+  name=e2e_megatron_tp1${E2E_MEGATRON_TAG:+_$E2E_MEGATRON_TAG}_h200
+  prior_e2e "$E2E" $name.json
+  liger=$(python3 -c "import liger_kernel.megatron" 2>/dev/null && echo liger)
+  # the box's busiest processes every 10 s: host contention would show
+  top -b -d 10 -o %CPU -w 160 2>&1 | awk '/^top -/ {n = 0} n++ < 16 {print; fflush()}' \
+    > "$RES/e2e/$name.top.log" & watcher=$!
+  impls=${E2E_MEGATRON_IMPLS:-$(echo stock stock_eager $liger normal drop_h save_factors $QUACK | tr ' ' ',')}
+  python3 benchmarks/bench_e2e.py megatron --impls "$impls" --rounds "${E2E_ROUNDS_MEGATRON:-1}" \
+    --warmup 5 --steps 20 --commit "$COMMIT" --append \
+    --profile-impls "${E2E_PROFILE_MEGATRON-stock,stock_eager,normal}" --profile-dir "$E2E" \
+    ${E2E_SAMPLE_HOST:+--sample-host "$E2E/host_$name"} ${E2E_SAMPLE_NATIVE:+--sample-native} \
+    --json "$E2E/$name.json" --md "$E2E/$name.md" -- $MEGATRON_GPU ${E2E_MEGATRON_ARGS:-} 2>&1 | tail -20
+  kill $watcher
+  cp "$E2E"/$name.* "$RES/e2e/"
+  [ -d "$E2E/host_$name" ] && cp -r "$E2E/host_$name" "$RES/e2e/"
+  for prof in "$E2E"/profile_megatron_*.json; do
+    [ -f "$prof" ] || continue
+    impl=$(basename "$prof" .json) && impl=${impl#profile_megatron_}
+    cp "$prof" "$RES/e2e/profile_megatron_tp1_${impl}_h200.json"
+  done
+}
+
+## megatron_plan: the recipe's own planner at $MEGATRON_PLAN_GB (30, under the ~39 GB peak)
+stage_megatron_plan() {
+  torchrun --standalone --nproc-per-node 1 recipes/pretrain_megatron.py $MEGATRON_GPU \
+    --activation-checkpointing auto --memory-budget-gb "${MEGATRON_PLAN_GB:-30}" \
+    --max-steps 10 --output-dir "$SCRATCH/megatron-plan" \
+    --summary-json "$RES/megatron_plan_h200.json" 2>&1 | grep -E "^plan:|^step 9 "
+}
+
+## megatron_resume: DistributedOptimizer dist-ckpt: save at step 3, resume, same losses
+stage_megatron_resume() {
+  for impl in ${RESUME_IMPLS:-normal save_factors}; do reshard "$RES" "" "$impl:1" "$impl:1"; done
+}
+
+## megatron_tp2 (2 GPUs): TP=2 against TP=1 from one init: losses, per-GPU memory
+stage_megatron_tp2() {
+  mkdir -p "$RES/tp"
+  for impl in normal drop_h save_factors; do
+    for tp in 1 2; do
+      torchrun --nproc-per-node "$tp" recipes/pretrain_megatron.py --mlp-impl "$impl" \
+        --tp "$tp" --cpu-init $MEGATRON_GPU --max-steps 50 --output-dir "$SCRATCH/megatron-tp" \
+        --summary-json "$RES/tp/megatron_tp${tp}_$impl.json" 2>&1 | tail -1
+    done
+  done
+  python3 benchmarks/compare_tp.py "$RES"/tp/*.json --commit "$COMMIT" \
+    --title "Megatron TP=2 against TP=1, bf16, 50 steps, $MEGATRON_GPU" \
+    --command "python3 scripts/device.py stage megatron_tp2" \
+    --json "$RES/megatron_tp2_vs_tp1_h200.json" --md "$RES/megatron_tp2_vs_tp1_h200.md" \
+    --plot "$RES/megatron_tp2_vs_tp1_h200.png"
+}
+
+## megatron_reshard (2 GPUs): a packed TP=2 checkpoint resumed canonical at TP=1, and back
+stage_megatron_reshard() {
+  reshard "$RES" "" save_factors:2 normal:1
+  reshard "$RES" "" drop_h:1 save_factors:2
+}
+
+## lightning_ddp (2 GPUs): the 125M pretrain under DDP on 2 GPUs: one W&B run, one summary
+stage_lightning_ddp() {
+  python3 -m swiglu_train pretrain --config 125m --mlp-impl drop_h --devices 2 \
+    --strategy ddp --max-steps 40 --output-dir "$SCRATCH/pt-ddp" \
+    --summary-json "$RES/pretrain_ddp_drop_h.json" > "$RES/pretrain_ddp.log" 2>&1 \
+    || tail -5 "$RES/pretrain_ddp.log"
+  echo "W&B offline runs: $(ls -d "$SCRATCH"/pt-ddp/wandb/offline-run-* | wc -l)"
+}
+
+## scale4 (4 GPUs): Megatron at TP=1, TP=4, TP=2xDP=2 from one init, 50 steps ($SCALE4_IMPLS)
+stage_scale4() {
+  S4=/tmp/gpu-scale4-$COMMIT && mkdir -p "$S4" "$RES/scale4"  # a run done is skipped
+  for impl in ${SCALE4_IMPLS:-stock normal drop_h $QUACK}; do
+    for layout in ${SCALE4_LAYOUTS:-tp1 tp4 tp2dp2}; do
+      run="$S4/megatron_${layout}_${impl}_1"
+      [ -f "$run.json" ] && continue
+      scale4_run "$impl" "$layout" --cpu-init --max-steps 50 --summary-json "$run.json" \
+        > "$run.log" 2>&1 || tail -5 "$run.log"
+    done
+  done
+  cp "$S4"/*.json "$RES/scale4/"
+  python3 benchmarks/compare_tp.py "$S4"/megatron_*_1.json --commit "$COMMIT" \
+    --title "Megatron TP=4 and TP=2xDP=2 against TP=1, bf16, 50 steps, $SCALE4_MODEL" \
+    --command "python3 scripts/device.py stage scale4" \
+    --json "$RES/scale4/megatron_layouts_h200.json" --md "$RES/scale4/megatron_layouts_h200.md" \
+    --plot "$RES/scale4/megatron_layouts_h200.png"
+}
+
+## scale4_rounds (4 GPUs): tokens/s rounds $SCALE4_ROUNDS ('2 3') of scale4's runs, order rotated
+stage_scale4_rounds() {
+  S4=/tmp/gpu-scale4-$COMMIT && mkdir -p "$S4" "$RES/scale4"
+  order="${SCALE4_IMPLS:-stock normal drop_h $QUACK}"
+  for round in ${SCALE4_ROUNDS:-2 3}; do
+    order=$(echo $order | awk '{for (i = 2; i <= NF; i++) printf "%s ", $i; print $1}')
+    for impl in $order; do
+      for layout in ${SCALE4_LAYOUTS:-tp1 tp4 tp2dp2}; do  # no --cpu-init: weights may differ
+        json="$S4/megatron_${layout}_${impl}_$round.json"
+        [ -f "$json" ] || scale4_run "$impl" "$layout" --max-steps 20 --warmup-steps 5 \
+          --summary-json "$json" 2>&1 | tail -1
+      done
+    done
+  done
+  cp "$S4"/*.json "$RES/scale4/"
+  for layout in ${SCALE4_LAYOUTS:-tp1 tp4 tp2dp2}; do
+    out="$RES/scale4/megatron_${layout}_rounds_h200"
+    python3 benchmarks/summarize_runs.py "$S4"/megatron_${layout}_*_[0-9]*.json --commit "$COMMIT" \
+      --title "Megatron $layout, bf16, tokens/s over rounds, $SCALE4_MODEL" \
+      --command "python3 scripts/device.py stage scale4 scale4_rounds" \
+      --json "$out.json" --md "$out.md" && cat "$out.md"
+  done
+}
+
+## scale4_reshard (4 GPUs): a save_factors TP=4 checkpoint resumed at TP=1 (normal, stock), TP=2
+stage_scale4_reshard() {
+  mkdir -p "$RES/scale4"
+  reshard "$RES/scale4" "$MEGATRON_GPU" save_factors:4 normal:1 stock:1 drop_h:2
+}
+
+## scale4_lightning (4 GPUs): 125M on 4 GPUs (fsdp2) vs 1 at one global batch; 1B's plan on 4
+stage_scale4_lightning() {
+  out="$RES/scale4" && mkdir -p "$out"
+  for impl in ${SCALE4_LIGHTNING_IMPLS:-normal drop_h save_factors $QUACK}; do
+    for gpus in 4 1; do
+      if [ "$gpus" = 4 ]; then extra="--strategy fsdp2"; else extra="--micro-batch-size 32"; fi
+      python3 -m swiglu_train pretrain --config 125m --mlp-impl "$impl" --devices "$gpus" \
+        $extra --max-steps 40 --output-dir "$SCRATCH/pt$gpus-$impl" \
+        --summary-json "$out/lightning_${gpus}gpu_$impl.json" \
+        > "$out/lightning_${gpus}gpu_$impl.log" 2>&1 || tail -5 "$out/lightning_${gpus}gpu_$impl.log"
+    done
+  done
+  # the planner measures one device: plan on 1 GPU, then run its choice on 4 under fsdp2
+  python3 -m swiglu_train pretrain --config 1b --activation-checkpointing auto --devices 1 \
+    --max-steps 20 --output-dir "$SCRATCH/pt1-plan" --summary-json "$out/lightning_1gpu_planner.json" \
+    > "$out/lightning_1gpu_planner.log" 2>&1 || tail -5 "$out/lightning_1gpu_planner.log"
+  read -r impl layers < <(python3 -c "import json, sys; p = json.load(open(sys.argv[1]))['plan']; print(p['impl'], p['checkpoint_layers'])" "$out/lightning_1gpu_planner.json")
+  python3 -m swiglu_train pretrain --config 1b --mlp-impl "$impl" --checkpoint-layers "$layers" \
+    --devices 4 --strategy fsdp2 --max-steps 20 --output-dir "$SCRATCH/pt4-plan" \
+    --summary-json "$out/lightning_4gpu_planned.json" > "$out/lightning_4gpu_planned.log" 2>&1 \
+    || tail -5 "$out/lightning_4gpu_planned.log"
+  python3 benchmarks/compare_device_counts.py "$out" --json "$out/lightning_4gpu_vs_1gpu_h200.json"
+}
+
+## inference: swiglu-train bench-inference, one JSON per model ($INFERENCE_MODELS)
+stage_inference() {
+  # merge with `swiglu-train bench-inference --merge ... --json --md --dispatch-table`
+  mkdir -p "$RES/inference"
+  for model in ${INFERENCE_MODELS:-0.5b 7b 32b 72b}; do
+    python3 -m swiglu_train bench-inference --models "$model" --samples 30 --commit "$COMMIT" \
+      --json "$RES/inference/$model.json" --md "$RES/inference/$model.md" 2>&1 | tail -40
+  done
+}
+
+## fuzz: benchmarks/fuzz_gpu.py: $FUZZ_CASES (1000) random cases, every impl, 8 workers
+stage_fuzz() {
+  python3 benchmarks/fuzz_gpu.py --cases "${FUZZ_CASES:-1000}" --workers 8 \
+    --max-seconds "${FUZZ_SECONDS:-420}" --json "$RES/fuzz_gpu_h200.json" 2>&1 | tail -8
+}
+
+## fp8_errors: FP8-saved errors at the grid's (D, F), M = $FP8_ERRORS_M ($FP8_ERRORS_IMPLS)
+stage_fp8_errors() {
+  for impl in ${FP8_ERRORS_IMPLS:-drop_h drop_h_quack}; do  # drop_h_quack: _quack
+    python3 benchmarks/measure_fp8_saved.py --device cuda --grid-m "${FP8_ERRORS_M:-8000}" \
+      --impl "$impl" --json "$RES/fp8_saved_errors_grid${impl#drop_h}_h200.json" 2>&1 | tail -12
+  done
+}
+
+## gemm_defaults: quack (static, dynamic) vs cuBLAS per GEMM choice at the grid ($GRID_M)
+stage_gemm_defaults() {
+  python3 benchmarks/gemm_defaults.py ${GRID_M:+--m ${GRID_M//,/ }} \
+    --json "$RES/probe_gemm_defaults_h200.json" 2>&1 | tail -8
+}
+
+## patch: a patched HF and LitGPT Llama vs unpatched and Liger (carry .whlh)
+stage_patch() {
+  for lib in hf litgpt; do
+    python3 benchmarks/bench_patch_hf.py --library $lib --layers 4 --seq 4096 --samples 30 \
+      --out "$RES/patch_${lib}_h200.json" 2>&1 | tail -12
+  done
+}
+
+## fp8_loss_ab: 125M drop_h bf16 vs --saved-fp8, seeds 1 and 2, $FP8_AB_STEPS (1000)
+stage_fp8_loss_ab() {
+  # ~7 min for the four runs; one done is skipped, so a call cut short is finished by the next
+  AB=/tmp/gpu-fp8ab-$COMMIT && steps=${FP8_AB_STEPS:-1000} && mkdir -p "$AB" "$RES/fp8_loss_ab"
+  for seed in 1 2; do  # the seed draws the data order as well as the init
+    python3 -c "import sys, yaml; from swiglu_train.integrations.lightning.config import resolve_config_path as path
+s, n = int(sys.argv[1]), int(sys.argv[2]); cfg = yaml.safe_load(path('125m').read_text()); cfg['data']['seed'] = s
+cfg['train'].update(seed=s, max_steps=n, val_check_interval=n, checkpoint_every=n)
+open(sys.argv[3], 'w').write(yaml.safe_dump(cfg))" "$seed" "$steps" "$AB/125m_seed$seed.yaml"
+    for arm in bf16 fp8; do
+      run="ab_${arm}_seed$seed" && [ -f "$AB/$run.json" ] && continue
+      fp8=$([ "$arm" = fp8 ] && echo --saved-fp8 || echo --no-saved-fp8)
+      python3 -m swiglu_train pretrain --config "$AB/125m_seed$seed.yaml" --mlp-impl drop_h \
+        $fp8 ${FP8_AB_MBS:+--micro-batch-size $FP8_AB_MBS} --output-dir "$SCRATCH/$run" \
+        --summary-json "$AB/$run.json" > "$AB/$run.log" 2>&1 || tail -5 "$AB/$run.log"
+      rm -rf "$SCRATCH/$run/checkpoints"  # 1.5 GB a run, not needed
+    done
+  done
+  cp "$AB"/ab_* "$RES/fp8_loss_ab/"
+  if [ "$(ls "$AB"/ab_*_seed*.json | wc -l)" != 4 ]; then echo "fp8_loss_ab: run it again"; exit 0; fi
+  python3 benchmarks/plot_loss_ab.py "$AB"/ab_*_seed*.json --last 100 --smooth 50 --commit "$COMMIT" \
+    --title "125M Lightning pretrain, bf16-mixed, $steps steps: drop_h saving its preactivation in FP8 vs bf16, seeds 1 and 2" \
+    --command "python3 scripts/device.py stage fp8_loss_ab" --json "$RES/fp8_loss_ab_125m_h200.json" \
+    --md "$RES/fp8_loss_ab_125m_h200.md" --plot "$RES/fp8_loss_ab_125m_h200.png"
+}
+
+## grid: swiglu-train bench-grid, a chunk a call ($GRID_CHUNK, _MODELS, _M, _VARIANTS)
+stage_grid() {
+  # $GRID_SHAPES "DxF,..." adds shapes no model lists, $GRID_TAG prefixes the chunk tag,
+  # $GRID_PREWARM (8) processes compile the points first, GRID_PRETUNE=1 pretunes each.
+  # Merge chunks with `swiglu-train bench-grid --merge A B --json --md --plot`.
+  chunk=${GRID_CHUNK:-1/1} && tag=${GRID_TAG:-}${chunk/\//of} && mkdir -p "$RES/grid"
+  python3 -m swiglu_train bench-grid --commit "$COMMIT" --chunk "$chunk" \
+    --prewarm-workers "${GRID_PREWARM:-8}" ${GRID_MODELS:+--models $GRID_MODELS} \
+    ${GRID_SHAPES:+--shapes $GRID_SHAPES} ${GRID_M:+--m $GRID_M} \
+    ${GRID_VARIANTS:+--variants $GRID_VARIANTS} $([ "${GRID_PRETUNE:-0}" = 1 ] && echo --pretune) \
+    --json "$RES/grid/grid_h200_$tag.json" --md "$RES/grid/grid_h200_$tag.md" \
+    --plot "$RES/grid/grid_h200_$tag.png" 2>&1 | grep -v "^ " | tail -60
+}

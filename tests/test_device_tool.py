@@ -1,0 +1,115 @@
+"""scripts/device.py on CPU: its arguments, the stage table it reads, the bounded stage runner and
+the xz round trip of the cutlass libs (the GPU box has no network, so a broken carry costs a
+device call)."""
+
+import importlib.util
+import re
+import subprocess
+import tarfile
+import zipfile
+from importlib import metadata
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+STAGES_FILE = ROOT / "scripts" / "device_stages.sh"
+
+
+@pytest.fixture
+def device():
+    spec = importlib.util.spec_from_file_location("device", ROOT / "scripts" / "device.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_every_listed_stage_has_its_function_and_the_file_parses(device):
+    text = STAGES_FILE.read_text()
+    listed = set(device.stages())
+    defined = set(re.findall(r"^stage_(\w+)\(\)", text, re.M))
+    assert listed == defined and {"setup", "tests", "grid", "e2e_megatron"} <= listed
+    assert device.stages()["scale4"][0] == 4 and device.stages()["megatron_tp2"][0] == 2
+    subprocess.run(["bash", "-n", str(STAGES_FILE)], check=True)
+
+
+def test_the_stages_run_only_files_that_exist():
+    text = STAGES_FILE.read_text()
+    for path in set(re.findall(r"\b((?:benchmarks|recipes|scripts)/\w+\.(?:py|sh))", text)):
+        assert (ROOT / path).is_file(), path
+
+
+def test_arguments_are_checked_before_any_work(device, capsys):
+    assert device.parse(["wheels"]).folders == list(device.WHEELS)
+    assert device.parse(["wheels", ".whlx", ".whla"]).folders == [".whlx", ".whla"]
+    assert device.parse(["stage", "setup", "grid:300"]).specs == ["setup", "grid:300"]
+    for argv, message in (
+        (["wheels", ".whlz"], "unknown wheel folders"),
+        (["stage", "gird"], "unknown stage 'gird'"),
+        (["run", "grid:5m"], "whole seconds"),
+        (["stage"], "required"),
+    ):
+        with pytest.raises(SystemExit) as exit_:
+            device.parse(argv)
+        assert exit_.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_the_wheel_folders_keep_their_names(device):
+    """Sessions carry these folders by name (`carry` in the device call)."""
+    expected = {".whl", ".whlq", ".whlx", ".whlw", ".whlt", ".whlm", ".whlh", ".whla"}
+    assert set(device.WHEELS) == expected
+
+
+def test_the_xz_packed_libs_come_back_as_the_wheel_they_were(device, tmp_path):
+    unpacked = tmp_path / "x"
+    (unpacked / "nvidia_cutlass_dsl" / "lib").mkdir(parents=True)
+    (unpacked / "nvidia_cutlass_dsl" / "lib" / "libcute.so").write_bytes(b"\x7fELF" * 100)
+    (unpacked / "libs_cu13-4.7.1.dist-info").mkdir()
+    (unpacked / "libs_cu13-4.7.1.dist-info" / "RECORD").write_text("")
+    carried = tmp_path / ".whlx"
+    carried.mkdir()
+    with tarfile.open(carried / "cu13libs.tar.xz", "w:xz") as tar:
+        tar.add(unpacked, arcname=".")
+    (carried / "NAME.txt").write_text("libs_cu13-4.7.1-py3-none-manylinux_2_28_x86_64.whl\n")
+    wheel = device.unpack_cutlass_libs(carried, tmp_path / "out")
+    assert wheel.name == "libs_cu13-4.7.1-py3-none-manylinux_2_28_x86_64.whl"
+    names = set(zipfile.ZipFile(wheel).namelist())
+    assert names == {"nvidia_cutlass_dsl/lib/libcute.so", "libs_cu13-4.7.1.dist-info/RECORD"}
+
+
+def test_setup_installs_only_what_is_missing(device, tmp_path, monkeypatch):
+    calls = []
+    monkeypatch.setattr(device, "ROOT", tmp_path)
+    monkeypatch.setattr(device.subprocess, "run", lambda cmd, **kw: calls.append(cmd))
+    (tmp_path / ".whlt").mkdir()
+    pytest_version = metadata.version("pytest")
+    (tmp_path / ".whlt" / f"pytest-{pytest_version}-py3-none-any.whl").touch()  # installed
+    (tmp_path / ".whlt" / "execnet_not_here-9.9-py3-none-any.whl").touch()
+    (tmp_path / ".whlq").mkdir()  # .whl's subset: skipped where .whl is carried
+    (tmp_path / ".whlq" / "quack_kernels-0.6.5-py3-none-any.whl").touch()
+    device.setup()
+    assert len(calls) == 1 and [Path(a).name for a in calls[0] if a.endswith(".whl")] == [
+        "quack_kernels-0.6.5-py3-none-any.whl",
+        "execnet_not_here-9.9-py3-none-any.whl",
+    ]
+
+
+def test_a_stage_past_its_bound_is_stopped_and_what_finished_comes_back(
+    device, tmp_path, monkeypatch
+):
+    stages = tmp_path / "stages.sh"
+    stages.write_text(
+        '## write: a result\nstage_write() { echo "$COMMIT" > "$RES/commit.txt"; }\n'
+        "## hang: past its bound\nstage_hang() { sleep 60; }\n"
+    )
+    (tmp_path / "COMMIT").write_text("abc1234\n")
+    monkeypatch.setattr(device, "ROOT", tmp_path)
+    monkeypatch.setattr(device, "STAGES_FILE", stages)
+    monkeypatch.setattr(device, "quack_impls", lambda env: "")
+    res = tmp_path / "gpu-results.xyz"
+    res.mkdir()
+    for name, value in (("OUT", tmp_path / "out"), ("RES", res), ("SCRATCH", tmp_path)):
+        monkeypatch.setenv(name, str(value))
+    device.run_stages(["write", "hang:1"])
+    with tarfile.open(tmp_path / "out" / "results-xyz.tgz") as tar:
+        assert tar.extractfile("./commit.txt").read() == b"abc1234\n"
