@@ -3,6 +3,7 @@ merge, and a whole tiny run (timings there are smoke only; the correctness check
 
 import copy
 import json
+import sys
 
 import pytest
 import torch
@@ -227,3 +228,14 @@ def test_merging_a_merged_result_keeps_each_row_s_run():
         "run liger",
     ]
     assert merged["meta"]["variants"] == ["drop_h", "sonicmoe", "liger"]
+
+
+def test_without_matplotlib_the_run_is_refused_before_it_starts(monkeypatch, capsys, tmp_path):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # `import matplotlib` fails as missing
+    monkeypatch.setattr(sys, "excepthook", sys.excepthook)  # Typer installs its own
+    args = ["bench-moe", "--shapes", "32,16,4,2", "--device", "cpu", "--out", tmp_path / "m.json"]
+    with pytest.raises(SystemExit) as exit_:
+        app(args=[str(a) for a in args], prog_name="swiglu-train")
+    assert exit_.value.code == 1
+    assert "the [plot] extra brings it" in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []

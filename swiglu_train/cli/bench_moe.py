@@ -13,6 +13,7 @@ from rich.markup import escape
 
 from swiglu_train.cli.app import app, console, invocation, progress_bars, require_device
 from swiglu_train.cli.bench_results import check_results_path, write_results
+from swiglu_train.extras import require
 from swiglu_train.files import write_json_atomic
 
 if TYPE_CHECKING:
@@ -80,6 +81,8 @@ def bench_moe(
             console.print(f"{m.name}: D={m.d} F={m.f} E={m.e} k={m.k} ({m.repo}{note})")
         return
     check_results_path(out, (".md", ".png"))
+    if out is not None:
+        require("matplotlib")  # for the .png: before the run, not after it
     if merge:
         try:
             result = merge_results([json.loads(path.read_text()) for path in merge])
@@ -105,13 +108,8 @@ def bench_moe(
         cfg = MoEConfig(chosen, routings, tokens, names, samples, warmup, dtype, device, seed)
         cfg.extra = {"commit": commit, "command": invocation()}
         result = _run(cfg, out)
-    markdown = to_markdown(result)
-    plot = out.with_suffix(".png") if out is not None else None
-    if plot is not None and not _has_matplotlib():
-        console.print("[yellow]no matplotlib here: no plot (re-render with --merge where it is)")
-        plot = None
-    md = out.with_suffix(".md") if out is not None else None
-    write_results(result, markdown, out, md, plot, _figure)
+    siblings = (None, None) if out is None else (out.with_suffix(".md"), out.with_suffix(".png"))
+    write_results(result, to_markdown(result), out, *siblings, _figure)
 
 
 def _run(cfg: MoEConfig, out: Path | None) -> dict:
@@ -144,11 +142,3 @@ def _run(cfg: MoEConfig, out: Path | None) -> dict:
         console.print(f"[yellow]skipped {s['model']} {s['routing']} {s['variant']}: "
                       f"{escape(s['reason'])}")  # fmt: skip
     return result
-
-
-def _has_matplotlib() -> bool:
-    try:
-        import matplotlib  # noqa: F401
-    except ImportError:
-        return False
-    return True
