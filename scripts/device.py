@@ -65,7 +65,7 @@ WHEELS: dict[str, tuple[str, list[str]]] = {
               ["pytest-xdist==3.8.0", "execnet==2.1.2"]),
     ".whlm": ("megatron-core alone, for the Megatron adapter on quack (2.6 MB)",
               ["megatron-core==0.16.1"]),
-    ".whlh": ("LitGPT and jsonargparse, for the patch stage",
+    ".whlh": ("LitGPT and jsonargparse, for the patch stage (0.4 MB)",
               ["litgpt==0.5.13", "jsonargparse==4.41.0"]),
     ".whla": ("torchao, for FP8 training recipes (3.4 MB)", ["torchao==0.18.0"]),
 }  # fmt: skip
@@ -105,13 +105,17 @@ def pack_cutlass_libs(folder: Path) -> None:
 
 
 def ignore_locally(*folders: str) -> None:
-    """This clone's .git/info/exclude: carried folders are never committed nor in `git status`,
-    yet the device tool carries them when a call names them."""
-    exclude = ROOT / ".git" / "info" / "exclude"
+    """This clone's info/exclude: carried folders are never committed nor in `git status`, yet
+    the device tool carries them when a call names them."""
+    git = ["git", "rev-parse", "--git-path", "info/exclude"]
+    found = subprocess.run(git, cwd=ROOT, capture_output=True, text=True)
+    if found.returncode:  # not a clone: nothing to keep out of `git status`
+        return
+    exclude = ROOT / found.stdout.strip()
+    exclude.parent.mkdir(parents=True, exist_ok=True)
     lines = exclude.read_text().splitlines() if exclude.exists() else []
-    exclude.write_text(
-        "\n".join([*lines, *(f"/{f}/" for f in folders if f"/{f}/" not in lines)]) + "\n"
-    )
+    lines += [f"/{f}/" for f in folders if f"/{f}/" not in lines]
+    exclude.write_text("\n".join(lines) + "\n")
 
 
 def wheels(folders: list[str]) -> None:

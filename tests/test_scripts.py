@@ -164,3 +164,33 @@ def test_fp8_accuracy_script_measures_each_format_against_float64():
     outliers = {r["format"]: r for r in rows}
     for key in ("grad_x", "grad_W1", "grad_W2"):
         assert outliers["int8"][key] > 2 * outliers["fp8"][key], key
+
+
+def test_resume_check_compares_the_steps_both_runs_logged(tmp_path):
+    full, resumed = tmp_path / "full.log", tmp_path / "resumed.log"
+    full.write_text("step 1 loss 5.0\nstep 2 loss 4.0\nstep 3 loss 3.0\nnoise\n")
+    resumed.write_text("loading\nstep 3 loss 3.3\nstep 4 loss 2.0\n")
+    out = tmp_path / "checks.jsonl"
+    for label in ("a", "b"):
+        load_script("resume_check").main([str(full), str(resumed), label, "--out", str(out)])
+    checks = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [c["label"] for c in checks] == ["a", "b"]  # appended, one line a check
+    assert checks[0]["rel_diff"] == {"3": pytest.approx(0.1)}  # step 4: no full-run loss
+
+
+def test_device_count_comparison_pairs_each_impl_s_runs(tmp_path):
+    def run(gpus, impl, losses, rate):
+        summary = {"mlp_impl": impl, "losses": losses, "tokens_per_s": rate}
+        summary |= {"after_forward_MiB": 100.0 / gpus, "peak_MiB": 200.0 / gpus}
+        (tmp_path / f"lightning_{gpus}gpu_{impl}.json").write_text(json.dumps(summary))
+
+    run(4, "drop_h", {"0": 5.0, "1": 4.0, "2": 3.5}, 400.0)
+    run(1, "drop_h", {"0": 5.0, "1": 4.1}, 100.0)
+    run(4, "normal", {"0": 5.0}, 380.0)  # no 1-GPU run: left out
+    out = tmp_path / "cmp.json"
+    load_script("compare_device_counts").main([str(tmp_path), "--json", str(out)])
+    rows = json.loads(out.read_text())
+    assert list(rows) == ["drop_h"]
+    row = rows["drop_h"]
+    assert row["steps"] == 2 and row["max_abs_loss_diff"] == pytest.approx(0.1)
+    assert row["tokens_per_s_4gpu"] == 400.0 and row["peak_MiB_1gpu"] == 200.0
