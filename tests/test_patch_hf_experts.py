@@ -111,6 +111,14 @@ def test_the_other_experts_impls_match(impl, saved_fp8, tol):
     assert_step_matches(patched, reference, tol)
 
 
+def test_a_bf16_model_matches_within_bf16_rounding():
+    reference, patched, _ = patched_pair("olmoe", impl="drop_h")
+    for model in (reference, patched):
+        model.to(torch.bfloat16)
+    assert patched.model.layers[0].mlp.experts.fc1_weight.dtype == torch.bfloat16
+    assert_step_matches(patched, reference, tol=3e-2)  # seen 1e-2: bf16 sums in another order
+
+
 def test_experts_impl_follows_impl_or_says_why():
     _, patched, report = patched_pair("qwen2_moe", impl="save_factors", chunk=8)
     assert report.impls == {"save_factors": 2, "drop_h": 2}

@@ -83,6 +83,14 @@ class PatchedHFExperts(PatchedExperts):
 
     library = LIBRARY
 
+    def forward(
+        self, x: torch.Tensor, expert_indices: torch.Tensor, expert_weights: torch.Tensor
+    ) -> torch.Tensor:
+        """As transformers' grouped_mm experts: x cast to the weights' dtype (autocast may hand
+        fp32 states to bf16 experts), y returned in x's."""
+        y = super().forward(x.to(self.fc1_weight.dtype), expert_indices, expert_weights)
+        return y.to(x.dtype)
+
     def host_state(self) -> dict[str, torch.Tensor]:
         return {host: getattr(self, ours).detach() for ours, host in HOST_NAMES.items()}
 

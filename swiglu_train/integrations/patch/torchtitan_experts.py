@@ -140,8 +140,8 @@ def mismatch(module: nn.Module) -> str | None:
         )
     if not _is(dispatcher, DISPATCHER_MODULE, "LocalTokenDispatcher"):
         return (
-            f"its token dispatcher is a {type(dispatcher).__qualname__}, which exchanges "
-            "tokens across expert-parallel ranks: patch supports EP = 1 only"
+            f"its token dispatcher ({type(dispatcher).__qualname__}) exchanges tokens across "
+            "expert-parallel ranks: patch supports EP = 1 only"
         )
     for part in (module, inner):
         why = module_mismatch(part)
