@@ -225,3 +225,60 @@ def experts_backward_fp8(
         WEIGHTED=weighted, BLOCK_M=block_m, BLOCK_N=block_n, INTERPRET=INTERPRET,
         num_warps=warps,
     )  # fmt: skip
+
+
+@triton.jit
+def _combine_kernel(
+    rows_ptr,
+    bags_ptr,
+    w_ptr,
+    out_ptr,
+    D,
+    K: tl.constexpr,
+    stride_rows,
+    stride_out,
+    WEIGHTED: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    """out[t] = Σ_j w[t, j] · rows[bags[t, j]] over BLOCK_D columns, accumulated in fp32."""
+    t = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    mask = cols < D
+    acc = tl.zeros([BLOCK_D], tl.float32)
+    for j in tl.static_range(K):
+        row = tl.load(bags_ptr + t * K + j).to(tl.int64)
+        v = tl.load(rows_ptr + row * stride_rows + cols, mask=mask, other=0.0).to(tl.float32)
+        if WEIGHTED:
+            v = v * tl.load(w_ptr + t * K + j).to(tl.float32)
+        acc += v
+    tl.store(out_ptr + t * stride_out + cols, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+# Columns per program of the combine: 8 bf16 elements a thread over 4 warps, the swiglu
+# forward's budget (a gather-and-sum is a copy with k reads a write).
+COMBINE_BLOCK = (1024, 4)
+
+
+def combine_rows(
+    rows: torch.Tensor, bags: torch.Tensor, weights: torch.Tensor | None
+) -> torch.Tensor:
+    """[T, D]: Σ_j weights[t, j] · rows[bags[t, j]], in fp32 then rounded once to rows' dtype
+    (fp32 router weights are not rounded to bf16 first, as ``embedding_bag`` would)."""
+    if rows.dim() != 2 or (rows.numel() and rows.stride(1) != 1):
+        raise ValueError(f"rows must be row-major [R, D], got {tuple(rows.shape)}")
+    (t, k), d = bags.shape, rows.shape[1]
+    if not bags.is_contiguous() or (weights is not None and tuple(weights.shape) != (t, k)):
+        raise ValueError(
+            f"bags must be contiguous [T, k] and weights [T, k], got {tuple(bags.shape)}"
+        )
+    out = rows.new_empty(t, d)
+    if t == 0 or d == 0:
+        return out
+    block_d, warps = (min(16, d), 1) if INTERPRET else COMBINE_BLOCK
+    block_d = min(block_d, triton.next_power_of_2(d))
+    w = weights.contiguous() if weights is not None else bags
+    _combine_kernel[(t, -(-d // block_d))](
+        rows, bags, w, out, d, k, rows.stride(0), out.stride(0),
+        WEIGHTED=weights is not None, BLOCK_D=block_d, num_warps=warps,
+    )  # fmt: skip
+    return out

@@ -32,6 +32,7 @@ from swiglu_train.ops.experts_quack import drop_h_quack_experts
 from swiglu_train.ops.experts_routing import (
     check_routing,
     combine,
+    gather_sum,
     grouped_linear,
     grouped_weight_grad,
     live_weights,
@@ -129,7 +130,7 @@ class _ExpertsDropH(torch.autograd.Function):
             h, saved = swiglu_fwd(preact), (preact,)
         out = grouped_linear(h, fc2, plan.offsets)
         del h
-        y = combine(out, plan, None if weights_on == "input" else live_weights(indices, weights))
+        y = gather_sum(out, plan, None if weights_on == "input" else live_weights(indices, weights))
         ctx.save_for_backward(x, indices, weights, fc1, fc2, *saved)
         ctx.weights_on, ctx.inplace, ctx.backward_ran = weights_on, inplace, False
         return y
@@ -163,7 +164,7 @@ class _ExpertsDropH(torch.autograd.Function):
         grad_fc1 = grouped_weight_grad(grad_preact, xg, plan.offsets)
         del xg, grad_preact
         live = live_weights(indices, weights) if not on_output else None
-        grad_x = combine(grad_xg, plan, live)
+        grad_x = gather_sum(grad_xg, plan, live)
         grad_w = torch.empty(indices.numel(), device=x.device).index_copy_(
             0, plan.slot, grad_w_rows
         )

@@ -37,7 +37,7 @@ from __future__ import annotations
 import torch
 
 from swiglu_train.ops.activation import swiglu_fwd
-from swiglu_train.ops.experts_routing import Routing, combine, live_weights, route
+from swiglu_train.ops.experts_routing import Routing, gather_sum, live_weights, route
 from swiglu_train.ops.fp8_saved import copy_buffers, swiglu_fwd_fp8_
 from swiglu_train.ops.mlp import claim_inplace_backward, refuse_double_backward
 from swiglu_train.ops.quack_mlp import (
@@ -132,7 +132,7 @@ class _ExpertsDropHQuack(torch.autograd.Function):
             h, saved = swiglu_fwd(preact), (preact,)
         out = gemm(h, fc2.mT, cu_seqlens_m=cu)
         del h
-        y = combine(out, plan, None if weights_on == "input" else live_weights(indices, weights))
+        y = gather_sum(out, plan, None if weights_on == "input" else live_weights(indices, weights))
         ctx.save_for_backward(x, indices, weights, fc1, fc2, *saved)
         ctx.weights_on, ctx.inplace, ctx.backward_ran = weights_on, inplace, False
         return y
@@ -164,7 +164,7 @@ class _ExpertsDropHQuack(torch.autograd.Function):
         grad_fc1 = fc1.new_empty(fc1.shape)
         gemm(x.T, grad_preact, out=grad_fc1.mT, cu_seqlens_k=cu, A_idx=token)
         del grad_preact
-        grad_x = combine(grad_xg, plan, None if on_output else live_weights(indices, weights))
+        grad_x = gather_sum(grad_xg, plan, None if on_output else live_weights(indices, weights))
         grad_w = torch.empty(indices.numel(), device=x.device).index_copy_(
             0, plan.slot, grad_w_rows
         )

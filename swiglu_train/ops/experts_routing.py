@@ -20,6 +20,13 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
+from swiglu_train.ops.activation import triton_enabled
+
+try:
+    from swiglu_train.kernels import experts_swiglu as kernels
+except ImportError:  # no Triton on this platform: torch computes the same sums
+    kernels = None
+
 BAD_INDEX = "expert_indices must hold values in [0, num_experts) or -1 (slot dropped)"
 
 
@@ -89,6 +96,20 @@ def combine(rows: torch.Tensor, plan: Routing, slot_weights: torch.Tensor | None
         return rows[:0]  # no tokens, so no rows: still in the graph
     weights = None if slot_weights is None else slot_weights.to(rows.dtype)
     return F.embedding_bag(plan.bags, rows, mode="sum", per_sample_weights=weights)
+
+
+def gather_sum(
+    rows: torch.Tensor, plan: Routing, slot_weights: torch.Tensor | None
+) -> torch.Tensor:
+    """``combine`` outside autograd (the impls' own Functions): with the router weights kept
+    in fp32 until the sum, which is rounded once. Triton where it runs, else in fp32 torch."""
+    weights = None if slot_weights is None else slot_weights.float()
+    if kernels is not None and triton_enabled(rows):
+        return kernels.combine_rows(rows, plan.bags, weights)
+    if plan.bags.shape[0] == 0:
+        return rows.new_zeros(0, rows.shape[1])
+    summed = F.embedding_bag(plan.bags, rows.float(), mode="sum", per_sample_weights=weights)
+    return summed.to(rows.dtype)
 
 
 def live_weights(indices: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
