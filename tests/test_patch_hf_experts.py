@@ -174,6 +174,35 @@ def test_save_pretrained_and_from_pretrained(tmp_path):
         assert rel_err(loaded(ids).logits, reference(ids).logits) < PARITY
 
 
+def test_fsdp2_fully_shard_after_patch(one_rank_gloo):
+    import torch.distributed.checkpoint.state_dict as dcp
+    from torch.distributed.fsdp import fully_shard
+
+    reference, patched, _ = patched_pair("mixtral")
+    for layer in patched.model.layers:
+        fully_shard(layer)
+    fully_shard(patched)
+    assert type(patched.model.layers[0].mlp.experts.fc1_weight).__name__ == "DTensor"
+    state = patched.state_dict()
+    assert list(state) == list(reference.state_dict())
+    for key, value in reference.state_dict().items():
+        assert torch.equal(state[key].full_tensor(), value), key
+    ids = torch.randint(0, 64, TOKENS)
+    logits, _ = run_step(patched, patched.get_input_embeddings(), ids)
+    ref_logits, _ = run_step(reference, reference.get_input_embeddings(), ids)
+    assert rel_err(logits, ref_logits) < PARITY
+    for mine, host in zip(patched.model.layers, reference.model.layers, strict=True):
+        mine, host = mine.mlp, host.mlp  # FSDP2 modules are not deep-copied: no host_grads
+        for ours, theirs in ((mine.experts.fc1_weight, host.experts.gate_up_proj),
+                             (mine.experts.fc2_weight, host.experts.down_proj),
+                             (mine.gate.weight, host.gate.weight)):  # fmt: skip
+            assert rel_err(ours.grad.full_tensor(), theirs.grad) < PARITY
+    # torch.distributed.checkpoint's full state dicts (Lightning's and torchtitan's checkpoints)
+    other, full = moe_model("mixtral", seed=1), dcp.StateDictOptions(full_state_dict=True)
+    dcp.set_model_state_dict(patched, other.state_dict(), options=full)
+    assert_state_equal(dcp.get_model_state_dict(patched, options=full), other.state_dict())
+
+
 def test_gpt_oss_swiglu_oai_is_left_with_the_reason():
     config = transformers.GptOssConfig(**BASE, intermediate_size=24, num_local_experts=4,
                                        head_dim=8, sliding_window=8)  # fmt: skip

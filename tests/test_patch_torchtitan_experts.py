@@ -132,6 +132,26 @@ def test_checkpoints_round_trip_through_the_unpatched_model(tmp_path):
         patched.load_state_dict(state)
 
 
+def test_fsdp2_fully_shard_after_patch(one_rank_gloo):
+    import torch.distributed.checkpoint.state_dict as dcp
+    from torch.distributed.fsdp import fully_shard
+
+    reference, patched, _ = patched_pair()
+    fully_shard(patched)
+    state = patched.state_dict()
+    assert list(state) == KEYS
+    for key, value in reference.state_dict().items():
+        whole = state[key].full_tensor() if key != "expert_bias_E" else state[key]  # a buffer
+        assert torch.equal(whole, value), key
+    x = torch.randn(2, 6, D)
+    y, grad_x = step(patched, x)
+    ref_y, ref_grad_x = step(reference, x)
+    assert rel_err(y, ref_y) < BF16 and rel_err(grad_x, ref_grad_x) < BF16
+    other, full = build_moe(seed=1), dcp.StateDictOptions(full_state_dict=True)
+    dcp.set_model_state_dict(patched, other.state_dict(), options=full)
+    assert_state_equal(dcp.get_model_state_dict(patched, options=full), other.state_dict())
+
+
 def test_what_is_not_torchtitans_swiglu_routed_experts_is_left():
     gpt_oss = build_moe(experts=GptOssGroupedExperts)
     expert_parallel = build_moe(dispatcher=AllToAllTokenDispatcher)

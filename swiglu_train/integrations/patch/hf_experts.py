@@ -34,6 +34,7 @@ from swiglu_train.integrations.patch.experts import (
     module_mismatch,
     weights_mismatch,
 )
+from swiglu_train.integrations.patch.module import _like
 from swiglu_train.integrations.patch.spec import _where, not_silu, same_code
 
 LIBRARY = "transformers"
@@ -97,7 +98,9 @@ class PatchedHFExperts(PatchedExperts):
     def take_host_state(self, state_dict: dict, prefix: str, error_msgs: list[str]) -> None:
         for ours, host in HOST_NAMES.items():
             if prefix + host in state_dict:
-                state_dict[prefix + ours] = state_dict.pop(prefix + host)
+                state_dict[prefix + ours] = _like(
+                    state_dict.pop(prefix + host), getattr(self, ours)
+                )
 
     def __getattr__(self, name: str):
         """``gate_up_proj``/``down_proj`` read as the parameters they are (``get_parameter``,

@@ -33,6 +33,7 @@ from swiglu_train.integrations.patch.experts import (
     module_mismatch,
     weights_mismatch,
 )
+from swiglu_train.integrations.patch.module import _like
 from swiglu_train.ops.experts import experts_mlp
 
 LIBRARY = "torchtitan"
@@ -94,9 +95,12 @@ class PatchedGroupedExperts(PatchedExperts):
                     f"from checkpoint, the shape in current model is {torch.Size(want)}."
                 )
             else:
-                state_dict[prefix + "fc1_weight"] = torch.cat([gate, up], dim=1)
+                fc1 = torch.cat([gate, up], dim=1)
+                state_dict[prefix + "fc1_weight"] = _like(fc1, self.fc1_weight)
         if prefix + "w2_EDF" in state_dict:
-            state_dict[prefix + "fc2_weight"] = state_dict.pop(prefix + "w2_EDF")
+            state_dict[prefix + "fc2_weight"] = _like(
+                state_dict.pop(prefix + "w2_EDF"), self.fc2_weight
+            )
 
     def __getattr__(self, name: str):
         """torchtitan's names read as its weights: ``w2_EDF`` is fc2 itself; ``w1_EFD`` and
