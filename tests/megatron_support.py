@@ -10,7 +10,12 @@ Megatron assumes CUDA in a few places that a CPU test still reaches:
 - the optimizers keep their loss scale in a ``torch.tensor(..., device="cuda")``, and the
   grad norm (without Apex or TE) its overflow flag and result in CUDA tensors;
 - DistributedOptimizer checks parameter type names for CUDA and gathers state with ``.cuda()``
-  (:func:`shim_distributed_optimizer`, installed only by the tests that build one).
+  (:func:`shim_distributed_optimizer`, installed only by the tests that build one);
+- MoE: the alltoall token dispatcher copies its split sizes to the host on a CUDA side stream
+  (as numpy arrays, the form the collectives take them in), and the aux-loss tracker keeps its
+  values in a ``torch.zeros(..., device="cuda")``; over expert-TP it all-gathers and
+  reduce-scatters uneven token counts, which NCCL runs and gloo does not
+  (:class:`_GlooUnevenCollectives`).
 
 :func:`shim_cuda_only_calls` points those at the CPU generator and CPU memory. The shims live
 here, in test code, because outside tests Megatron only runs on CUDA; they are installed in
@@ -38,7 +43,9 @@ from megatron.core.optimizer import clip_grads as mcore_clip_grads
 from megatron.core.optimizer import optimizer as mcore_optimizer
 from megatron.core.optimizer.optimizer import FP32Optimizer
 from megatron.core.pipeline_parallel import schedules
+from megatron.core.tensor_parallel import mappings as mcore_mappings
 from megatron.core.tensor_parallel import random as mcore_random
+from megatron.core.transformer.moe import moe_utils, token_dispatcher
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 
@@ -65,9 +72,43 @@ class _CpuRNGStatesTracker(mcore_random.CudaRNGStatesTracker):
             self.states_[name] = torch.get_rng_state()
 
 
+class _CpuStream:
+    """A CUDA stream and event stand-in: on the CPU every copy has finished when it returns."""
+
+    def wait_stream(self, stream: object) -> None:
+        pass
+
+    def record_event(self) -> _CpuStream:
+        return self
+
+    def synchronize(self) -> None:
+        pass
+
+
+class _CudaStreamsOnCpu:
+    """``torch.cuda`` as the MoE token dispatcher sees it: its side stream is the CPU's one."""
+
+    _stream = _CpuStream()
+
+    def __getattr__(self, name: str):
+        return getattr(torch.cuda, name)
+
+    def Stream(self, *args, **kwargs) -> _CpuStream:
+        return self._stream
+
+    def current_stream(self, *args, **kwargs) -> _CpuStream:
+        return self._stream
+
+    def stream(self, stream: _CpuStream) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext()
+
+
 class _TorchWithoutCudaFactories:
-    """The torch module as the schedules, optimizer and grad-norm modules see it, with the tensor
-    factories they call with ``device="cuda"`` allocating on the CPU."""
+    """The torch module as the schedules, optimizer, grad-norm and MoE modules see it, with the
+    tensor factories they call with ``device="cuda"`` allocating on the CPU, and CUDA streams
+    that are the CPU's."""
+
+    cuda = _CudaStreamsOnCpu()
 
     def __getattr__(self, name: str):
         return getattr(torch, name)
@@ -79,6 +120,49 @@ class _TorchWithoutCudaFactories:
     @staticmethod
     def tensor(*args, device=None, **kwargs) -> torch.Tensor:
         return torch.tensor(*args, **kwargs)
+
+
+class _GlooUnevenCollectives:
+    """``torch.distributed`` as Megatron's TP mappings see it, with the uneven all-gather and
+    reduce-scatter (tensors of different lengths per rank) run through gloo's even ones: the
+    gather pads every rank's tensor to the longest, the reduce-scatter all-reduces the whole."""
+
+    def __getattr__(self, name: str):
+        return getattr(torch.distributed, name)
+
+    @staticmethod
+    def all_gather(outputs: list, tensor: torch.Tensor, group=None, async_op=False) -> None:
+        sizes = [t.shape[0] for t in outputs]
+        if len(set(sizes)) == 1:
+            torch.distributed.all_gather(outputs, tensor, group=group)
+            return
+        padded = tensor.new_zeros(max(sizes), *tensor.shape[1:])
+        padded[: tensor.shape[0]] = tensor
+        gathered = [torch.empty_like(padded) for _ in sizes]
+        torch.distributed.all_gather(gathered, padded, group=group)
+        for out, full, n in zip(outputs, gathered, sizes, strict=True):
+            out.copy_(full[:n])
+
+    @staticmethod
+    def reduce_scatter(output: torch.Tensor, inputs: list, group=None, async_op=False) -> None:
+        total = torch.cat(inputs)
+        torch.distributed.all_reduce(total, group=group)
+        output.copy_(total.split([t.shape[0] for t in inputs])[group.rank()])
+
+
+class _TorchWithUnevenGloo:
+    """The torch module as Megatron's TP mappings see it (:class:`_GlooUnevenCollectives`)."""
+
+    distributed = _GlooUnevenCollectives()
+
+    def __getattr__(self, name: str):
+        return getattr(torch, name)
+
+
+def _host_copy_on_cpu(tensor, as_numpy: bool = False, record_stream: bool = False):
+    """The dispatcher's device-to-host copy for tensors already on the CPU: split sizes become
+    the numpy arrays its CUDA path makes (``all_to_all_single`` takes no tensor for them)."""
+    return tensor.numpy() if as_numpy and torch.is_tensor(tensor) else tensor
 
 
 def _l2_norm_on_cpu(chunk_size, noop_flag, tensor_lists, per_tensor, *args):
@@ -101,6 +185,9 @@ def shim_cuda_only_calls(seed: int = 1234) -> None:
     torch.cuda.synchronize = lambda device=None: None
     without_cuda = _TorchWithoutCudaFactories()
     schedules.torch = mcore_optimizer.torch = mcore_clip_grads.torch = without_cuda
+    token_dispatcher.torch = moe_utils.torch = without_cuda
+    token_dispatcher.maybe_move_tensor_to_cpu = _host_copy_on_cpu
+    mcore_mappings.torch = _TorchWithUnevenGloo()
     mcore_clip_grads.l2_norm_impl = _l2_norm_on_cpu
 
 

@@ -16,10 +16,9 @@ from swiglu_train.layers.registry import AUTO, MLP_IMPLS, PACKED_IMPLS, get_impl
 SUPPORTED_IMPLS: tuple[str, ...] = MLP_IMPLS
 
 
-def check_config(
-    config: TransformerConfig, is_expert: bool = False, own_gemms: bool = True
-) -> None:
-    """Refuse, with the reason, configs whose MLP math or kernels this layer cannot run.
+def config_problems(config: TransformerConfig, own_gemms: bool = True) -> list[str]:
+    """What in ``config`` a SwiGLU module of ours cannot run, one reason each (the dense MLPs'
+    and the routed experts' common ground).
 
     ``own_gemms=False`` (SwiGLUActivationMLP: Megatron's linears run the GEMMs, ours only the
     activation) skips the checks that concern only our GEMMs: FP8/FP4 among them, which TE's
@@ -32,8 +31,8 @@ def check_config(
         )
     if own_gemms and (getattr(config, "fp8", None) or getattr(config, "fp4", None)):
         problems.append(
-            "FP8/FP4 runs on Transformer Engine GEMMs, which this MLP replaces; unset "
-            "config.fp8/fp4, or use get_gpt_layer_spec('normal', backend='te')"
+            "FP8/FP4 runs on Transformer Engine GEMMs, which this module replaces (it would "
+            "run them in bf16); unset config.fp8/fp4"
         )
     if getattr(config, "use_te_activation_func", False):
         problems.append("use_te_activation_func would bypass our activation; set it False")
@@ -46,16 +45,30 @@ def check_config(
             "gradient_accumulation_fusion is not supported: our backward writes weight grads "
             "to param.grad; set gradient_accumulation_fusion=False"
         )
+    if getattr(config, "use_kitchen", False):
+        problems.append("use_kitchen changes the fc1 layout (stride 1); not supported")
+    return problems
+
+
+def check_config(
+    config: TransformerConfig, is_expert: bool = False, own_gemms: bool = True
+) -> None:
+    """Refuse, with the reason, configs whose MLP math or kernels this dense MLP cannot run
+    (:func:`config_problems`, and what only a dense MLP refuses)."""
+    problems = config_problems(config, own_gemms)
+    if own_gemms and (getattr(config, "fp8", None) or getattr(config, "fp4", None)):
+        problems.append("for FP8, use get_gpt_layer_spec('normal', backend='te')")
     if own_gemms and getattr(config, "gtp_weight_remat_size", 1) > 1:
         problems.append(
             "generalized tensor parallelism (gtp_weight_remat_size > 1, megatron-core 0.19) "
             "shards fc1/fc2 further and regathers them inside the linears, whose GEMMs this MLP "
             "replaces; set tensor_parallel_num_weight_shards = tensor_model_parallel_size"
         )
-    if getattr(config, "use_kitchen", False):
-        problems.append("use_kitchen changes the fc1 layout (stride 1); not supported")
     if is_expert:
-        problems.append("MoE experts use expert-parallel comms; use it for dense MLPs only")
+        problems.append(
+            "MoE experts use expert-parallel comms; use it for dense MLPs only (routed experts: "
+            "ParExpertsMegatron, through get_gpt_layer_spec(num_experts=...))"
+        )
     if problems:
         raise ValueError("ParMLPMegatron cannot run this config: " + "; ".join(problems))
 

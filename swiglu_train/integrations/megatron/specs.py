@@ -4,6 +4,11 @@ Only the MLP submodule differs from Megatron's own spec for the backend (``local
 for Transformer Engine), so attention, norms and every other layer follow whatever the
 installed megatron-core version builds. ``te`` needs transformer-engine, which megatron.core
 imports lazily; it is checked here, when the spec is built.
+
+MoE layers (``num_experts``) keep Megatron's ``MoELayer`` (router, token dispatcher, aux
+losses) with our routed experts (ParExpertsMegatron) and shared experts (ParSharedExpertMLP)
+in its slots, which megatron-core 0.16 fills from ModuleSpecs and 0.17+ by calling builders:
+the slots are rewritten in whichever form the installed version's own MoE spec has.
 """
 
 from __future__ import annotations
@@ -11,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 from functools import partial
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
 from megatron.core.models.backends import LocalSpecProvider
@@ -19,6 +24,7 @@ from megatron.core.models.gpt.gpt_layer_specs import (
     get_gpt_layer_local_spec,
     get_gpt_layer_with_transformer_engine_spec,
 )
+from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec
 from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 from megatron.core.transformer.mlp import MLP, MLPSubmodules
 from megatron.core.transformer.spec_utils import ModuleSpec
@@ -26,7 +32,9 @@ from megatron.core.transformer.transformer_layer import TransformerLayerSubmodul
 
 from swiglu_train.integrations.megatron.activation_mlp import SwiGLUActivationMLP
 from swiglu_train.integrations.megatron.checks import check_chunk, check_impl
+from swiglu_train.integrations.megatron.experts import ParExpertsMegatron, check_experts_impl
 from swiglu_train.integrations.megatron.mlp import ParMLPMegatron
+from swiglu_train.integrations.megatron.shared_experts import ParSharedExpertMLP
 from swiglu_train.layers.registry import check_saved_fp8
 
 if TYPE_CHECKING:
@@ -107,19 +115,68 @@ def get_gpt_layer_spec(
     inplace: bool = True,
     chunk: int | None = None,
     saved_fp8: bool = False,
+    num_experts: int | None = None,
 ) -> ModuleSpec:
     """Megatron's GPT TransformerLayer spec for ``backend`` with our MLP, for
     ``GPTModel(..., spec)``.
 
     ``backend="te"`` (impl ``normal`` only) takes Megatron's TE spec, whose norms follow
     ``config.normalization``: ``normalization`` applies to the local spec only.
+    ``num_experts``: an MoE layer (local backend; the config's ``num_moe_experts`` must match)
+    whose routed and shared experts run ``mlp_impl`` (:func:`moe_spec`).
     """
-    mlp = mlp_spec(mlp_impl, inplace, backend, chunk, saved_fp8)
-    if backend == "te":
-        layer = get_gpt_layer_with_transformer_engine_spec(qk_layernorm=qk_layernorm)
+    if num_experts is not None:
+        if backend != "local" or chunk is not None:
+            raise ValueError(
+                "num_experts: our MoE layer spec is the local backend's (Megatron's experts "
+                "there are SequentialMLP) and its experts keep a canonical fc1 (no chunk); "
+                f"got backend={backend!r}, chunk={chunk!r}"
+            )
+        check_experts_impl(mlp_impl, saved_fp8)
+        layer = get_gpt_layer_local_spec(
+            num_experts=num_experts, normalization=normalization, qk_layernorm=qk_layernorm
+        )
+        mlp = _with_our_experts(layer.submodules.mlp, mlp_impl, inplace, saved_fp8)
     else:
-        layer = get_gpt_layer_local_spec(normalization=normalization, qk_layernorm=qk_layernorm)
+        mlp = mlp_spec(mlp_impl, inplace, backend, chunk, saved_fp8)
+        if backend == "te":
+            layer = get_gpt_layer_with_transformer_engine_spec(qk_layernorm=qk_layernorm)
+        else:
+            layer = get_gpt_layer_local_spec(normalization=normalization, qk_layernorm=qk_layernorm)
     return dataclasses.replace(layer, submodules=dataclasses.replace(layer.submodules, mlp=mlp))
+
+
+def moe_spec(
+    num_experts: int, mlp_impl: str = "drop_h", inplace: bool = True, saved_fp8: bool = False
+) -> ModuleSpec | Callable[..., Any]:
+    """The MoE ``mlp`` slot alone, for any TransformerLayer-like spec: Megatron's MoELayer (its
+    local-backend spec for ``num_experts``) with our routed and shared experts running
+    ``mlp_impl`` ("drop_h", "normal" or "drop_h_quack"; ``saved_fp8`` with drop_h)."""
+    check_experts_impl(mlp_impl, saved_fp8)
+    stock = get_moe_module_spec(use_te=False, num_experts=num_experts)
+    return _with_our_experts(stock, mlp_impl, inplace, saved_fp8)
+
+
+def _with_our_experts(
+    moe: ModuleSpec | partial, impl: str, inplace: bool, saved_fp8: bool
+) -> ModuleSpec | partial:
+    """Megatron's MoE slot (a ModuleSpec of MoELayer on 0.16, ``partial(MoELayer,
+    submodules=...)`` on 0.18+) with our experts in its ``experts`` and ``shared_experts``
+    slots, each in the form the stock slot had (a ModuleSpec, or a builder to call)."""
+    params = {"impl": impl, "inplace": inplace, "saved_fp8": saved_fp8}
+    shared_linears = MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear)
+    is_spec = isinstance(moe, ModuleSpec)
+    submodules = moe.submodules if is_spec else moe.keywords["submodules"]
+    if isinstance(submodules.experts, ModuleSpec):  # megatron-core 0.16
+        experts = ModuleSpec(module=ParExpertsMegatron, params=params)
+        shared = ModuleSpec(module=ParSharedExpertMLP, params=params, submodules=shared_linears)
+    else:  # 0.17+: builders
+        experts = partial(ParExpertsMegatron, **params)
+        shared = partial(ParSharedExpertMLP, submodules=shared_linears, **params)
+    submodules = dataclasses.replace(submodules, experts=experts, shared_experts=shared)
+    if is_spec:
+        return dataclasses.replace(moe, submodules=submodules)
+    return partial(moe.func, *moe.args, **{**moe.keywords, "submodules": submodules})
 
 
 def get_mlp_layer_spec(
