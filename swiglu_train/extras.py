@@ -36,6 +36,14 @@ def install_command(extra: str) -> str:
     return f"pip install 'swiglu-train[{extra}]'"
 
 
+class MissingExtra(ImportError):
+    """An optional dependency missing, in one line that names the extra and the pip command
+    that bring it; the CLI prints it as it is."""
+
+    def __init__(self, what: str, extra: str) -> None:
+        super().__init__(f"{what}; the [{extra}] extra brings it: {install_command(extra)}")
+
+
 def missing_extra_line(module: str) -> str | None:
     """One line naming the extra that brings ``module`` (a dotted name is read by its top
     level); None for a module that no extra brings."""
@@ -49,11 +57,10 @@ def missing_extra_line(module: str) -> str | None:
 def explain(e: ImportError) -> str | None:
     """What to install, in one line, for an ImportError a command raised; None where no extra
     would help (a bug, or a broken install), so that its traceback is kept."""
+    if isinstance(e, MissingExtra):
+        return str(e)
     if e.name and (line := missing_extra_line(e.name)):
         return line
-    text = str(e).strip()
-    if "swiglu-train[" in text and "\n" not in text:  # our own errors name their extra
-        return text
     return None
 
 

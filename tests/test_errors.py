@@ -7,6 +7,7 @@ import torch
 from conftest import device_backends
 
 from swiglu_train import MLP_IMPLS, ParMLP
+from swiglu_train.extras import MissingExtra
 from swiglu_train.layers import PORTABLE_IMPLS
 from swiglu_train.ops import (
     DOUBLE_BACKWARD_ERROR,
@@ -230,7 +231,7 @@ def test_missing_quack_is_named_when_the_layer_is_built(monkeypatch):
     require_quack.cache_clear()
     try:
         for impl in ("drop_h_quack", "save_factors_quack"):
-            with pytest.raises(ImportError, match=r"quack-kernels.*swiglu-train\[quack\]"):
+            with pytest.raises(MissingExtra, match=r"quack-kernels.*the \[quack\] extra"):
                 ParMLP(16, 32, impl=impl)
     finally:
         require_quack.cache_clear()

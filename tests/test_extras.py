@@ -5,6 +5,7 @@ Modules are made missing the way Python itself reports one: ``sys.modules[name] 
 are dropped from the cache for the test, so their import runs again.
 """
 
+import ast
 import sys
 from pathlib import Path
 
@@ -56,6 +57,13 @@ CASES = {
     "pretrain --model litgpt": (
         ("pretrain", "--model", "litgpt:pythia-14m", "--output-dir", "{tmp}/run"),
         "litgpt",
+        (),
+    ),
+    "export-hf": (("export-hf", "{tmp}/run.ckpt", "{tmp}/hf"), "transformers", ()),
+    "import-hf": (("import-hf", "{tmp}/hf", "{tmp}/run.ckpt"), "transformers", ()),
+    "bench-grid --plot": (
+        ("bench-grid", "--merge", "{tmp}/r.json", "--plot", "{tmp}/p.png"),
+        "matplotlib",
         (),
     ),
     "compare-memory --wandb-workspace": (
@@ -111,3 +119,30 @@ def test_a_module_no_extra_brings_keeps_its_traceback(entry, monkeypatch):
     with pytest.raises(ModuleNotFoundError, match="swiglu_train_no_such_module"):
         app(args=["pretrain"], prog_name="swiglu-train")
     assert missing_extra_line("swiglu_train_no_such_module") is None
+
+
+def test_no_message_names_an_extra_without_the_pip_command_for_this_install():
+    """Messages that said "install swiglu-train[hf]" left a user of a clone (the README's
+    ``pip install -e .``) to work out the command; install_command writes it for either."""
+    found = []
+    for path in sorted((ROOT / "swiglu_train").rglob("*.py")):
+        if path.name == "extras.py":  # install_command: the one place that spells it
+            continue
+        tree = ast.parse(path.read_text())
+        docstrings = {
+            id(node.body[0].value)
+            for node in ast.walk(tree)
+            if isinstance(node, ast.Module | ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef)
+            and node.body
+            and isinstance(node.body[0], ast.Expr)
+            and isinstance(node.body[0].value, ast.Constant)
+        }
+        found += [
+            f"{path.relative_to(ROOT)}:{node.lineno}"
+            for node in ast.walk(tree)
+            if isinstance(node, ast.Constant)
+            and isinstance(node.value, str)
+            and "swiglu-train[" in node.value
+            and id(node) not in docstrings
+        ]
+    assert not found, found

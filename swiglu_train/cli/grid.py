@@ -19,6 +19,7 @@ from swiglu_train.cli.app import (
     require_device,
 )
 from swiglu_train.cli.bench_results import write_results
+from swiglu_train.extras import require
 from swiglu_train.files import write_json_atomic
 
 
@@ -127,10 +128,7 @@ def bench_grid(
             param_hint="'--auto-model'",
         )
     if plot_path is not None:
-        try:
-            import matplotlib  # noqa: F401
-        except ImportError as e:
-            raise typer.BadParameter("needs matplotlib: pip install 'swiglu-train[plot]'") from e
+        require("matplotlib")  # one line naming the extra, before the grid's minutes
     if merge:
         parts = {}
         for path in merge:

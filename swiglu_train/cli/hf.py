@@ -9,6 +9,7 @@ import typer
 from rich.markup import escape
 
 from swiglu_train.cli.app import app, check_output, console
+from swiglu_train.extras import require
 from swiglu_train.files import atomic_write
 
 
@@ -32,6 +33,8 @@ def export_hf(
 
     from swiglu_train.cli.checkpoints import read_sharded
     from swiglu_train.cli.torch_files import load_error
+
+    require("transformers", "safetensors")  # before the checkpoint is read: one line, the extra
     from swiglu_train.integrations.lightning.hf import export_hf as export
 
     if out.exists() and not (out.is_dir() and not any(out.iterdir())):
@@ -68,6 +71,7 @@ def import_hf(
     logits from our decoder; start a run from it with `pretrain --init-from`."""
     import torch
 
+    require("transformers", "safetensors")
     from swiglu_train.integrations.lightning.hf import import_hf as convert
 
     if not source.is_dir():

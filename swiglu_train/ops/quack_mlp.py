@@ -27,6 +27,7 @@ from typing import NamedTuple
 
 import torch
 
+from swiglu_train.extras import MissingExtra, install_command
 from swiglu_train.kernels.runtime import device_capability
 from swiglu_train.ops import gemm_choice
 from swiglu_train.ops.concat_gemm import concat_grad_w1, concat_grad_x
@@ -50,9 +51,10 @@ def require_quack():
     try:
         from quack import gemm_interface
     except ImportError as e:
-        raise ImportError(
-            "impls 'drop_h_quack' and 'save_factors_quack' need the quack-kernels package "
-            "(pip install 'swiglu-train[quack]') and a CUDA GPU of compute capability 9.0+"
+        raise MissingExtra(
+            "impls 'drop_h_quack' and 'save_factors_quack' need the quack-kernels package and a "
+            "CUDA GPU of compute capability 9.0+",
+            "quack",
         ) from e
     remember_missing_module(QUACK_OPTIONAL_HEURISTICS)
     return gemm_interface
@@ -142,7 +144,7 @@ def _unavailable_reason(device_index: int) -> str | None:
     try:
         require_quack()
     except ImportError:
-        return "quack-kernels is not installed (pip install 'swiglu-train[quack]')"
+        return f"quack-kernels is not installed ({install_command('quack')})"
     except Exception as e:  # an installed quack that fails to load must not break other impls
         return f"quack-kernels failed to load: {type(e).__name__}: {e}"
     return None

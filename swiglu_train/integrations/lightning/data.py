@@ -20,6 +20,8 @@ import torch
 from lightning.pytorch.utilities import rank_zero_warn
 from torch.utils.data import DataLoader, Dataset, Sampler
 
+from swiglu_train.extras import MissingExtra
+
 EOD = 256  # end-of-document id, after the 256 byte values
 
 
@@ -96,9 +98,8 @@ def _megatron_documents(prefix: str) -> list[tuple[str, np.ndarray]]:
     try:
         from megatron.core.datasets.indexed_dataset import IndexedDataset
     except ImportError as e:
-        raise ImportError(
-            f"--data {prefix!r} is a Megatron indexed dataset; install swiglu-train[megatron]"
-        ) from e
+        raise MissingExtra(f"--data {prefix!r} is a Megatron indexed dataset, which "
+                           "megatron-core reads", "megatron") from e  # fmt: skip
     dataset = IndexedDataset(prefix)
     # Copies: the items are views of a memory map that closes with the dataset.
     return [(f"{prefix}#{i}", np.array(dataset[i], dtype=np.int32)) for i in range(len(dataset))]

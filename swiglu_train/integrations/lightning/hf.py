@@ -24,6 +24,7 @@ from typing import Any
 import lightning
 import torch
 
+from swiglu_train.extras import MissingExtra
 from swiglu_train.files import atomic_directory
 from swiglu_train.integrations.lightning.checkpoint_record import LAYOUT_KEY
 from swiglu_train.integrations.lightning.config import TrainConfig
@@ -53,10 +54,8 @@ def _transformers():
     try:
         import transformers
     except ImportError as e:
-        raise ImportError(
-            "Hugging Face export and import need transformers and safetensors; "
-            "install swiglu-train[hf]"
-        ) from e
+        raise MissingExtra("Hugging Face export and import need transformers and safetensors",
+                           "hf") from e  # fmt: skip
     return transformers
 
 
