@@ -132,6 +132,16 @@ def test_checkpoints_round_trip_through_the_unpatched_model(tmp_path):
         patched.load_state_dict(state)
 
 
+def test_an_optimizer_made_before_patch_is_refused_for_the_joined_weights():
+    model = build_moe()
+    early = torch.optim.SGD(model.parameters(), lr=0.1)
+    swiglu_train.patch(model)
+    inner = model.routed_experts.inner_experts
+    assert inner.fc2_weight is inner.w2_EDF  # w2 adopted; w1 and w3 became fc1
+    with pytest.raises(RuntimeError, match=r"holds routed_experts\.inner_experts\.w1_EFD and "):
+        early.step()
+
+
 def test_fsdp2_fully_shard_after_patch(one_rank_gloo):
     import torch.distributed.checkpoint.state_dict as dcp
     from torch.distributed.fsdp import fully_shard

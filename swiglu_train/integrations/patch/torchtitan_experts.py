@@ -105,9 +105,9 @@ class PatchedGroupedExperts(PatchedExperts):
     def __getattr__(self, name: str):
         """torchtitan's names read as its weights: ``w2_EDF`` is fc2 itself; ``w1_EFD`` and
         ``w3_EFD`` are views of fc1's halves (write through ``load_state_dict``)."""
-        if name in HOST_ORDER:
+        if name in ("w1_EFD", "w3_EFD"):
             return self.host_state()[name]
-        return super().__getattr__(name)
+        return super().__getattr__("fc2_weight" if name == "w2_EDF" else name)
 
 
 class PatchedRoutedExperts(nn.Module):
