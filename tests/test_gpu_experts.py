@@ -86,7 +86,8 @@ def run(impl: str, fp8: bool, on: str, inputs: tuple) -> list[torch.Tensor]:
     leaves = [t.detach().clone().requires_grad_() for t in (x, w, fc1, fc2)]
     y = experts_mlp(leaves[0], idx, leaves[1], leaves[2], leaves[3], impl, fp8, on)
     y.backward(grad_y)
-    return [y.detach()] + [t.grad for t in leaves]
+    # With no tokens plain autograd may leave a leaf out of the graph: its gradient is zero
+    return [y.detach()] + [torch.zeros_like(t) if t.grad is None else t.grad for t in leaves]
 
 
 def loop(inputs: tuple, on: str, dtype: torch.dtype) -> list[torch.Tensor]:

@@ -91,11 +91,15 @@ def route(indices: torch.Tensor, weights: torch.Tensor, num_experts: int) -> Rou
 
 def combine(rows: torch.Tensor, plan: Routing, slot_weights: torch.Tensor | None) -> torch.Tensor:
     """[T, D]: each token's k sorted rows summed, each times its slot's weight if given
-    ([T, k], slot order): one deterministic gather-and-sum with fp32 accumulation."""
-    if plan.bags.shape[0] == 0:
-        return rows[:0]  # no tokens, so no rows: still in the graph
-    weights = None if slot_weights is None else slot_weights.to(rows.dtype)
-    return F.embedding_bag(plan.bags, rows, mode="sum", per_sample_weights=weights)
+    ([T, k], slot order), differentiable by autograd (``normal``'s; it keeps the gathered rows,
+    the expert outputs, for the weights' gradient). A batched GEMM over the k rows: fp32
+    accumulation, deterministic, and its backward runs for bf16 on CUDA, where
+    ``embedding_bag``'s per-sample-weights backward does not."""
+    t, k = plan.bags.shape
+    gathered = rows.index_select(0, plan.bags.reshape(-1)).view(t, k, rows.shape[1])
+    if slot_weights is None:
+        return gathered.sum(1)
+    return torch.bmm(slot_weights.to(rows.dtype).unsqueeze(1), gathered).squeeze(1)
 
 
 def gather_sum(
