@@ -24,13 +24,12 @@ from swiglu_train.layers.experts import ParExperts
 from swiglu_train.layers.layout import DTensor
 from swiglu_train.ops.experts import IMPLS
 
-# What a dense impl name means for the routed experts, which have fewer impls: save_factors
-# packs a dense fc1 and keeps h, which the experts' grouped kernels do not; auto has no experts
-# cost model yet. Both get drop_h's saved set, the one the experts' kernels are built for.
+# What a dense impl name means for the routed experts, which have fewer impls, and why: both
+# get drop_h's saved set, the one the experts' kernels are built for.
 _EXPERTS_IMPL = {
-    "save_factors": "drop_h",
-    "save_factors_quack": "drop_h_quack",
-    "auto": "drop_h",
+    "save_factors": ("drop_h", "save_factors has no routed-experts form"),
+    "save_factors_quack": ("drop_h_quack", "save_factors_quack has no routed-experts form"),
+    "auto": ("drop_h", "auto has no cost model for routed experts yet"),
 }
 
 
@@ -42,8 +41,8 @@ def resolve_experts_impl(impl: str, requested: str | None) -> tuple[str, str | N
         return requested, None
     if impl in IMPLS:
         return impl, None
-    chosen = _EXPERTS_IMPL[impl]
-    return chosen, f"{impl} has no routed-experts form, so {chosen}; experts_impl= names one"
+    chosen, why = _EXPERTS_IMPL[impl]
+    return chosen, f"{why}, so {chosen}; experts_impl= names one"
 
 
 class PatchedExperts(ParExperts):
