@@ -89,7 +89,7 @@ def test_no_grad_forward_is_not_checkpointed_and_bounds_are_checked() -> None:
         model.checkpoint_layers = 3
     with pytest.raises(ValueError, match=r"from 0 to num_layers=2"):
         ModelConfig(**SHAPE, checkpoint_layers=-1)
-    with pytest.raises(ValueError, match=r"whole number of blocks"):
+    with pytest.raises(ValueError, match=r"must be an integer from 0 to num_layers"):
         ModelConfig(**SHAPE, checkpoint_layers=1.5)
 
 

@@ -59,7 +59,7 @@ def test_a_usage_error_is_one_line_at_any_width(monkeypatch, tmp_path):
 
 def test_a_missing_config_is_one_line(entry):
     code, err = entry("pretrain", "--config", "nosuch")
-    assert code == 1
+    assert code == 2
     named = sorted(p.stem for p in CONFIG_DIR.glob("*.yaml"))  # the configs the package ships
     assert err == (
         f"error: config 'nosuch' not found; named configs: {named} "
@@ -69,7 +69,7 @@ def test_a_missing_config_is_one_line(entry):
 
 def test_an_unknown_impl_is_one_line(entry):
     code, err = entry("bench-memory", "--device", "cpu", "--mlp-impl", "fast[x]")
-    assert code == 1 and err.startswith("error: unknown MLP impl 'fast[x]'; valid impls: normal")
+    assert code == 2 and err.startswith("error: unknown MLP impl 'fast[x]'; valid impls: normal")
     assert err.count("\n") == 1
 
 
@@ -84,13 +84,13 @@ def test_debug_env_shows_the_traceback(entry, monkeypatch, value):
 def test_debug_env_off_keeps_one_line(entry, monkeypatch, value):
     monkeypatch.setenv(DEBUG_ENV, value)
     code, err = entry("pretrain", "--config", "nosuch")
-    assert code == 1 and err.count("\n") == 1
+    assert code == 2 and err.count("\n") == 1
 
 
 def test_an_error_line_prints_emoji_codes_and_brackets_as_typed(entry):
     """Rich would render ':x:' as an emoji and swallow '[bold]' as a tag."""
     code, err = entry("pretrain", "--config", "7b:x:1[bold]")
-    assert code == 1 and "config '7b:x:1[bold]' not found" in err
+    assert code == 2 and "config '7b:x:1[bold]' not found" in err
 
 
 def test_a_bug_is_not_taken_for_an_input_error(entry, monkeypatch):
@@ -189,14 +189,14 @@ def test_outputs_that_cannot_be_written_are_refused_before_the_work(tmp_path):
 def test_devices_lightning_refuses_are_one_line(entry, tmp_path, devices):
     """They failed inside the Trainer: a MisconfigurationException or TypeError traceback."""
     code, err = entry("pretrain", "--devices", devices, "--output-dir", str(tmp_path / "run"))
-    assert code == 1 and err.startswith("error: train.devices must be auto or a count of at least")
+    assert code == 2 and err.startswith("error: train.devices must be auto or a count of at least")
     assert err.count("\n") == 1 and not (tmp_path / "run").exists()
 
 
 def test_devices_in_a_config_are_checked_too(entry, tmp_path):
     (tmp_path / "c.yaml").write_text(f"train: {{devices: 0}}\noutput_dir: {tmp_path / 'run'}\n")
     code, err = entry("pretrain", "--config", str(tmp_path / "c.yaml"))
-    assert code == 1 and "train.devices must be auto or a count of at least 1" in err
+    assert code == 2 and "train.devices must be auto or a count of at least 1" in err
 
 
 class Opaque:
@@ -219,3 +219,42 @@ def test_a_file_that_is_not_a_checkpoint_is_named_without_torch_s_paragraphs(tmp
     assert "pass --trust if you trust the file" in result.output
     assert "\x1b[" not in result.output and "Please" not in result.output
     assert not (tmp_path / "out.pt").exists()
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ("pretrain", "--micro-batch-size", "-4"),  # click's own usage error
+        ("pretrain", "--max-steps", "0"),  # an option's range
+        ("pretrain", "--devices", "-3"),  # our config check (ValueError)
+        ("pretrain", "--config", "nosuch"),  # a file named that is missing (FileNotFoundError)
+        ("bench-memory", "--device", "cpu", "--mlp-impl", "fast"),  # the impl registry
+        ("convert", "--to", "sideways", "in.pt", "out.pt"),  # the command's own check
+    ],
+)
+def test_every_input_error_exits_2_as_a_usage_error_does(entry, tmp_path, args):
+    """A value the config check refused exited 1, the same value refused by click 2."""
+    code, err = entry(
+        *args, *(("--output-dir", str(tmp_path / "run")) if "pretrain" in args else ())
+    )
+    assert code == 2 and err.startswith("error: ") and err.count("\n") == 1, err
+
+
+@pytest.mark.parametrize(
+    ("option", "value", "says"),
+    [
+        ("--micro-batch-size", "-4", "must be a positive integer or auto, got '-4'"),
+        ("--micro-batch-size", "0", "must be a positive integer or auto, got '0'"),
+        ("--max-steps", "-1", "greater than or equal to 1"),
+        ("--global-batch-size", "-2", "greater than or equal to 1"),
+        ("--checkpoint-layers", "-1", "greater than or equal to 0"),
+        ("--mlp-chunk", "-3", "greater than or equal to 1"),
+        ("--memory-budget-gb", "-1", "must be positive GiB, got -1.0"),
+    ],
+)
+def test_a_negative_number_is_named_as_out_of_range(entry, tmp_path, option, value, says):
+    """``--micro-batch-size -4`` said "must be a whole number", which -4 is."""
+    extra = ("--activation-checkpointing", "auto") if option == "--memory-budget-gb" else ()
+    code, err = entry("pretrain", option, value, *extra, "--output-dir", str(tmp_path / "run"))
+    assert code == 2 and says in err and "whole number" not in err, err
+    assert not (tmp_path / "run").exists()

@@ -147,7 +147,7 @@ def test_an_input_that_cannot_be_read_is_one_line_naming_it(entry, tmp_path):
     folder = tmp_path / "a_folder.pt"
     folder.mkdir()
     code, err = entry(*CONVERT, str(folder), str(tmp_path / "out.pt"))
-    assert code == 1 and one_line(err).startswith(f"error: {folder}: Is a directory (")
+    assert code == 2 and one_line(err).startswith(f"error: {folder}: Is a directory (")
 
 
 def test_pretrain_names_its_output_dir_for_a_write_error_that_names_no_file(

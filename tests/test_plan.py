@@ -154,7 +154,7 @@ def test_micro_batches_are_the_global_batchs_divisors_and_bad_ones_are_refused()
     with pytest.raises(ValueError, match=r"needs a global batch to divide: set "
                        r"train.global_batch_size \(--global-batch-size\)"):  # fmt: skip
         micro_batches(None)
-    with pytest.raises(ValueError, match="must be a whole number of sequences, at least 1; got 0"):
+    with pytest.raises(ValueError, match=r"must be a positive integer \(sequences\); got 0"):
         micro_batches(0)
     with pytest.raises(ValueError, match="global batch 12 is not divisible by the micro-batch 5"):
         accumulation(12, 5)
@@ -219,7 +219,7 @@ def test_a_step_counts_its_micro_batches_and_the_optimizer_once():
     with pytest.raises(ValueError, match="needs an accumulating micro-batch timed"):
         step_tokens_per_s(100, 2, 0.1, None, 1.0)
     for bad in (0, 1.5, True):
-        with pytest.raises(ValueError, match="accumulation must be a whole number"):
+        with pytest.raises(ValueError, match="accumulation must be a positive integer"):
             step_tokens_per_s(100, bad, 0.1, 0.1, 1.0)
     with pytest.raises(ValueError, match=r"must add up to a positive time, got 0\.0 s"):
         step_tokens_per_s(100, 1, 0.0, None, 0.0)

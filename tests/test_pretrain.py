@@ -174,6 +174,7 @@ def test_resume_after_a_crash_repeats_the_uninterrupted_losses(
     resumed = run_pretrain(cfg, resume="last")
     assert not [w for w in recwarn if "not resumable" in str(w.message)]
     assert resumed["steps"] == 12
+    assert resumed["initial_loss"] == full["initial_loss"]  # the run's step 0, kept across
     assert list(resumed["losses"]) == [str(s) for s in range(5, 12)]
     for step, loss in resumed["losses"].items():
         assert loss == full["losses"][step], step  # bitwise: same batches, same state
@@ -459,7 +460,7 @@ def test_a_resume_into_another_fc1_layout_is_refused_before_anything_starts(
     args += ["--data", str(corpus / "*.py"), "--output-dir", str(run), "--resume", "last"]
     with pytest.raises(SystemExit) as exit_:
         app(args=args, prog_name="swiglu-train")
-    assert exit_.value.code == 1
+    assert exit_.value.code == 2
     errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and errors[0].startswith("error: checkpoint fc1 layout is "), errors
     for fix in (fits, "model: {mlp_impl: ", "swiglu-train convert --to "):
@@ -804,7 +805,7 @@ def test_cli_ddp_refuses_a_layout_once_before_launching_a_rank(tmp_path, corpus)
         text=True,
         timeout=600,
     )
-    assert done.returncode == 1, done.stdout[-3000:] + done.stderr[-3000:]
+    assert done.returncode == 2, done.stdout[-3000:] + done.stderr[-3000:]
     assert "GLOBAL_RANK: 1" not in done.stderr  # refused before the Trainer launched rank 1
     assert done.stderr.count("checkpoint fc1 layout is {'kind': 'packed'") == 1, done.stderr
     assert "pretrain summary" not in done.stdout

@@ -124,6 +124,6 @@ def test_cli_refuses_a_model_it_cannot_train_in_one_line(tmp_path, monkeypatch, 
         app(args=["pretrain", "--model", model, "--output-dir", str(tmp_path / "run")],
             prog_name="swiglu-train")  # fmt: skip
     err = capsys.readouterr().err
-    assert exit_.value.code == 1
+    assert exit_.value.code == 2
     assert message in " ".join(err.split()) and "Traceback" not in err
     assert not (tmp_path / "run").exists()  # refused before any output

@@ -25,6 +25,22 @@ DEBUG_ENV = "SWIGLU_TRAIN_DEBUG"
 # carries ``rank`` is raised alike by every rank of a distributed run (the same checkpoint
 # refused by each): rank 0 alone prints it.
 USER_ERRORS = (ValueError, OSError)
+# Exit codes. 2: the input was refused, as click exits for a usage error (a bad option value);
+# ours match it, so a value refused by a config check, or a file named that is missing or of the
+# wrong kind, exits as a bad option does. 1: the machine or the install failed the command (a
+# full disk, an I/O error, a missing extra).
+INPUT_ERROR = 2
+FAILURE = 1
+# OSErrors about the path the user named, not the machine: refused input (OSError(errno, ...)
+# is made one of these by its errno).
+INPUT_OS_ERRORS = (FileNotFoundError, NotADirectoryError, IsADirectoryError, PermissionError)
+
+
+def exit_code(e: Exception) -> int:
+    """INPUT_ERROR for a ValueError or an OSError about a named path, FAILURE for the rest."""
+    if isinstance(e, OSError) and not isinstance(e, INPUT_OS_ERRORS):
+        return FAILURE
+    return INPUT_ERROR
 
 
 def debugging() -> bool:
@@ -72,7 +88,7 @@ class OneLineUsageErrors(TyperGroup):
             sys.exit(e.exit_code)
         except typer.Abort:
             print_error("aborted")
-            sys.exit(1)
+            sys.exit(FAILURE)
         # Without standalone mode click returns typer.Exit's code, or the command's return value.
         sys.exit(result if isinstance(result, int) else 0)
 
@@ -88,19 +104,21 @@ class App(typer.Typer):
             if line is None or debugging():
                 raise
             print_error(line)
-            raise SystemExit(1) from None
+            raise SystemExit(FAILURE) from None
         except USER_ERRORS as e:
             if debugging():
                 raise
             if getattr(e, "rank", 0) == 0:
                 print_error(f"{error_text(e)} ({DEBUG_ENV}=1 shows the traceback)")
-            raise SystemExit(1) from None  # every rank stops, printed or not
+            raise SystemExit(exit_code(e)) from None  # every rank stops, printed or not
 
 
 app = App(
     cls=OneLineUsageErrors,
     help="SwiGLU MLP layers that give pretraining its activation memory back.\n\n"
-    f"Input errors print one line; set {DEBUG_ENV}=1 to see their traceback.",
+    f"Input errors print one line; set {DEBUG_ENV}=1 to see their traceback. Exit codes: "
+    f"{INPUT_ERROR}, the input was refused (an option, a config value or a file named); "
+    f"{FAILURE}, the machine or the install failed the command (a full disk, a missing extra).",
 )
 # soft_wrap: a printed line is never broken at the terminal's width (tables still fit it).
 console = Console(soft_wrap=True)

@@ -89,6 +89,11 @@ def compare_memory(
         raise typer.Exit(1) from e
 
 
+def positive_int(text: str) -> bool:
+    """Whether ``text`` is a count of at least 1, as digits (no sign, no point)."""
+    return text.isdigit() and int(text) >= 1
+
+
 @app.command()
 def pretrain(
     config: Annotated[
@@ -108,9 +113,10 @@ def pretrain(
     mlp_chunk: Annotated[
         int | None,
         typer.Option(
+            min=1,
             help="save_factors' fc1 pack chunk: rows per gate/up block, dividing the ffn size "
             "(default: the largest power of two up to 128 dividing it); refused with an impl "
-            "that does not pack, or with save_factors_quack (chunk 1) unless 1"
+            "that does not pack, or with save_factors_quack (chunk 1) unless 1",
         ),
     ] = None,
     saved_fp8: Annotated[
@@ -124,8 +130,9 @@ def pretrain(
     checkpoint_layers: Annotated[
         int | None,
         typer.Option(
+            min=0,
             help="activation-checkpoint the first N transformer blocks: each keeps only its "
-            "input for backward and runs its forward again there"
+            "input for backward and runs its forward again there",
         ),
     ] = None,
     activation_checkpointing: Annotated[
@@ -152,7 +159,7 @@ def pretrain(
         list[str] | None,
         typer.Option(help="text files or globs, .jsonl, or a Megatron .bin/.idx prefix"),
     ] = None,
-    max_steps: Annotated[int | None, typer.Option()] = None,
+    max_steps: Annotated[int | None, typer.Option(min=1)] = None,
     micro_batch_size: Annotated[
         str | None,
         typer.Option(
@@ -163,7 +170,7 @@ def pretrain(
     ] = None,
     global_batch_size: Annotated[
         int | None,
-        typer.Option(help="sequences per optimizer step, for --micro-batch-size auto"),
+        typer.Option(min=1, help="sequences per optimizer step, for --micro-batch-size auto"),
     ] = None,
     accelerator: Annotated[
         str | None, typer.Option(help="auto (a GPU where there is one), cpu or gpu")
@@ -199,9 +206,9 @@ def pretrain(
     from swiglu_train.memory.profiler import NOT_MEASURED
 
     auto_micro = micro_batch_size == "auto"
-    if micro_batch_size is not None and not auto_micro and not micro_batch_size.isdigit():
-        raise typer.BadParameter(f"must be a whole number or auto, got {micro_batch_size!r}",
-                                 param_hint="--micro-batch-size")  # fmt: skip
+    if micro_batch_size is not None and not auto_micro and not positive_int(micro_batch_size):
+        raise typer.BadParameter(f"must be a positive integer or auto, got {micro_batch_size!r}",
+                                 param_hint="'--micro-batch-size'")  # fmt: skip
     micro = int(micro_batch_size) if micro_batch_size is not None and not auto_micro else None
     cfg = load_config(config)
     if model is not None:  # first: its sizes replace the config's; --mlp-* then apply to it
@@ -259,9 +266,24 @@ def pretrain(
     console.print(table)
     if summary["after_forward_MiB"] is None:
         console.print(NOT_MEASURED, markup=False)
+    print_outputs(summary)
     if summary_json is not None:
         write_json_atomic(summary_json, summary)
         console.print(f"wrote {escape(str(summary_json))}")
+
+
+def print_outputs(summary: dict) -> None:
+    """Where the run's files went, one per line (never wrapped, so a path can be copied)."""
+    run = summary["wandb_run_dir"]
+    online = summary["wandb_url"]
+    lines = [
+        f"checkpoints: {summary['checkpoint_dir']} (continue the run with --resume last)",
+        f"memory per step: {summary['memory_csv']}",
+        f"W&B run: {online} ({run})" if online else
+        f"W&B run (offline): {run} (`wandb sync {run}` uploads it)",
+    ]  # fmt: skip
+    for line in lines:
+        console.print(line, markup=False, highlight=False)
 
 
 @app.command()

@@ -87,8 +87,8 @@ def micro_batches(global_batch_size: int | None) -> list[int]:
                          "train.global_batch_size (--global-batch-size), in sequences per "
                          "optimizer step")  # fmt: skip
     if isinstance(global_batch_size, bool) or not global_batch_size >= 1:
-        raise ValueError(f"train.global_batch_size (--global-batch-size) must be a whole number "
-                         f"of sequences, at least 1; got {global_batch_size!r}")  # fmt: skip
+        raise ValueError(f"train.global_batch_size (--global-batch-size) must be a positive "
+                         f"integer (sequences); got {global_batch_size!r}")  # fmt: skip
     return [m for m in range(global_batch_size, 0, -1) if global_batch_size % m == 0]
 
 
@@ -111,7 +111,7 @@ def step_tokens_per_s(
     each, as gradient accumulation runs it: the first micro-batch, ``accumulation - 1`` more
     at ``accumulating_s`` each (alike: one timed stands for all), and the optimizer once."""
     if isinstance(accumulation, bool) or not (isinstance(accumulation, int) and accumulation >= 1):
-        raise ValueError(f"accumulation must be a whole number of micro-batches, at least 1; "
+        raise ValueError(f"accumulation must be a positive integer (micro-batches); "
                          f"got {accumulation!r}")  # fmt: skip
     if accumulation > 1 and accumulating_s is None:
         raise ValueError(f"a step of {accumulation} micro-batches needs an accumulating "

@@ -68,13 +68,13 @@ class ModelConfig:
 
 
 def check_checkpoint_layers(cfg: ModelConfig) -> None:
-    """model.checkpoint_layers: a whole number of blocks from 0 to num_layers (a --model
+    """model.checkpoint_layers: an integer number of blocks from 0 to num_layers (a --model
     host's own, read from its config)."""
     n, where = cfg.checkpoint_layers, f"model.checkpoint_layers={cfg.checkpoint_layers!r}"
     if isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= cfg.num_layers:
         raise ValueError(
-            f"{where} (--checkpoint-layers) must be a whole number of blocks from 0 to "
-            f"num_layers={cfg.num_layers}"
+            f"{where} (--checkpoint-layers) must be an integer from 0 to "
+            f"num_layers={cfg.num_layers} (blocks)"
         )
 
 
@@ -103,7 +103,7 @@ def check_mlp_chunk(cfg: ModelConfig) -> None:
         return
     where = f"model.mlp_chunk={chunk!r} (--mlp-chunk)"
     if isinstance(chunk, bool) or not isinstance(chunk, int):
-        raise ValueError(f"{where} must be a whole number of rows")
+        raise ValueError(f"{where} must be a positive integer (rows)")
     if impl != AUTO and impl not in PACKED_IMPLS:
         raise ValueError(
             f"{where} packs fc1, but mlp_impl {impl!r} keeps fc1 canonical (unpacked): leave "

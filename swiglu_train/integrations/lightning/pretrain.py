@@ -29,6 +29,7 @@ from swiglu_train.integrations.lightning.module import PretrainModule
 from swiglu_train.integrations.lightning.planner import check_plan_settings, plan_run
 from swiglu_train.integrations.lightning.precision import resolve_precision
 from swiglu_train.integrations.lightning.pretune_hint import log_pretune_hints
+from swiglu_train.integrations.lightning.quiet import quiet_lightning
 from swiglu_train.integrations.lightning.resume import StepProgressBar, run_loggers
 from swiglu_train.integrations.lightning.sharded_checkpoint import (
     INDEX,
@@ -43,10 +44,12 @@ from swiglu_train.memory.wandb_run import CSV_NAME
 
 class LossAndThroughput(pl.Callback):
     """Per-optimizer-step mean loss over every rank, and tokens/s measured after the first
-    (warm-up) step."""
+    (warm-up) step. Step 0's loss is kept in the run's checkpoints, so that a resumed run's
+    summary reports the run's initial loss, not its own first step's."""
 
     def __init__(self) -> None:
         self.losses: dict[int, float] = {}
+        self.initial_loss: float | None = None  # None: resumed from a checkpoint that lacks it
         self._micro: list[float] = []
         self._tokens = 0
         self._start: float | None = None
@@ -63,6 +66,8 @@ class LossAndThroughput(pl.Callback):
         step = trainer.global_step - 1
         self.losses[step] = sum(self._micro) / len(self._micro)
         self._micro.clear()
+        if step == 0:
+            self.initial_loss = self.losses[step]
         if self._start is None:  # timing starts once compilation and autotuning are done
             self._start = time.perf_counter()
             return
@@ -70,6 +75,12 @@ class LossAndThroughput(pl.Callback):
         if pl_module.device.type == "cuda":
             torch.cuda.synchronize()
         self.tokens_per_s = self._tokens / (time.perf_counter() - self._start)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"initial_loss": self.initial_loss}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.initial_loss = state_dict.get("initial_loss")
 
 
 class StepCheckpoint(ModelCheckpoint):
@@ -153,45 +164,47 @@ def run_pretrain(
         save_last=True,
         save_top_k=-1,
     )
-    trainer = pl.Trainer(
-        max_steps=cfg.train.max_steps,
-        precision=precision,
-        accelerator=cfg.train.accelerator,
-        devices=cfg.train.devices,
-        strategy=trainer_strategy(cfg.train.strategy, cfg.train.devices),
-        accumulate_grad_batches=cfg.train.accumulate_grad_batches,
-        gradient_clip_val=cfg.train.gradient_clip_val,
-        # Lightning counts micro-batches; the config, like max_steps, counts optimizer steps.
-        val_check_interval=cfg.train.val_check_interval * cfg.train.accumulate_grad_batches,
-        limit_val_batches=None if data.has_validation else 0,
-        check_val_every_n_epoch=None,
-        log_every_n_steps=cfg.train.log_every_n_steps,
-        logger=[wandb_logger, csv_logger],
-        callbacks=[memory, history, checkpoints, StepProgressBar()],
-        use_distributed_sampler=False,  # the step sampler shards by rank itself
-        default_root_dir=out,
-        num_sanity_val_steps=0,
-    )
-    module.data_record = data_record(cfg, data, trainer.world_size)
-    if ckpt_path is not None:
-        _check_data(Path(ckpt_path), resumed[LAYOUT_KEY].get("data"), module.data_record)
-    try:
-        trainer.fit(module, datamodule=data, ckpt_path=ckpt_path)
-    finally:  # a crashed run must not stay the process's active W&B run
-        wandb_logger.experiment.finish()
+    with quiet_lightning():  # Lightning's tip and deprecation warning, not the user's
+        trainer = pl.Trainer(
+            max_steps=cfg.train.max_steps,
+            precision=precision,
+            accelerator=cfg.train.accelerator,
+            devices=cfg.train.devices,
+            strategy=trainer_strategy(cfg.train.strategy, cfg.train.devices),
+            accumulate_grad_batches=cfg.train.accumulate_grad_batches,
+            gradient_clip_val=cfg.train.gradient_clip_val,
+            # Lightning counts micro-batches; the config, like max_steps, counts optimizer steps.
+            val_check_interval=cfg.train.val_check_interval * cfg.train.accumulate_grad_batches,
+            limit_val_batches=None if data.has_validation else 0,
+            check_val_every_n_epoch=None,
+            log_every_n_steps=cfg.train.log_every_n_steps,
+            logger=[wandb_logger, csv_logger],
+            callbacks=[memory, history, checkpoints, StepProgressBar()],
+            use_distributed_sampler=False,  # the step sampler shards by rank itself
+            default_root_dir=out,
+            num_sanity_val_steps=0,
+        )
+        module.data_record = data_record(cfg, data, trainer.world_size)
+        if ckpt_path is not None:
+            _check_data(Path(ckpt_path), resumed[LAYOUT_KEY].get("data"), module.data_record)
+        try:
+            trainer.fit(module, datamodule=data, ckpt_path=ckpt_path)
+        finally:  # a crashed run must not stay the process's active W&B run
+            wandb_logger.experiment.finish()
     if not trainer.is_global_zero:
         return None
     losses = [history.losses[k] for k in sorted(history.losses)]
     val = trainer.callback_metrics.get("val/loss")
     mem = memory.max_metrics
     mlp = module.model.layers[0].mlp
+    run = wandb_logger.experiment  # finished, and still naming where it went
     return {
         "mlp_impl": mlp.impl,  # what ran: "auto" is resolved when the model is built
         "mlp_auto_reason": mlp.auto_reason,
         "saved_fp8": mlp.saved_fp8,  # mlp_impl's saved preactivation in FP8
         "seed": cfg.train.seed,
         "steps": trainer.global_step,
-        "initial_loss": losses[0] if losses else None,
+        "initial_loss": history.initial_loss,  # step 0's, across a resume
         "final_loss": losses[-1] if losses else None,
         "val_loss": float(val) if val is not None else None,
         "losses": {str(k): v for k, v in sorted(history.losses.items())},
@@ -201,6 +214,9 @@ def run_pretrain(
         "peak_MiB": mem.get("memory/peak_MiB"),
         "memory_csv": str(memory.csv.path) if memory.csv else None,
         "output_dir": str(out),
+        "checkpoint_dir": str(out / "checkpoints"),  # as given (Lightning resolves dirpath)
+        "wandb_run_dir": run.settings.sync_dir,  # this segment's, offline or online
+        "wandb_url": None if run.offline else run.url,  # offline, wandb warns that it has none
         "checkpoint_layers": cfg.model.checkpoint_layers,
         "micro_batch_size": cfg.data.micro_batch_size,  # as ran: the plan's with auto
         "accumulate_grad_batches": cfg.train.accumulate_grad_batches,

@@ -47,6 +47,9 @@ def run_loggers(
         config=cfg.to_dict(),
         id=ids.get("wandb_run_id") or secrets.token_hex(4),  # W&B ids: letters and digits
     )
+    # Lightning passes anonymous=None to wandb.init, where any value is a deprecated setting that
+    # prints "The anonymous setting has no effect" at every run: leave it unset.
+    wandb_logger._wandb_init.pop("anonymous", None)
     csv_logger = ContinuedCSVLogger(
         out, name="csv", version=ids.get("csv_version"), resume_step=resume_step
     )
