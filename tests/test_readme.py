@@ -2,8 +2,10 @@
 CPU, as the README says they run), and each line of its bash blocks is a command this clone
 knows, with options and extras that exist."""
 
+import ast
 import re
 import shlex
+import subprocess
 import tomllib
 from pathlib import Path
 
@@ -12,6 +14,8 @@ import typer.main
 from typer.testing import CliRunner
 
 from swiglu_train.cli import app
+from swiglu_train.extras import EXTRAS as EXTRA_OF_MODULE
+from swiglu_train.integrations.lightning.config import PretrainConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text()
@@ -72,3 +76,40 @@ def test_relative_links_point_at_files_of_this_clone():
     assert local
     missing = [link for link in local if not (ROOT / link).exists()]
     assert not missing, missing
+
+
+def test_a_python_block_names_the_extras_of_what_it_imports():
+    """The "Your own model" block imported litgpt and transformers without saying which extras
+    bring them: its section must say, in a pip line before the block."""
+    for block in re.finditer(r"^```python\n(.*?)^```", README, re.M | re.S):
+        imported = {
+            name.partition(".")[0]
+            for node in ast.walk(ast.parse(block[1]))
+            for name in (
+                [a.name for a in node.names] if isinstance(node, ast.Import)
+                else [node.module] if isinstance(node, ast.ImportFrom) and node.module
+                else []
+            )
+        }  # fmt: skip
+        needed = {EXTRA_OF_MODULE[m][1] for m in imported if m in EXTRA_OF_MODULE}
+        section = README[README.rfind("\n## ", 0, block.start()) : block.start()]
+        named = {e for found in re.findall(r'pip install -e "\.\[([\w,]+)\]"', section)
+                 for e in found.split(",")}  # fmt: skip
+        assert needed <= named, f"{sorted(needed - named)} not named before {block[1][:60]!r}"
+
+
+@pytest.mark.skipif(not (ROOT / ".git").exists(), reason="reads this clone's .gitignore with git")
+def test_what_the_quickstart_writes_is_git_ignored():
+    """Its run directory, PNG and HTML showed in the clone's `git status`."""
+    written = []
+    for words in map(shlex.split, bash_lines()):
+        if words[:2] == ["swiglu-train", "pretrain"]:
+            out = words[words.index("--output-dir") + 1] if "--output-dir" in words else None
+            written.append(f"{out or PretrainConfig().output_dir}/checkpoints/last.ckpt")
+        elif words[:2] == ["swiglu-train", "compare-memory"]:
+            out = Path(words[words.index("--out") + 1])
+            written += [str(out), str(out.with_suffix(".html"))]
+    assert written
+    done = subprocess.run(["git", "check-ignore", "--no-index", *written], cwd=ROOT,
+                          capture_output=True, text=True)  # fmt: skip
+    assert sorted(done.stdout.split()) == sorted(written), done.stderr
