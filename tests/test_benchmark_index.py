@@ -13,7 +13,10 @@ RESULTS = ROOT / "benchmarks" / "results"
 INDEX = ROOT / "benchmarks" / "README.md"
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 # a result named in backticks, by path or by name: grid_h200.md, e2e/e2e_3b_h200.{json,md,png}
-CITED_PATH = re.compile(r"benchmarks/results/[\w./{},-]*[\w}]")
+# where a command writes (--out, --json, --md, --plot), the file may be one it will make
+CITED_PATH = re.compile(
+    r"(?<!--out )(?<!--json )(?<!--md )(?<!--plot )benchmarks/results/[\w./{},-]*[\w}]"
+)
 CITED_NAME = re.compile(r"`([\w/{},-]+_(?:h200|h100|cpu)(?:\.[\w{},]+)+)`")
 
 
