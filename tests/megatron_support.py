@@ -17,6 +17,11 @@ Megatron assumes CUDA in a few places that a CPU test still reaches:
   reduce-scatters uneven token counts, which NCCL runs and gloo does not
   (:class:`_GlooUnevenCollectives`).
 
+And one shim saves time only: dist-ckpt's writer collects its write results in a queue of a
+``spawn``-context multiprocessing Manager, whose server process re-imports torch (about 10 s on
+two busy cores) at the first save; these saves are synchronous, so results are put and taken in
+the saving process, and a plain queue serves.
+
 :func:`shim_cuda_only_calls` points those at the CPU generator and CPU memory. The shims live
 here, in test code, because outside tests Megatron only runs on CUDA; they are installed in
 the spawned worker processes only, never in the pytest process.
@@ -26,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import queue
 import socket
 import tempfile
 from collections.abc import Callable, Iterator
@@ -38,6 +44,7 @@ pytest.importorskip("megatron.core", reason="needs the megatron extra")
 
 from megatron.core import parallel_state
 from megatron.core import utils as mcore_utils
+from megatron.core.dist_checkpointing.strategies import filesystem_async
 from megatron.core.optimizer import OptimizerConfig
 from megatron.core.optimizer import clip_grads as mcore_clip_grads
 from megatron.core.optimizer import optimizer as mcore_optimizer
@@ -188,6 +195,7 @@ def shim_cuda_only_calls(seed: int = 1234) -> None:
     token_dispatcher.torch = moe_utils.torch = without_cuda
     token_dispatcher.maybe_move_tensor_to_cpu = _host_copy_on_cpu
     mcore_mappings.torch = _TorchWithUnevenGloo()
+    filesystem_async._results_queue = queue.Queue()
     mcore_clip_grads.l2_norm_impl = _l2_norm_on_cpu
 
 

@@ -96,9 +96,11 @@ def is_swiglu_mlp(module: nn.Module) -> bool:
 def mlp_label(module: nn.Module) -> str:
     """The MLP's impl as runs are compared by: ``drop_h+fp8`` when it saves its preactivation in
     FP8 (ParMLP and the Megatron adapter both say so in ``saved_fp8``), else the impl's name;
-    routed experts as ``experts/`` and theirs, so a MoE model's two kinds stay apart."""
+    routed experts (ParExperts, or an adapter saying ``ROUTED_EXPERTS``) as ``experts/`` and
+    theirs, so a MoE model's two kinds stay apart."""
     label = impl_label(module.impl, getattr(module, "saved_fp8", False))
-    return f"experts/{label}" if isinstance(module, ParExperts) else label
+    routed = isinstance(module, ParExperts) or getattr(module, "ROUTED_EXPERTS", False)
+    return f"experts/{label}" if routed else label
 
 
 def find_layers(

@@ -1,5 +1,6 @@
 """The recipe's command line: Megatron's recompute options checked in the combinations its
-TransformerConfig takes, and ``--plan``, a plan of swiglu-train's planner."""
+TransformerConfig takes, ``--plan``, a plan of swiglu-train's planner, and the MoE options
+(``--num-experts``: every layer an MoE layer whose experts run ``--mlp-impl``)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from swiglu_train.layers.registry import (
     saved_fp8_labels,
 )
 from swiglu_train.memory.budget import split_candidate
+from swiglu_train.ops.experts import IMPLS as EXPERTS_IMPLS
 
 AUTO = "auto"
 
@@ -80,6 +82,26 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         action="store_true",
         help="drop_h only: keep the saved preactivation in FP8 (e4m3, a scale per 128 columns)",
     )
+    p.add_argument(
+        "--num-experts",
+        type=int,
+        default=None,
+        help="MoE: every layer's MLP is a Megatron MoELayer of this many routed experts, run by "
+        "--mlp-impl (ours: drop_h, normal, drop_h_quack; stock: Megatron's SequentialMLP)",
+    )
+    p.add_argument("--moe-router-topk", type=int, default=None, help="experts per token (2)")
+    p.add_argument(
+        "--moe-ffn-hidden-size", type=int, default=None, help="each expert's F (--ffn-hidden-size)"
+    )
+    p.add_argument(
+        "--moe-token-dispatcher-type", choices=["alltoall", "allgather"], default=None,
+        help="Megatron's token dispatcher (alltoall)",
+    )  # fmt: skip
+    p.add_argument(
+        "--moe-aux-loss-coeff", type=float, default=None,
+        help="the router's load-balancing loss weight (1e-2)",
+    )  # fmt: skip
+    p.add_argument("--ep", type=int, default=None, help="expert parallel size (1)")
     p.add_argument("--tp", type=int, default=1)
     p.add_argument("--pp", type=int, default=1)
     p.add_argument("--dp", type=int, default=None, help="checked against WORLD_SIZE/(tp*pp)")
@@ -177,6 +199,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.micro_batch_size = 4 if args.micro_batch_size is None else args.micro_batch_size
         args.num_microbatches = 1 if args.num_microbatches is None else args.num_microbatches
     check_recompute(p, args)
+    check_moe(p, args)
     if args.manual_gc_interval < 0 or (args.manual_gc_interval and not args.manual_gc):
         p.error(f"--manual-gc-interval {args.manual_gc_interval} needs --manual-gc and N >= 0")
     if args.device == "cpu" and not args.create_attention_mask_in_dataloader:
@@ -351,3 +374,41 @@ def check_recompute(p: argparse.ArgumentParser, args: argparse.Namespace) -> Non
         )
     if method == "uniform" and n < 1:
         p.error(f"--recompute-num-layers must be at least 1, got {n}")
+
+
+MOE_OPTIONS = {  # the MoE flags' defaults, set once --num-experts makes the model MoE
+    "moe_router_topk": 2,
+    "moe_token_dispatcher_type": "alltoall",
+    "moe_aux_loss_coeff": 1e-2,
+    "ep": 1,
+}
+
+
+def check_moe(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """The MoE options: together with --num-experts, with an impl that runs routed experts, in
+    a layout Megatron's MoELayer takes; their defaults filled in."""
+    given = [f for f in (*MOE_OPTIONS, "moe_ffn_hidden_size") if getattr(args, f) is not None]
+    if args.num_experts is None:
+        if given:
+            flags = ", ".join("--" + f.replace("_", "-") for f in given)
+            p.error(f"{flags} configure MoE layers: add --num-experts")
+        args.ep = 1
+        return
+    for name, default in MOE_OPTIONS.items():
+        setattr(args, name, default if getattr(args, name) is None else getattr(args, name))
+    args.moe_ffn_hidden_size = args.moe_ffn_hidden_size or args.ffn_hidden_size
+    if args.num_experts < 1 or not 1 <= args.moe_router_topk <= args.num_experts:
+        p.error(f"--num-experts {args.num_experts} and --moe-router-topk {args.moe_router_topk}: "
+                "need 1 <= topk <= experts")  # fmt: skip
+    if args.ep < 1 or args.num_experts % args.ep:
+        p.error(f"--ep {args.ep} must divide --num-experts {args.num_experts}")
+    runnable = (*EXPERTS_IMPLS, *STOCK)
+    if args.mlp_impl not in runnable:
+        p.error(f"--num-experts: --mlp-impl {args.mlp_impl} does not run routed experts; choose "
+                f"one of {', '.join(runnable)}")  # fmt: skip
+    if args.activation_checkpointing is not None or args.plan is not None:
+        p.error("--num-experts: the planner (--plan, --activation-checkpointing auto) measures "
+                "dense MLPs; set the impl and recompute by hand")  # fmt: skip
+    if args.tp > 1 and not args.sequence_parallel:
+        p.error("--num-experts with --tp > 1 needs --sequence-parallel (Megatron's MoELayer "
+                "refuses to train with TP otherwise)")  # fmt: skip

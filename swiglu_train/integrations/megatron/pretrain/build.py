@@ -21,6 +21,7 @@ from megatron.core.transformer.module import Float16Module
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from swiglu_train.integrations.megatron import get_gpt_layer_spec
+from swiglu_train.integrations.megatron.experts import router_runs_without_te
 from swiglu_train.integrations.megatron.pretrain.args import MEGATRON_MLP
 from swiglu_train.integrations.megatron.pretrain.peers import patch_liger_swiglu
 
@@ -40,13 +41,33 @@ def initialize(args: argparse.Namespace) -> None:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     torch.distributed.init_process_group(backend)
     parallel_state.initialize_model_parallel(
-        tensor_model_parallel_size=args.tp, pipeline_model_parallel_size=args.pp
+        tensor_model_parallel_size=args.tp,
+        pipeline_model_parallel_size=args.pp,
+        expert_model_parallel_size=args.ep,
     )
     dp = parallel_state.get_data_parallel_world_size()
     if args.dp is not None and args.dp != dp:
         raise ValueError(f"--dp {args.dp} but WORLD_SIZE/(tp*pp) gives {dp}")
     torch.manual_seed(args.seed)
     tensor_parallel.model_parallel_cuda_manual_seed(args.seed)
+
+
+def moe_fields(args: argparse.Namespace) -> dict:
+    """The TransformerConfig fields of --num-experts (none for a dense model): Megatron's
+    top-k router with its aux-loss load balancing."""
+    if args.num_experts is None:
+        return {}
+    return {
+        "num_moe_experts": args.num_experts,
+        "moe_router_topk": args.moe_router_topk,
+        # softmax over one chosen logit has no gradient: Megatron takes top-1 only pre-softmax
+        "moe_router_pre_softmax": args.moe_router_topk == 1,
+        "moe_ffn_hidden_size": args.moe_ffn_hidden_size,
+        "moe_token_dispatcher_type": args.moe_token_dispatcher_type,
+        "moe_router_load_balancing_type": "aux_loss",
+        "moe_aux_loss_coeff": args.moe_aux_loss_coeff,
+        "expert_model_parallel_size": args.ep,
+    }
 
 
 def transformer_config(args: argparse.Namespace) -> TransformerConfig:
@@ -74,6 +95,7 @@ def transformer_config(args: argparse.Namespace) -> TransformerConfig:
         recompute_granularity=args.recompute_granularity,
         recompute_method=args.recompute_method,
         recompute_num_layers=args.recompute_num_layers,
+        **moe_fields(args),
     )
 
 
@@ -82,10 +104,13 @@ def build_model(args: argparse.Namespace, config: TransformerConfig) -> Distribu
         said = patch_liger_swiglu()
         if torch.distributed.get_rank() == 0:
             print(said)
+    experts = {"num_experts": args.num_experts} if args.num_experts is not None else {}
     if args.mlp_impl in MEGATRON_MLP:
-        spec = get_gpt_layer_local_spec(normalization="RMSNorm")
+        spec = get_gpt_layer_local_spec(normalization="RMSNorm", **experts)
+        if experts:
+            router_runs_without_te()  # ours calls it when built; stock MoE needs it too
     else:
-        spec = get_gpt_layer_spec(args.mlp_impl, saved_fp8=args.saved_fp8)
+        spec = get_gpt_layer_spec(args.mlp_impl, saved_fp8=args.saved_fp8, **experts)
     model = GPTModel(
         config,
         spec,
