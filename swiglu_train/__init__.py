@@ -1,8 +1,8 @@
 """swiglu-train: SwiGLU MLP layers that give pretraining their activation memory back."""
 
-from swiglu_train.layers import MLP_IMPLS, PORTABLE_IMPLS, ParMLP
+from swiglu_train.layers import MLP_IMPLS, PORTABLE_IMPLS, ParExperts, ParMLP
 
-__all__ = ["MLP_IMPLS", "PORTABLE_IMPLS", "ParMLP", "PatchReport", "patch"]
+__all__ = ["MLP_IMPLS", "PORTABLE_IMPLS", "ParExperts", "ParMLP", "PatchReport", "patch"]
 __version__ = "0.1.0"
 
 _LAZY = {"patch", "PatchReport"}  # integrations sit above layers: imported on first use

@@ -1,5 +1,6 @@
-"""The ParMLP module and the impl registry."""
+"""The ParMLP and ParExperts modules and the impl registry."""
 
+from swiglu_train.layers.experts import ParExperts
 from swiglu_train.layers.par_mlp import ParMLP
 from swiglu_train.layers.registry import (
     IMPL_CHOICES,
@@ -9,4 +10,12 @@ from swiglu_train.layers.registry import (
     get_impl,
 )
 
-__all__ = ["IMPL_CHOICES", "MLP_IMPLS", "PORTABLE_IMPLS", "ParMLP", "check_impl_name", "get_impl"]
+__all__ = [
+    "IMPL_CHOICES",
+    "MLP_IMPLS",
+    "PORTABLE_IMPLS",
+    "ParExperts",
+    "ParMLP",
+    "check_impl_name",
+    "get_impl",
+]
