@@ -27,10 +27,11 @@ import torch
 import torch.nn.functional as F
 from helpers import rel_err
 from megatron_support import make_optimizer, shim_cuda_only_calls, spawn, swiglu_config
-from test_megatron_mlp import PARITY, SEQ, VOCAB, build_gpt
+from test_megatron_mlp import PARITY, SEQ, VOCAB, build_gpt, stock_submodules
 
 from megatron.core import dist_checkpointing, parallel_state  # isort: skip
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec  # isort: skip
+from megatron.core.transformer.moe import token_dispatcher  # isort: skip
 from megatron.core.transformer.moe.experts import SequentialMLP  # isort: skip
 from megatron.core.transformer.moe.moe_layer import MoELayer, MoESubmodules  # isort: skip
 from megatron.core.transformer.moe.shared_experts import SharedExpertMLP  # isort: skip
@@ -158,10 +159,18 @@ def _parity() -> None:
             )
             _parity_case("EP=2 top-1 probs on input", on_input)
         padded = moe_config(ep=2)
-        # Megatron takes router padding only with fp8 (which our GEMMs refuse), so set after
-        # validation: every expert's rows padded to a multiple of 16 with probability 0.
+        # Megatron pads only under FP8/FP4 (which our GEMMs refuse), taking the alignment from
+        # the FP8 recipe: set after validation, with the alignment given here, every expert's
+        # rows are padded to a multiple of 16 with probability 0.
         padded.moe_router_padding_for_quantization = True
-        _parity_case("EP=2 router padding, drop_h on Triton (interpreted)", padded, seed=5)
+        align, token_dispatcher.get_align_size_for_quantization = (
+            token_dispatcher.get_align_size_for_quantization,
+            lambda config: 16,
+        )
+        try:
+            _parity_case("EP=2 router padding, drop_h on Triton (interpreted)", padded, seed=5)
+        finally:
+            token_dispatcher.get_align_size_for_quantization = align
 
 
 def _experts_of(model, kind: str, optimizer) -> dict:
@@ -301,32 +310,52 @@ def test_moe_parity_and_checkpoints_against_sequential_mlp(tmp_path: Path) -> No
     spawn(_worker, WORLD, str(tmp_path))
 
 
-def test_moe_specs_put_our_experts_in_megatrons_slots() -> None:
-    """0.16's ModuleSpecs (from the layer spec and moe_spec) and 0.17+'s builders, rewritten in
-    the form they came in; what the rest of the MoE layer is stays Megatron's."""
-    layer = get_gpt_layer_spec("normal", num_experts=EXPERTS, saved_fp8=False)
-    for moe in (layer.submodules.mlp, moe_spec(EXPERTS, "drop_h", saved_fp8=True)):
-        assert moe.module is MoELayer
-        experts, shared = moe.submodules.experts, moe.submodules.shared_experts
-        assert experts.module is ParExpertsMegatron and shared.module is ParSharedExpertMLP
-    assert layer.submodules.mlp.submodules.experts.params["impl"] == "normal"
-    assert moe.submodules.experts.params == {"impl": "drop_h", "inplace": True, "saved_fp8": True}
-    stock = stock_spec()
-    assert layer.submodules.pre_mlp_layernorm == stock.submodules.pre_mlp_layernorm
-    assert layer.submodules.mlp.submodules.router is stock.submodules.mlp.submodules.router
+def _slot(spec: ModuleSpec | partial) -> tuple[type, dict, object]:
+    """(class, parameters, submodules) of a ModuleSpec or of a builder bound with partial."""
+    if isinstance(spec, ModuleSpec):
+        return spec.module, spec.params, spec.submodules
+    keywords = dict(spec.keywords)
+    return spec.func, keywords, keywords.pop("submodules", None)
 
+
+def test_moe_specs_put_our_experts_in_megatrons_slots() -> None:
+    """The installed version's form (0.16: ModuleSpecs; 0.17+: builders) from the layer spec and
+    moe_spec, and the other form rewritten too; the rest of the MoE layer stays Megatron's."""
+    layer = get_gpt_layer_spec("normal", num_experts=EXPERTS, saved_fp8=False)
+    stock = stock_spec()
     builder = partial(
         MoELayer,
         submodules=MoESubmodules(experts=partial(SequentialMLP), shared_experts=partial(print)),
     )
-    ours = _with_our_experts(builder, "drop_h", False, True)
-    assert ours.func is MoELayer
-    experts = ours.keywords["submodules"].experts
-    assert experts.func is ParExpertsMegatron and experts.keywords["inplace"] is False
-    # the calls megatron-core 0.18+ make: experts(num_local, config, pg_collection=, name=)
-    inspect.signature(experts).bind(2, "config", pg_collection=None, name="experts")
-    shared = ours.keywords["submodules"].shared_experts
-    inspect.signature(shared).bind(config="c", pg_collection=None, gate=False, name="shared")
+    legacy = ModuleSpec(
+        module=MoELayer,
+        submodules=MoESubmodules(experts=ModuleSpec(module=SequentialMLP), shared_experts=None),
+    )
+    installed = isinstance(_slot(stock.submodules.mlp)[2].experts, ModuleSpec)  # 0.16
+    cases = (  # (MoE slot, impl, saved_fp8, whether its experts slots are ModuleSpecs)
+        (layer.submodules.mlp, "normal", False, installed),
+        (moe_spec(EXPERTS, "drop_h", saved_fp8=True), "drop_h", True, installed),
+        (_with_our_experts(builder, "drop_h", True, False), "drop_h", False, False),
+        (_with_our_experts(legacy, "drop_h", True, False), "drop_h", False, True),
+    )
+    for moe, impl, saved_fp8, specs in cases:
+        module, _, submodules = _slot(moe)
+        assert module is MoELayer and submodules.router is _slot(stock.submodules.mlp)[2].router
+        for slot, cls in (
+            (submodules.experts, ParExpertsMegatron),
+            (submodules.shared_experts, ParSharedExpertMLP),
+        ):
+            found, params, _ = _slot(slot)
+            assert found is cls and isinstance(slot, ModuleSpec) == specs
+            assert params == {"impl": impl, "inplace": True, "saved_fp8": saved_fp8}
+    assert layer.submodules.pre_mlp_layernorm == stock.submodules.pre_mlp_layernorm
+    # the calls megatron-core 0.17+ make: experts(num_local, config, pg_collection=, name=) and
+    # shared_experts(config=, pg_collection=, gate=, name=)
+    submodules = cases[2][0].keywords["submodules"]
+    inspect.signature(submodules.experts).bind(2, "config", pg_collection=None, name="experts")
+    inspect.signature(submodules.shared_experts).bind(
+        config="c", pg_collection=None, gate=False, name="shared"
+    )
 
 
 @pytest.mark.parametrize(
@@ -358,8 +387,6 @@ def test_impls_and_layouts_that_experts_do_not_take_are_refused() -> None:
         ParExpertsMegatron(EXPERTS, moe_config())
     config = moe_config(moe_shared_expert_intermediate_size=32)
     config.moe_shared_expert_overlap = True  # after validation, which wants CUDA streams
-    linears = stock_spec().submodules.mlp.submodules.shared_experts.submodules
     with pytest.raises(ValueError, match="cannot run moe_shared_expert_overlap"):
-        ParSharedExpertMLP(config, linears, gate=False)
-    assert isinstance(stock_spec().submodules.mlp.submodules.experts, ModuleSpec)
-    assert SharedExpertMLP in ParSharedExpertMLP.__mro__
+        ParSharedExpertMLP(config, stock_submodules(), gate=False)
+    assert SharedExpertMLP in ParSharedExpertMLP.__mro__  # the gate and keys stay Megatron's
