@@ -6,6 +6,8 @@ GPTModel with ``get_gpt_layer_spec(mlp_impl)``, bf16 through Float16Module, Mega
 and DistributedOptimizer, MockGPTDataset unless ``--data-path`` names indexed datasets,
 dist-ckpt save/resume, and per-step memory (profiler, rank 0) plus loss and throughput logged
 to W&B (offline without an API key). ``--mlp-impl stock`` runs Megatron's own MLP for A/B.
+``--num-experts N`` makes every layer a Megatron MoE layer whose routed experts run
+``--mlp-impl`` (``stock``: Megatron's SequentialMLP); ``--ep`` sets expert parallelism.
 
 ``--device cpu`` runs on gloo in fp32 for smoke tests, with torch's AdamW stepping on the
 DDP grad buffers (Megatron's optimizers allocate on "cuda" unconditionally) and model-only
