@@ -30,6 +30,9 @@ from megatron_support import make_optimizer, shim_cuda_only_calls, spawn, swiglu
 from test_megatron_mlp import PARITY, SEQ, VOCAB, build_gpt, stock_submodules
 
 from megatron.core import dist_checkpointing, parallel_state  # isort: skip
+from megatron.core.dist_checkpointing import ShardedTensor  # isort: skip
+from megatron.core.dist_checkpointing.dict_utils import nested_values  # isort: skip
+from megatron.core.dist_checkpointing.mapping import apply_factories  # isort: skip
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec  # isort: skip
 from megatron.core.transformer.moe import token_dispatcher  # isort: skip
 from megatron.core.transformer.moe.experts import SequentialMLP  # isort: skip
@@ -263,6 +266,35 @@ def _load(root: str, saved: dict) -> None:
                     model.load_state_dict(stock.state_dict())
 
 
+def _layout(model, metadata: dict) -> list[tuple]:
+    """Every expert entry of a model's sharded state dict, factories built: (key, the slice
+    this rank holds and where it sits, its replica id), sorted."""
+    state = model.sharded_state_dict(metadata=metadata)
+    apply_factories(state)
+    out = []
+    for entry in nested_values(state):
+        if ".experts." not in entry.key:
+            continue
+        if isinstance(entry, ShardedTensor):
+            where = (entry.local_shape, entry.global_shape, entry.global_offset)
+            out.append((entry.key, *where, entry.axis_fragmentations, entry.replica_id))
+        else:  # the linears' extra state
+            out.append((entry.key, entry.global_shape, entry.global_offset, entry.replica_id))
+    return sorted(out, key=repr)
+
+
+def _sharded_layouts() -> None:
+    """Our dist-ckpt entries are SequentialMLP's, in both its formats, at EP=2 and ETP=2."""
+    for ep, etp in ((2, 1), (1, 2)):
+        with moe_parallel(ep, etp):
+            models = [build_gpt(moe_config(etp, ep), _spec(kind), seed=0) for kind in KINDS]
+            for singleton in (False, True):
+                label = f"EP={ep} ETP={etp} singleton_local_shards={singleton}"
+                stock, ours = (_layout(m, {"singleton_local_shards": singleton}) for m in models)
+                assert len(ours) == 5 * EXPERTS // ep, label  # per expert: 3 weights, 2 extra
+                assert ours == stock, label
+
+
 def _builder_calls() -> None:
     """Built the way megatron-core 0.18+ MoELayers call their builders (no ModuleSpec)."""
     with moe_parallel(2, 1):
@@ -299,6 +331,7 @@ def _worker(rank: int, world_size: int, rendezvous: str, root: str) -> None:
         router_runs_without_te()  # stock MoE layers need it too (megatron-core 0.16 bug)
         _parity()
         _load(root, _save(root))
+        _sharded_layouts()
         _builder_calls()
         torch.distributed.barrier()
     finally:
