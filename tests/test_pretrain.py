@@ -83,7 +83,7 @@ def test_named_configs_ship_in_the_wheel():
     root = Path(__file__).resolve().parents[1]
     package = root / "swiglu_train" / "integrations" / "lightning"
     named = sorted(CONFIG_DIR.glob("*.yaml"))
-    assert [p.stem for p in named] == ["125m", "1b", "3b", "tiny"]
+    assert [p.stem for p in named] == ["125m", "1b", "3b", "moe_1b", "tiny", "tiny_moe"]
     assert all(p.is_relative_to(package) for p in named)
     setuptools = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]
     patterns = setuptools["package-data"]["swiglu_train.integrations.lightning"]

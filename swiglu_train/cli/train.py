@@ -97,7 +97,10 @@ def positive_int(text: str) -> bool:
 @app.command()
 def pretrain(
     config: Annotated[
-        str | None, typer.Option(help="a YAML path, or a packaged config: tiny, 125m, 1b or 3b")
+        str | None,
+        typer.Option(
+            help="a YAML path, or a packaged config: tiny, 125m, 1b or 3b; MoE: tiny_moe, moe_1b"
+        ),
     ] = None,
     model: Annotated[
         str | None,
@@ -108,7 +111,11 @@ def pretrain(
     ] = None,
     mlp_impl: Annotated[
         str | None,
-        typer.Option(help="an impl (swiglu-train impls lists them), or auto (from the table)"),
+        typer.Option(
+            help="an impl (swiglu-train impls lists them), or auto (from the table); routed "
+            "experts run normal, drop_h or drop_h_quack, and take drop_h (drop_h_quack) for the "
+            "others"
+        ),
     ] = None,
     mlp_chunk: Annotated[
         int | None,

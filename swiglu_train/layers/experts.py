@@ -10,6 +10,7 @@ Megatron's and HF transformers 5's ``gate_up_proj`` layout) and fc2_weight [E, D
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
@@ -28,6 +29,7 @@ class ParExperts(nn.Module):
     ``saved_fp8`` keeps drop_h's preactivation in e4m3 (1x128 blocks, bf16 scales).
     ``router_weights_on``: "output" (Mixtral, Qwen, DeepSeek) or "input" (Llama-4).
     ``inplace=False`` keeps the saved tensors intact so a graph can be backpropagated twice.
+    Under autocast, x and the weights run in autocast's dtype and y comes back in it.
     """
 
     def __init__(
@@ -93,17 +95,24 @@ class ParExperts(nn.Module):
                 f"{tuple(expert_indices.shape)}"
             )
         tokens, k = math.prod(lead), expert_indices.shape[-1]
-        y = experts_mlp(
-            x.reshape(tokens, x.shape[-1]),
-            expert_indices.reshape(tokens, k),
-            expert_weights.reshape(tokens, -1) if tokens else expert_weights.reshape(0, k),
-            self.fc1_weight,
-            self.fc2_weight,
-            impl=self.impl,
-            saved_fp8=self.saved_fp8,
-            weights_on=self.router_weights_on,
-            inplace=self.inplace,
-        )
+        fc1, fc2 = self.fc1_weight, self.fc2_weight
+        device_type = x.device.type
+        autocast = device_type != "meta" and torch.is_autocast_enabled(device_type)
+        if autocast:  # as ParMLP: grouped GEMMs take one dtype, and autocast does not cast them
+            dtype = torch.get_autocast_dtype(device_type)  # (bf16-mixed: fp32 weights and x)
+            x, fc1, fc2 = x.to(dtype), fc1.to(dtype), fc2.to(dtype)
+        with torch.autocast(device_type, enabled=False) if autocast else contextlib.nullcontext():
+            y = experts_mlp(
+                x.reshape(tokens, x.shape[-1]),
+                expert_indices.reshape(tokens, k),
+                expert_weights.reshape(tokens, -1) if tokens else expert_weights.reshape(0, k),
+                fc1,
+                fc2,
+                impl=self.impl,
+                saved_fp8=self.saved_fp8,
+                weights_on=self.router_weights_on,
+                inplace=self.inplace,
+            )
         return y.view(*lead, self.hidden_size)
 
     def extra_repr(self) -> str:

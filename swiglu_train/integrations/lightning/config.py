@@ -1,7 +1,8 @@
 """The pretraining config: YAML files over defaults that need no file at all.
 
-The named configs (``tiny``, ``125m``, ``1b``, ``3b``) ship inside the package, so an installed
-wheel has them too, not only a source checkout.
+The named configs (``tiny``, ``125m``, ``1b``, ``3b``; Mixture-of-Experts ``tiny_moe`` and
+``moe_1b``) ship inside the package, so an installed wheel has them too, not only a source
+checkout.
 """
 
 from __future__ import annotations
@@ -70,7 +71,8 @@ class PretrainConfig:
 
 
 def resolve_config_path(name_or_path: str) -> Path:
-    """A YAML path, or the name of a packaged config (``tiny``, ``125m``, ``1b``, ``3b``)."""
+    """A YAML path, or the name of a packaged config (``tiny``, ``125m``, ``1b``, ``3b``,
+    ``tiny_moe``, ``moe_1b``)."""
     path = Path(name_or_path)
     if path.is_file():
         return path

@@ -1,6 +1,8 @@
 """``pretrain --model hf:PATH`` / ``--model litgpt:NAME``: a Hugging Face or LitGPT causal LM,
-built from its architecture alone (random init, nothing downloaded), with its SwiGLU MLPs
-patched to ``mlp_impl`` by ``swiglu_train.patch``, trained by the same recipe.
+built from its architecture alone (random init, nothing downloaded), with its SwiGLU MLPs and
+routed experts (transformers 5's MoE models: Mixtral, Qwen2/3-MoE, OLMoE, DeepSeek-V2/V3)
+patched to ``mlp_impl`` by ``swiglu_train.patch``, trained by the same recipe. An HF MoE
+model's own load-balancing loss (``aux_loss``) joins the objective as the built-in MoE's does.
 
 Sources:
   ``hf:PATH``       a transformers ``config.json`` (or the directory holding it);
@@ -10,7 +12,7 @@ Sources:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -18,15 +20,20 @@ from torch import nn
 
 from swiglu_train.integrations.lightning.block_checkpoint import CheckpointLayers
 from swiglu_train.integrations.patch import patch
-from swiglu_train.layers import ParMLP
+from swiglu_train.layers.experts import ParExperts
 
 KINDS = ("hf", "litgpt")
+# How transformers' MoE configs name their count of routed experts (Mixtral; Qwen2/3-MoE and
+# OLMoE; DeepSeek-V2/V3).
+HF_EXPERTS = ("num_local_experts", "num_experts", "n_routed_experts")
 MIN_VOCAB = 257  # the byte tokenizer's ids, end-of-document included
 
 
 @dataclass(frozen=True)
 class HostShape:
-    """What the recipe's config records of a host model (and checks a resume against)."""
+    """What the recipe's config records of a host model (and checks a resume against); an MoE
+    model's ffn_hidden_size is its routed experts' (HF's moe_intermediate_size, where it has
+    one)."""
 
     vocab_size: int
     hidden_size: int
@@ -34,6 +41,8 @@ class HostShape:
     num_layers: int
     num_heads: int
     max_seq_length: int
+    num_experts: int = 0
+    moe_top_k: int = 2
 
 
 def parse_source(source: str) -> tuple[str, str]:
@@ -76,6 +85,11 @@ def host_shape(source: str) -> HostShape:
     if kind == "hf":
         shape = HostShape(c.vocab_size, c.hidden_size, c.intermediate_size, c.num_hidden_layers,
                           c.num_attention_heads, c.max_position_embeddings)  # fmt: skip
+        experts = next((getattr(c, k) for k in HF_EXPERTS if getattr(c, k, None)), 0)
+        if experts:
+            ffn = getattr(c, "moe_intermediate_size", None) or c.intermediate_size
+            shape = replace(shape, ffn_hidden_size=ffn, num_experts=experts,
+                            moe_top_k=c.num_experts_per_tok)  # fmt: skip
     else:
         shape = HostShape(c.padded_vocab_size, c.n_embd, c.intermediate_size, c.n_layer,
                           c.n_head, c.block_size)  # fmt: skip
@@ -88,30 +102,42 @@ def host_shape(source: str) -> HostShape:
 
 
 class HostCausalLM(CheckpointLayers, nn.Module):
-    """Token ids [B, S] -> logits [B, S, vocab] of a patched host model. ``layers`` are its
-    decoder blocks (each with its ``mlp``), as the recipe reads them of its own decoder, and
-    its first ``checkpoint_layers`` of them run under activation checkpointing."""
+    """Token ids [B, S] -> logits [B, S, vocab] of a patched host model (with
+    ``with_aux_loss``, also an HF MoE model's load-balancing loss, else None). ``layers`` are
+    its decoder blocks (each with its ``mlp``), as the recipe reads them of its own decoder,
+    and its first ``checkpoint_layers`` of them run under activation checkpointing."""
 
     def __init__(self, host: nn.Module, kind: str) -> None:
         super().__init__()
         self.host, self.kind = host, kind
+        self.routed = kind == "hf" and any(isinstance(m, ParExperts) for m in host.modules())
 
     @property
     def layers(self) -> nn.ModuleList:  # a property: registering it would duplicate its keys
         return self.host.model.layers if self.kind == "hf" else self.host.transformer.h
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        if self.kind == "hf":
-            return self.host(input_ids=tokens, use_cache=False).logits
-        return self.host(tokens)
+    def forward(
+        self, tokens: torch.Tensor, with_aux_loss: bool = False
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor | None]:
+        aux = None
+        if self.kind == "litgpt":
+            logits = self.host(tokens)
+        elif self.routed:  # the router's outputs, gathered by transformers into its aux_loss
+            out = self.host(input_ids=tokens, use_cache=False, output_router_logits=True)
+            logits, aux = out.logits, out.aux_loss
+        else:
+            logits = self.host(input_ids=tokens, use_cache=False).logits
+        return (logits, aux) if with_aux_loss else logits
 
 
 def build_host_model(
     source: str, impl: str, chunk: int | None, tokens_hint: int | None, saved_fp8: bool = False
 ) -> HostCausalLM:
-    """The host model of ``source``, randomly initialized, every MLP patched to ``impl`` (with
-    ``saved_fp8``, drop_h's FP8-saved preactivation); a model with an MLP that patch leaves
-    (GeGLU, GELU, MoE experts) is refused, since ``--mlp-impl`` would not apply to it."""
+    """The host model of ``source``, randomly initialized, every MLP and every block of routed
+    experts patched to ``impl`` (the experts to their nearest impl where they lack it; with
+    ``saved_fp8``, drop_h's FP8-saved preactivation, dense and experts alike); a model with an
+    MLP that patch leaves (GeGLU, GELU, gpt-oss's experts) is refused, since ``--mlp-impl``
+    would not apply to it."""
     kind, _ = parse_source(source)
     config = host_config(source)
     if kind == "hf":
@@ -122,12 +148,9 @@ def build_host_model(
         from litgpt import GPT
 
         host = GPT(config)
-    report = patch(host, impl, tokens_hint=tokens_hint, chunk=chunk)
+    report = patch(host, impl, tokens_hint=tokens_hint, chunk=chunk, saved_fp8=saved_fp8)
     if report.left or not report.replaced:
         raise ValueError(
             f"--model {source}: --mlp-impl {impl} would not apply to every MLP:\n{report}"
         )
-    for module in host.modules():
-        if isinstance(module, ParMLP):
-            module.saved_fp8 = saved_fp8
     return HostCausalLM(host, kind)

@@ -1,4 +1,5 @@
-"""A Llama-style decoder whose MLPs are ParMLPs: RMSNorm, RoPE, causal SDPA attention."""
+"""A Llama-style decoder whose MLPs are ParMLPs, or with ``num_experts`` routed experts
+(moe.py, Mixtral's block): RMSNorm, RoPE, causal SDPA attention."""
 
 from __future__ import annotations
 
@@ -9,7 +10,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from swiglu_train.integrations.lightning.block_checkpoint import CheckpointLayers
+from swiglu_train.integrations.lightning.moe import MoE, experts_impl
 from swiglu_train.layers import ParMLP
+from swiglu_train.layers.experts import ParExperts
 from swiglu_train.layers.layout import CANONICAL, order
 from swiglu_train.layers.registry import (
     AUTO,
@@ -47,6 +50,13 @@ class ModelConfig:
     # --recompute-num-layers with --recompute-method block): each keeps only its input for
     # backward and runs its forward again there
     checkpoint_layers: int = 0
+    # Mixture of experts (moe.py): with num_experts > 0 each block's MLP is a router over that
+    # many routed SwiGLU experts of ffn_hidden_size each, moe_top_k of them per token, run by
+    # ParExperts in mlp_impl (save_factors and auto map to drop_h, as patch() maps them)
+    num_experts: int = 0
+    moe_top_k: int = 2
+    moe_renormalize: bool = True  # rescale each token's top-k weights to sum to 1 (Mixtral)
+    moe_aux_loss_coef: float = 0.01  # the load-balancing loss's weight in the training loss
 
     def __post_init__(self) -> None:
         if self.source is not None:
@@ -62,9 +72,36 @@ class ModelConfig:
             )
         if (self.hidden_size // self.num_heads) % 2:
             raise ValueError("the head dimension must be even for RoPE")
+        check_moe(self)
         check_mlp_chunk(self)
         check_model_saved_fp8(self)
         check_checkpoint_layers(self)
+
+
+def check_moe(cfg: ModelConfig) -> None:
+    """num_experts, moe_top_k and moe_aux_loss_coef as numbers a router can take; no fc1 pack
+    chunk for routed experts, which every impl keeps canonical."""
+    e, k, coef = cfg.num_experts, cfg.moe_top_k, cfg.moe_aux_loss_coef
+    if isinstance(e, bool) or not isinstance(e, int) or e < 0:
+        raise ValueError(
+            f"model.num_experts must be 0 (dense MLPs) or a count of experts, got {e!r}"
+        )
+    if e == 0:
+        return
+    if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= e:
+        raise ValueError(f"model.moe_top_k must be from 1 to num_experts={e}, got {k!r}")
+    if not coef >= 0:
+        raise ValueError(f"model.moe_aux_loss_coef must be at least 0, got {coef!r}")
+    if cfg.mlp_chunk is not None:
+        raise ValueError(
+            f"model.mlp_chunk={cfg.mlp_chunk!r} (--mlp-chunk) packs a dense fc1, but this model's "
+            f"MLPs are {e} routed experts, whose fc1 every impl keeps canonical: leave it unset"
+        )
+
+
+def runs_impl(cfg: ModelConfig) -> str:
+    """The impl the model's MLPs run: the experts' for --mlp-impl in an MoE model."""
+    return experts_impl(cfg.mlp_impl)[0] if cfg.num_experts and cfg.source is None else cfg.mlp_impl
 
 
 def check_checkpoint_layers(cfg: ModelConfig) -> None:
@@ -82,7 +119,7 @@ def check_model_saved_fp8(cfg: ModelConfig, gpu: int | None = None) -> None:
     """model.saved_fp8 against the impl, and against CUDA device ``gpu`` where the run trains on
     one, in the config's words (ParMLP's say the same later, at the first forward)."""
     try:
-        check_saved_fp8(cfg.mlp_impl, cfg.saved_fp8)
+        check_saved_fp8(runs_impl(cfg), cfg.saved_fp8)
         if cfg.saved_fp8 and gpu is not None:
             check_fp8_gpu(gpu)
     except (TypeError, ValueError) as e:
@@ -152,11 +189,17 @@ class Attention(nn.Module):
 
 
 class Block(nn.Module):
+    """Attention, then a ParMLP, or an MoE (router and experts) where cfg.num_experts > 0."""
+
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.attn_norm = nn.RMSNorm(cfg.hidden_size, eps=cfg.norm_eps)
         self.attn = Attention(cfg)
         self.mlp_norm = nn.RMSNorm(cfg.hidden_size, eps=cfg.norm_eps)
+        if cfg.num_experts:
+            self.mlp = MoE(cfg.hidden_size, cfg.ffn_hidden_size, cfg.num_experts, cfg.moe_top_k,
+                           cfg.moe_renormalize, cfg.mlp_impl, cfg.saved_fp8)  # fmt: skip
+            return
         self.mlp = ParMLP(
             cfg.hidden_size,
             cfg.ffn_hidden_size,
@@ -166,14 +209,22 @@ class Block(nn.Module):
             saved_fp8=cfg.saved_fp8,
         )
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(the block's output, its MoE load-balancing loss or None). The loss is returned, not
+        kept on the module, so a checkpointed block's recompute in backward leaves no state."""
         x = x + self.attn(self.attn_norm(x), cos, sin)
-        return x + self.mlp(self.mlp_norm(x))
+        if isinstance(self.mlp, MoE):
+            y, aux = self.mlp(self.mlp_norm(x))
+            return x + y, aux
+        return x + self.mlp(self.mlp_norm(x)), None
 
 
 class LlamaDecoder(CheckpointLayers, nn.Module):
-    """Token ids [B, S] -> logits [B, S, vocab]; its first ``checkpoint_layers`` blocks run
-    under activation checkpointing (block_checkpoint.py)."""
+    """Token ids [B, S] -> logits [B, S, vocab] (with ``with_aux_loss``, also the MoE blocks'
+    mean load-balancing loss, None for a dense model); its first ``checkpoint_layers`` blocks
+    run under activation checkpointing (block_checkpoint.py)."""
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -188,24 +239,35 @@ class LlamaDecoder(CheckpointLayers, nn.Module):
         self.apply(_init_weights)
         self.checkpoint_layers = cfg.checkpoint_layers
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, tokens: torch.Tensor, with_aux_loss: bool = False
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor | None]:
         if tokens.shape[1] > self.cfg.max_seq_length:
             raise ValueError(
                 f"sequence of {tokens.shape[1]} tokens exceeds max_seq_length "
                 f"{self.cfg.max_seq_length}"
             )
-        x = self.embed(tokens)
+        x, losses = self.embed(tokens), []
         for layer in self.layers:
-            x = layer(x, self.rope_cos, self.rope_sin)
-        return self.head(self.norm(x))
+            x, aux = layer(x, self.rope_cos, self.rope_sin)
+            if aux is not None:
+                losses.append(aux)
+        logits = self.head(self.norm(x))
+        if not with_aux_loss:
+            return logits
+        return logits, torch.stack(losses).mean() if losses else None
 
 
 def _init_weights(module: nn.Module) -> None:
     """GPT-2/Llama-style small normal init, so the initial loss sits near log(vocab).
 
     A packed ParMLP's fc1 is drawn as if canonical and then packed (``apply`` visits children
-    first), so a seed gives every impl the same function, packed or not.
+    first), so a seed gives every impl the same function, packed or not. Routed experts are
+    drawn as their dense twin's linears are.
     """
+    if isinstance(module, ParExperts):
+        for weight in (module.fc1_weight, module.fc2_weight):
+            nn.init.normal_(weight, std=0.02)
     if isinstance(module, nn.Linear | nn.Embedding):
         nn.init.normal_(module.weight, std=0.02)
         if getattr(module, "bias", None) is not None:

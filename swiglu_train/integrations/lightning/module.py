@@ -8,10 +8,13 @@ from dataclasses import asdict, dataclass
 import lightning.pytorch as pl
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from swiglu_train.integrations.lightning.checkpoint_record import LAYOUT_KEY
 from swiglu_train.integrations.lightning.fsdp2 import is_fully_sharded, shard
 from swiglu_train.integrations.lightning.model import LlamaDecoder, ModelConfig
+from swiglu_train.layers import ParMLP
+from swiglu_train.layers.experts import ParExperts
 from swiglu_train.layers.layout import CANONICAL
 
 
@@ -69,18 +72,31 @@ class PretrainModule(pl.LightningModule):
         if self.device_mesh is not None and not is_fully_sharded(self.model):
             shard(self.model, self.device_mesh["data_parallel"], self.trainer.precision)
 
-    def loss(self, rows: torch.Tensor) -> torch.Tensor:
-        logits = self.model(rows[:, :-1])
-        return F.cross_entropy(logits.flatten(0, 1).float(), rows[:, 1:].flatten())
+    def losses(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(next-token cross-entropy, the MoE load-balancing loss; None for dense MLPs)."""
+        logits, aux = self.model(rows[:, :-1], with_aux_loss=True)
+        return F.cross_entropy(logits.flatten(0, 1).float(), rows[:, 1:].flatten()), aux
 
-    def training_step(self, rows: torch.Tensor, batch_idx: int) -> torch.Tensor:
-        loss = self.loss(rows)
-        self.log("train/loss", loss, prog_bar=True, sync_dist=True)  # all ranks' rows
+    def loss(self, rows: torch.Tensor) -> torch.Tensor:
+        """What backward takes: the cross-entropy, plus moe_aux_loss_coef times the
+        load-balancing loss in an MoE model."""
+        return self._objective(*self.losses(rows))
+
+    def _objective(self, lm_loss: torch.Tensor, aux: torch.Tensor | None) -> torch.Tensor:
+        return lm_loss if aux is None else lm_loss + self.model_cfg.moe_aux_loss_coef * aux
+
+    def training_step(self, rows: torch.Tensor, batch_idx: int) -> dict[str, torch.Tensor]:
+        """The objective for backward, and the next-token loss alone (``lm_loss``) for the
+        summary: train/loss and val/loss are next-token losses, comparable across models."""
+        lm_loss, aux = self.losses(rows)
+        self.log("train/loss", lm_loss, prog_bar=True, sync_dist=True)  # all ranks' rows
+        if aux is not None:
+            self.log("train/aux_loss", aux, sync_dist=True)
         self.log("train/lr", self.lr_schedulers().get_last_lr()[0])
-        return loss
+        return {"loss": self._objective(lm_loss, aux), "lm_loss": lm_loss.detach()}
 
     def validation_step(self, rows: torch.Tensor, batch_idx: int) -> None:
-        self.log("val/loss", self.loss(rows), prog_bar=True, sync_dist=True)
+        self.log("val/loss", self.losses(rows)[0], prog_bar=True, sync_dist=True)
 
     def configure_optimizers(self):
         decay = [p for p in self.parameters() if p.dim() >= 2]
@@ -99,7 +115,10 @@ class PretrainModule(pl.LightningModule):
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
 
     def fc1_layout(self) -> dict:
-        return self.model.layers[0].mlp.fc1_layout.to_dict()
+        """The dense fc1s' layout; canonical where every MLP is routed experts, whose fc1
+        every impl keeps canonical."""
+        dense = [m for m in swiglu_mlps(self.model) if isinstance(m, ParMLP)]
+        return (dense[0].fc1_layout if dense else CANONICAL).to_dict()
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         """Stamp the fc1 layout and the optimizer's parameter names, so that neither the
@@ -109,7 +128,7 @@ class PretrainModule(pl.LightningModule):
         groups = self.trainer.optimizers[0].param_groups if self._trainer else []
         checkpoint[LAYOUT_KEY] = {
             "fc1_layout": self.fc1_layout(),
-            "mlp_impl": self.model.layers[0].mlp.impl,  # "auto" as resolved
+            "mlp_impl": swiglu_mlps(self.model)[0].impl,  # "auto" as resolved
             "optimizer_param_names": [[names[p] for p in g["params"]] for g in groups],
         }
         if self.data_record is not None:
@@ -136,9 +155,15 @@ class PretrainModule(pl.LightningModule):
                 f"state would be misread. Resume with a model of the file's layout "
                 f"({_settings_for(saved)}), or first convert the checkpoint to this model's "
                 f"layout (swiglu-train convert --to {to} CKPT OUT); this model runs "
-                f"{self.model.layers[0].mlp.impl!r} (mlp_chunk {self.model_cfg.mlp_chunk})",
+                f"{swiglu_mlps(self.model)[0].impl!r} (mlp_chunk {self.model_cfg.mlp_chunk})",
                 rank=self.global_rank if rank is None else rank,
             )
+
+
+def swiglu_mlps(model: nn.Module) -> list[ParMLP | ParExperts]:
+    """The decoder's ParMLPs and routed experts, block by block: the first one's impl is the
+    run's (a dense model's ParMLP, or an MoE model's experts)."""
+    return [m for m in model.layers.modules() if isinstance(m, ParMLP | ParExperts)]
 
 
 def _host_model(cfg: ModelConfig):

@@ -63,6 +63,7 @@ from swiglu_train.memory.plan import (
 )
 from swiglu_train.memory.profiler import MemoryProfiler, MiB
 from swiglu_train.memory.saved import distinct_bytes
+from swiglu_train.ops.experts import IMPLS as EXPERTS_IMPLS
 
 MODES = ("manual", "auto")
 FP8 = FP8_LABEL  # a candidate "drop_h+fp8": drop_h with its FP8-saved preactivation
@@ -126,15 +127,19 @@ def check_plan_settings(cfg: PretrainConfig, resuming: bool = False) -> None:
 def candidates(cfg: PretrainConfig) -> list[str]:
     """The impls the planner tries: train.plan_impls, else every exact impl that runs here
     (the quack ones with quack on an sm_90+ GPU); with model.saved_fp8, the impls that save in
-    FP8 (drop_h_quack+fp8 with quack)."""
+    FP8 (drop_h_quack+fp8 with quack). In an MoE model, of those the routed experts' impls
+    only: the others map to drop_h there (moe.py), so they would measure drop_h again."""
     from swiglu_train.ops.quack_mlp import quack_available
 
     names = cfg.train.plan_impls
     if names is None:
         if cfg.model.saved_fp8:
-            return saved_fp8_labels(quack_available())
-        quack = sorted(QUACK_IMPLS) if quack_available() else []
-        return [*PORTABLE_IMPLS, *quack]
+            found = saved_fp8_labels(quack_available())
+        else:
+            found = [*PORTABLE_IMPLS, *(sorted(QUACK_IMPLS) if quack_available() else [])]
+        if cfg.model.num_experts:
+            found = [name for name in found if split_candidate(name)[0] in EXPERTS_IMPLS]
+        return found
     if not names:
         raise ValueError("train.plan_impls (--plan-impls) is empty: name at least one impl")
     for name in names:

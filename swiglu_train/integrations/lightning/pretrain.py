@@ -24,8 +24,10 @@ from swiglu_train.integrations.lightning.model import (
     check_checkpoint_layers,
     check_mlp_chunk,
     check_model_saved_fp8,
+    check_moe,
 )
-from swiglu_train.integrations.lightning.module import PretrainModule
+from swiglu_train.integrations.lightning.module import PretrainModule, swiglu_mlps
+from swiglu_train.integrations.lightning.moe import experts_impl
 from swiglu_train.integrations.lightning.planner import check_plan_settings, plan_run
 from swiglu_train.integrations.lightning.precision import resolve_precision
 from swiglu_train.integrations.lightning.pretune_hint import log_pretune_hints
@@ -57,10 +59,11 @@ class LossAndThroughput(pl.Callback):
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx: int) -> None:
         # Each rank's loss is its own rows'; the step's is their mean (equal row counts), so a
-        # run on N devices reads as one device at the same global batch. Lightning hands on
-        # the loss that backward took: divided by the accumulation.
-        loss = trainer.strategy.reduce(outputs["loss"].detach(), reduce_op="mean")
-        self._micro.append(float(loss) * trainer.accumulate_grad_batches)
+        # run on N devices reads as one device at the same global batch. The next-token loss
+        # (training_step's lm_loss), not the objective backward took (with an MoE model's
+        # load-balancing loss, and divided by the accumulation).
+        loss = trainer.strategy.reduce(outputs["lm_loss"], reduce_op="mean")
+        self._micro.append(float(loss))
         if (batch_idx + 1) % trainer.accumulate_grad_batches:
             return
         step = trainer.global_step - 1
@@ -108,7 +111,8 @@ def run_pretrain(
                          "checkpoint's weights; pass one of them")  # fmt: skip
     weights = None if init_from is None else _initial_weights(Path(init_from), cfg)
     check_impl_name(cfg.model.mlp_impl)  # an unknown impl fails here, listing the valid ones
-    check_mlp_chunk(cfg.model)  # again: command-line flags are set after the config is built
+    check_moe(cfg.model)  # again: command-line flags are set after the config is built
+    check_mlp_chunk(cfg.model)
     on_gpu = torch.cuda.is_available() and cfg.train.accelerator != "cpu"
     check_model_saved_fp8(cfg.model, gpu=torch.cuda.current_device() if on_gpu else None)
     check_ranges(cfg)
@@ -131,6 +135,8 @@ def run_pretrain(
         rank_zero_info(f"plan: {plan['why']}")
     pl.seed_everything(cfg.train.seed, workers=True)
     module = PretrainModule(cfg.model, cfg.optim, cfg.train.max_steps)
+    if cfg.model.num_experts and experts_impl(cfg.model.mlp_impl)[1]:
+        rank_zero_info(f"routed experts: {experts_impl(cfg.model.mlp_impl)[1]}")
     if cfg.train.accelerator != "cpu":
         log_pretune_hints(module, cfg.data.micro_batch_size * cfg.data.seq_length, precision)
     if weights is not None:  # ParMLP's load hook packs or unpacks fc1 for its impl
@@ -196,11 +202,12 @@ def run_pretrain(
     losses = [history.losses[k] for k in sorted(history.losses)]
     val = trainer.callback_metrics.get("val/loss")
     mem = memory.max_metrics
-    mlp = module.model.layers[0].mlp
+    mlp = swiglu_mlps(module.model)[0]  # an MoE model's: its routed experts
     run = wandb_logger.experiment  # finished, and still naming where it went
     return {
         "mlp_impl": mlp.impl,  # what ran: "auto" is resolved when the model is built
-        "mlp_auto_reason": mlp.auto_reason,
+        "mlp_auto_reason": getattr(mlp, "auto_reason", None),
+        "num_experts": cfg.model.num_experts,  # 0: dense MLPs
         "saved_fp8": mlp.saved_fp8,  # mlp_impl's saved preactivation in FP8
         "seed": cfg.train.seed,
         "steps": trainer.global_step,
@@ -227,10 +234,12 @@ def run_pretrain(
 # The model's shape, which a checkpoint's weights fix; mlp_impl, mlp_chunk and the tokens hint may
 # change (a layout change with optimizer state is refused before start and on load, naming the
 # fix).
-SHAPE_KEYS = ("vocab_size", "hidden_size", "ffn_hidden_size", "num_layers", "num_heads")
+SHAPE_KEYS = ("vocab_size", "hidden_size", "ffn_hidden_size", "num_layers", "num_heads",
+              "num_experts")  # fmt: skip
 # What else of the model's config a checkpoint's weights were trained with: --init-from takes
 # these with the shape.
-ARCH_KEYS = (*SHAPE_KEYS, "max_seq_length", "rope_theta", "norm_eps")
+ARCH_KEYS = (*SHAPE_KEYS, "max_seq_length", "rope_theta", "norm_eps", "moe_top_k",
+             "moe_renormalize")  # fmt: skip
 # Restored from the optimizer state on resume, whatever the config says now.
 OPTIMIZER_STATE_KEYS = ("lr", "weight_decay", "betas")
 
