@@ -1,4 +1,5 @@
-"""Hugging Face commands: export a pretrain checkpoint's whole model, import an HF Llama."""
+"""Hugging Face commands: export a pretrain checkpoint's whole model, import an HF Llama or
+Mixtral."""
 
 from __future__ import annotations
 
@@ -27,8 +28,9 @@ def export_hf(
     ],
     trust: Annotated[bool, typer.Option(help="unpickle arbitrary objects (trusted files)")] = False,
 ) -> None:
-    """Write the whole model as a Hugging Face LlamaForCausalLM directory (config.json,
-    model.safetensors) that transformers loads, with the same logits."""
+    """Write the whole model as a Hugging Face LlamaForCausalLM directory (an MoE model as
+    MixtralForCausalLM: config.json, model.safetensors) that transformers loads, with the same
+    logits."""
     import torch
 
     from swiglu_train.cli.checkpoints import read_sharded
@@ -52,11 +54,13 @@ def export_hf(
         config = export(loaded, out, str(ckpt))
     except ValueError as e:  # not a pretrain checkpoint, a layout or bias HF cannot take
         raise typer.BadParameter(str(e), param_hint="CKPT") from e
-    shape = ", ".join(f"{k} {config[k]}" for k in ("vocab_size", "hidden_size",
-                      "intermediate_size", "num_hidden_layers", "num_attention_heads"))  # fmt: skip
-    console.print(f"wrote {escape(str(out))}: LlamaForCausalLM ({shape}, {config['dtype']})")
+    keys = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+            "num_attention_heads", "num_local_experts", "num_experts_per_tok")  # fmt: skip
+    shape = ", ".join(f"{k} {config[k]}" for k in keys if k in config)
+    [arch] = config["architectures"]
+    console.print(f"wrote {escape(str(out))}: {arch} ({shape}, {config['dtype']})")
     console.print(
-        f"load it with transformers.LlamaForCausalLM.from_pretrained({escape(repr(str(out)))}); "
+        f"load it with transformers.{arch}.from_pretrained({escape(repr(str(out)))}); "
         "its token ids are the pretrain recipe's (UTF-8 bytes 0-255, end of document 256 as "
         "eos_token_id): no tokenizer is written"
     )
@@ -64,11 +68,12 @@ def export_hf(
 
 @app.command("import-hf")
 def import_hf(
-    source: Annotated[Path, typer.Argument(help="a Hugging Face Llama directory")],
+    source: Annotated[Path, typer.Argument(help="a Hugging Face Llama or Mixtral directory")],
     ckpt: Annotated[Path, typer.Argument(help="the checkpoint to write (atomically)")],
 ) -> None:
-    """Convert a Hugging Face Llama (LlamaForCausalLM) into a pretrain checkpoint: the same
-    logits from our decoder; start a run from it with `pretrain --init-from`."""
+    """Convert a Hugging Face Llama (LlamaForCausalLM) or Mixtral (MixtralForCausalLM) into a
+    pretrain checkpoint: the same logits from our decoder; start a run from it with
+    `pretrain --init-from`."""
     import torch
 
     require("transformers", "safetensors")
@@ -84,8 +89,9 @@ def import_hf(
     with atomic_write(ckpt, "wb") as f:
         torch.save(converted, f)
     model = converted["hyper_parameters"]["model"]
-    shape = ", ".join(f"{k} {model[k]}" for k in ("vocab_size", "hidden_size", "ffn_hidden_size",
-                                                  "num_layers", "num_heads"))  # fmt: skip
+    keys = ("vocab_size", "hidden_size", "ffn_hidden_size", "num_layers", "num_heads",
+            *(("num_experts", "moe_top_k") if model.get("num_experts") else ()))  # fmt: skip
+    shape = ", ".join(f"{k} {model[k]}" for k in keys)
     console.print(f"wrote {escape(str(ckpt))}: our decoder ({shape}), fc1 canonical")
     for note in notes:
         console.print(f"note: {escape(note)}")

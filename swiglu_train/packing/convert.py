@@ -29,6 +29,9 @@ from swiglu_train.packing.lightning_meta import fit_hparams_impl, record_convers
 from swiglu_train.packing.optimizer import check_optimizer_names, move_optimizer_state
 
 DEFAULT_CHUNK = 128
+# Routed experts' fc1 [E, 2F, D] (ParExperts', and transformers 5's gate_up_proj that patch
+# adopts): canonical [gate; up] per expert in every impl, so never converted
+EXPERTS_FC1 = ("fc1_weight", "gate_up_proj")
 
 
 @dataclass
@@ -72,6 +75,15 @@ def convert_checkpoint(
     if lightning and out.get("optimizer_states"):
         check_optimizer_names(out["optimizer_states"], names)
     prefixes = mlp_prefixes(state)
+    experts = [
+        k for k, v in state.items() if k.endswith(EXPERTS_FC1) and getattr(v, "ndim", 0) == 3
+    ]
+    if not prefixes and experts:
+        raise ValueError(
+            f"no ParMLP fc1 weights, only routed experts ({experts[0]} [E, 2F, D], ...), whose "
+            "fc1 every impl keeps canonical: there is no layout to convert (export-hf writes "
+            "an MoE pretrain checkpoint for transformers)"
+        )
     if not prefixes:
         raise ValueError(
             "no ParMLP fc1 weights found (expected '<prefix>fc1.weight' beside "
