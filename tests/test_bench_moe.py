@@ -239,3 +239,18 @@ def test_without_matplotlib_the_run_is_refused_before_it_starts(monkeypatch, cap
     assert exit_.value.code == 1
     assert "the [plot] extra brings it" in capsys.readouterr().err
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_step_that_waits_on_the_gpu_cannot_grow_the_queue_hold_without_bound():
+    """A forward that syncs the host (the loop peer reads its group sizes) sees host time of at
+    least the spin kernel's hold; before the cap, the hold doubled every sample (found on the
+    H100: bench-moe's first point did not finish in 300 s)."""
+    import torch
+
+    from swiglu_train.bench.timing import MAX_HOLD_MS, Clock
+
+    clock = Clock(torch.device("cpu"))
+    clock.hold_ms = 10.0
+    for _ in range(40):
+        clock.saw_host(clock.hold_ms + 5.0)
+    assert clock.hold_ms == MAX_HOLD_MS

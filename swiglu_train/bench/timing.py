@@ -34,6 +34,9 @@ PEAK_DEFINITION = (  # what memory_mib reads
     "inputs, weights and grad_output preallocated, parameter grads reset to None"
 )
 QUEUE_MS = 10.0  # the spin kernel's first hold; it grows to twice any host time seen
+# ... up to this: a step that waits on the GPU inside its forward (a host sync) sees host time
+# of at least the hold itself, and would double the hold every sample without it.
+MAX_HOLD_MS = 200.0
 
 
 @dataclass
@@ -64,7 +67,7 @@ class Clock:
 
     def saw_host(self, host_ms: float) -> None:
         if self.hold_ms and host_ms > 0.5 * self.hold_ms:
-            self.hold_ms = 2 * host_ms
+            self.hold_ms = min(2 * host_ms, MAX_HOLD_MS)
 
     def mark(self):
         if not self.cuda:
