@@ -98,7 +98,8 @@ def test_under_autocast_the_experts_run_in_its_dtype_on_one_copy_of_x():
     assert experts.fc1_weight.grad.dtype == torch.float32  # the fp32 weights' own gradient
 
 
-def profile(cfg: ModelConfig):
+def profile(cfg: ModelConfig, grads: dict | None = None):
+    """The profiler's record of one step; ``grads`` gets every parameter's gradient."""
     torch.manual_seed(0)
     model = LlamaDecoder(cfg)
     profiler = MemoryProfiler(model)
@@ -107,6 +108,8 @@ def profile(cfg: ModelConfig):
         loss = logits.float().mean() + aux
         p.forward_done()
         loss.backward()
+    if grads is not None:
+        grads.update({n: q.grad for n, q in model.named_parameters()})
     return profiler.records[0]
 
 
@@ -137,11 +140,15 @@ def test_the_depth_curve_counts_the_experts_bytes_in_each_block():
     assert [a.saved_bytes - b.saved_bytes for a, b in pairs] == [gap] * cfg.num_layers
 
 
-def test_a_checkpointed_moe_block_keeps_no_expert_activation():
-    every, first = profile(tiny_moe()), profile(tiny_moe(checkpoint_layers=1))
+def test_a_checkpointed_moe_block_keeps_no_expert_activation_and_the_same_grads():
+    grads, recomputed = {}, {}
+    every = profile(tiny_moe(), grads)
+    first = profile(tiny_moe(checkpoint_layers=1), recomputed)
     assert not first.layers[0].mlp_saved_bytes  # its input alone, outside the experts
     assert first.layers[0].saved_bytes < every.layers[0].mlp_saved_bytes
     assert first.layers[1].saved_bytes == every.layers[1].saved_bytes
+    for name, grad in grads.items():  # the router's through the load-balancing loss too
+        assert torch.equal(recomputed[name], grad), name
 
 
 def test_the_planner_plans_tiny_moe_on_the_experts_impls():

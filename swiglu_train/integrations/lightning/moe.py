@@ -75,7 +75,9 @@ class MoE(nn.Module):
         weights, indices = probs.topk(self.top_k, dim=-1)
         if self.renormalize:
             weights = weights / weights.sum(-1, keepdim=True)
-        return self.experts(x, indices, weights), load_balancing_loss(probs, indices)
+        # First: a checkpointed block's recompute stops at its last save, the experts' own
+        aux = load_balancing_loss(probs, indices)
+        return self.experts(x, indices, weights), aux
 
     def extra_repr(self) -> str:
         return f"top_k={self.top_k}, renormalize={self.renormalize}"
