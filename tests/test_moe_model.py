@@ -10,6 +10,7 @@ import pytest
 import torch
 from torch import nn
 
+from swiglu_train.bench.e2e.lightning import flops_per_token
 from swiglu_train.integrations.lightning.config import load_config
 from swiglu_train.integrations.lightning.model import LlamaDecoder, ModelConfig
 from swiglu_train.integrations.lightning.moe import MoE, load_balancing_loss
@@ -176,3 +177,11 @@ def test_moe_settings_a_router_cannot_take_are_refused_in_the_config_s_words():
         tiny_moe(mlp_impl="bogus")
     assert not any(isinstance(m, ParExperts) for m in LlamaDecoder(ModelConfig()).modules())
     assert isinstance(LlamaDecoder(tiny_moe()).layers[1].mlp.router, nn.Linear)
+
+
+def test_the_e2e_bench_s_model_flops_count_the_router_and_the_top_k_experts():
+    cfg = load_config("moe_1b").model
+    d, layers, seq = cfg.hidden_size, cfg.num_layers, 4096
+    active = layers * (4 * d * d + 8 * 3 * d * 1024 + d * 32) + d * cfg.vocab_size
+    assert flops_per_token(cfg, seq) == 6 * active + 12 * layers * d * seq
+    assert active == pytest.approx(1.076e9, rel=1e-3)  # the config's "1.08B active"

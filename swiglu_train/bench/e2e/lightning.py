@@ -188,9 +188,12 @@ def best_per_impl(table: list[dict], budget_MiB: float) -> dict[str, dict]:
 
 def flops_per_token(cfg, seq: int) -> float:
     """Model FLOPs of a training step per token (PaLM's 6N + 12·L·D·S; recompute not counted):
-    N the matmul weights (blocks and head; the embedding is a lookup)."""
+    N the matmul weights a token goes through (blocks and head; the embedding is a lookup; in
+    an MoE model, the router and its top-k experts)."""
     d, f, layers = cfg.hidden_size, cfg.ffn_hidden_size, cfg.num_layers
-    weights = layers * (4 * d * d + 3 * d * f) + d * cfg.vocab_size
+    experts = cfg.num_experts
+    mlp = 3 * d * f * cfg.moe_top_k + d * experts if experts else 3 * d * f
+    weights = layers * (4 * d * d + mlp) + d * cfg.vocab_size
     return 6 * weights + 12 * layers * d * seq
 
 
