@@ -3,6 +3,7 @@ CPU, as the README says they run), and each line of its bash blocks is a command
 knows, with options and extras that exist."""
 
 import ast
+import json
 import re
 import shlex
 import subprocess
@@ -113,3 +114,20 @@ def test_what_the_quickstart_writes_is_git_ignored():
     done = subprocess.run(["git", "check-ignore", "--no-index", *written], cwd=ROOT,
                           capture_output=True, text=True)  # fmt: skip
     assert sorted(done.stdout.split()) == sorted(written), done.stderr
+
+
+QUICKSTART = ROOT / "benchmarks" / "results" / "lightning" / "quickstart_cpu.json"
+
+
+def test_the_quickstart_s_time_and_losses_are_the_measured_ones():
+    """The README said "2-4 minutes" long after the run had become faster: its time and losses
+    are those of the measurement it cites, to the figure it rounds to."""
+    measured = json.loads(QUICKSTART.read_text())
+    quick = README[README.index("## Quickstart") : README.index("## Test")]
+    assert f"`{QUICKSTART.name}`" in quick and measured["command"] in quick
+    said = re.search(r"(\d+) steps in about (\d+) s on (\w+) CPU cores", quick)
+    assert said, "the Quickstart says: N steps in about T s on K CPU cores"
+    assert int(said[1]) == measured["steps"] and said[3] == {2: "two"}[measured["cores"]]
+    assert int(said[2]) == round(measured["wall_s"] / 5) * 5  # to the nearest 5 s
+    losses = f"from {measured['initial_loss']:.1f} to {measured['final_loss']:.2f}"
+    assert losses in " ".join(quick.split())
