@@ -156,15 +156,19 @@ class _ExpertsDropH(torch.autograd.Function):
         del saved, g
         grad_fc2 = grouped_weight_grad(grad_yg, wh, plan.offsets)
         del grad_yg, wh
-        xg = x.index_select(0, plan.token)
         grad_xg = grouped_linear(grad_preact, fc1.transpose(1, 2), plan.offsets)
+        xg = None
         if not on_output:  # d(w x)/dw = x: the router's gradient from grad_xg before scaling
+            xg = x.index_select(0, plan.token)
             grad_w_rows = torch.bmm(grad_xg.unsqueeze(1), xg.unsqueeze(2)).view(-1).float()
             xg.mul_(plan.weight.to(x.dtype)[:, None])
+        # grad_x before grad_W1 is allocated: the step's peak then holds [T, D], not [R, D]
+        grad_x = gather_sum(grad_xg, plan, None if on_output else live_weights(indices, weights))
+        del grad_xg
+        if xg is None:
+            xg = x.index_select(0, plan.token)
         grad_fc1 = grouped_weight_grad(grad_preact, xg, plan.offsets)
         del xg, grad_preact
-        live = live_weights(indices, weights) if not on_output else None
-        grad_x = gather_sum(grad_xg, plan, live)
         grad_w = torch.empty(indices.numel(), device=x.device).index_copy_(
             0, plan.slot, grad_w_rows
         )

@@ -161,10 +161,12 @@ class _ExpertsDropHQuack(torch.autograd.Function):
         if not on_output:  # d(w x)/dw = x; grad_W1 takes the weight on grad_preact's rows
             grad_w_rows = _gathered_row_dots(grad_xg, x, plan.token)
             grad_preact.mul_(plan.weight[:, None])
+        # grad_x before grad_W1 is allocated: the step's peak then holds [T, D], not [R, D]
+        grad_x = gather_sum(grad_xg, plan, None if on_output else live_weights(indices, weights))
+        del grad_xg
         grad_fc1 = fc1.new_empty(fc1.shape)
         gemm(x.T, grad_preact, out=grad_fc1.mT, cu_seqlens_k=cu, A_idx=token)
         del grad_preact
-        grad_x = gather_sum(grad_xg, plan, None if on_output else live_weights(indices, weights))
         grad_w = torch.empty(indices.numel(), device=x.device).index_copy_(
             0, plan.slot, grad_w_rows
         )
