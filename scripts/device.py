@@ -57,6 +57,8 @@ WHEELS: dict[str, tuple[str, list[str]]] = {
     ".whl": ("peers: Liger, FLA, quack and its CuTe-DSL deps (11 MB)",
              ["liger-kernel==0.8.5", "fla-core==0.6.0", *PEERS, "torch-c-dlpack-ext==0.1.5"]),
     ".whlq": ("quack and its deps alone, to carry beside .whlx (7 MB)", PEERS),
+    ".whlqx": ("quack and its deps unpacked and re-packed with xz (4.8 MB): .whlq's content, for "
+               "the call that carries .whlx, where the tree has outgrown .whlq", PEERS),
     ".whlx": ("nvidia-cutlass-dsl-libs-cu13 (88 MB) unpacked and re-packed with xz (48 MB)",
               [f"nvidia-cutlass-dsl-libs-cu13=={CUTLASS}"]),
     ".whlw": ("wandb and the deps the box lacks, megatron-core, py-spy (30 MB)",
@@ -104,6 +106,35 @@ def pack_cutlass_libs(folder: Path) -> None:
         (folder / "NAME.txt").write_text(wheel.name + "\n")
 
 
+def pack_wheels(folder: Path, packages: list[str]) -> None:
+    """.whlqx: each wheel unpacked into a folder of its own name, all in one xz tarball (the
+    zip compression of a wheel leaves xz little to find; its contents compress to 60 %)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        pip_download(Path(tmp), packages)
+        unpacked = Path(tmp) / "x"
+        for wheel in Path(tmp).glob("*.whl"):
+            zipfile.ZipFile(wheel).extractall(unpacked / wheel.stem)
+        folder.mkdir(exist_ok=True)
+        env = dict(os.environ, XZ_OPT="--x86 --lzma2=preset=9e")
+        tar = ["tar", "cJf", str(folder / "wheels.tar.xz"), "-C", str(unpacked), "."]
+        subprocess.run(tar, env=env, check=True)
+
+
+def unpack_wheels(folder: Path, into: Path) -> list[Path]:
+    """.whlqx back into the wheels it was."""
+    unpacked = into / "wheels"
+    with tarfile.open(folder / "wheels.tar.xz") as tar:
+        tar.extractall(unpacked, filter="tar")
+    wheels = []
+    for tree in sorted(p for p in unpacked.iterdir() if p.is_dir()):
+        wheels.append(into / f"{tree.name}.whl")
+        with zipfile.ZipFile(wheels[-1], "w", zipfile.ZIP_STORED) as z:
+            for path in sorted(tree.rglob("*")):
+                if path.is_file():
+                    z.write(path, path.relative_to(tree))
+    return wheels
+
+
 def ignore_locally(*folders: str) -> None:
     """This clone's info/exclude: carried folders are never committed nor in `git status`, yet
     the device tool carries them when a call names them."""
@@ -125,6 +156,8 @@ def wheels(folders: list[str]) -> None:
         shutil.rmtree(folder, ignore_errors=True)
         if name == ".whlx":
             pack_cutlass_libs(folder)
+        elif name == ".whlqx":
+            pack_wheels(folder, WHEELS[name][1])
         else:
             pip_download(folder, WHEELS[name][1])
         size = sum(p.stat().st_size for p in folder.iterdir()) / 2**20
@@ -157,11 +190,13 @@ def setup() -> None:
     """Install each carried folder's wheels that are not installed yet (a warm machine keeps
     them), with `python3 -m pip` into python3's own environment: quack needs a real
     site-packages path (it fingerprints code outside it), cutlass-dsl its .pth file processed."""
-    carried = [ROOT / n for n in WHEELS if n != ".whlx" and (ROOT / n).is_dir()]
+    carried = [ROOT / n for n in WHEELS if n not in (".whlx", ".whlqx") and (ROOT / n).is_dir()]
     if (ROOT / ".whl").is_dir():  # .whlq is .whl's subset
         carried = [f for f in carried if f.name != ".whlq"]
     with tempfile.TemporaryDirectory() as tmp:
         todo = [w for f in carried for w in sorted(f.glob("*.whl")) if not installed(w)]
+        if (ROOT / ".whlqx").is_dir():
+            todo += [w for w in unpack_wheels(ROOT / ".whlqx", Path(tmp)) if not installed(w)]
         cutlass = ROOT / ".whlx"
         if cutlass.is_dir() and not installed(Path((cutlass / "NAME.txt").read_text().strip())):
             todo.append(unpack_cutlass_libs(ROOT / ".whlx", Path(tmp)))

@@ -56,7 +56,7 @@ def test_arguments_are_checked_before_any_work(device, capsys):
 
 def test_the_wheel_folders_keep_their_names(device):
     """Sessions carry these folders by name (`carry` in the device call)."""
-    expected = {".whl", ".whlq", ".whlx", ".whlw", ".whlt", ".whlm", ".whlh", ".whla"}
+    expected = {".whl", ".whlq", ".whlqx", ".whlx", ".whlw", ".whlt", ".whlm", ".whlh", ".whla"}
     assert set(device.WHEELS) == expected
 
 
@@ -75,6 +75,23 @@ def test_the_xz_packed_libs_come_back_as_the_wheel_they_were(device, tmp_path):
     assert wheel.name == "libs_cu13-4.7.1-py3-none-manylinux_2_28_x86_64.whl"
     names = set(zipfile.ZipFile(wheel).namelist())
     assert names == {"nvidia_cutlass_dsl/lib/libcute.so", "libs_cu13-4.7.1.dist-info/RECORD"}
+
+
+def test_the_xz_packed_wheels_come_back_as_the_wheels_they_were(device, tmp_path):
+    unpacked = tmp_path / "x" / "quack_kernels-0.6.5-py3-none-any"
+    (unpacked / "quack").mkdir(parents=True)
+    (unpacked / "quack" / "__init__.py").write_text("version = '0.6.5'\n")
+    (unpacked / "quack_kernels-0.6.5.dist-info").mkdir()
+    (unpacked / "quack_kernels-0.6.5.dist-info" / "RECORD").write_text("")
+    carried = tmp_path / ".whlqx"
+    carried.mkdir()
+    with tarfile.open(carried / "wheels.tar.xz", "w:xz") as tar:
+        tar.add(tmp_path / "x", arcname=".")
+    (wheel,) = device.unpack_wheels(carried, tmp_path / "out")
+    assert wheel.name == "quack_kernels-0.6.5-py3-none-any.whl"
+    names = set(zipfile.ZipFile(wheel).namelist())
+    assert names == {"quack/__init__.py", "quack_kernels-0.6.5.dist-info/RECORD"}
+    assert zipfile.ZipFile(wheel).read("quack/__init__.py") == b"version = '0.6.5'\n"
 
 
 def test_setup_installs_only_what_is_missing(device, tmp_path, monkeypatch):
