@@ -149,3 +149,38 @@ def test_inference_entry_points_carry_tangents():
     )[1]
     torch.testing.assert_close(h_tangent, torch.func.jvp(h_ref, (x,), (t,))[1])
     torch.testing.assert_close(y_tangent, torch.func.jvp(y_ref, (x,), (t,))[1])
+
+
+class _ConvertedLinear(torch.nn.Linear):
+    """What an FP8 training converter leaves (torchao's Float8Linear subclasses nn.Linear and
+    replaces its forward with FP8 GEMMs): here, a forward that scales its output."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return 2 * super().forward(x)
+
+
+@pytest.mark.parametrize("name", ["fc1", "fc2"])
+def test_a_linear_whose_forward_was_converted_is_refused_not_skipped(name):
+    mlp = ParMLP(16, 24, impl="drop_h")
+    old = getattr(mlp, name)
+    converted = _ConvertedLinear(old.in_features, old.out_features, bias=old.bias is not None)
+    converted.load_state_dict(old.state_dict())
+    setattr(mlp, name, converted)
+    with pytest.raises(
+        TypeError, match=rf"ParMLP\.{name} is a .*_ConvertedLinear, which replaces"
+    ) as info:
+        mlp(torch.randn(4, 16))
+    assert "\n" not in str(info.value) and "module_filter_fn" in str(info.value)
+
+
+def test_a_subclass_that_keeps_linear_s_forward_still_runs():
+    class Kept(torch.nn.Linear):  # FSDP2's and parametrize's classes keep nn.Linear.forward
+        pass
+
+    mlp = ParMLP(16, 24, impl="drop_h")
+    kept = Kept(16, 48, bias=False)
+    kept.load_state_dict(mlp.fc1.state_dict())
+    x = torch.randn(4, 16)
+    expected = mlp(x)
+    mlp.fc1 = kept
+    assert torch.equal(mlp(x), expected)

@@ -202,6 +202,8 @@ class ParMLP(nn.Module, CheckedLoad):
         # Per-call host time is a small layer's step time (benchmarks/host_time.py): the
         # submodules and parameters are read once, and the checks pass over them once.
         fc1, fc2 = self._modules["fc1"], self._modules["fc2"]  # as self.fc1, less __getattr__
+        if type(fc1) is not nn.Linear or type(fc2) is not nn.Linear:
+            _refuse_converted_linears(fc1, fc2)
         params = (*_weight_and_bias(fc1), *_weight_and_bias(fc2))
         device = x.device
         self._check_input(x, fc1.in_features, device, params)
@@ -323,6 +325,24 @@ def _convert_on_load(module: ParMLP, state_dict: dict, prefix: str, *args) -> No
     index = order(module.fc1.out_features, source, module.fc1_layout)
     for key in keys:
         state_dict[key] = permute_rows(state_dict[key], index)
+
+
+def _refuse_converted_linears(fc1: nn.Module, fc2: nn.Module) -> None:
+    """A TypeError when a converter replaced fc1's or fc2's forward (torchao's
+    ``convert_to_float8_training`` swaps them for ``Float8Linear``): ParMLP's impls read the
+    weights and run their own GEMMs, so the converted forward, and its FP8 GEMM, would be
+    skipped without a word. Subclasses that keep ``nn.Linear.forward`` (FSDP2's, a
+    parametrization's) are fine."""
+    for name, linear in (("fc1", fc1), ("fc2", fc2)):
+        kind = type(linear)
+        if kind.forward is not nn.Linear.forward:
+            raise TypeError(
+                f"ParMLP.{name} is a {kind.__module__}.{kind.__qualname__}, which replaces "
+                "nn.Linear's forward (an FP8 or quantized training conversion, such as torchao's "
+                "Float8Linear); ParMLP's impls run their own GEMMs on its weight and would skip "
+                "that forward, training in bf16 unannounced. Leave ParMLP's fc1 and fc2 out of "
+                "the conversion (torchao: module_filter_fn)"
+            )
 
 
 def _refuse_parametrized_relayout(module: ParMLP, source: Layout, target: Layout) -> None:
