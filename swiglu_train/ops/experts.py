@@ -24,10 +24,8 @@ token's k rows are summed back by one deterministic gather-and-sum. R = T·k bel
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from swiglu_train.kernels.fp8_format import SCALE_DTYPE, saved_shapes
-from swiglu_train.ops.activation import swiglu_fwd, triton_enabled
 from swiglu_train.ops.experts_quack import drop_h_quack_experts
 from swiglu_train.ops.experts_routing import (
     check_routing,
@@ -38,14 +36,8 @@ from swiglu_train.ops.experts_routing import (
     live_weights,
     route,
 )
-from swiglu_train.ops.fp8_saved import copy_buffers, dequantize, swiglu_fwd_fp8_
-from swiglu_train.ops.mlp import claim_inplace_backward, refuse_double_backward, swiglu_activation
-from swiglu_train.ops.reference import swiglu_grad
-
-try:
-    from swiglu_train.kernels import experts_swiglu as kernels
-except ImportError:  # no Triton on this platform: the torch path serves everything
-    kernels = None
+from swiglu_train.ops.experts_steps import activate, backward_rows, router_grad, save, saved_tensors
+from swiglu_train.ops.mlp import refuse_double_backward, swiglu_activation
 
 WEIGHTS_ON = ("output", "input")
 IMPLS = ("normal", "drop_h", "drop_h_quack")
@@ -92,26 +84,6 @@ def normal_experts(x, indices, weights, fc1, fc2, weights_on: str, **_) -> torch
     return combine(out, plan, None if weights_on == "input" else w)
 
 
-def _backward_rows(saved: tuple, g: torch.Tensor, w: torch.Tensor | None):
-    """(grad_preact, (w·)h, grad_w or None) from the saved preact, overwritten in place, or
-    from its FP8 copy (q, scales); g [R, F] is overwritten by (w·)h where Triton runs."""
-    grad_w = torch.empty(g.shape[0], device=g.device) if w is not None else None
-    if kernels is not None and triton_enabled(g):
-        if len(saved) == 2:
-            grad_preact = g.new_empty(g.shape[0], 2 * g.shape[1])
-            kernels.experts_backward_fp8(*saved, g, grad_preact, w, grad_w)
-            return grad_preact, g, grad_w
-        kernels.experts_backward_(saved[0], g, w, grad_w)
-        return saved[0], g, grad_w
-    preact = dequantize(*saved) if len(saved) == 2 else saved[0].float()
-    ffn = g.shape[1]
-    h = (F.silu(preact[:, :ffn]).to(g.dtype).float() * preact[:, ffn:]).to(g.dtype).float()
-    scale = 1.0 if w is None else w[:, None]
-    grad_preact = (swiglu_grad(preact, g.float()) * scale).to(g.dtype)
-    gh = (g.float() * h).sum(-1) if w is not None else None
-    return grad_preact, (h * scale).to(g.dtype), gh
-
-
 class _ExpertsDropH(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, indices, weights, fc1, fc2, weights_on: str, saved_fp8: bool, inplace):
@@ -121,38 +93,24 @@ class _ExpertsDropH(torch.autograd.Function):
             xg.mul_(plan.weight.to(x.dtype)[:, None])
         preact = grouped_linear(xg, fc1, plan.offsets)
         del xg
-        if saved_fp8:
-            h = preact.new_empty(preact.shape[0], fc2.shape[2])
-            saved = copy_buffers(preact.shape[0], fc2.shape[2], preact)
-            swiglu_fwd_fp8_(preact, h, *saved)
-            del preact  # only the e4m3 copy is kept
-        else:
-            h, saved = swiglu_fwd(preact), (preact,)
+        h, saved = activate(preact, saved_fp8)
+        del preact
         out = grouped_linear(h, fc2, plan.offsets)
         del h
         y = gather_sum(out, plan, None if weights_on == "input" else live_weights(indices, weights))
-        ctx.save_for_backward(x, indices, weights, fc1, fc2, *saved)
-        ctx.weights_on, ctx.inplace, ctx.backward_ran = weights_on, inplace, False
+        save(ctx, x, indices, weights, fc1, fc2, saved, weights_on, inplace)
         return y
 
     @staticmethod
     def backward(ctx, grad_y: torch.Tensor):
-        refuse_double_backward()
         errors = (SECOND_BACKWARD_ERROR, SECOND_BACKWARD_FREED_ERROR)
-        inplace = claim_inplace_backward(ctx, *errors)
-        x, indices, weights, fc1, fc2, *saved = ctx.saved_tensors
-        if not inplace and len(saved) == 1:
-            saved = [saved[0].clone()]
+        inplace, (x, indices, weights, fc1, fc2), saved = saved_tensors(ctx, errors)
         plan = route(indices, weights, fc1.shape[0])
         on_output = ctx.weights_on == "output"
         grad_yg = grad_y.contiguous().index_select(0, plan.token)
         g = grouped_linear(grad_yg, fc2.transpose(1, 2), plan.offsets)  # unweighted grad_h
-        grad_preact, wh, grad_w_rows = _backward_rows(
-            tuple(saved), g, plan.weight if on_output else None
-        )
-        if inplace and len(saved) == 2:
-            for t in saved:  # the FP8 copy, read for the last time: its memory goes back now
-                t.untyped_storage().resize_(0)
+        w = plan.weight if on_output else None
+        grad_preact, wh, grad_w_rows = backward_rows(saved, g, w, inplace)
         del saved, g
         grad_fc2 = grouped_weight_grad(grad_yg, wh, plan.offsets)
         del grad_yg, wh
@@ -169,10 +127,7 @@ class _ExpertsDropH(torch.autograd.Function):
             xg = x.index_select(0, plan.token)
         grad_fc1 = grouped_weight_grad(grad_preact, xg, plan.offsets)
         del xg, grad_preact
-        grad_w = torch.empty(indices.numel(), device=x.device).index_copy_(
-            0, plan.slot, grad_w_rows
-        )
-        grad_w = torch.where(indices >= 0, grad_w.view(indices.shape), 0.0).to(weights.dtype)
+        grad_w = router_grad(grad_w_rows, plan, indices, weights)
         return grad_x, None, grad_w, grad_fc1, grad_fc2, None, None, None
 
 

@@ -36,10 +36,8 @@ from __future__ import annotations
 
 import torch
 
-from swiglu_train.ops.activation import swiglu_fwd
 from swiglu_train.ops.experts_routing import Routing, gather_sum, live_weights, route
-from swiglu_train.ops.fp8_saved import copy_buffers, swiglu_fwd_fp8_
-from swiglu_train.ops.mlp import claim_inplace_backward, refuse_double_backward
+from swiglu_train.ops.experts_steps import activate, backward_rows, router_grad, save, saved_tensors
 from swiglu_train.ops.quack_mlp import (
     ALIGN,
     check_quack_inputs,
@@ -85,23 +83,6 @@ def _varlen(plan: Routing) -> tuple[torch.Tensor, torch.Tensor]:
     return cu, plan.token.to(torch.int32)
 
 
-def _swiglu_backward(
-    saved: list[torch.Tensor], g: torch.Tensor, w: torch.Tensor | None
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(grad_preact, grad_w [R] fp32 or None) from the saved preact (overwritten) or its FP8
-    copy; g, the unweighted grad_h, becomes (w ·) h. ``w`` is the router weight per sorted row
-    when it scales the expert output. Triton is imported here: quack needs CUDA, so it runs."""
-    from swiglu_train.kernels import experts_swiglu
-
-    grad_w = None if w is None else torch.empty(g.shape[0], device=g.device)
-    if len(saved) == 2:
-        grad_preact = g.new_empty(g.shape[0], 2 * g.shape[1])
-        experts_swiglu.experts_backward_fp8(*saved, g, grad_preact, w, grad_w)
-        return grad_preact, grad_w
-    experts_swiglu.experts_backward_(saved[0], g, w, grad_w)
-    return saved[0], grad_w
-
-
 def _gathered_row_dots(rows: torch.Tensor, x: torch.Tensor, token: torch.Tensor) -> torch.Tensor:
     """[R] fp32: ⟨rows[r], x[token[r]]⟩, x gathered DOT_CHUNK elements at a time, so the
     gathered [R, D] is never whole (drop_h's bmm: fp32 sums, rounded to the dtype)."""
@@ -123,39 +104,28 @@ class _ExpertsDropHQuack(torch.autograd.Function):
         preact = gemm(x, fc1.mT, cu_seqlens_m=cu, A_idx=token)
         if weights_on == "input":  # fc1 (w x) = w (fc1 x), one rounding: fp32 product
             preact.mul_(plan.weight[:, None])
-        if saved_fp8:
-            h = preact.new_empty(preact.shape[0], fc2.shape[2])
-            saved = copy_buffers(preact.shape[0], fc2.shape[2], preact)
-            swiglu_fwd_fp8_(preact, h, *saved)
-            del preact  # only the e4m3 copy is kept
-        else:
-            h, saved = swiglu_fwd(preact), (preact,)
+        h, saved = activate(preact, saved_fp8)
+        del preact
         out = gemm(h, fc2.mT, cu_seqlens_m=cu)
         del h
         y = gather_sum(out, plan, None if weights_on == "input" else live_weights(indices, weights))
-        ctx.save_for_backward(x, indices, weights, fc1, fc2, *saved)
-        ctx.weights_on, ctx.inplace, ctx.backward_ran = weights_on, inplace, False
+        save(ctx, x, indices, weights, fc1, fc2, saved, weights_on, inplace)
         return y
 
     @staticmethod
     def backward(ctx, grad_y: torch.Tensor):
-        refuse_double_backward()
-        inplace = claim_inplace_backward(ctx, SECOND_BACKWARD_ERROR, SECOND_BACKWARD_FREED_ERROR)
-        x, indices, weights, fc1, fc2, *saved = ctx.saved_tensors
-        if not inplace and len(saved) == 1:
-            saved = [saved[0].clone()]
+        errors = (SECOND_BACKWARD_ERROR, SECOND_BACKWARD_FREED_ERROR)
+        inplace, (x, indices, weights, fc1, fc2), saved = saved_tensors(ctx, errors)
         gemm = quack_gemm()
         plan = route(indices, weights, fc1.shape[0])
         cu, token = _varlen(plan)
         on_output = ctx.weights_on == "output"
         grad_y = grad_y.contiguous()
         g = gemm(grad_y, fc2, cu_seqlens_m=cu, A_idx=token)  # unweighted grad_h
-        grad_preact, grad_w_rows = _swiglu_backward(saved, g, plan.weight if on_output else None)
-        if inplace and len(saved) == 2:
-            for t in saved:  # the FP8 copy, read for the last time: its memory goes back now
-                t.untyped_storage().resize_(0)
+        w = plan.weight if on_output else None
+        grad_preact, g, grad_w_rows = backward_rows(saved, g, w, inplace)  # g: (w ·) h now
         del saved
-        grad_fc2 = gemm(grad_y.T, g, cu_seqlens_k=cu, A_idx=token)  # g holds (w ·) h now
+        grad_fc2 = gemm(grad_y.T, g, cu_seqlens_k=cu, A_idx=token)
         del g
         grad_xg = gemm(grad_preact, fc1, cu_seqlens_m=cu)
         if not on_output:  # d(w x)/dw = x; grad_W1 takes the weight on grad_preact's rows
@@ -167,10 +137,7 @@ class _ExpertsDropHQuack(torch.autograd.Function):
         grad_fc1 = fc1.new_empty(fc1.shape)
         gemm(x.T, grad_preact, out=grad_fc1.mT, cu_seqlens_k=cu, A_idx=token)
         del grad_preact
-        grad_w = torch.empty(indices.numel(), device=x.device).index_copy_(
-            0, plan.slot, grad_w_rows
-        )
-        grad_w = torch.where(indices >= 0, grad_w.view(indices.shape), 0.0).to(weights.dtype)
+        grad_w = router_grad(grad_w_rows, plan, indices, weights)
         return grad_x, None, grad_w, grad_fc1, grad_fc2, None, None, None
 
 

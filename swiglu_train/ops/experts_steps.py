@@ -1,0 +1,88 @@
+"""The steps both drop_h experts Functions share (``ops.experts`` on torch's grouped GEMMs,
+``ops.experts_quack`` on quack's gather GEMMs): they differ in their GEMMs only, so what they
+save, how h and the FP8 copy are made and read back, and how the router weights' gradient
+returns to slot order are written once, here."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from swiglu_train.ops.activation import swiglu_fwd, triton_enabled
+from swiglu_train.ops.experts_routing import Routing
+from swiglu_train.ops.fp8_saved import copy_buffers, dequantize, swiglu_fwd_fp8_
+from swiglu_train.ops.mlp import claim_inplace_backward, refuse_double_backward
+from swiglu_train.ops.reference import swiglu_grad
+
+try:
+    from swiglu_train.kernels import experts_swiglu as kernels
+except ImportError:  # no Triton on this platform: the torch path serves everything
+    kernels = None
+
+
+def activate(preact: torch.Tensor, saved_fp8: bool) -> tuple[torch.Tensor, tuple]:
+    """(h, what backward keeps of the preactivation): itself, or its e4m3 copy and scales, in
+    which case the bf16 preactivation is dropped once h and the copy are written."""
+    if not saved_fp8:
+        return swiglu_fwd(preact), (preact,)
+    rows, ffn = preact.shape[0], preact.shape[1] // 2
+    h = preact.new_empty(rows, ffn)
+    saved = copy_buffers(rows, ffn, preact)
+    swiglu_fwd_fp8_(preact, h, *saved)
+    return h, saved
+
+
+def save(ctx, x, indices, weights, fc1, fc2, saved: tuple, weights_on: str, inplace: bool):
+    """What every drop_h experts backward reads: x, the routing inputs, both weights and the
+    preactivation (or its copy); h and the expert outputs are never kept."""
+    ctx.save_for_backward(x, indices, weights, fc1, fc2, *saved)
+    ctx.weights_on, ctx.inplace, ctx.backward_ran = weights_on, inplace, False
+
+
+def saved_tensors(ctx, errors: tuple[str, str]) -> tuple[bool, tuple, list]:
+    """(inplace, (x, indices, weights, fc1, fc2), the preactivation's tensors), after refusing
+    a double or a second backward; out of place, the bf16 preactivation is a copy to overwrite."""
+    refuse_double_backward()
+    inplace = claim_inplace_backward(ctx, *errors)
+    x, indices, weights, fc1, fc2, *saved = ctx.saved_tensors
+    if not inplace and len(saved) == 1:
+        saved = [saved[0].clone()]
+    return inplace, (x, indices, weights, fc1, fc2), saved
+
+
+def backward_rows(saved: list, g: torch.Tensor, w: torch.Tensor | None, inplace: bool):
+    """(grad_preact, (w·)h, grad_w [R] fp32 or None) from the saved preact, overwritten in
+    place, or from its FP8 copy (q, scales), freed once read when ``inplace``; g [R, F] is
+    overwritten by (w·)h where Triton runs. ``w`` is the router weight per sorted row when it
+    scales the expert output (its gradient then comes from the same pass)."""
+    fp8 = len(saved) == 2
+    if kernels is not None and triton_enabled(g):
+        grad_w = torch.empty(g.shape[0], device=g.device) if w is not None else None
+        if fp8:
+            grad_preact = g.new_empty(g.shape[0], 2 * g.shape[1])
+            kernels.experts_backward_fp8(*saved, g, grad_preact, w, grad_w)
+        else:
+            grad_preact = saved[0]
+            kernels.experts_backward_(grad_preact, g, w, grad_w)
+        wh = g
+    else:
+        preact = dequantize(*saved) if fp8 else saved[0].float()
+        ffn = g.shape[1]
+        h = (F.silu(preact[:, :ffn]).to(g.dtype).float() * preact[:, ffn:]).to(g.dtype).float()
+        scale = 1.0 if w is None else w[:, None]
+        grad_preact = (swiglu_grad(preact, g.float()) * scale).to(g.dtype)
+        grad_w = (g.float() * h).sum(-1) if w is not None else None
+        wh = (h * scale).to(g.dtype)
+    if inplace and fp8:
+        for t in saved:  # the FP8 copy, read for the last time: its memory goes back now
+            t.untyped_storage().resize_(0)
+    return grad_preact, wh, grad_w
+
+
+def router_grad(
+    rows: torch.Tensor, plan: Routing, indices: torch.Tensor, weights: torch.Tensor
+) -> torch.Tensor:
+    """The router weights' gradient [T, k] in their dtype, from its value per sorted row:
+    back in slot order, 0 for a dropped slot."""
+    grad = torch.empty(indices.numel(), device=rows.device).index_copy_(0, plan.slot, rows)
+    return torch.where(indices >= 0, grad.view(indices.shape), 0.0).to(weights.dtype)
