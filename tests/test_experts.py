@@ -132,7 +132,7 @@ def test_saved_bytes_are_what_each_impl_claims():
                 SavedTensorCounter(exclude=[*m.parameters(), x, idx, w]) as counter,
             ):
                 m(x, idx, w)
-            claim = saved_activation_bytes(impl, fp8, on, t, d, f, k, torch.bfloat16)
+            claim = saved_activation_bytes(impl, fp8, on, t, d, f, k, e, torch.bfloat16)
             if impl == "normal":  # plus the routing's index vectors torch's ops keep
                 assert claim <= counter.bytes <= claim + 64 * t * k, (impl, on)
             else:
@@ -143,10 +143,11 @@ def test_drop_h_keeps_less_than_normal_by_h_gathered_x_and_outputs():
     from swiglu_train.ops.experts import saved_activation_bytes
 
     t, d, f, k = 4096, 2048, 768, 8
-    normal = saved_activation_bytes("normal", False, "output", t, d, f, k, torch.bfloat16)
-    drop_h = saved_activation_bytes("drop_h", False, "output", t, d, f, k, torch.bfloat16)
+    normal = saved_activation_bytes("normal", False, "output", t, d, f, k, 128, torch.bfloat16)
+    drop_h = saved_activation_bytes("drop_h", False, "output", t, d, f, k, 128, torch.bfloat16)
     r = t * k
-    assert normal - drop_h == 2 * (r * d + r * f + r * d)
+    plan = r * (3 * 8 + 4) + 128 * 4  # drop_h keeps the sorted plan: three int64, one fp32, E
+    assert normal - drop_h == 2 * (r * d + r * f + r * d) - plan
 
 
 def test_second_backward_is_refused_in_place_and_works_out_of_place():

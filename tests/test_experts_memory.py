@@ -45,7 +45,7 @@ def profile(impl: str, saved_fp8: bool):
 def test_experts_bytes_per_block_are_x_routing_and_the_claim(impl, saved_fp8):
     record = profile(impl, saved_fp8)
     label = "experts/drop_h+fp8" if saved_fp8 else "experts/drop_h"
-    claim = saved_activation_bytes(impl, saved_fp8, "output", T, D, F, K, torch.float32)
+    claim = saved_activation_bytes(impl, saved_fp8, "output", T, D, F, K, E, torch.float32)
     per_block = T * D * 4 + T * K * (8 + 4) + claim  # x, the top-k indices and weights, preact
     assert [layer.mlp_saved_bytes for layer in record.layers] == [per_block] * BLOCKS
     assert record.impl_saved_bytes == {label: per_block * BLOCKS}
@@ -54,7 +54,7 @@ def test_experts_bytes_per_block_are_x_routing_and_the_claim(impl, saved_fp8):
 def test_normal_keeps_what_drop_h_drops():
     normal, drop_h = profile("normal", False), profile("drop_h", False)
     claims = [
-        saved_activation_bytes(impl, False, "output", T, D, F, K, torch.float32)
+        saved_activation_bytes(impl, False, "output", T, D, F, K, E, torch.float32)
         for impl in ("normal", "drop_h")
     ]
     dropped = normal.impl_saved_bytes["experts/normal"] - drop_h.impl_saved_bytes["experts/drop_h"]

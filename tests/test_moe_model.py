@@ -119,7 +119,9 @@ def test_each_layer_s_experts_bytes_are_x_the_routing_and_the_impl_s_claim(saved
     cfg = tiny_moe(saved_fp8=saved_fp8)
     record = profile(cfg)
     tokens, d, f, k = BATCH * SEQ, cfg.hidden_size, cfg.ffn_hidden_size, cfg.moe_top_k
-    claim = saved_activation_bytes("drop_h", saved_fp8, "output", tokens, d, f, k, torch.float32)
+    claim = saved_activation_bytes(
+        "drop_h", saved_fp8, "output", tokens, d, f, k, cfg.num_experts, torch.float32
+    )
     experts = tokens * d * 4 + tokens * k * (8 + 4) + claim  # x, top-k indices, weights
     assert [layer.mlp_saved_bytes for layer in record.layers] == [experts] * cfg.num_layers
     label = "experts/drop_h+fp8" if saved_fp8 else "experts/drop_h"
@@ -133,7 +135,7 @@ def test_the_depth_curve_counts_the_experts_bytes_in_each_block():
     bf16, fp8 = profile(tiny_moe()), profile(tiny_moe(saved_fp8=True))
     cfg = tiny_moe()
     args = ("output", BATCH * SEQ, cfg.hidden_size, cfg.ffn_hidden_size, cfg.moe_top_k,
-            torch.float32)  # fmt: skip
+            cfg.num_experts, torch.float32)  # fmt: skip
     gap = saved_activation_bytes("drop_h", False, *args) - saved_activation_bytes(
         "drop_h", True, *args
     )

@@ -35,6 +35,7 @@ from swiglu_train.ops.experts_routing import (
     grouped_weight_grad,
     live_weights,
     route,
+    routing_bytes,
 )
 from swiglu_train.ops.experts_steps import activate, backward_rows, router_grad, save, saved_tensors
 from swiglu_train.ops.mlp import refuse_double_backward, swiglu_activation
@@ -98,14 +99,13 @@ class _ExpertsDropH(torch.autograd.Function):
         out = grouped_linear(h, fc2, plan.offsets)
         del h
         y = gather_sum(out, plan, None if weights_on == "input" else live_weights(indices, weights))
-        save(ctx, x, indices, weights, fc1, fc2, saved, weights_on, inplace)
+        save(ctx, x, indices, weights, fc1, fc2, plan, saved, weights_on, inplace)
         return y
 
     @staticmethod
     def backward(ctx, grad_y: torch.Tensor):
         errors = (SECOND_BACKWARD_ERROR, SECOND_BACKWARD_FREED_ERROR)
-        inplace, (x, indices, weights, fc1, fc2), saved = saved_tensors(ctx, errors)
-        plan = route(indices, weights, fc1.shape[0])
+        inplace, (x, indices, weights, fc1, fc2), plan, saved = saved_tensors(ctx, errors)
         on_output = ctx.weights_on == "output"
         grad_yg = grad_y.contiguous().index_select(0, plan.token)
         g = grouped_linear(grad_yg, fc2.transpose(1, 2), plan.offsets)  # unweighted grad_h
@@ -139,21 +139,24 @@ def saved_activation_bytes(
     hidden: int,
     ffn: int,
     top_k: int,
+    experts: int,
     dtype: torch.dtype,
 ) -> int:
     """Bytes an impl keeps for backward beyond the parameters and the caller's own tensors (x,
-    the indices and weights), for T tokens routed to k experts each (R = T·k slots): what the
-    memory tests assert and the benchmarks report. ``normal`` keeps a few index vectors more
-    (O(R) integers, which torch's gather and bag ops save)."""
+    the indices and weights), for T tokens routed to k of E experts each (R = T·k slots): what
+    the memory tests assert and the benchmarks report. The drop_h impls keep the routing plan
+    (``routing_bytes``); ``normal`` keeps a few index vectors (O(R) integers, which torch's
+    gather and bag ops save) not counted here."""
     size, rows = torch.empty(0, dtype=dtype).element_size(), tokens * top_k
     if impl == "normal":
         gathered = 2 if weights_on == "input" else 1  # the scaled copy of the gathered x too
         outputs = 1 if weights_on == "output" else 0  # the expert outputs, for the weights' grad
         return size * rows * ((gathered + outputs) * hidden + 3 * ffn)
+    plan = routing_bytes(rows, experts)
     if saved_fp8:
         (q_rows, q_cols), (s_rows, s_cols) = saved_shapes(rows, ffn)
-        return q_rows * q_cols + s_rows * s_cols * SCALE_DTYPE.itemsize
-    return size * rows * 2 * ffn
+        return plan + q_rows * q_cols + s_rows * s_cols * SCALE_DTYPE.itemsize
+    return plan + size * rows * 2 * ffn
 
 
 def drop_h_experts(x, indices, weights, fc1, fc2, weights_on, saved_fp8=False, inplace=True):

@@ -109,15 +109,14 @@ class _ExpertsDropHQuack(torch.autograd.Function):
         out = gemm(h, fc2.mT, cu_seqlens_m=cu)
         del h
         y = gather_sum(out, plan, None if weights_on == "input" else live_weights(indices, weights))
-        save(ctx, x, indices, weights, fc1, fc2, saved, weights_on, inplace)
+        save(ctx, x, indices, weights, fc1, fc2, plan, saved, weights_on, inplace)
         return y
 
     @staticmethod
     def backward(ctx, grad_y: torch.Tensor):
         errors = (SECOND_BACKWARD_ERROR, SECOND_BACKWARD_FREED_ERROR)
-        inplace, (x, indices, weights, fc1, fc2), saved = saved_tensors(ctx, errors)
+        inplace, (x, indices, weights, fc1, fc2), plan, saved = saved_tensors(ctx, errors)
         gemm = quack_gemm()
-        plan = route(indices, weights, fc1.shape[0])
         cu, token = _varlen(plan)
         on_output = ctx.weights_on == "output"
         grad_y = grad_y.contiguous()

@@ -40,6 +40,17 @@ class Routing(NamedTuple):
     weight: torch.Tensor  # [R] fp32: each sorted slot's router weight, 0 if dropped
 
 
+def routing_bytes(rows: int, experts: int) -> int:
+    """What a plan holds: three int64 and one fp32 vector over the R slots, E int32 offsets.
+    The drop_h impls keep it for backward, which then sorts nothing again."""
+    return rows * (3 * 8 + 4) + experts * 4
+
+
+def sort_key_dtype(num_experts: int) -> torch.dtype:
+    """The narrowest integer the expert ids fit: a radix sort makes one pass per key byte."""
+    return torch.int16 if num_experts <= torch.iinfo(torch.int16).max else torch.int32
+
+
 def check_routing(
     x: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor, num_experts: int
 ) -> None:
@@ -80,7 +91,8 @@ def route(indices: torch.Tensor, weights: torch.Tensor, num_experts: int) -> Rou
     """The sorted-slot plan of [T, k] expert indices and weights (the module docstring)."""
     flat = indices.reshape(-1).long()
     live = flat >= 0
-    sorted_expert, slot = torch.sort(torch.where(live, flat, 0), stable=True)
+    keys = torch.where(live, flat, 0).to(sort_key_dtype(num_experts))
+    sorted_expert, slot = torch.sort(keys, stable=True)
     bounds = torch.arange(num_experts, device=flat.device, dtype=sorted_expert.dtype)
     offsets = torch.searchsorted(sorted_expert, bounds, right=True).to(torch.int32)
     rows = torch.arange(slot.numel(), device=slot.device)

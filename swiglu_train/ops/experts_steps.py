@@ -32,22 +32,26 @@ def activate(preact: torch.Tensor, saved_fp8: bool) -> tuple[torch.Tensor, tuple
     return h, saved
 
 
-def save(ctx, x, indices, weights, fc1, fc2, saved: tuple, weights_on: str, inplace: bool):
-    """What every drop_h experts backward reads: x, the routing inputs, both weights and the
+def save(ctx, x, indices, weights, fc1, fc2, plan: Routing, saved: tuple, weights_on, inplace):
+    """What every drop_h experts backward reads: x, the routing inputs and their sorted plan
+    (O(R) integers, so backward neither sorts nor searches again), both weights and the
     preactivation (or its copy); h and the expert outputs are never kept."""
-    ctx.save_for_backward(x, indices, weights, fc1, fc2, *saved)
+    ctx.save_for_backward(x, indices, weights, fc1, fc2, *plan, *saved)
     ctx.weights_on, ctx.inplace, ctx.backward_ran = weights_on, inplace, False
 
 
-def saved_tensors(ctx, errors: tuple[str, str]) -> tuple[bool, tuple, list]:
-    """(inplace, (x, indices, weights, fc1, fc2), the preactivation's tensors), after refusing
-    a double or a second backward; out of place, the bf16 preactivation is a copy to overwrite."""
+def saved_tensors(ctx, errors: tuple[str, str]) -> tuple[bool, tuple, Routing, list]:
+    """(inplace, (x, indices, weights, fc1, fc2), the plan, the preactivation's tensors), after
+    refusing a double or a second backward; out of place, the bf16 preactivation is a copy to
+    overwrite."""
     refuse_double_backward()
     inplace = claim_inplace_backward(ctx, *errors)
-    x, indices, weights, fc1, fc2, *saved = ctx.saved_tensors
+    x, indices, weights, fc1, fc2, *rest = ctx.saved_tensors
+    fields = len(Routing._fields)
+    plan, saved = Routing(*rest[:fields]), rest[fields:]
     if not inplace and len(saved) == 1:
         saved = [saved[0].clone()]
-    return inplace, (x, indices, weights, fc1, fc2), saved
+    return inplace, (x, indices, weights, fc1, fc2), plan, saved
 
 
 def backward_rows(saved: list, g: torch.Tensor, w: torch.Tensor | None, inplace: bool):
