@@ -70,6 +70,8 @@ WHEELS: dict[str, tuple[str, list[str]]] = {
     ".whlh": ("LitGPT and jsonargparse, for the patch stage (0.4 MB)",
               ["litgpt==0.5.13", "jsonargparse==4.41.0"]),
     ".whla": ("torchao, for FP8 training recipes (3.4 MB)", ["torchao==0.18.0"]),
+    ".whll": ("Liger alone (0.9 MB): the peer that still fits beside .whlqx, .whlx and the tree",
+              ["liger-kernel==0.8.5"]),
 }  # fmt: skip
 # py-spy's only wheel is manylinux1: a narrower list skips it
 PLATFORMS = [

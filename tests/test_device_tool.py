@@ -56,7 +56,18 @@ def test_arguments_are_checked_before_any_work(device, capsys):
 
 def test_the_wheel_folders_keep_their_names(device):
     """Sessions carry these folders by name (`carry` in the device call)."""
-    expected = {".whl", ".whlq", ".whlqx", ".whlx", ".whlw", ".whlt", ".whlm", ".whlh", ".whla"}
+    expected = {
+        ".whl",
+        ".whlq",
+        ".whlqx",
+        ".whlx",
+        ".whlw",
+        ".whlt",
+        ".whlm",
+        ".whlh",
+        ".whla",
+        ".whll",
+    }
     assert set(device.WHEELS) == expected
 
 
