@@ -24,6 +24,7 @@ EXTRAS: dict[str, tuple[str, str]] = {
     "transformers": ("transformers", "hf"),
     "safetensors": ("safetensors", "hf"),
     "litgpt": ("litgpt", "litgpt"),
+    "torchao": ("torchao", "fp8"),
 }
 
 
