@@ -40,8 +40,11 @@ from swiglu_train.ops.inference import (
     swiglu_mlp_torch,
     transforms_need_torch,
 )
+from swiglu_train.ops.mlp import swiglu_activation
 from swiglu_train.ops.quack_mlp import QUACK_DTYPES
 
+# the impl that runs an FP8-converted fc1/fc2 through their own forward (its GEMMs are theirs)
+CONVERTED_IMPL = "normal"
 STAMP_KEY = "_extra_state"  # a packed ParMLP's state_dict entry: {"fc1_layout": {...}}
 
 
@@ -87,6 +90,11 @@ class ParMLP(nn.Module, CheckedLoad):
     ``saved_fp8=True`` (``drop_h`` only) keeps the saved preactivation as e4m3 with per-block
     scales, about half the bytes (``ops.fp8_saved``: format, measured errors); y is unchanged,
     gradients carry e4m3's rounding. Parameters and state_dict are the same either way.
+
+    An fc1 or fc2 converted for FP8 training (torchao's ``convert_to_float8_training`` makes it
+    a ``Float8Linear``) runs through its own forward under ``normal``; every other impl runs
+    GEMMs of its own, whose FP8 versions are not implemented yet, and refuses it at forward
+    rather than train in bf16 unannounced (docs/fp8-training.md).
     """
 
     def __init__(
@@ -202,11 +210,14 @@ class ParMLP(nn.Module, CheckedLoad):
         # Per-call host time is a small layer's step time (benchmarks/host_time.py): the
         # submodules and parameters are read once, and the checks pass over them once.
         fc1, fc2 = self._modules["fc1"], self._modules["fc2"]  # as self.fc1, less __getattr__
+        converted = False
         if type(fc1) is not nn.Linear or type(fc2) is not nn.Linear:
-            _refuse_converted_linears(fc1, fc2)
+            converted = _check_converted_linears(fc1, fc2, self._impl)
         params = (*_weight_and_bias(fc1), *_weight_and_bias(fc2))
         device = x.device
         self._check_input(x, fc1.in_features, device, params)
+        if converted:  # impl normal: the converted forwards run the GEMMs (FP8 under torchao)
+            return _through_linears(x, fc1, fc2)
         device_type = device.type
         if device_type == "meta":  # shapes only (deferred init, tracing): no kernel, no autocast
             return reference.mlp(x, *params)
@@ -327,22 +338,42 @@ def _convert_on_load(module: ParMLP, state_dict: dict, prefix: str, *args) -> No
         state_dict[key] = permute_rows(state_dict[key], index)
 
 
-def _refuse_converted_linears(fc1: nn.Module, fc2: nn.Module) -> None:
-    """A TypeError when a converter replaced fc1's or fc2's forward (torchao's
-    ``convert_to_float8_training`` swaps them for ``Float8Linear``): ParMLP's impls read the
-    weights and run their own GEMMs, so the converted forward, and its FP8 GEMM, would be
-    skipped without a word. Subclasses that keep ``nn.Linear.forward`` (FSDP2's, a
-    parametrization's) are fine."""
+def converted_forward(linear: nn.Module) -> bool:
+    """Whether a converter replaced ``linear``'s forward (torchao's ``convert_to_float8_training``
+    swaps nn.Linear for ``Float8Linear``, whose forward runs FP8 GEMMs). Subclasses that keep
+    ``nn.Linear.forward`` (FSDP2's, a parametrization's) are not converted."""
+    return type(linear).forward is not nn.Linear.forward
+
+
+def _check_converted_linears(fc1: nn.Module, fc2: nn.Module, impl: str) -> bool:
+    """Whether fc1 or fc2 has a converted forward, which impl ``normal`` runs them through; any
+    other impl reads the weights and runs its own GEMMs, so it would skip that forward (and its
+    FP8 GEMMs) and train in bf16 unannounced: a one-line TypeError instead."""
     for name, linear in (("fc1", fc1), ("fc2", fc2)):
+        if not converted_forward(linear):
+            continue
+        if impl == CONVERTED_IMPL:
+            return True
         kind = type(linear)
-        if kind.forward is not nn.Linear.forward:
-            raise TypeError(
-                f"ParMLP.{name} is a {kind.__module__}.{kind.__qualname__}, which replaces "
-                "nn.Linear's forward (an FP8 or quantized training conversion, such as torchao's "
-                "Float8Linear); ParMLP's impls run their own GEMMs on its weight and would skip "
-                "that forward, training in bf16 unannounced. Leave ParMLP's fc1 and fc2 out of "
-                "the conversion (torchao: module_filter_fn)"
-            )
+        raise TypeError(
+            f"ParMLP.{name} is a {kind.__module__}.{kind.__qualname__}, which replaces "
+            "nn.Linear's forward (an FP8 or quantized training conversion, such as torchao's "
+            f"convert_to_float8_training); impl {impl!r} runs its own GEMMs on the weight and "
+            "would skip that forward, training in bf16 unannounced: its FP8 GEMMs are not "
+            f"implemented yet. Use impl {CONVERTED_IMPL!r} (pretrain --mlp-impl normal), which "
+            "runs fc1 and fc2 through the converted forward, or leave ParMLP's fc1 and fc2 out "
+            "of the conversion (torchao: module_filter_fn)"
+        )
+    return False
+
+
+def _through_linears(x: torch.Tensor, fc1: nn.Module, fc2: nn.Module) -> torch.Tensor:
+    """``normal``'s math with the GEMMs of fc1's and fc2's own (converted) forwards: saved for
+    backward are the preactivation (our activation's) and what those forwards save (torchao's
+    Float8Linear: x and h in high precision, cast again in backward)."""
+    x2d = x.reshape(-1, x.shape[-1])
+    y = fc2(swiglu_activation(fc1(x2d)))
+    return y.view(*x.shape[:-1], y.shape[-1])
 
 
 def _refuse_parametrized_relayout(module: ParMLP, source: Layout, target: Layout) -> None:

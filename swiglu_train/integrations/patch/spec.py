@@ -24,6 +24,7 @@ from torch.nn.utils import parametrize
 
 from swiglu_train.kernels.runtime import SUPPORTED_DTYPES
 from swiglu_train.layers.layout import DTensor
+from swiglu_train.layers.par_mlp import CONVERTED_IMPL, converted_forward
 
 
 @dataclass(frozen=True)
@@ -137,8 +138,13 @@ def not_plain_linear(linear: nn.Module) -> str | None:
     """Why ``linear`` cannot be fused into fc1/fc2 as it stands; None when it can."""
     if not isinstance(linear, nn.Linear):
         return f"is a {type(linear).__name__}, not an nn.Linear (an adapter or quantized layer)"
-    if type(linear).forward is not nn.Linear.forward or "forward" in vars(linear):
-        return f"is a {type(linear).__name__} whose forward is not nn.Linear's"
+    if converted_forward(linear) or "forward" in vars(linear):
+        # an FP8 training conversion leaves such a linear: a ParMLP of its weights would skip it
+        return (
+            f"is a {type(linear).__name__} whose forward is not nn.Linear's (as after an FP8 "
+            "training conversion, torchao's convert_to_float8_training among them: to train "
+            f"in FP8, patch first with impl {CONVERTED_IMPL!r}, then convert)"
+        )
     if parametrize.is_parametrized(linear):
         return "is parametrized (torch.nn.utils.parametrize)"
     hooks = _hooks(linear)

@@ -1,0 +1,124 @@
+"""FP8 training through torchao's real ``convert_to_float8_training`` (issue 48): a ParMLP whose
+fc1/fc2 it converted runs them through Float8Linear under impl ``normal``, and every other impl
+refuses in one line rather than train in bf16 unannounced; ``patch`` leaves an MLP converted
+before it. Float8Linear runs on the CPU (torch's CPU ``_scaled_mm``), so the numerics are
+checked here too; the cuda case is the GPU test (H100/H200: real FP8 GEMMs)."""
+
+import pytest
+import torch
+from conftest import device_backends
+from helpers import rel_err
+from patch_models import hf_model
+from torch import nn
+from torchao import float8  # the fp8 extra, which the test extra brings
+from torchao.float8.float8_linear import Float8Linear
+
+import swiglu_train
+from swiglu_train import ParMLP
+from swiglu_train.integrations.patch import PatchedSwiGLU
+from swiglu_train.ops import reference, use_backend
+
+D, FFN, M = 64, 96, 48  # every dim a multiple of 16, as torch._scaled_mm needs
+RECIPES = ("tensorwise", "rowwise")
+
+
+def convert(model: nn.Module, recipe: str = "tensorwise") -> nn.Module:
+    config = float8.Float8LinearConfig.from_recipe_name(recipe)
+    return float8.convert_to_float8_training(model, config=config)
+
+
+class TorchaoMLP(nn.Module):
+    """torchao's own FP8 SwiGLU MLP, the peer: two linears it converts, SwiGLU in torch."""
+
+    def __init__(self, mlp: ParMLP) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(D, 2 * FFN, bias=False), nn.Linear(FFN, D, bias=False)
+        self.load_state_dict(mlp.state_dict())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(reference.swiglu(self.fc1(x)))
+
+
+def outputs(mlp: nn.Module, x: torch.Tensor, grad_y: torch.Tensor) -> dict[str, torch.Tensor]:
+    x = x.detach().clone().requires_grad_()
+    y = mlp(x)
+    y.backward(grad_y)
+    return {
+        "y": y,
+        "grad_x": x.grad,
+        "grad_W1": mlp.fc1.weight.grad,
+        "grad_W2": mlp.fc2.weight.grad,
+    }
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+@pytest.mark.parametrize(("device", "backend"), device_backends())
+def test_normal_runs_the_converted_linears_as_torchao_s_own_mlp_does(device, backend, recipe):
+    """Per tensor (y, grad_x, grad_W1, grad_W2), ParMLP normal on Float8Linear is as far from
+    float64 as torchao's FP8 MLP on the same inputs, and that distance is FP8's, not bf16's:
+    the FP8 GEMMs ran."""
+    torch.manual_seed(0)
+    mlp = ParMLP(D, FFN, impl="normal", device=device, dtype=torch.bfloat16)
+    peer, exact = TorchaoMLP(mlp).to(device), TorchaoMLP(mlp).double().to(device)
+    x = torch.randn(2, M // 2, D, device=device, dtype=torch.bfloat16)
+    grad_y = torch.randn(2, M // 2, D, device=device, dtype=torch.bfloat16)
+    expected = outputs(exact, x.double(), grad_y.double())
+    convert(mlp, recipe), convert(peer, recipe)
+    assert isinstance(mlp.fc1, Float8Linear) and isinstance(mlp.fc2, Float8Linear)
+    with use_backend(backend):
+        ours = outputs(mlp, x, grad_y)
+    theirs = outputs(peer, x, grad_y)
+    for name, value in ours.items():
+        err, peer_err = rel_err(value, expected[name]), rel_err(theirs[name], expected[name])
+        assert err <= 1.5 * peer_err, (name, err, peer_err)
+        assert err > 2e-2, (name, err)  # here bf16 GEMMs sit near 4e-3, FP8's near 6e-2
+
+
+@pytest.mark.parametrize("impl", ["drop_h", "save_factors"])
+def test_the_converter_on_a_model_with_par_mlp_is_refused_at_forward_in_one_line(impl):
+    model = nn.Sequential(nn.Linear(D, D), ParMLP(D, FFN, impl=impl))
+    convert(model)
+    assert isinstance(model[1].fc1, Float8Linear)  # what the user's converter did
+    with pytest.raises(TypeError) as info:
+        model(torch.randn(M, D))
+    message = str(info.value)
+    assert "\n" not in message
+    assert message.startswith(
+        "ParMLP.fc1 is a torchao.float8.float8_linear.Float8Linear, which replaces nn.Linear's"
+    )
+    assert f"impl {impl!r} runs its own GEMMs" in message
+    assert "convert_to_float8_training" in message and "--mlp-impl normal" in message
+
+
+def test_a_patched_model_refuses_the_converter_unless_its_impl_is_normal():
+    ids = torch.randint(0, 64, (2, 8))
+    refused = hf_model("llama")
+    swiglu_train.patch(refused, "drop_h")
+    convert(refused)
+    with pytest.raises(TypeError, match=r"^ParMLP\.fc1 is a .*Float8Linear.* impl 'drop_h'"):
+        refused(ids)
+
+    model = hf_model("llama")
+    keys = set(model.state_dict())
+    swiglu_train.patch(model, "normal")
+    convert(model)
+    mlp = model.model.layers[0].mlp
+    assert isinstance(mlp, PatchedSwiGLU) and isinstance(mlp.fc1, Float8Linear)
+    assert set(model.state_dict()) == keys  # the host's keys, as before the conversion
+    model(ids).logits.sum().backward()
+    assert mlp.fc1.weight.grad is not None
+
+
+def test_patch_leaves_an_mlp_converted_before_it_with_the_reason():
+    """Patched after the converter, a ParMLP would take Float8Linear's weights into bf16
+    GEMMs: patch leaves the MLP as it is and its report says what to do."""
+    model = hf_model("llama")
+    convert(model)
+    before = model.model.layers[0].mlp
+    report = swiglu_train.patch(model, "normal")
+    assert report.replaced == [] and model.model.layers[0].mlp is before
+    reasons = {entry.reason for entry in report.left}
+    assert len(reasons) == 1 and len(report.left) == 2
+    reason = reasons.pop()
+    assert "gate_proj is a Float8Linear whose forward is not nn.Linear's" in reason
+    assert "convert_to_float8_training" in reason and "patch first with impl 'normal'" in reason
