@@ -89,6 +89,14 @@ def bench_grid(
             "(CUDA results only; ship it as swiglu_train/layers/auto_<gpu family>.json)"
         ),
     ] = None,
+    calibrate: Annotated[
+        bool,
+        typer.Option(
+            help="fit that model and write it to this machine's cache (auto_<gpu family>.json "
+            "beside pretune's GEMM cache), where impl='auto' looks before the shipped models; "
+            "without --variants, times our impls only (the peers are not fitted)"
+        ),
+    ] = False,
     more_merge: Annotated[
         list[Path] | None,
         typer.Argument(
@@ -101,8 +109,8 @@ def bench_grid(
     """Every impl and peer against the six-GEMM floor at the MLP shapes of public models.
 
     Also judges impl="auto" there: the picks made during the run, the shipped cost model's
-    (or, with --auto-model, the one fitted here), and leave-one-family-out models fitted from
-    the grid.
+    (or, with --auto-model or --calibrate, the one fitted here), and leave-one-family-out
+    models fitted from the grid.
     """
     from swiglu_train.bench.grid.crossover import parse_m, parse_shapes
     from swiglu_train.bench.grid.models import MODELS, grid_shapes, select_models, shapes_for
@@ -111,6 +119,8 @@ def bench_grid(
     from swiglu_train.bench.grid.run import merge_results
     from swiglu_train.bench.mlp.variants import BUILDERS
     from swiglu_train.bench.results import DTYPES
+    from swiglu_train.layers.auto import calibration_dir
+    from swiglu_train.layers.registry import MLP_IMPLS
 
     if list_models:
         for model in MODELS:
@@ -122,10 +132,14 @@ def bench_grid(
     outputs = [(json_path, "'--json'"), (md_path, "'--md'"), (plot_path, "'--plot'")]
     for path, option in [*outputs, (auto_model, "'--auto-model'")]:
         check_output(path, option)
-    if auto_model is not None and not merge and device != "cuda":
+    if calibrate and auto_model is not None:
+        raise typer.BadParameter("give --auto-model or --calibrate, not both")
+    fit = "'--calibrate'" if calibrate else "'--auto-model'" if auto_model is not None else None
+    if calibrate:
+        check_output(calibration_dir(), fit, directory=True)
+    if fit is not None and not merge and device != "cuda":
         raise typer.BadParameter(
-            "an auto model is fitted from CUDA readings: run with --device cuda",
-            param_hint="'--auto-model'",
+            "an auto model is fitted from CUDA readings: run with --device cuda", param_hint=fit
         )
     if plot_path is not None:
         require("matplotlib")  # one line naming the extra, before the grid's minutes
@@ -141,7 +155,8 @@ def bench_grid(
         except ValueError as e:
             raise typer.BadParameter(str(e), param_hint="'--merge'") from e
     else:
-        names = list(GRID_VARIANTS) if variants is None else [v for v in variants.split(",") if v]
+        default = MLP_IMPLS if calibrate else GRID_VARIANTS
+        names = list(default) if variants is None else [v for v in variants.split(",") if v]
         unknown = sorted(set(names) - set(BUILDERS))
         if unknown or not names:
             raise typer.BadParameter(
@@ -175,26 +190,31 @@ def bench_grid(
             console.print(f"[yellow]{samples} samples: results are not claimable (need >= 30)")
         result = _run_grid(cfg, json_path)
     fit_error = None
-    if auto_model is not None:
+    if fit is not None:
         try:
             _write_auto_model(result, auto_model)
         except ValueError as e:  # the measurements are written all the same
-            fit_error = typer.BadParameter(str(e), param_hint="'--auto-model'")
+            fit_error = typer.BadParameter(str(e), param_hint=fit)
     write_results(result, to_markdown(result), json_path, md_path, plot_path, _grid_figure)
     if fit_error is not None:
         raise fit_error
 
 
-def _write_auto_model(result: dict, path: Path) -> None:
-    """Fit auto's model from ``result``, write it, and judge it as the one to ship; a result
-    it cannot be fitted from raises ValueError."""
+def _write_auto_model(result: dict, path: Path | None) -> None:
+    """Fit auto's model from ``result``, write it (atomically) to ``path``, or with None to
+    this machine's calibration for the result's GPU family, and judge it as the one to ship;
+    a result it cannot be fitted from raises ValueError."""
     from swiglu_train.bench.grid.auto import evaluate_auto
+    from swiglu_train.layers.auto import calibration_path
     from swiglu_train.layers.auto_fit import fit_auto_model
     from swiglu_train.layers.auto_model import AutoModel
 
     fitted = fit_auto_model(result, invocation())
+    calibrated = path is None
+    path = calibration_path(fitted["gpu_family"]) if calibrated else path
     write_json_atomic(path, fitted)
-    console.print(f"wrote {escape(str(path))}")
+    reads = f": impl='auto' on {fitted['gpu_family']} GPUs here reads it" if calibrated else ""
+    console.print(f"wrote {escape(str(path))}{escape(reads)}")
     result["auto_eval"] = evaluate_auto(result, (AutoModel.from_dict(fitted, str(path)), path.name))
 
 

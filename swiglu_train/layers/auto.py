@@ -21,10 +21,17 @@ one point, so a lookup copies that point's noise; the model's few terms per impl
 every point, and its 1/D and host terms follow why impls differ (activation bytes against GEMM
 FLOPs, and host work at small shapes).
 
+The model for a GPU family is the one calibrated on this machine (``bench-grid --calibrate``
+writes it to ``calibration_path``), else the one shipped in this package: a user's own GPU
+measured beats another machine's. A calibrated file of another family, or unreadable, is
+refused in one warning and skipped, since a cache must never stop a run.
+
 The fallback is ``drop_h``: it is never slower than ``normal`` by more than noise and saves
 M·F·2 bytes per layer (h is recomputed instead of saved), while ``save_factors`` is a layout
 change whose pay-off has to be measured. It applies with no tokens_hint, off CUDA, with no
-model for this GPU family, and at a D the model does not reach (``AutoModel.d_range``).
+model for this GPU family, and at a D the model does not reach (``AutoModel.d_range``). On a
+CUDA GPU with no model it is announced once per process and family, naming the command that
+calibrates it: a user must not take drop_h for a measured choice.
 """
 
 from __future__ import annotations
@@ -33,16 +40,20 @@ import functools
 import importlib.resources
 import numbers
 import re
+import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
 from swiglu_train.layers.auto_model import MIB, AutoModel, Prediction, read_model
 from swiglu_train.layers.registry import QUACK_IMPLS
+from swiglu_train.ops.gemm_choice import cache_path
 from swiglu_train.ops.quack_mlp import ALIGN, quack_available
 
 FALLBACK = "drop_h"
+CALIBRATE_COMMAND = "swiglu-train bench-grid --calibrate"
 PREDICTED_TIE = 0.005  # impls predicted within 0.5 % of the fastest count as equally fast
 
 
@@ -115,7 +126,10 @@ def resolve(
         return fallback("not on a CUDA device, and the auto models are fitted on GPUs")
     family = gpu_family(device_name)
     if model is None or gpu_family(model.gpu_family) != family:
-        return fallback(f"no auto model for GPU family {family!r} ({device_name})")
+        return fallback(
+            f"no auto model for GPU family {family!r} ({device_name}); calibrate this GPU "
+            f"with: {CALIBRATE_COMMAND}"
+        )
     if tokens_hint is None:
         return fallback("no tokens_hint (tokens per micro-batch) to predict the step at")
     low, high = model.d_range
@@ -156,6 +170,57 @@ def packaged_model(family: str) -> AutoModel | None:
     return read_model(resource) if resource.is_file() else None
 
 
+def calibration_dir() -> Path:
+    """Where this machine's calibrated models live: beside pretune's GEMM cache
+    (``gemm_choice.cache_path``), so one directory holds what was measured here."""
+    return cache_path().parent
+
+
+def calibration_path(family: str) -> Path:
+    """Where ``bench-grid --calibrate`` writes a family's model and auto looks first."""
+    return calibration_dir() / model_filename(family)
+
+
+@functools.cache  # per file, once a process: every layer of a model asks, one warning is enough
+def calibrated_model(path: Path, family: str) -> AutoModel | None:
+    """The model calibrated on this machine for ``family``, or None: none there, or refused
+    (unreadable, or fitted on another GPU family) with one warning saying how to redo it."""
+    if not path.is_file():
+        return None
+    try:
+        model = read_model(path)
+        if gpu_family(model.gpu_family) != family:
+            raise ValueError(
+                f"auto model {path}: fitted on GPU family {model.gpu_family!r} "
+                f"({model.device_name}), not {family!r}"
+            )
+    except (OSError, ValueError) as e:
+        warnings.warn(
+            f"{e}; impl='auto' ignores it. Delete it, or calibrate this GPU with: "
+            f"{CALIBRATE_COMMAND}",
+            stacklevel=5,  # the line that built the layer: through find_model, resolve_auto
+        )
+        return None
+    return model
+
+
+def find_model(family: str) -> AutoModel | None:
+    """The model auto reads for a GPU family: calibrated here, else shipped, else None."""
+    return calibrated_model(calibration_path(family), family) or packaged_model(family)
+
+
+@functools.cache  # once a process per family, not once per layer
+def warn_uncalibrated(family: str) -> None:
+    """The one line that says auto chose the fallback on a CUDA GPU it has no model for."""
+    warnings.warn(
+        f"impl='auto' builds {FALLBACK} on GPU family {family!r}: no auto model for it, neither "
+        f"calibrated ({calibration_path(family)}) nor shipped, so the impls cannot be compared "
+        f"there and {FALLBACK} (never slower than 'normal' beyond noise, h not saved) is the "
+        f"safe choice; calibrate this GPU with: {CALIBRATE_COMMAND}",
+        stacklevel=4,  # the line that built the layer: through resolve_auto and ParMLP
+    )
+
+
 def target_device_name(device: torch.device | str | None) -> str | None:
     """The CUDA device a new ParMLP will run on, or None when it runs elsewhere.
 
@@ -178,7 +243,11 @@ def resolve_auto(
     *,
     output_size: int | None = None,
 ) -> Resolution:
-    """``resolve`` with this machine's device and this package's model for its family."""
+    """``resolve`` with this machine's device and the model found for its family; with none,
+    on CUDA, warns once (``warn_uncalibrated``)."""
     name = target_device_name(device)
-    model = packaged_model(gpu_family(name)) if name is not None else None
+    family = None if name is None else gpu_family(name)
+    model = None if family is None else find_model(family)
+    if family is not None and model is None:
+        warn_uncalibrated(family)
     return resolve(tokens_hint, hidden_size, ffn_hidden_size, name, model, output_size=output_size)
