@@ -134,6 +134,15 @@ def pretrain(
             "scale per 128 columns), about half its bytes; weights and checkpoints unchanged",
         ),
     ] = None,
+    float8: Annotated[
+        str | None,
+        typer.Option(
+            metavar="tensorwise|rowwise",
+            help="train the linears in FP8 through torchao's Float8Linear with this scaling "
+            "recipe, the lm head in bf16; --mlp-impl normal only (the others' FP8 GEMMs are not "
+            "implemented yet), on a GPU of compute capability 8.9+ (docs/fp8-training.md)",
+        ),
+    ] = None,
     checkpoint_layers: Annotated[
         int | None,
         typer.Option(
@@ -208,6 +217,8 @@ def pretrain(
     from rich.table import Table
 
     require("lightning", "wandb")  # a missing one: one line naming its extra, before any work
+    if float8 is not None:
+        require("torchao")
     from swiglu_train.integrations.lightning.config import load_config
     from swiglu_train.integrations.lightning.pretrain import run_pretrain
     from swiglu_train.memory.profiler import NOT_MEASURED
@@ -224,6 +235,7 @@ def pretrain(
         (cfg.model, "mlp_impl", mlp_impl),
         (cfg.model, "mlp_chunk", mlp_chunk),
         (cfg.model, "saved_fp8", saved_fp8),
+        (cfg.model, "float8", float8),
         (cfg.model, "checkpoint_layers", checkpoint_layers),
         (cfg.train, "activation_checkpointing", activation_checkpointing),
         (cfg.train, "memory_budget_gb", memory_budget_gb),

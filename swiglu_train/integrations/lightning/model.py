@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from swiglu_train.integrations.lightning.block_checkpoint import CheckpointLayers
+from swiglu_train.integrations.lightning.float8 import check_float8
 from swiglu_train.integrations.lightning.moe import MoE, experts_impl
 from swiglu_train.layers import ParMLP
 from swiglu_train.layers.experts import ParExperts
@@ -42,6 +43,9 @@ class ModelConfig:
     mlp_chunk: int | None = None
     # drop_h's saved preactivation in FP8 (swiglu_train.ops.fp8_saved); weights are unchanged
     saved_fp8: bool = False
+    # "tensorwise" or "rowwise": the linears train in FP8 through torchao's Float8Linear, the lm
+    # head aside (float8.py); with mlp_impl "normal" only, whose fc1/fc2 run through it
+    float8: str | None = None
     # "hf:PATH/config.json" or "litgpt:NAME" (--model): train that architecture instead, its
     # MLPs patched to mlp_impl (integrations/lightning/host_model.py); the sizes above are
     # then read from its config
@@ -75,6 +79,7 @@ class ModelConfig:
         check_moe(self)
         check_mlp_chunk(self)
         check_model_saved_fp8(self)
+        check_float8(self.float8, self.mlp_impl, self.num_experts)
         check_checkpoint_layers(self)
 
 

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from swiglu_train.integrations.lightning.checkpoint_record import LAYOUT_KEY
+from swiglu_train.integrations.lightning.float8 import convert_float8
 from swiglu_train.integrations.lightning.fsdp2 import is_fully_sharded, shard
 from swiglu_train.integrations.lightning.model import LlamaDecoder, ModelConfig
 from swiglu_train.layers import ParMLP
@@ -61,6 +62,8 @@ class PretrainModule(pl.LightningModule):
         )
         self.model_cfg, self.optim_cfg, self.max_steps = model, optim, max_steps
         self.model = LlamaDecoder(model) if model.source is None else _host_model(model)
+        if model.float8 is not None:  # after init: the conversion keeps the parameters
+            convert_float8(self.model, model.float8)
         # What fixes the batches (corpus, batch shape, world size), stamped into checkpoints so
         # that a resume on other data can say so; run_pretrain sets it once the data is loaded.
         self.data_record: dict | None = None

@@ -18,6 +18,7 @@ from swiglu_train.extras import require
 from swiglu_train.integrations.lightning.checkpoint_record import LAYOUT_KEY
 from swiglu_train.integrations.lightning.config import PretrainConfig, check_ranges
 from swiglu_train.integrations.lightning.data import PackedTextData
+from swiglu_train.integrations.lightning.float8 import check_float8, check_float8_run
 from swiglu_train.integrations.lightning.fsdp2 import FSDP2, check_fsdp2, trainer_strategy
 from swiglu_train.integrations.lightning.memory_callback import MemoryProfilerCallback
 from swiglu_train.integrations.lightning.model import (
@@ -114,7 +115,10 @@ def run_pretrain(
     check_moe(cfg.model)  # again: command-line flags are set after the config is built
     check_mlp_chunk(cfg.model)
     on_gpu = torch.cuda.is_available() and cfg.train.accelerator != "cpu"
-    check_model_saved_fp8(cfg.model, gpu=torch.cuda.current_device() if on_gpu else None)
+    gpu = torch.cuda.current_device() if on_gpu else None
+    check_model_saved_fp8(cfg.model, gpu=gpu)
+    check_float8(cfg.model.float8, cfg.model.mlp_impl, cfg.model.num_experts)
+    check_float8_run(cfg.model.float8, cfg.train.activation_checkpointing, gpu)
     check_ranges(cfg)
     check_checkpoint_layers(cfg.model)
     precision = resolve_precision(cfg.train.precision, cfg.train.accelerator)
@@ -209,6 +213,7 @@ def run_pretrain(
         "mlp_auto_reason": getattr(mlp, "auto_reason", None),
         "num_experts": cfg.model.num_experts,  # 0: dense MLPs
         "saved_fp8": mlp.saved_fp8,  # mlp_impl's saved preactivation in FP8
+        "float8": cfg.model.float8,  # the linears' FP8 recipe (torchao), None for bf16
         "seed": cfg.train.seed,
         "steps": trainer.global_step,
         "initial_loss": history.initial_loss,  # step 0's, across a resume
