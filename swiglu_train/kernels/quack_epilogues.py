@@ -1,4 +1,4 @@
-"""save_factors' two GEMM epilogues, written on quack's ``@gemm_epilogue`` (CuTe DSL, sm_90+).
+"""save_factors' two GEMM epilogues, written on quack's ``@gemm_epilogue`` (CuTe DSL, sm_90).
 
 quack supplies the GEMM mainloop (TMA, warp-specialized, persistent: cuBLAS speed on the
 H200); these functions are what runs on each accumulator pair before it is stored. quack

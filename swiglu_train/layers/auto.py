@@ -10,11 +10,12 @@ optimizer holds its parameters.
 The rule: the model (``auto_model``) predicts each impl's step over the six-GEMM floor at
 (tokens_hint, D, F); take the fastest predicted, and among impls predicted within
 ``PREDICTED_TIE`` of it the one with the least predicted after-forward memory. Impls this
-machine cannot run (the quack impls without quack, below sm_90, or with D, F or the output size
-not a multiple of 8) are left out first. The tie is 0.5 %, not the 1 % auto is judged by,
-because the model's own error on the ratio of two impls is about as large (0.7 % median on the
-H200 grid): a 1 % tie traded measured speed for memory on the model's errors (leaving each
-family out of the fit, 47 of 57 picks within 1 % of the fastest at a 1 % tie, 53 at 0.5 %).
+machine cannot run (the quack impls without quack, off Hopper (sm_90, so on Blackwell too), or
+with D, F or the output size not a multiple of 8) are left out first. The tie is 0.5 %, not the
+1 % auto is judged by, because the model's own error on the ratio of two impls is about as large
+(0.7 % median on the H200 grid): a 1 % tie traded measured speed for memory on the model's
+errors (leaving each family out of the fit, 47 of 57 picks within 1 % of the fastest at a 1 %
+tie, 53 at 0.5 %).
 
 Why a fitted model and not the nearest measured point: impls differ by about 1 %, the noise of
 one point, so a lookup copies that point's noise; the model's few terms per impl are fitted over

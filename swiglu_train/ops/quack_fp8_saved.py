@@ -218,7 +218,7 @@ def drop_h_quack_fp8_mlp(
     inplace: bool = True,
     fused_backward: bool = True,
 ) -> torch.Tensor:
-    """drop_h_quack saving its preactivation in FP8 (CUDA sm_90+); ``inplace`` frees the copy
+    """drop_h_quack saving its preactivation in FP8 (CUDA sm_90); ``inplace`` frees the copy
     once backward read it. F not a multiple of 64, or an empty batch, takes drop_h's FP8 path.
     ``fused_backward=False`` reads the copy in a Triton kernel after a grad_h GEMM instead of
     in the GEMM's epilogue (benchmarks compare the two)."""

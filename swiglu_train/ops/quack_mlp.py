@@ -53,7 +53,7 @@ def require_quack():
     except ImportError as e:
         raise MissingExtra(
             "impls 'drop_h_quack' and 'save_factors_quack' need the quack-kernels package and a "
-            "CUDA GPU of compute capability 9.0+",
+            "Hopper GPU (CUDA compute capability 9.x)",
             "quack",
         ) from e
     remember_missing_module(QUACK_OPTIONAL_HEURISTICS)
@@ -128,6 +128,28 @@ def chosen_gemm(
     return gemm_on(gemm_choice.backend(gemm, a, b), gemm, a, b, bias)
 
 
+HOPPER = 9  # the one compute capability major our quack GEMMs and epilogues were built for
+
+
+def capability_refusal(capability: tuple[int, int]) -> str | None:
+    """Why the quack impls refuse a GPU of this compute capability, or None on Hopper.
+
+    Not ``>= 9``: quack 0.6.5 would mint our ``@gemm_epilogue`` classes on its SM100 GEMM
+    (``quack.epilogue.frontend._SM_BASE``), but there an epilogue is handed packed f32x2 values
+    where our FP8 decode takes f32 scalars, our tile configs come from its SM90 space, and none
+    of it has run on such a GPU: a refusal in one line, never a compiler trace or an untested
+    number (docs/gpus.md)."""
+    major, minor = capability
+    if major == HOPPER:
+        return None
+    if major < HOPPER:
+        return f"compute capability {major}.{minor} is below 9.0 (Hopper)"
+    return (
+        f"compute capability {major}.{minor} is not Hopper (9.x): our quack GEMM configs and "
+        "epilogues are built for sm_90 and untested on newer GPUs"
+    )
+
+
 def quack_unavailable_reason() -> str | None:
     """Why the quack impls cannot run on the current CUDA device, or None when they can."""
     return _unavailable_reason(torch.cuda.current_device() if torch.cuda.is_available() else -1)
@@ -138,9 +160,9 @@ def _unavailable_reason(device_index: int) -> str | None:
     """Per device, once: the no-grad dispatch asks on every call."""
     if device_index < 0:
         return "no CUDA GPU"
-    major, minor = device_capability(device_index)
-    if major < 9:
-        return f"compute capability {major}.{minor} is below 9.0 (Hopper)"
+    reason = capability_refusal(device_capability(device_index))
+    if reason is not None:
+        return reason
     try:
         require_quack()
     except ImportError:
@@ -163,11 +185,10 @@ def check_quack_inputs(
     portable = impl.removesuffix("_quack")
     if not x.is_cuda:
         raise ValueError(f"impl {impl!r} runs on CUDA only; the input is on {x.device}")
-    major, minor = device_capability(x.get_device())  # a CUDA tensor's index, as x.device.index
-    if major < 9:
+    refusal = capability_refusal(device_capability(x.get_device()))  # x.device.index, faster
+    if refusal is not None:
         raise ValueError(
-            f"impl {impl!r} needs compute capability 9.0+ (Hopper); {x.device} is "
-            f"{major}.{minor}: use impl {portable!r}"
+            f"impl {impl!r} cannot run on {x.device}: {refusal}; use impl {portable!r}"
         )
     if x.dtype not in QUACK_DTYPES:
         raise TypeError(f"impl {impl!r} needs bf16 or fp16 tensors, got {x.dtype}")
@@ -353,7 +374,7 @@ def drop_h_quack_mlp(
     inplace: bool = True,
     dynamic: FusedSchedule = STATIC_FUSED,
 ) -> torch.Tensor:
-    """drop_h with SwiGLU fused into quack's fc1 and grad_h GEMM epilogues (CUDA sm_90+);
+    """drop_h with SwiGLU fused into quack's fc1 and grad_h GEMM epilogues (CUDA sm_90);
     ``dynamic`` puts those two on quack's dynamic tile schedule (``FusedSchedule``).
 
     An empty batch (no tokens on this rank) takes drop_h itself: a TMA descriptor needs a row.

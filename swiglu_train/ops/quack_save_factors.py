@@ -165,7 +165,7 @@ def save_factors_quack_mlp(
     chunk: int = CHUNK,
     dynamic: FusedSchedule = STATIC_FUSED,
 ) -> torch.Tensor:
-    """save_factors on quack's GEMMs (CUDA sm_90+); fc1 weight and bias packed with chunk 1;
+    """save_factors on quack's GEMMs (CUDA sm_90); fc1 weight and bias packed with chunk 1;
     ``dynamic`` puts the two fused GEMMs on quack's dynamic tile schedule (``FusedSchedule``).
 
     An empty batch (no tokens on this rank) takes save_factors itself: a TMA descriptor needs
