@@ -29,10 +29,12 @@ def config_problems(config: TransformerConfig, own_gemms: bool = True) -> list[s
         problems.append(
             "it computes SwiGLU only: set gated_linear_unit=True, activation_func=F.silu"
         )
-    if own_gemms and (getattr(config, "fp8", None) or getattr(config, "fp4", None)):
+    low_precision = _low_precision(config) if own_gemms else None
+    if low_precision:
         problems.append(
-            "FP8/FP4 runs on Transformer Engine GEMMs, which this module replaces (it would "
-            "run them in bf16); unset config.fp8/fp4"
+            f"FP8/FP4 runs on Transformer Engine GEMMs, which this module replaces "
+            f"({low_precision}: its own GEMMs' FP8 versions are not implemented yet, so it "
+            "would run them in bf16); unset config.fp8/fp4"
         )
     if getattr(config, "use_te_activation_func", False):
         problems.append("use_te_activation_func would bypass our activation; set it False")
@@ -50,13 +52,25 @@ def config_problems(config: TransformerConfig, own_gemms: bool = True) -> list[s
     return problems
 
 
+def _low_precision(config: TransformerConfig) -> str | None:
+    """What of ``config`` asks Transformer Engine for FP8 or FP4 GEMMs (its format and recipe,
+    read without TE), or None."""
+    for kind in ("fp8", "fp4"):
+        fmt = getattr(config, kind, None)
+        if fmt:
+            recipe = getattr(config, f"{kind}_recipe", None)
+            recipe = getattr(recipe, "value", recipe)  # an Fp8Recipe/Fp4Recipe enum, or its str
+            return f"config.{kind}={fmt!r}" + (f" with {kind}_recipe={recipe!r}" if recipe else "")
+    return None
+
+
 def check_config(
     config: TransformerConfig, is_expert: bool = False, own_gemms: bool = True
 ) -> None:
     """Refuse, with the reason, configs whose MLP math or kernels this dense MLP cannot run
     (:func:`config_problems`, and what only a dense MLP refuses)."""
     problems = config_problems(config, own_gemms)
-    if own_gemms and (getattr(config, "fp8", None) or getattr(config, "fp4", None)):
+    if own_gemms and _low_precision(config):
         problems.append("for FP8, use get_gpt_layer_spec('normal', backend='te')")
     if own_gemms and getattr(config, "gtp_weight_remat_size", 1) > 1:
         problems.append(
