@@ -1,5 +1,5 @@
 """The fit of auto's cost model: known terms recovered from synthetic rows, refusals, and the
-shipped model reproduced from the committed H200 grid."""
+shipped models reproduced from the committed H200 and H100 grids."""
 
 import copy
 import json
@@ -12,11 +12,17 @@ from swiglu_train.layers.auto_fit import fit_auto_model
 from swiglu_train.layers.auto_model import MIB, AutoModel
 
 ROOT = Path(__file__).resolve().parents[1]
-SHIP_COMMAND = (
-    "swiglu-train bench-grid --merge benchmarks/results/grid/grid_h200.json "
-    "--json benchmarks/results/grid/grid_h200.json --md benchmarks/results/grid/grid_h200.md "
-    "--plot benchmarks/results/grid/grid_h200.png --auto-model swiglu_train/layers/auto_h200.json"
-)
+
+
+def ship_command(gpu: str) -> str:
+    """The command each shipped model records: the committed grid merged onto itself."""
+    grid = f"benchmarks/results/grid/grid_{gpu}"
+    return (
+        f"swiglu-train bench-grid --merge {grid}.json --json {grid}.json --md {grid}.md "
+        f"--plot {grid}.png --auto-model swiglu_train/layers/auto_{gpu}.json"
+    )
+
+
 TFLOPS = 800.0
 # impl -> (c, a, host_ms, after-forward bytes per M·D, per M·F)
 TERMS = {
@@ -130,11 +136,12 @@ def test_too_few_shapes_to_fit_say_why():
         fit_auto_model(synthetic(shapes=SHAPES[:1], ms=(1024,)), "fit")
 
 
-def test_the_shipped_model_is_the_fit_of_the_committed_grid():
+@pytest.mark.parametrize("gpu", ["h200", "h100"])
+def test_the_shipped_model_is_the_fit_of_the_committed_grid(gpu):
     """Reproducible: the command in the file refits it from the committed JSON."""
-    grid = json.loads((ROOT / "benchmarks/results/grid/grid_h200.json").read_text())
-    shipped = json.loads((ROOT / "swiglu_train/layers/auto_h200.json").read_text())
-    assert shipped["command"] == SHIP_COMMAND
-    assert fit_auto_model(grid, SHIP_COMMAND) == shipped
+    grid = json.loads((ROOT / f"benchmarks/results/grid/grid_{gpu}.json").read_text())
+    shipped = json.loads((ROOT / f"swiglu_train/layers/auto_{gpu}.json").read_text())
+    assert shipped["command"] == ship_command(gpu)
+    assert fit_auto_model(grid, ship_command(gpu)) == shipped
     assert shipped["commit"] == grid["meta"]["commit"]
     assert shipped["measured_with"] == grid["meta"]["command"]

@@ -143,17 +143,18 @@ def test_gpu_family(name, family):
     assert auto.gpu_family(name) == family
 
 
-def test_the_shipped_model_loads_and_ships_as_package_data():
-    """Its numbers are the fit of the committed grid (tests/test_auto_fit.py)."""
-    shipped = auto.packaged_model("H200")
-    assert shipped == AutoModel.from_dict(
-        json.loads((ROOT / "swiglu_train/layers/auto_h200.json").read_text())
-    )
+def test_the_shipped_models_load_and_ship_as_package_data():
+    """Their numbers are the fits of the committed grids (tests/test_auto_fit.py)."""
+    for family in ("H200", "H100"):
+        path = ROOT / "swiglu_train/layers" / auto.model_filename(family)
+        assert auto.packaged_model(family) == AutoModel.from_dict(json.loads(path.read_text()))
+        assert auto.packaged_model(family).gpu_family == family
     assert auto.model_filename("H200") == "auto_h200.json"
     assert auto.packaged_model("B200") is None
     globs = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
     [pattern] = globs["package-data"]["swiglu_train.layers"]
-    assert [p.name for p in (ROOT / "swiglu_train/layers").glob(pattern)] == ["auto_h200.json"]
+    shipped = sorted(p.name for p in (ROOT / "swiglu_train/layers").glob(pattern))
+    assert shipped == ["auto_h100.json", "auto_h200.json"]
 
 
 def _malformed(path: str, value) -> dict:
