@@ -152,3 +152,17 @@ def test_bench_grid_calibrate_refuses_before_the_run(extra, error):
     result = runner.invoke(app, ["bench-grid", "--calibrate", *extra])
     assert result.exit_code == 2
     assert error in " ".join(result.output.split())
+
+
+def test_the_grid_records_the_model_auto_read_calibrated_or_shipped(cache, monkeypatch):
+    """bench-grid's in-sample flags come from the model ParMLP read, not the shipped one."""
+    from swiglu_train.bench.grid.run import _model_summary
+
+    shipped = auto.AutoModel.from_dict(auto_model(FAST_NORMAL, family="H100"))
+    monkeypatch.setattr(auto, "packaged_model", lambda family: shipped)
+    assert _model_summary("H100")["file"] == "auto_h100.json"
+    path = calibrate(cache, auto_model(FAST_SF, family="H100"))
+    auto.calibrated_model.cache_clear()
+    summary = _model_summary("H100")
+    assert summary["file"] == str(path)
+    assert summary["points"] == [list(p) for p in auto.read_model(path).points]

@@ -207,7 +207,19 @@ def calibrated_model(path: Path, family: str) -> AutoModel | None:
 
 def find_model(family: str) -> AutoModel | None:
     """The model auto reads for a GPU family: calibrated here, else shipped, else None."""
-    return calibrated_model(calibration_path(family), family) or packaged_model(family)
+    found = find_model_file(family)
+    return None if found is None else found[0]
+
+
+def find_model_file(family: str) -> tuple[AutoModel, str] | None:
+    """``find_model``'s model and where it came from: the calibration's path, or the shipped
+    file's name (the benchmarks record which one judged their points)."""
+    path = calibration_path(family)
+    calibrated = calibrated_model(path, family)
+    if calibrated is not None:
+        return calibrated, str(path)
+    shipped = packaged_model(family)
+    return None if shipped is None else (shipped, model_filename(family))
 
 
 @functools.cache  # once a process per family, not once per layer

@@ -97,7 +97,7 @@ def auto_table_points(device: torch.device, limit: int = 1 << 25) -> list[tuple[
     fallback."""
     if device.type != "cuda":
         return []
-    model = auto.packaged_model(auto.gpu_family(auto.target_device_name(device)))
+    model = auto.find_model(auto.gpu_family(auto.target_device_name(device)))
     points = [] if model is None else list(model.points)
     return sorted(p for p in points if p[0] * max(p[1:]) <= limit)
 

@@ -34,7 +34,7 @@ from swiglu_train.bench.grid.prewarm import Warmed, prewarm, release, warm_point
 from swiglu_train.bench.mlp.run import measure_layer
 from swiglu_train.bench.results import DTYPES, environment
 from swiglu_train.bench.timing import PEAK_DEFINITION
-from swiglu_train.layers.auto import gpu_family, model_filename, packaged_model, resolve_auto
+from swiglu_train.layers.auto import find_model_file, gpu_family, resolve_auto
 from swiglu_train.ops.quack_mlp import quack_available
 
 RATIO_DEFINITION = (
@@ -202,12 +202,14 @@ def _meta(cfg: GridConfig, device: torch.device, points: Sequence[GridPoint]) ->
 
 
 def _model_summary(family: str | None) -> dict | None:
-    """Which auto model ParMLP read here, and its fitted points (for the in-sample flags)."""
-    model = packaged_model(family) if family else None
-    if model is None:
+    """Which auto model ParMLP read here (calibrated on this machine, else shipped), and its
+    fitted points (for the in-sample flags)."""
+    found = find_model_file(family) if family else None
+    if found is None:
         return None
+    model, file = found
     return {
-        "file": model_filename(family),
+        "file": file,
         "commit": model.commit,
         "device_name": model.device_name,
         "dtype": model.dtype,
