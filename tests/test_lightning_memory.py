@@ -87,7 +87,11 @@ def test_csv_rows_per_optimizer_step_with_exact_bytes(tmp_path, accumulate):
 def test_wandb_offline_run_holds_memory_keys(tmp_path, monkeypatch):
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")
-    logger = WandbLogger(project="swiglu-test", save_dir=tmp_path, config={"mlp_impl": "normal"})
+    # offline=True besides the environment: wandb's settings singleton, set up by an earlier
+    # test in the same worker, would otherwise keep its mode and ask for an API key
+    logger = WandbLogger(
+        project="swiglu-test", save_dir=tmp_path, offline=True, config={"mlp_impl": "normal"}
+    )
     callback = fit(tmp_path, "normal", 1, [logger])
     run_path = Path(logger.experiment.dir).parent
     config = dict(logger.experiment.config)

@@ -23,6 +23,7 @@ from __future__ import annotations
 import weakref
 from collections.abc import Mapping
 
+import torch
 from torch import nn
 
 
@@ -56,8 +57,10 @@ def _forget(key: int) -> None:
 
 def _on_register(parent: nn.Module, name: str, child: nn.Module | None) -> None:
     """torch's module registration hook: note the link, and hook the parent's line if the
-    child holds a checked module."""
-    if child is None:
+    child holds a checked module. Not while dynamo traces: a forward that slices a ModuleList
+    (HF's ``self.layers[:n]``) registers into a throwaway container, and tracing these id()-keyed
+    tables (weak references with callbacks) failed with a KeyError under torch.compile."""
+    if child is None or torch.compiler.is_compiling():
         return
     parents = _parents.setdefault(_remember(child), [])
     if not any(ref() is parent for ref in parents):
