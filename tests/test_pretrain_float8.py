@@ -20,9 +20,9 @@ from swiglu_train.integrations.lightning.module import OptimConfig, PretrainModu
 from swiglu_train.ops import use_backend
 
 IMPL_REFUSED = (
-    "model.float8='rowwise' (--float8): mlp_impl 'drop_h' runs GEMMs of its own, whose FP8 "
-    "versions are not implemented yet; use --mlp-impl normal, which runs fc1 and fc2 through "
-    "torchao's Float8Linear"
+    "model.float8='rowwise' (--float8): mlp_impl 'save_factors' runs GEMMs of its own, whose "
+    "FP8 versions are not implemented yet; use --mlp-impl drop_h or normal, which run torchao's "
+    "Float8Linear recipes"
 )
 
 
@@ -42,8 +42,9 @@ def entry(monkeypatch, capsys):
 
 def test_the_config_refuses_what_has_no_fp8_gemms_yet():
     assert ModelConfig(mlp_impl="normal", float8="tensorwise").float8 == "tensorwise"
+    assert ModelConfig(float8="rowwise").float8 == "rowwise"  # the default impl, drop_h
     with pytest.raises(ValueError) as e:
-        ModelConfig(float8="rowwise")  # the default impl, drop_h
+        ModelConfig(mlp_impl="save_factors", float8="rowwise")
     assert str(e.value) == IMPL_REFUSED
     with pytest.raises(ValueError, match="mlp_impl 'auto' runs GEMMs of its own"):
         ModelConfig(mlp_impl="auto", float8="rowwise")
@@ -56,7 +57,7 @@ def test_the_config_refuses_what_has_no_fp8_gemms_yet():
 @pytest.mark.parametrize(
     ("args", "message"),
     [
-        (["--float8", "rowwise"], IMPL_REFUSED),
+        (["--float8", "rowwise", "--mlp-impl", "save_factors"], IMPL_REFUSED),
         (["--float8", "e5m2", "--mlp-impl", "normal"], "must be one of tensorwise, rowwise"),
         (
             ["--float8", "rowwise", "--mlp-impl", "normal", "--activation-checkpointing", "auto"],
@@ -84,13 +85,14 @@ def test_a_gpu_without_fp8_is_refused(monkeypatch):
     check_float8_run("rowwise", "manual", 0)  # an H100 or H200
 
 
+@pytest.mark.parametrize("impl", ["normal", "drop_h"])
 @pytest.mark.parametrize("recipe", float8.RECIPES)
-def test_every_linear_but_the_head_is_converted_and_trains(recipe):
-    cfg = ModelConfig(mlp_impl="normal", float8=recipe)
+def test_every_linear_but_the_head_is_converted_and_trains(recipe, impl):
+    cfg = ModelConfig(mlp_impl=impl, float8=recipe)
     torch.manual_seed(0)
     module = PretrainModule(cfg, OptimConfig(), max_steps=10)
     torch.manual_seed(0)
-    plain = PretrainModule(ModelConfig(mlp_impl="normal"), OptimConfig(), max_steps=10)
+    plain = PretrainModule(ModelConfig(mlp_impl=impl), OptimConfig(), max_steps=10)
     linears = {n: type(m) for n, m in module.model.named_modules() if isinstance(m, nn.Linear)}
     per_block = ("attn.qkv", "attn.out", "mlp.fc1", "mlp.fc2")
     assert linears == {
@@ -109,7 +111,8 @@ def test_every_linear_but_the_head_is_converted_and_trains(recipe):
         loss = module.loss(rows)
         loss.backward()
         baseline = plain.loss(rows)
-    assert calls == [1]  # the MLP's GEMMs are Float8Linear's
+    # normal: the MLP's GEMMs are Float8Linear's; drop_h: its own, cast by their recipe
+    assert calls == ([1] if impl == "normal" else [])
     assert torch.isfinite(loss) and loss.item() != baseline.item()
     assert module.model.layers[0].mlp.fc1.weight.grad is not None
 

@@ -34,6 +34,7 @@ from swiglu_train.layers.registry import (
     packed_chunk,
 )
 from swiglu_train.ops import reference
+from swiglu_train.ops.float8_mlp import Float8Gemms, drop_h_float8_mlp, is_torchao_float8
 from swiglu_train.ops.inference import (
     grad_needed,
     swiglu_mlp_inference,
@@ -45,6 +46,9 @@ from swiglu_train.ops.quack_mlp import QUACK_DTYPES
 
 # the impl that runs an FP8-converted fc1/fc2 through their own forward (its GEMMs are theirs)
 CONVERTED_IMPL = "normal"
+# the impl that runs torchao's Float8Linear recipes in GEMMs of its own (ops.float8_mlp)
+FLOAT8_IMPL = "drop_h"
+FLOAT8_IMPLS = (FLOAT8_IMPL, CONVERTED_IMPL)  # the impls an FP8 training conversion runs under
 STAMP_KEY = "_extra_state"  # a packed ParMLP's state_dict entry: {"fc1_layout": {...}}
 
 
@@ -92,9 +96,10 @@ class ParMLP(nn.Module, CheckedLoad):
     gradients carry e4m3's rounding. Parameters and state_dict are the same either way.
 
     An fc1 or fc2 converted for FP8 training (torchao's ``convert_to_float8_training`` makes it
-    a ``Float8Linear``) runs through its own forward under ``normal``; every other impl runs
-    GEMMs of its own, whose FP8 versions are not implemented yet, and refuses it at forward
-    rather than train in bf16 unannounced (docs/fp8-training.md).
+    a ``Float8Linear``) runs through its own forward under ``normal``, and under ``drop_h`` its
+    GEMMs run in FP8 as its recipe says, with drop_h's saved set (``ops.float8_mlp``); every
+    other impl runs GEMMs of its own, whose FP8 versions are not implemented yet, and refuses
+    it at forward rather than train in bf16 unannounced (docs/fp8-training.md).
     """
 
     def __init__(
@@ -212,10 +217,12 @@ class ParMLP(nn.Module, CheckedLoad):
         fc1, fc2 = self._modules["fc1"], self._modules["fc2"]  # as self.fc1, less __getattr__
         converted = False
         if type(fc1) is not nn.Linear or type(fc2) is not nn.Linear:
-            converted = _check_converted_linears(fc1, fc2, self._impl)
+            converted = _check_converted_linears(fc1, fc2, self._impl, self._saved_fp8)
         params = (*_weight_and_bias(fc1), *_weight_and_bias(fc2))
         device = x.device
         self._check_input(x, fc1.in_features, device, params)
+        if converted and self._impl == FLOAT8_IMPL:  # torchao's recipes in drop_h's GEMMs
+            return self._float8(x, fc1, fc2, params)
         if converted:  # impl normal: the converted forwards run the GEMMs (FP8 under torchao)
             return _through_linears(x, fc1, fc2)
         device_type = device.type
@@ -254,6 +261,19 @@ class ParMLP(nn.Module, CheckedLoad):
         else:  # eval, generation: every impl computes the same y, and nothing need be saved
             y = swiglu_mlp_inference(x2d, *params, chunk=self.fc1_layout.chunk)
         return y if flat else y.view(*x.shape[:-1], y.shape[-1])
+
+    def _float8(self, x: torch.Tensor, fc1: nn.Module, fc2: nn.Module, params: tuple):
+        """drop_h with fc1's and fc2's torchao recipes; under autocast, in its dtype, as
+        Float8Linear casts its input."""
+        device_type = x.device.type
+        if torch.is_autocast_enabled(device_type):
+            x = x.to(torch.get_autocast_dtype(device_type))
+        x2d = x.reshape(-1, x.shape[-1])
+        with torch.autocast(device_type, enabled=False):
+            y = drop_h_float8_mlp(
+                x2d, *params, Float8Gemms.of(fc1), Float8Gemms.of(fc2), inplace=self.inplace
+            )
+        return y.view(*x.shape[:-1], y.shape[-1])
 
     def _function_for(self, dtype: torch.dtype) -> MLPFunction:
         """The impl's autograd function, or for a quack impl ``auto`` picked, its portable twin
@@ -345,26 +365,37 @@ def converted_forward(linear: nn.Module) -> bool:
     return type(linear).forward is not nn.Linear.forward
 
 
-def _check_converted_linears(fc1: nn.Module, fc2: nn.Module, impl: str) -> bool:
-    """Whether fc1 or fc2 has a converted forward, which impl ``normal`` runs them through; any
-    other impl reads the weights and runs its own GEMMs, so it would skip that forward (and its
-    FP8 GEMMs) and train in bf16 unannounced: a one-line TypeError instead."""
+def _check_converted_linears(fc1: nn.Module, fc2: nn.Module, impl: str, saved_fp8: bool) -> bool:
+    """Whether fc1 or fc2 has a converted forward: impl ``normal`` runs them through it, and
+    ``drop_h`` runs torchao's Float8Linear recipes in its own GEMMs. Any other impl, or drop_h
+    with another converter, would skip that forward (and its FP8 GEMMs) and train in bf16
+    unannounced: a one-line TypeError instead."""
+    converted = False
     for name, linear in (("fc1", fc1), ("fc2", fc2)):
         if not converted_forward(linear):
             continue
+        converted = True
         if impl == CONVERTED_IMPL:
-            return True
-        kind = type(linear)
+            continue
+        kind = f"{type(linear).__module__}.{type(linear).__qualname__}"
+        if impl == FLOAT8_IMPL and is_torchao_float8(linear) and not saved_fp8:
+            continue
+        if impl == FLOAT8_IMPL and is_torchao_float8(linear):
+            why = "its FP8 GEMMs with saved_fp8=True are not implemented yet; build it with "
+            why += "saved_fp8=False"
+        elif impl == FLOAT8_IMPL:
+            why = "drop_h runs torchao's Float8Linear recipes only"
+        else:
+            why = f"its FP8 GEMMs are not implemented yet; use impl {FLOAT8_IMPL!r} or "
+            why += f"{CONVERTED_IMPL!r} (pretrain --mlp-impl)"
         raise TypeError(
-            f"ParMLP.{name} is a {kind.__module__}.{kind.__qualname__}, which replaces "
-            "nn.Linear's forward (an FP8 or quantized training conversion, such as torchao's "
-            f"convert_to_float8_training); impl {impl!r} runs its own GEMMs on the weight and "
-            "would skip that forward, training in bf16 unannounced: its FP8 GEMMs are not "
-            f"implemented yet. Use impl {CONVERTED_IMPL!r} (pretrain --mlp-impl normal), which "
-            "runs fc1 and fc2 through the converted forward, or leave ParMLP's fc1 and fc2 out "
-            "of the conversion (torchao: module_filter_fn)"
+            f"ParMLP.{name} is a {kind}, which replaces nn.Linear's forward (an FP8 or "
+            "quantized training conversion, such as torchao's convert_to_float8_training); "
+            f"impl {impl!r} runs its own GEMMs on the weight and would skip that forward, "
+            f"training in bf16 unannounced: {why}. Or leave ParMLP's fc1 and fc2 out of the "
+            "conversion (torchao: module_filter_fn)"
         )
-    return False
+    return converted
 
 
 def _through_linears(x: torch.Tensor, fc1: nn.Module, fc2: nn.Module) -> torch.Tensor:

@@ -1,9 +1,10 @@
 """``pretrain --float8 tensorwise|rowwise``: torchao's ``convert_to_float8_training`` over the
 model's linears, its lm head left in bf16 (as torchtitan's Llama configs leave theirs).
 
-The MLPs' fc1 and fc2 are converted too, and only impl ``normal`` runs them through the
-converted forward (``ParMLP``): the other impls run GEMMs of their own, whose FP8 versions are
-not implemented yet, so they are refused here rather than trained in bf16 unannounced.
+The MLPs' fc1 and fc2 are converted too: impl ``drop_h`` runs their recipes in FP8 GEMMs of its
+own (h not saved), ``normal`` runs them through the converted forward (``ParMLP``); the other
+impls' FP8 GEMMs are not implemented yet, so they are refused here rather than trained in bf16
+unannounced.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from torch import nn
 
 from swiglu_train.kernels.fp8_format import MIN_CAPABILITY
 from swiglu_train.kernels.runtime import device_capability
-from swiglu_train.layers.par_mlp import CONVERTED_IMPL
+from swiglu_train.layers.par_mlp import FLOAT8_IMPLS
 
 RECIPES = ("tensorwise", "rowwise")  # torchao's Float8LinearConfig.from_recipe_name names
 # The output projection of our decoder, and of Hugging Face's and LitGPT's models.
@@ -33,11 +34,11 @@ def check_float8(recipe: str | None, mlp_impl: str, num_experts: int) -> None:
             f"{where}: this model's MLPs are {num_experts} routed experts, whose FP8 GEMMs "
             "are not implemented yet; train them without --float8"
         )
-    if mlp_impl != CONVERTED_IMPL:
+    if mlp_impl not in FLOAT8_IMPLS:
         raise ValueError(
             f"{where}: mlp_impl {mlp_impl!r} runs GEMMs of its own, whose FP8 versions are "
-            f"not implemented yet; use --mlp-impl {CONVERTED_IMPL}, which runs fc1 and fc2 "
-            "through torchao's Float8Linear"
+            f"not implemented yet; use --mlp-impl {' or '.join(FLOAT8_IMPLS)}, which run "
+            "torchao's Float8Linear recipes"
         )
 
 

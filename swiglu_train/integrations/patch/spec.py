@@ -24,7 +24,7 @@ from torch.nn.utils import parametrize
 
 from swiglu_train.kernels.runtime import SUPPORTED_DTYPES
 from swiglu_train.layers.layout import DTensor
-from swiglu_train.layers.par_mlp import CONVERTED_IMPL, converted_forward
+from swiglu_train.layers.par_mlp import FLOAT8_IMPLS, converted_forward
 
 
 @dataclass(frozen=True)
@@ -143,7 +143,7 @@ def not_plain_linear(linear: nn.Module) -> str | None:
         return (
             f"is a {type(linear).__name__} whose forward is not nn.Linear's (as after an FP8 "
             "training conversion, torchao's convert_to_float8_training among them: to train "
-            f"in FP8, patch first with impl {CONVERTED_IMPL!r}, then convert)"
+            f"in FP8, patch first with impl {' or '.join(map(repr, FLOAT8_IMPLS))}, then convert)"
         )
     if parametrize.is_parametrized(linear):
         return "is parametrized (torch.nn.utils.parametrize)"

@@ -1,0 +1,164 @@
+"""``drop_h`` with FP8 GEMMs, as a torchao ``Float8Linear`` fc1 and fc2 configure them.
+
+torchao's ``convert_to_float8_training`` turns ParMLP's fc1 and fc2 into ``Float8Linear``s: each
+GEMM casts its two operands to float8 (e4m3 or e5m2, tensorwise or rowwise scales, as the
+module's ``Float8LinearConfig`` says for that GEMM's role) and runs ``torch._scaled_mm``. Run one
+after the other, as ``normal`` does, the second keeps h in bf16 for its weight gradient. Here the
+six GEMMs are cast exactly as those two modules would cast them (torchao's own
+``hp_tensor_to_float8_dynamic`` and its float8 tensor's ``mm``), and backward keeps drop_h's set:
+x and the preactivation. h is recomputed in backward by the kernel that writes grad_preact, cast
+there for grad_W2, and never saved.
+
+A linear given as None (left in bf16 by the conversion) runs its GEMMs in the weights' dtype.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from swiglu_train.ops.activation import (
+    swiglu_bwd_recompute,
+    swiglu_bwd_recompute_,
+    swiglu_fwd,
+)
+from swiglu_train.ops.mlp import (
+    SECOND_BACKWARD_ERROR,
+    SECOND_BACKWARD_FREED_ERROR,
+    claim_inplace_backward,
+    refuse_double_backward,
+)
+
+# torchao's float8 training linear: the class its converter installs (float8/float8_linear.py).
+TORCHAO_FLOAT8_LINEAR = ("torchao.float8.float8_linear", "Float8Linear")
+
+
+@dataclass(frozen=True)
+class Float8Gemms:
+    """One linear's FP8 recipe: torchao's ``Float8LinearConfig`` and the ``LinearMMConfig`` its
+    ``Float8Linear`` built from it (fast accumulation and padding per GEMM)."""
+
+    config: object
+    mm_config: object
+
+    @classmethod
+    def of(cls, linear: nn.Module) -> Float8Gemms | None:
+        """The recipe of a torchao ``Float8Linear``, or None for any other linear."""
+        kind = type(linear)
+        if (kind.__module__, kind.__qualname__) != TORCHAO_FLOAT8_LINEAR:
+            return None
+        return cls(linear.config, linear.linear_mm_config)
+
+
+def is_torchao_float8(linear: nn.Module) -> bool:
+    return Float8Gemms.of(linear) is not None
+
+
+def _cast(t: torch.Tensor, cast_config, role: str, dim: int, gemms: Float8Gemms):
+    """``t`` as the float8 operand of one GEMM, or itself where the recipe leaves it unscaled."""
+    from torchao.float8.config import ScalingType
+    from torchao.float8.float8_scaling_utils import (
+        get_maybe_axiswise_dim,
+        hp_tensor_to_float8_dynamic,
+    )
+    from torchao.float8.float8_training_tensor import GemmInputRole
+
+    if cast_config.scaling_type is ScalingType.DISABLED:
+        return t
+    return hp_tensor_to_float8_dynamic(
+        t,
+        cast_config.target_dtype,
+        gemms.mm_config,
+        gemm_input_role=getattr(GemmInputRole, role),
+        scaling_granularity=cast_config.scaling_granularity,
+        axiswise_dim=get_maybe_axiswise_dim(dim, cast_config.scaling_granularity),
+        round_scales_to_power_of_2=gemms.config.round_scales_to_power_of_2,
+    )
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, gemms: Float8Gemms | None) -> torch.Tensor:
+    """x [M, K] @ weight [N, K]ᵀ, in FP8 as the recipe casts a forward GEMM."""
+    if gemms is None:
+        return x @ weight.t()
+    c = gemms.config
+    a = _cast(x, c.cast_config_input, "INPUT", -1, gemms)
+    b = _cast(weight.t(), c.cast_config_weight, "WEIGHT", 0, gemms)
+    return torch.mm(a, b)
+
+
+def grad_input(grad: torch.Tensor, weight: torch.Tensor, gemms: Float8Gemms | None):
+    """grad [M, N] @ weight [N, K], in FP8 as the recipe casts the input-gradient GEMM."""
+    if gemms is None:
+        return grad @ weight
+    c = gemms.config
+    a = _cast(grad, c.cast_config_grad_output, "GRAD_OUTPUT", -1, gemms)
+    b = _cast(weight.t(), c.cast_config_weight_for_grad_input, "WEIGHT", -1, gemms)
+    return torch.mm(a, b.t())
+
+
+def grad_weight(grad: torch.Tensor, x: torch.Tensor, gemms: Float8Gemms | None):
+    """grad [M, N]ᵀ @ x [M, K], in FP8 as the recipe casts the weight-gradient GEMM."""
+    if gemms is None:
+        return grad.t() @ x
+    c = gemms.config
+    a = _cast(grad, c.cast_config_grad_output_for_grad_weight, "GRAD_OUTPUT", 0, gemms)
+    b = _cast(x, c.cast_config_input_for_grad_weight, "INPUT", 0, gemms)
+    return torch.mm(a.t(), b)
+
+
+def _bias(out: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return out if bias is None else out + bias.to(out.dtype)
+
+
+class _DropHFloat8(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, fc1_weight, fc1_bias, fc2_weight, fc2_bias, fc1_gemms, fc2_gemms, inplace):
+        preact = _bias(linear(x, fc1_weight, fc1_gemms), fc1_bias)
+        h = swiglu_fwd(preact)
+        y = _bias(linear(h, fc2_weight, fc2_gemms), fc2_bias)
+        ctx.save_for_backward(x, fc1_weight, fc2_weight, preact)
+        ctx.gemms, ctx.inplace, ctx.backward_ran = (fc1_gemms, fc2_gemms), inplace, False
+        ctx.has_bias = (fc1_bias is not None, fc2_bias is not None)
+        return y
+
+    @staticmethod
+    def backward(ctx, grad_y: torch.Tensor):
+        refuse_double_backward()
+        inplace = claim_inplace_backward(ctx, SECOND_BACKWARD_ERROR, SECOND_BACKWARD_FREED_ERROR)
+        x, fc1_weight, fc2_weight, preact = ctx.saved_tensors
+        fc1_gemms, fc2_gemms = ctx.gemms
+        grad_y = grad_y.contiguous()
+        grad_h = grad_input(grad_y, fc2_weight, fc2_gemms)
+        if inplace:
+            swiglu_bwd_recompute_(preact, grad_h)
+            h, grad_preact = grad_h, preact
+        else:
+            h, grad_preact = swiglu_bwd_recompute(preact, grad_h)
+        del grad_h
+        need_x, need_w1, need_b1, need_w2, need_b2 = ctx.needs_input_grad[:5]
+        grad_w2 = grad_weight(grad_y, h, fc2_gemms) if need_w2 else None
+        del h
+        grad_x = grad_input(grad_preact, fc1_weight, fc1_gemms) if need_x else None
+        grad_w1 = grad_weight(grad_preact, x, fc1_gemms) if need_w1 else None
+        grad_b1 = grad_preact.sum(0) if need_b1 and ctx.has_bias[0] else None
+        grad_b2 = grad_y.sum(0) if need_b2 and ctx.has_bias[1] else None
+        return grad_x, grad_w1, grad_b1, grad_w2, grad_b2, None, None, None
+
+
+def drop_h_float8_mlp(
+    x: torch.Tensor,
+    fc1_weight: torch.Tensor,
+    fc1_bias: torch.Tensor | None,
+    fc2_weight: torch.Tensor,
+    fc2_bias: torch.Tensor | None,
+    fc1_gemms: Float8Gemms | None,
+    fc2_gemms: Float8Gemms | None,
+    inplace: bool = True,
+) -> torch.Tensor:
+    """drop_h (x and the preactivation saved, h recomputed) with each linear's GEMMs in FP8 as
+    its torchao recipe says (the module docstring); x is [M, D]."""
+    return _DropHFloat8.apply(
+        x, fc1_weight, fc1_bias, fc2_weight, fc2_bias, fc1_gemms, fc2_gemms, inplace
+    )
