@@ -172,3 +172,23 @@ def test_patch_leaves_an_mlp_converted_before_it_with_the_reason():
         "convert_to_float8_training" in reason
         and "patch first with impl 'drop_h' or 'normal'" in reason
     )
+
+
+@pytest.mark.parametrize(
+    "variant",
+    ["drop_h_float8_rowwise", "normal_float8_tensorwise", "torchao_float8_tensorwise"],
+)
+def test_the_benchmark_s_float8_variants_run_fp8_gemms_on_the_shared_weights(variant):
+    """bench's FP8 variants (ours on converted linears, torchao's own MLP) read the layer's
+    shared weights and run FP8 GEMMs: y is FP8's distance from the float64 MLP, not bf16's."""
+    from swiglu_train.bench.mlp.variants import BUILDERS, LayerWeights
+
+    torch.manual_seed(0)
+    w = LayerWeights.random(D, FFN, D, torch.bfloat16, "cpu")
+    x = torch.randn(M, D, dtype=torch.bfloat16)
+    with use_backend("torch"):
+        y = BUILDERS[variant](w)(x)
+    y.sum().backward()
+    exact = reference.mlp(x.double(), w.fc1.double(), None, w.fc2.double(), None)
+    assert 2e-2 < rel_err(y, exact) < 0.15
+    assert w.fc1.grad is not None and w.fc2.grad is not None

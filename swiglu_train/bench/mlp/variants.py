@@ -130,6 +130,43 @@ def quack(tuned: bool) -> Callable[[LayerWeights], Layer]:
     return build
 
 
+def float8_convert(module: torch.nn.Module, recipe: str) -> torch.nn.Module:
+    """torchao's ``convert_to_float8_training`` with one of its named recipes (the fp8 extra)."""
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+    return convert_to_float8_training(module, config=Float8LinearConfig.from_recipe_name(recipe))
+
+
+def ours_float8(impl: str, recipe: str) -> Callable[[LayerWeights], Layer]:
+    """Our impl on fc1/fc2 that torchao converted (issue 48): drop_h runs their recipes in its
+    own GEMMs, normal runs their forwards."""
+    return lambda w: float8_convert(ours(impl)(w), recipe)
+
+
+class _TorchaoMLP(torch.nn.Module):
+    """torchao's FP8 MLP, the peer: two linears on the shared weights, SwiGLU in torch."""
+
+    def __init__(self, w: LayerWeights) -> None:
+        super().__init__()
+        self.fc1 = torch.nn.Linear(w.fc1.shape[1], w.fc1.shape[0], bias=False, device="meta")
+        self.fc2 = torch.nn.Linear(w.fc2.shape[1], w.fc2.shape[0], bias=False, device="meta")
+        self.fc1.weight, self.fc2.weight = w.fc1, w.fc2
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(reference.swiglu(self.fc1(x)))
+
+
+def torchao_float8(recipe: str, compile_: bool) -> Callable[[LayerWeights], Layer]:
+    """torchao's Float8Linear MLP (torchtitan's float8 converter), eager or torch.compile'd,
+    as torchao recommends running it."""
+
+    def build(w: LayerWeights) -> Layer:
+        mlp = float8_convert(_TorchaoMLP(w), recipe)
+        return torch.compile(mlp) if compile_ else mlp
+
+    return build
+
+
 def compiled(w: LayerWeights) -> Layer:
     """torch.compile (inductor) of the eager MLP."""
     return torch.compile(eager(w))
@@ -155,6 +192,17 @@ BUILDERS: dict[str, Callable[[LayerWeights], Layer]] = {
         f"{impl}_dynamic_{which}": quack_fused_dynamic(impl, with_fc1=which == "fused")
         for impl in ("drop_h_quack", "save_factors_quack")
         for which in ("grad_h", "fused")
+    },
+    # FP8 GEMMs (issue 48): ours on torchao-converted linears, and torchao's own MLP
+    **{
+        f"{impl}_float8_{recipe}": ours_float8(impl, recipe)
+        for impl in ("drop_h", "normal")
+        for recipe in ("tensorwise", "rowwise")
+    },
+    **{
+        f"torchao_float8_{recipe}{'_compile' if c else ''}": torchao_float8(recipe, c)
+        for recipe in ("tensorwise", "rowwise")
+        for c in (False, True)
     },
     "liger": liger,
     "fla": fla,
