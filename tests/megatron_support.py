@@ -30,6 +30,7 @@ the spawned worker processes only, never in the pytest process.
 from __future__ import annotations
 
 import contextlib
+import copy
 import os
 import queue
 import socket
@@ -52,6 +53,7 @@ from megatron.core.optimizer.optimizer import FP32Optimizer
 from megatron.core.pipeline_parallel import schedules
 from megatron.core.tensor_parallel import mappings as mcore_mappings
 from megatron.core.tensor_parallel import random as mcore_random
+from megatron.core.transformer import torch_norm
 from megatron.core.transformer.moe import moe_utils, token_dispatcher
 from megatron.core.transformer.transformer_config import TransformerConfig
 
@@ -216,6 +218,32 @@ def shim_distributed_optimizer() -> None:
 
     torch.Tensor.type = cuda_type_names
     torch.Tensor.cuda = lambda self, *args, **kwargs: self
+
+
+def shim_torch_norm_sequence_parallel() -> None:
+    """Let the torch norms Megatron builds without Apex or TE (``WrappedTorchNorm``) run under
+    sequence parallelism (per process, workers only), which Megatron requires of MoE layers
+    with TP > 1 in training. A norm over the hidden size is the same on a sequence shard; the
+    fused norms it asserts for differ only in marking their parameters ``sequence_parallel``
+    (their grads are partial sums over the TP group, which DDP's finalize all-reduces): the
+    norm is built from a copy of the config without it and its parameters are marked so."""
+    cls = torch_norm.WrappedTorchNorm
+    if getattr(cls, "_sequence_parallel_shim", False):
+        return
+    plain = cls.__new__
+
+    def new(cls_, config, *args, **kwargs):
+        if not config.sequence_parallel:
+            return plain(cls_, config, *args, **kwargs)
+        config = copy.copy(config)
+        config.sequence_parallel = False
+        norm = plain(cls_, config, *args, **kwargs)
+        for param in norm.parameters():
+            param.sequence_parallel = True
+        return norm
+
+    cls.__new__ = staticmethod(new)
+    cls._sequence_parallel_shim = True
 
 
 def free_port() -> int:

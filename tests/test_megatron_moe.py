@@ -2,15 +2,24 @@
 and SharedExpertMLP, in a small GPTModel on gloo (num_experts 4, top-k 2):
 
 - parity: from one seed both build the same weights; fp32 logits and every grad (router,
-  experts, shared experts, attention) match at EP=1, EP=2 and expert-TP=2 on two ranks, with the
-  ``alltoall`` and ``allgather`` dispatchers, router padding on, shared experts with their gate,
-  probs applied on the input (top-1), each impl that runs on CPU;
+  experts, shared experts, attention) match with the ``alltoall`` and ``allgather``
+  dispatchers at these (TP, EP, expert TP) layouts, the rest data parallel:
+
+  - two ranks: (1, 1, 1), (1, 2, 1), (1, 1, 2); with attention TP=2 (sequence parallel, as
+    Megatron wants of MoE with TP): (2, 1, 2) (expert TP defaulting to TP; shared experts with
+    their gate too), (2, 2, 1) and (2, 1, 1);
+  - four ranks: (1, 2, 2) and (2, 2, 2), EP=2 with expert-TP=2;
+
+  and at EP=2 router padding on, shared experts with their gate, probs applied on the input
+  (top-1), each impl that runs on CPU;
 - checkpoints: each kind's dist-ckpt, with Megatron's optimizer state, saved at EP=2 loads into
   the other kind at expert-TP=2 and at EP=1: the same logits, each expert's weights and Adam
   moments the saved ones, sliced for the new layout (plain state_dicts interchange too);
 - specs for megatron-core 0.16 (ModuleSpecs) and the 0.17+ builder form, and the refusals.
 
-One spawn of two processes runs every multi-rank case (start-up and imports dominate the time).
+One spawn of two processes runs every two-rank case and one of four the four-rank ones (start-up
+and imports dominate the time). The torch norms Megatron builds without Apex or TE refuse
+sequence parallelism; the workers let them run it (``shim_torch_norm_sequence_parallel``).
 """
 
 from __future__ import annotations
@@ -26,10 +35,16 @@ import pytest
 import torch
 import torch.nn.functional as F
 from helpers import rel_err
-from megatron_support import make_optimizer, shim_cuda_only_calls, spawn, swiglu_config
+from megatron_support import (
+    make_optimizer,
+    shim_cuda_only_calls,
+    shim_torch_norm_sequence_parallel,
+    spawn,
+    swiglu_config,
+)
 from test_megatron_mlp import PARITY, SEQ, VOCAB, build_gpt, stock_submodules
 
-from megatron.core import dist_checkpointing, parallel_state  # isort: skip
+from megatron.core import dist_checkpointing, parallel_state, tensor_parallel  # isort: skip
 from megatron.core.dist_checkpointing import ShardedTensor  # isort: skip
 from megatron.core.dist_checkpointing.dict_utils import nested_values  # isort: skip
 from megatron.core.dist_checkpointing.mapping import apply_factories  # isort: skip
@@ -51,13 +66,21 @@ from swiglu_train.integrations.megatron.specs import _with_our_experts
 from swiglu_train.ops.activation import use_backend
 
 WORLD, EXPERTS, TOP_K, MOE_FFN, BATCH = 2, 4, 2, 24, 2
-LAYOUTS = ((1, 1), (2, 1), (1, 2))  # (EP, expert TP) on two ranks; the rest is data parallel
+# (TP, EP, expert TP) on two ranks and on four; the rest is data parallel. Expert TP None is
+# Megatron's default, the (attention) TP size. TP > 1 runs sequence parallel, as Megatron
+# requires of MoE layers in training.
+LAYOUTS = ((1, 1, 1), (1, 2, 1), (1, 1, 2), (2, 1, None), (2, 2, 1), (2, 1, 1))
+LAYOUTS_4 = ((1, 2, 2), (2, 2, None))
 FC = ("linear_fc1", "linear_fc2")
 KINDS = ("stock", "ours")
 
 
-def moe_config(etp: int = 1, ep: int = 1, **overrides):
-    """A tiny fp32 MoE GPT config of one layer; expert TP and EP as parallel_state has them."""
+def moe_config(etp: int | None = 1, ep: int = 1, **overrides):
+    """A tiny fp32 MoE GPT config of one layer; expert TP and EP as parallel_state has them
+    (expert TP None: the TP size), sequence parallel wherever TP is."""
+    tp_on = parallel_state.model_parallel_is_initialized() and (
+        parallel_state.get_tensor_model_parallel_world_size() > 1
+    )
     fields = dict(
         num_layers=1,
         num_moe_experts=EXPERTS,
@@ -67,6 +90,7 @@ def moe_config(etp: int = 1, ep: int = 1, **overrides):
         moe_token_dispatcher_type="alltoall",
         expert_model_parallel_size=ep,
         expert_tensor_parallel_size=etp,
+        sequence_parallel=tp_on,
     )
     return swiglu_config(**(fields | overrides))
 
@@ -76,10 +100,12 @@ def stock_spec():
 
 
 @contextlib.contextmanager
-def moe_parallel(ep: int, etp: int) -> Iterator[None]:
-    """parallel_state at (EP, expert TP) over the two ranks, with the CPU shims."""
+def moe_parallel(ep: int, etp: int | None, tp: int = 1) -> Iterator[None]:
+    """parallel_state at (EP, expert TP, TP) over the ranks, with the CPU shims."""
     parallel_state.initialize_model_parallel(
-        expert_model_parallel_size=ep, expert_tensor_parallel_size=etp
+        tensor_model_parallel_size=tp,
+        expert_model_parallel_size=ep,
+        expert_tensor_parallel_size=etp,
     )
     try:
         shim_cuda_only_calls()  # after: initialize refuses a memory buffer already set
@@ -89,17 +115,19 @@ def moe_parallel(ep: int, etp: int) -> Iterator[None]:
 
 
 def tokens(seed: int, per_rank: bool = True) -> torch.Tensor:
-    """The batch: by default different on each rank (the dispatchers exchange the ranks'
-    tokens); the same on every rank where a test without Megatron's DDP, which would average the
-    grads over data parallelism, must keep replicated weights equal after an optimizer step."""
-    seed += torch.distributed.get_rank() if per_rank else 0
+    """The batch: by default different on each data-parallel rank (the dispatchers exchange
+    the ranks' tokens; the ranks of a TP group share theirs); the same on every rank where a
+    test without Megatron's DDP, which would average the grads over data parallelism, must keep
+    replicated weights equal after an optimizer step."""
+    seed += parallel_state.get_data_parallel_rank() if per_rank else 0
     return torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(seed))
 
 
 def logits_and_loss(model, batch: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     positions = torch.arange(SEQ).expand_as(batch)
     mask = torch.ones(SEQ, SEQ, dtype=torch.bool).triu(1)[None, None]  # Megatron's is on "cuda"
-    logits = model(batch, positions, mask)
+    logits = model(batch, positions, mask)  # [B, S, V/TP]: the vocab is TP-parallel
+    logits = tensor_parallel.gather_from_tensor_model_parallel_region(logits)
     return logits, F.cross_entropy(logits.flatten(0, 1), batch.roll(-1, 1).flatten())
 
 
@@ -145,12 +173,24 @@ def _parity_case(label: str, config, impl: str = "drop_h", seed: int = 3) -> Non
         assert err <= PARITY, f"{label}: grad of {name} off by {err:.2e}"
 
 
-def _parity() -> None:
-    for ep, etp in LAYOUTS:
-        with moe_parallel(ep, etp), use_backend("torch"):
+def _layouts_parity(layouts: tuple) -> None:
+    """Each (TP, EP, expert TP) layout with both dispatchers; at TP=2 the shared experts (TP
+    sharded with the attention, sequence parallel) with their gate too."""
+    for tp, ep, etp in layouts:
+        with moe_parallel(ep, etp, tp), use_backend("torch"):
+            assert parallel_state.get_expert_tensor_parallel_world_size() == (etp or tp)
             for dispatcher in ("alltoall", "allgather"):
-                label = f"EP={ep} ETP={etp} {dispatcher}"
+                label = f"TP={tp} EP={ep} ETP={etp or tp} {dispatcher}"
                 _parity_case(label, moe_config(etp, ep, moe_token_dispatcher_type=dispatcher))
+            if tp > 1 and (ep, etp) == (1, None):
+                shared = moe_config(
+                    None, moe_shared_expert_intermediate_size=32, moe_shared_expert_gate=True
+                )
+                _parity_case(f"TP={tp} ETP={tp} shared experts with gate", shared, "normal")
+
+
+def _parity() -> None:
+    _layouts_parity(LAYOUTS)
     with moe_parallel(2, 1):
         shared = moe_config(
             ep=2, moe_shared_expert_intermediate_size=32, moe_shared_expert_gate=True
@@ -329,6 +369,7 @@ def _worker(rank: int, world_size: int, rendezvous: str, root: str) -> None:
     )
     try:
         router_runs_without_te()  # stock MoE layers need it too (megatron-core 0.16 bug)
+        shim_torch_norm_sequence_parallel()  # TP > 1: MoE layers want sequence parallel
         _parity()
         _load(root, _save(root))
         _sharded_layouts()
@@ -341,6 +382,25 @@ def _worker(rank: int, world_size: int, rendezvous: str, root: str) -> None:
 @pytest.mark.slow
 def test_moe_parity_and_checkpoints_against_sequential_mlp(tmp_path: Path) -> None:
     spawn(_worker, WORLD, str(tmp_path))
+
+
+def _worker_4(rank: int, world_size: int, rendezvous: str) -> None:
+    torch.distributed.init_process_group(
+        "gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=world_size
+    )
+    try:
+        router_runs_without_te()
+        shim_torch_norm_sequence_parallel()
+        _layouts_parity(LAYOUTS_4)
+        torch.distributed.barrier()
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_moe_parity_on_four_ranks_against_sequential_mlp() -> None:
+    """EP=2 with expert-TP=2, with and without TP=2 attention: four ranks, one spawn."""
+    spawn(_worker_4, 4)
 
 
 def _slot(spec: ModuleSpec | partial) -> tuple[type, dict, object]:
