@@ -4,8 +4,10 @@
 # `set -uo pipefail` with $COMMIT (the commit results name), $RES (this call's results folder),
 # $SCRATCH (run folders) and $QUACK (the quack impls, where quack runs here) set; variables in
 # the help lines pick subsets. Work that adds up across calls of one commit is kept in
-# /tmp/gpu-KIND-$COMMIT (a machine's /tmp lasts while it stays warm). Output names keep the
-# `_h200` tag the committed results carry.
+# /tmp/gpu-KIND-$COMMIT (a machine's /tmp lasts while it stays warm). Output names carry the
+# GPU's tag, $GPU: h100 or h200 from the device name (set GPU to override).
+GPU=${GPU:-$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1 | awk '{print tolower($2)}')}
+GPU=${GPU:-gpu}
 
 # A step of the recipe's CPU-sized default model is launch-bound on an H200 (30 ms): time a
 # model whose GEMMs dominate instead.
@@ -49,7 +51,7 @@ reshard() {  # DIR EXTRA SRC_IMPL:TP TARGET_IMPL:TP...: save at step 3, resume b
 # budgets with 5 impls: E2E_BUDGETS=auto:2 there. The JSON is written after every point.
 e2e_lightning() {  # SIZE GRID MICRO_BATCH
   local size=$1 grid=$2 mbs=$3
-  local E2E=/tmp/gpu-e2e-$COMMIT name=e2e_${size}_h200 && mkdir -p "$E2E" "$RES/e2e"
+  local E2E=/tmp/gpu-e2e-$COMMIT name=e2e_${size}_${GPU} && mkdir -p "$E2E" "$RES/e2e"
   prior_e2e "$E2E" $name.json
   python3 benchmarks/bench_e2e.py lightning --config "$size" --seq-length 4096 \
     --micro-batch-size "$mbs" --global-batch-size "${E2E_GBS:-32}" \
@@ -79,7 +81,7 @@ stage_tests() {
 
 ## tune: the gated GEMM's configs against cuBLAS ($TUNE_SHAPES)
 stage_tune() {
-  python3 benchmarks/tune_gated_gemm.py --samples 30 --json "$RES/tune_gated_h200.json" \
+  python3 benchmarks/tune_gated_gemm.py --samples 30 --json "$RES/tune_gated_${GPU}.json" \
     ${TUNE_SHAPES:+--shapes $TUNE_SHAPES} 2>&1 | grep -v "^ "
 }
 
@@ -87,26 +89,26 @@ stage_tune() {
 stage_sweep() {
   python3 benchmarks/sweep_gated_configs.py --samples 30 --commit "$COMMIT" \
     ${SWEEP_SHAPES:+--shapes $SWEEP_SHAPES} ${SWEEP_EXTRA_TILES:+--extra-tiles $SWEEP_EXTRA_TILES} \
-    --json "$RES/sweep_gated_h200.json" --md "$RES/sweep_gated_h200.md" \
-    --table "$RES/gated_tiles_h200.json"
+    --json "$RES/sweep_gated_${GPU}.json" --md "$RES/sweep_gated_${GPU}.md" \
+    --table "$RES/gated_tiles_${GPU}.json"
 }
 
 ## bench: swiglu-train bench at the seed shape, every variant
 stage_bench() {
-  python3 -m swiglu_train bench --samples 40 --commit "$COMMIT" --json "$RES/mlp_h200.json" \
+  python3 -m swiglu_train bench --samples 40 --commit "$COMMIT" --json "$RES/mlp_${GPU}.json" \
     2>&1 | tail -30
 }
 
 ## stack: swiglu-train bench-memory for every impl, with the profiler's overhead
 stage_stack() {
   python3 -m swiglu_train bench-memory --layers 1,2,4 --mlp-impl normal,drop_h,save_factors \
-    --overhead-samples 30 --json "$RES/stack_h200.json" 2>&1 | tail -20
+    --overhead-samples 30 --json "$RES/stack_${GPU}.json" 2>&1 | tail -20
 }
 
 ## crossover: swiglu-train bench-crossover on its default grid, and auto's table
 stage_crossover() {
   python3 -m swiglu_train bench-crossover --commit "$COMMIT" \
-    --json "$RES/crossover_h200.json" --auto-model "$RES/auto_h200.json" 2>&1 | tail -40
+    --json "$RES/crossover_${GPU}.json" --auto-model "$RES/auto_${GPU}.json" 2>&1 | tail -40
 }
 
 ## pretrain: 125M Lightning runs, impls alternated $PRETRAIN_ROUNDS (2) times
@@ -121,8 +123,8 @@ stage_pretrain() {
   python3 benchmarks/summarize_runs.py "$RES"/pretrain_*_[0-9]*.json --commit "$COMMIT" \
     --title "125M Lightning pretrain, bf16, 40 steps (impls alternated, ${PRETRAIN_ROUNDS:-2} rounds)" \
     --command "python3 scripts/device.py stage pretrain" \
-    --json "$RES/pretrain_125m_h200.json" --md "$RES/pretrain_125m_h200.md" \
-    && cat "$RES/pretrain_125m_h200.md"
+    --json "$RES/pretrain_125m_${GPU}.json" --md "$RES/pretrain_125m_${GPU}.md" \
+    && cat "$RES/pretrain_125m_${GPU}.md"
 }
 
 ## microbatch: the largest micro-batch per impl ($MICROBATCH_CONFIGS: 1b)
@@ -148,8 +150,8 @@ stage_fp8_lightning() {
     python3 benchmarks/summarize_runs.py "$RES"/fp8mem_${config}_*_1.json --commit "$COMMIT" \
       --title "$config Lightning pretrain, bf16-mixed, ${FP8_LIGHTNING_STEPS:-20} steps: FP8-saved preactivation against bf16" \
       --command "python3 scripts/device.py stage fp8_lightning" \
-      --json "$RES/fp8_lightning_${config}_h200.json" --md "$RES/fp8_lightning_${config}_h200.md" \
-      && cat "$RES/fp8_lightning_${config}_h200.md"
+      --json "$RES/fp8_lightning_${config}_${GPU}.json" --md "$RES/fp8_lightning_${config}_${GPU}.md" \
+      && cat "$RES/fp8_lightning_${config}_${GPU}.md"
   done
 }
 
@@ -167,8 +169,8 @@ stage_megatron() {
   python3 benchmarks/summarize_runs.py "$RES"/megatron_tp1_*_[12].json --commit "$COMMIT" \
     --title "Megatron recipe, TP=1, bf16 Float16Module + DistributedOptimizer, 30 steps, $MEGATRON_GPU (2 rounds, order reversed)" \
     --command "python3 scripts/device.py stage megatron" \
-    --json "$RES/megatron_h200_tp1.json" --md "$RES/megatron_h200_tp1.md" \
-    && cat "$RES/megatron_h200_tp1.md"
+    --json "$RES/megatron_${GPU}_tp1.json" --md "$RES/megatron_${GPU}_tp1.md" \
+    && cat "$RES/megatron_${GPU}_tp1.md"
 }
 
 ## e2e_1b: bench_e2e.py lightning, ~1B: impl x checkpointed blocks, rounds, the planner
@@ -187,7 +189,7 @@ stage_e2e_megatron() {
   # files; E2E_SAMPLE_HOST=1 samples every run with py-spy (.whlw), E2E_SAMPLE_NATIVE=1
   # C frames too; the first run of each of $E2E_PROFILE_MEGATRON profiles its last step.
   E2E=/tmp/gpu-e2e-$COMMIT && mkdir -p "$E2E" "$RES/e2e"
-  name=e2e_megatron_tp1${E2E_MEGATRON_TAG:+_$E2E_MEGATRON_TAG}_h200
+  name=e2e_megatron_tp1${E2E_MEGATRON_TAG:+_$E2E_MEGATRON_TAG}_${GPU}
   prior_e2e "$E2E" $name.json
   liger=$(python3 -c "import liger_kernel.megatron" 2>/dev/null && echo liger)
   # the box's busiest processes every 10 s: host contention would show
@@ -205,7 +207,7 @@ stage_e2e_megatron() {
   for prof in "$E2E"/profile_megatron_*.json; do
     [ -f "$prof" ] || continue
     impl=$(basename "$prof" .json) && impl=${impl#profile_megatron_}
-    cp "$prof" "$RES/e2e/profile_megatron_tp1_${impl}_h200.json"
+    cp "$prof" "$RES/e2e/profile_megatron_tp1_${impl}_${GPU}.json"
   done
 }
 
@@ -214,7 +216,7 @@ stage_megatron_plan() {
   torchrun --standalone --nproc-per-node 1 recipes/pretrain_megatron.py $MEGATRON_GPU \
     --activation-checkpointing auto --memory-budget-gb "${MEGATRON_PLAN_GB:-30}" \
     --max-steps 10 --output-dir "$SCRATCH/megatron-plan" \
-    --summary-json "$RES/megatron_plan_h200.json" 2>&1 | grep -E "^plan:|^step 9 "
+    --summary-json "$RES/megatron_plan_${GPU}.json" 2>&1 | grep -E "^plan:|^step 9 "
 }
 
 ## megatron_resume: DistributedOptimizer dist-ckpt: save at step 3, resume, same losses
@@ -235,8 +237,8 @@ stage_megatron_tp2() {
   python3 benchmarks/compare_tp.py "$RES"/tp/*.json --commit "$COMMIT" \
     --title "Megatron TP=2 against TP=1, bf16, 50 steps, $MEGATRON_GPU" \
     --command "python3 scripts/device.py stage megatron_tp2" \
-    --json "$RES/megatron_tp2_vs_tp1_h200.json" --md "$RES/megatron_tp2_vs_tp1_h200.md" \
-    --plot "$RES/megatron_tp2_vs_tp1_h200.png"
+    --json "$RES/megatron_tp2_vs_tp1_${GPU}.json" --md "$RES/megatron_tp2_vs_tp1_${GPU}.md" \
+    --plot "$RES/megatron_tp2_vs_tp1_${GPU}.png"
 }
 
 ## megatron_reshard (2 GPUs): a packed TP=2 checkpoint resumed canonical at TP=1, and back
@@ -269,8 +271,8 @@ stage_scale4() {
   python3 benchmarks/compare_tp.py "$S4"/megatron_*_1.json --commit "$COMMIT" \
     --title "Megatron TP=4 and TP=2xDP=2 against TP=1, bf16, 50 steps, $SCALE4_MODEL" \
     --command "python3 scripts/device.py stage scale4" \
-    --json "$RES/scale4/megatron_layouts_h200.json" --md "$RES/scale4/megatron_layouts_h200.md" \
-    --plot "$RES/scale4/megatron_layouts_h200.png"
+    --json "$RES/scale4/megatron_layouts_${GPU}.json" --md "$RES/scale4/megatron_layouts_${GPU}.md" \
+    --plot "$RES/scale4/megatron_layouts_${GPU}.png"
 }
 
 ## scale4_rounds (4 GPUs): tokens/s rounds $SCALE4_ROUNDS ('2 3') of scale4's runs, order rotated
@@ -289,7 +291,7 @@ stage_scale4_rounds() {
   done
   cp "$S4"/*.json "$RES/scale4/"
   for layout in ${SCALE4_LAYOUTS:-tp1 tp4 tp2dp2}; do
-    out="$RES/scale4/megatron_${layout}_rounds_h200"
+    out="$RES/scale4/megatron_${layout}_rounds_${GPU}"
     python3 benchmarks/summarize_runs.py "$S4"/megatron_${layout}_*_[0-9]*.json --commit "$COMMIT" \
       --title "Megatron $layout, bf16, tokens/s over rounds, $SCALE4_MODEL" \
       --command "python3 scripts/device.py stage scale4 scale4_rounds" \
@@ -324,7 +326,7 @@ stage_scale4_lightning() {
     --devices 4 --strategy fsdp2 --max-steps 20 --output-dir "$SCRATCH/pt4-plan" \
     --summary-json "$out/lightning_4gpu_planned.json" > "$out/lightning_4gpu_planned.log" 2>&1 \
     || tail -5 "$out/lightning_4gpu_planned.log"
-  python3 benchmarks/compare_device_counts.py "$out" --json "$out/lightning_4gpu_vs_1gpu_h200.json"
+  python3 benchmarks/compare_device_counts.py "$out" --json "$out/lightning_4gpu_vs_1gpu_${GPU}.json"
 }
 
 ## inference: swiglu-train bench-inference, one JSON per model ($INFERENCE_MODELS)
@@ -340,28 +342,28 @@ stage_inference() {
 ## fuzz: benchmarks/fuzz_gpu.py: $FUZZ_CASES (1000) random cases, every impl, 8 workers
 stage_fuzz() {
   python3 benchmarks/fuzz_gpu.py --cases "${FUZZ_CASES:-1000}" --workers 8 \
-    --max-seconds "${FUZZ_SECONDS:-420}" --json "$RES/fuzz_gpu_h200.json" 2>&1 | tail -8
+    --max-seconds "${FUZZ_SECONDS:-420}" --json "$RES/fuzz_gpu_${GPU}.json" 2>&1 | tail -8
 }
 
 ## fp8_errors: FP8-saved errors at the grid's (D, F), M = $FP8_ERRORS_M ($FP8_ERRORS_IMPLS)
 stage_fp8_errors() {
   for impl in ${FP8_ERRORS_IMPLS:-drop_h drop_h_quack}; do  # drop_h_quack: _quack
     python3 benchmarks/measure_fp8_saved.py --device cuda --grid-m "${FP8_ERRORS_M:-8000}" \
-      --impl "$impl" --json "$RES/fp8_saved_errors_grid${impl#drop_h}_h200.json" 2>&1 | tail -12
+      --impl "$impl" --json "$RES/fp8_saved_errors_grid${impl#drop_h}_${GPU}.json" 2>&1 | tail -12
   done
 }
 
 ## gemm_defaults: quack (static, dynamic) vs cuBLAS per GEMM choice at the grid ($GRID_M)
 stage_gemm_defaults() {
   python3 benchmarks/gemm_defaults.py ${GRID_M:+--m ${GRID_M//,/ }} \
-    --json "$RES/probe_gemm_defaults_h200.json" 2>&1 | tail -8
+    --json "$RES/probe_gemm_defaults_${GPU}.json" 2>&1 | tail -8
 }
 
 ## patch: a patched HF and LitGPT Llama vs unpatched and Liger (carry .whlh)
 stage_patch() {
   for lib in hf litgpt; do
     python3 benchmarks/bench_patch_hf.py --library $lib --layers 4 --seq 4096 --samples 30 \
-      --out "$RES/patch_${lib}_h200.json" 2>&1 | tail -12
+      --out "$RES/patch_${lib}_${GPU}.json" 2>&1 | tail -12
   done
 }
 
@@ -387,8 +389,8 @@ open(sys.argv[3], 'w').write(yaml.safe_dump(cfg))" "$seed" "$steps" "$AB/125m_se
   if [ "$(ls "$AB"/ab_*_seed*.json | wc -l)" != 4 ]; then echo "fp8_loss_ab: run it again"; exit 0; fi
   python3 benchmarks/plot_loss_ab.py "$AB"/ab_*_seed*.json --last 100 --smooth 50 --commit "$COMMIT" \
     --title "125M Lightning pretrain, bf16-mixed, $steps steps: drop_h saving its preactivation in FP8 vs bf16, seeds 1 and 2" \
-    --command "python3 scripts/device.py stage fp8_loss_ab" --json "$RES/fp8_loss_ab_125m_h200.json" \
-    --md "$RES/fp8_loss_ab_125m_h200.md" --plot "$RES/fp8_loss_ab_125m_h200.png"
+    --command "python3 scripts/device.py stage fp8_loss_ab" --json "$RES/fp8_loss_ab_125m_${GPU}.json" \
+    --md "$RES/fp8_loss_ab_125m_${GPU}.md" --plot "$RES/fp8_loss_ab_125m_${GPU}.png"
 }
 
 ## grid: swiglu-train bench-grid, a chunk a call ($GRID_CHUNK, _MODELS, _M, _VARIANTS)
@@ -401,6 +403,30 @@ stage_grid() {
     --prewarm-workers "${GRID_PREWARM:-8}" ${GRID_MODELS:+--models $GRID_MODELS} \
     ${GRID_SHAPES:+--shapes $GRID_SHAPES} ${GRID_M:+--m $GRID_M} \
     ${GRID_VARIANTS:+--variants $GRID_VARIANTS} $([ "${GRID_PRETUNE:-0}" = 1 ] && echo --pretune) \
-    --json "$RES/grid/grid_h200_$tag.json" --md "$RES/grid/grid_h200_$tag.md" \
-    --plot "$RES/grid/grid_h200_$tag.png" 2>&1 | grep -v "^ " | tail -60
+    --json "$RES/grid/grid_${GPU}_$tag.json" --md "$RES/grid/grid_${GPU}_$tag.md" \
+    --plot "$RES/grid/grid_${GPU}_$tag.png" 2>&1 | grep -v "^ " | tail -60
+}
+
+## moe: swiglu-train bench-moe, every model and routing ($MOE_MODELS, $MOE_VARIANTS)
+stage_moe() {
+  # Liger and torchtitan columns where their wheels were carried (.whll, .whlmoe); SonicMoE
+  # runs in a process of its own (swiglu_train/bench/moe/sonic.py), merged with --merge.
+  mkdir -p "$RES/moe"
+  python3 -m swiglu_train bench-moe ${MOE_MODELS:+--models $MOE_MODELS} \
+    --routing balanced,skewed --samples 30 \
+    --variants "${MOE_VARIANTS:-normal,drop_h,drop_h+fp8,$(echo $QUACK | grep -q drop_h_quack && echo drop_h_quack,drop_h_quack+fp8,)liger}" \
+    --out "$RES/moe/moe_${GPU}.json" 2>&1 | grep "^\[" | tail -20
+}
+
+## fp8_training: the FP8-GEMM GPU tests, then drop_h on torchao's recipes against torchao's MLP (carry .whla)
+stage_fp8_training() {
+  mkdir -p "$RES/fp8"
+  python3 -m pytest -q -rfE -m gpu -p no:cacheprovider tests/test_fp8_training.py \
+    > "$RES/fp8/gpu_tests_fp8_training_${GPU}.txt" 2>&1
+  tail -3 "$RES/fp8/gpu_tests_fp8_training_${GPU}.txt"
+  python3 -m swiglu_train bench-grid --commit "$COMMIT" --chunk 1/1 --prewarm-workers 8 \
+    --m "${FP8_M:-8000}" ${FP8_MODELS:+--models $FP8_MODELS} --variants \
+    drop_h,save_factors_quack,drop_h_float8_tensorwise,drop_h_float8_rowwise,torchao_float8_tensorwise_compile,torchao_float8_rowwise_compile \
+    --json "$RES/fp8/fp8_training_grid_${GPU}.json" --md "$RES/fp8/fp8_training_grid_${GPU}.md" \
+    2>&1 | grep -v "^ " | tail -30
 }
