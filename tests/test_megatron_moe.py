@@ -17,9 +17,10 @@ and SharedExpertMLP, in a small GPTModel on gloo (num_experts 4, top-k 2):
   moments the saved ones, sliced for the new layout (plain state_dicts interchange too);
 - specs for megatron-core 0.16 (ModuleSpecs) and the 0.17+ builder form, and the refusals.
 
-One spawn of two processes runs every two-rank case and one of four the four-rank ones (start-up
-and imports dominate the time). The torch norms Megatron builds without Apex or TE refuse
-sequence parallelism; the workers let them run it (``shim_torch_norm_sequence_parallel``).
+One spawn of two processes runs every two-rank case; the four-rank ones (``four_rank_parity``)
+run in tests/test_megatron_world4.py's spawn of four (start-up and imports dominate the time).
+The torch norms Megatron builds without Apex or TE refuse sequence parallelism; the workers let
+them run it (``shim_torch_norm_sequence_parallel``).
 """
 
 from __future__ import annotations
@@ -384,23 +385,12 @@ def test_moe_parity_and_checkpoints_against_sequential_mlp(tmp_path: Path) -> No
     spawn(_worker, WORLD, str(tmp_path))
 
 
-def _worker_4(rank: int, world_size: int, rendezvous: str) -> None:
-    torch.distributed.init_process_group(
-        "gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=world_size
-    )
-    try:
-        router_runs_without_te()
-        shim_torch_norm_sequence_parallel()
-        _layouts_parity(LAYOUTS_4)
-        torch.distributed.barrier()
-    finally:
-        torch.distributed.destroy_process_group()
-
-
-@pytest.mark.slow
-def test_moe_parity_on_four_ranks_against_sequential_mlp() -> None:
-    """EP=2 with expert-TP=2, with and without TP=2 attention: four ranks, one spawn."""
-    spawn(_worker_4, 4)
+def four_rank_parity() -> None:
+    """The LAYOUTS_4 parity: EP=2 with expert-TP=2, with and without TP=2 attention. Run in
+    tests/test_megatron_world4.py's spawn of four processes (one start-up for all of them)."""
+    router_runs_without_te()
+    shim_torch_norm_sequence_parallel()
+    _layouts_parity(LAYOUTS_4)
 
 
 def _slot(spec: ModuleSpec | partial) -> tuple[type, dict, object]:

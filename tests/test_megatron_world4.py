@@ -1,6 +1,8 @@
 """Four gloo ranks on CPU, the layouts users outgrow one GPU with: a GPTModel with our spec (and
 with Megatron's stock MLP) at TP=4 and at TP=2 x DP=2 against TP=1 from one initialization, and
-a packed dist-ckpt written at TP=4 read back at TP=1 and TP=2 by canonical models.
+a packed dist-ckpt written at TP=4 read back at TP=1 and TP=2 by canonical models; and the
+MoE experts' four-rank parity against SequentialMLP (EP=2 with expert-TP=2, at TP=1 and TP=2:
+``four_rank_parity`` of tests/test_megatron_moe.py, which has the two-rank layouts).
 
 One spawn of four processes runs every case (start-up and imports dominate the time):
 - per layout and kind: every rank's fc1 holds 2F/tp rows; the DP-averaged loss and every grad,
@@ -28,6 +30,7 @@ from helpers import rel_err
 from megatron_support import make_optimizer, shim_cuda_only_calls, spawn, swiglu_config
 from test_megatron_checkpoint import batch, checkpoint, fc1_moments, layer_spec, train_step
 from test_megatron_mlp import PARITY, SEQ, VOCAB, build_gpt, gpt_loss
+from test_megatron_moe import four_rank_parity
 
 from megatron.core import dist_checkpointing, parallel_state  # isort: skip
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig  # isort: skip
@@ -182,10 +185,12 @@ def _worker(rank: int, world_size: int, rendezvous: str, root: str) -> None:
         with use_backend("torch"):  # see the module docstring
             _tp_parity()
             _packed_tp4_checkpoint(root)
+            four_rank_parity()
     finally:
         dist.destroy_process_group()
 
 
 @pytest.mark.slow
 def test_tp4_and_tp2_dp2_match_tp1_and_reshard_a_packed_checkpoint(tmp_path: Path) -> None:
+    """And the MoE experts match SequentialMLP at EP=2 x expert-TP=2 (one spawn for both)."""
     spawn(_worker, WORLD, str(tmp_path))
