@@ -37,7 +37,14 @@ from swiglu_train.ops.experts_routing import (
     route,
     routing_bytes,
 )
-from swiglu_train.ops.experts_steps import activate, backward_rows, router_grad, save, saved_tensors
+from swiglu_train.ops.experts_steps import (
+    activate,
+    backward_rows,
+    grad_fc2_first,
+    router_grad,
+    save,
+    saved_tensors,
+)
 from swiglu_train.ops.mlp import refuse_double_backward, swiglu_activation
 
 WEIGHTS_ON = ("output", "input")
@@ -112,8 +119,10 @@ class _ExpertsDropH(torch.autograd.Function):
         w = plan.weight if on_output else None
         grad_preact, wh, grad_w_rows = backward_rows(saved, g, w, inplace)
         del saved, g
-        grad_fc2 = grouped_weight_grad(grad_yg, wh, plan.offsets)
-        del grad_yg, wh
+        fc2_first = grad_fc2_first(grad_yg.numel() + wh.numel(), *fc2.shape)
+        grad_fc2 = grouped_weight_grad(grad_yg, wh, plan.offsets) if fc2_first else None
+        if fc2_first:
+            del grad_yg, wh
         grad_xg = grouped_linear(grad_preact, fc1.transpose(1, 2), plan.offsets)
         xg = None
         if not on_output:  # d(w x)/dw = x: the router's gradient from grad_xg before scaling
@@ -127,6 +136,9 @@ class _ExpertsDropH(torch.autograd.Function):
             xg = x.index_select(0, plan.token)
         grad_fc1 = grouped_weight_grad(grad_preact, xg, plan.offsets)
         del xg, grad_preact
+        if not fc2_first:
+            grad_fc2 = grouped_weight_grad(grad_yg, wh, plan.offsets)
+            del grad_yg, wh
         grad_w = router_grad(grad_w_rows, plan, indices, weights)
         return grad_x, None, grad_w, grad_fc1, grad_fc2, None, None, None
 

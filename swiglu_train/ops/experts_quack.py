@@ -37,7 +37,14 @@ from __future__ import annotations
 import torch
 
 from swiglu_train.ops.experts_routing import Routing, gather_sum, live_weights, route
-from swiglu_train.ops.experts_steps import activate, backward_rows, router_grad, save, saved_tensors
+from swiglu_train.ops.experts_steps import (
+    activate,
+    backward_rows,
+    grad_fc2_first,
+    router_grad,
+    save,
+    saved_tensors,
+)
 from swiglu_train.ops.quack_mlp import (
     ALIGN,
     check_quack_inputs,
@@ -124,8 +131,10 @@ class _ExpertsDropHQuack(torch.autograd.Function):
         w = plan.weight if on_output else None
         grad_preact, g, grad_w_rows = backward_rows(saved, g, w, inplace)  # g: (w ·) h now
         del saved
-        grad_fc2 = gemm(grad_y.T, g, cu_seqlens_k=cu, A_idx=token)
-        del g
+        fc2_first = grad_fc2_first(g.numel(), *fc2.shape)  # grad_y is gathered in the GEMM
+        grad_fc2 = gemm(grad_y.T, g, cu_seqlens_k=cu, A_idx=token) if fc2_first else None
+        if fc2_first:
+            del g
         grad_xg = gemm(grad_preact, fc1, cu_seqlens_m=cu)
         if not on_output:  # d(w x)/dw = x; grad_W1 takes the weight on grad_preact's rows
             grad_w_rows = _gathered_row_dots(grad_xg, x, plan.token)
@@ -136,6 +145,9 @@ class _ExpertsDropHQuack(torch.autograd.Function):
         grad_fc1 = fc1.new_empty(fc1.shape)
         gemm(x.T, grad_preact, out=grad_fc1.mT, cu_seqlens_k=cu, A_idx=token)
         del grad_preact
+        if not fc2_first:
+            grad_fc2 = gemm(grad_y.T, g, cu_seqlens_k=cu, A_idx=token)
+            del g
         grad_w = router_grad(grad_w_rows, plan, indices, weights)
         return grad_x, None, grad_w, grad_fc1, grad_fc2, None, None, None
 
