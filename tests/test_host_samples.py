@@ -101,7 +101,7 @@ def test_a_sampled_process_shows_its_busy_function(tmp_path):
     script.write_text(
         "import time\n"
         "def spin_for_the_sampler():\n"
-        "    end = time.perf_counter() + 1.0\n"
+        "    end = time.perf_counter() + 2.0\n"
         "    while time.perf_counter() < end:\n"
         "        sum(range(1000))\n"
         "spin_for_the_sampler()\n"
@@ -110,6 +110,9 @@ def test_a_sampled_process_shows_its_busy_function(tmp_path):
     done = subprocess.run(sampled([sys.executable, str(script)], path), capture_output=True)
     assert done.returncode == 0, done.stderr.decode()[-2000:]
     got = top_frames(path)
-    assert got["samples"] >= 50  # 100 a second for about a second
+    assert got["samples"] >= 100  # 100 a second for about two seconds
     shares = {f["frame"]: f["share"] for f in got["frames"]}
-    assert shares["spin_for_the_sampler (busy.py)"] > 0.8  # py-spy names files by base name
+    # the top frame, and most samples: the interpreter's start-up, sampled too, takes longer on
+    # a loaded CI machine (53 % at a one-second spin there)
+    assert max(shares, key=shares.get) == "spin_for_the_sampler (busy.py)"  # files by base name
+    assert shares["spin_for_the_sampler (busy.py)"] > 0.6
