@@ -112,7 +112,6 @@ def test_a_sampled_process_shows_its_busy_function(tmp_path):
     got = top_frames(path)
     assert got["samples"] >= 100  # 100 a second for about two seconds
     shares = {f["frame"]: f["share"] for f in got["frames"]}
-    # the top frame, and most samples: the interpreter's start-up, sampled too, takes longer on
-    # a loaded CI machine (53 % at a one-second spin there)
-    assert max(shares, key=shares.get) == "spin_for_the_sampler (busy.py)"  # files by base name
+    # on most samples' stacks (py-spy names files by base name): the interpreter's start-up,
+    # sampled too, takes longer on a loaded CI machine (47 % of a one-second spin's samples)
     assert shares["spin_for_the_sampler (busy.py)"] > 0.6
