@@ -19,15 +19,12 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from swiglu_train.ops.activation import (
-    swiglu_bwd_recompute,
-    swiglu_bwd_recompute_,
-    swiglu_fwd,
-)
+from swiglu_train.ops.activation import swiglu_fwd
 from swiglu_train.ops.mlp import (
     SECOND_BACKWARD_ERROR,
     SECOND_BACKWARD_FREED_ERROR,
     claim_inplace_backward,
+    recompute_h,
     refuse_double_backward,
 )
 
@@ -130,13 +127,7 @@ class _DropHFloat8(torch.autograd.Function):
         x, fc1_weight, fc2_weight, preact = ctx.saved_tensors
         fc1_gemms, fc2_gemms = ctx.gemms
         grad_y = grad_y.contiguous()
-        grad_h = grad_input(grad_y, fc2_weight, fc2_gemms)
-        if inplace:
-            swiglu_bwd_recompute_(preact, grad_h)
-            h, grad_preact = grad_h, preact
-        else:
-            h, grad_preact = swiglu_bwd_recompute(preact, grad_h)
-        del grad_h
+        h, grad_preact = recompute_h(preact, grad_input(grad_y, fc2_weight, fc2_gemms), inplace)
         need_x, need_w1, need_b1, need_w2, need_b2 = ctx.needs_input_grad[:5]
         grad_w2 = grad_weight(grad_y, h, fc2_gemms) if need_w2 else None
         del h

@@ -151,16 +151,22 @@ class _DropH(torch.autograd.Function):
         x, fc1_weight, fc2_weight, preact = ctx.saved_tensors
         need_w2 = ctx.needs_input_grad[3]
         grad_y = fc2_grad_y(ctx, grad_out)
-        grad_h = grad_y @ fc2_weight
-        if inplace:
-            swiglu_bwd_recompute_(preact, grad_h)
-            h, grad_preact = grad_h, preact
-        else:
-            h, grad_preact = swiglu_bwd_recompute(preact, grad_h)
-        del grad_h
+        h, grad_preact = recompute_h(preact, grad_y @ fc2_weight, inplace)
         grad_w2 = grad_y.t() @ h if need_w2 else None
         del h  # frees the [M, F] buffer before the two largest GEMM outputs are allocated
         return *drop_h_grads(ctx, x, fc1_weight, grad_preact, grad_y, grad_w2), None, None, None
+
+
+def recompute_h(
+    preact: torch.Tensor, grad_h: torch.Tensor, inplace: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(h, grad_preact) from the saved preact and grad_h in one kernel: in place, grad_preact
+    over preact and h over grad_h (drop_h's backward holds no new [M, 2F] or [M, F] buffer);
+    out of place, into new ones."""
+    if inplace:
+        swiglu_bwd_recompute_(preact, grad_h)
+        return grad_h, preact
+    return swiglu_bwd_recompute(preact, grad_h)
 
 
 def drop_h_grads(ctx, x, fc1_weight, grad_preact, grad_y, grad_w2) -> tuple:
