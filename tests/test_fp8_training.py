@@ -192,3 +192,23 @@ def test_the_benchmark_s_float8_variants_run_fp8_gemms_on_the_shared_weights(var
     exact = reference.mlp(x.double(), w.fc1.double(), None, w.fc2.double(), None)
     assert 2e-2 < rel_err(y, exact) < 0.15
     assert w.fc1.grad is not None and w.fc2.grad is not None
+
+
+def test_a_weight_that_arrives_cast_is_not_cast_again():
+    """FSDP2's float8 all-gather hands the GEMM a weight torchao cast already: drop_h's GEMMs
+    take it as it is, as Float8Linear's own do, rather than quantize it twice."""
+    from torchao.float8.float8_scaling_utils import hp_tensor_to_float8_dynamic
+    from torchao.float8.float8_training_tensor import GemmInputRole
+
+    from swiglu_train.ops import float8_mlp
+
+    linear = convert(nn.Sequential(nn.Linear(D, D, bias=False)))[0]
+    gemms = float8_mlp.Float8Gemms.of(linear)
+    w = linear.weight.detach().t()
+    cast = hp_tensor_to_float8_dynamic(
+        w, gemms.config.cast_config_weight.target_dtype, gemms.mm_config,
+        gemm_input_role=GemmInputRole.WEIGHT,
+    )  # fmt: skip
+    assert float8_mlp._cast(cast, gemms.config.cast_config_weight, "WEIGHT", 0, gemms) is cast
+    again = float8_mlp._cast(w, gemms.config.cast_config_weight, "WEIGHT", 0, gemms)
+    assert again is not w and torch.equal(again._data, cast._data)

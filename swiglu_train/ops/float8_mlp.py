@@ -54,15 +54,17 @@ def is_torchao_float8(linear: nn.Module) -> bool:
 
 
 def _cast(t: torch.Tensor, cast_config, role: str, dim: int, gemms: Float8Gemms):
-    """``t`` as the float8 operand of one GEMM, or itself where the recipe leaves it unscaled."""
+    """``t`` as the float8 operand of one GEMM, or itself where the recipe leaves it unscaled
+    or it arrives cast already (FSDP2's float8 all-gather of the weights)."""
     from torchao.float8.config import ScalingType
+    from torchao.float8.distributed_utils import tensor_already_casted_to_fp8
     from torchao.float8.float8_scaling_utils import (
         get_maybe_axiswise_dim,
         hp_tensor_to_float8_dynamic,
     )
     from torchao.float8.float8_training_tensor import GemmInputRole
 
-    if cast_config.scaling_type is ScalingType.DISABLED:
+    if cast_config.scaling_type is ScalingType.DISABLED or tensor_already_casted_to_fp8(t):
         return t
     return hp_tensor_to_float8_dynamic(
         t,
