@@ -6,8 +6,10 @@ module's ``Float8LinearConfig`` says for that GEMM's role) and runs ``torch._sca
 after the other, as ``normal`` does, the second keeps h in bf16 for its weight gradient. Here the
 six GEMMs are cast exactly as those two modules would cast them (torchao's own
 ``hp_tensor_to_float8_dynamic`` and its float8 tensor's ``mm``), and backward keeps drop_h's set:
-x and the preactivation. h is recomputed in backward by the kernel that writes grad_preact, cast
-there for grad_W2, and never saved.
+x and the preactivation. fc2's forward operand, h in e4m3, comes straight from the
+preactivation where Triton runs (``kernels.swiglu_float8``: h is never written in bf16 there);
+in backward h is recomputed by the kernel that writes grad_preact, cast for grad_W2 and never
+saved.
 
 A linear given as None (left in bf16 by the conversion) runs its GEMMs in the weights' dtype.
 """
@@ -19,7 +21,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from swiglu_train.ops.activation import swiglu_fwd
+from swiglu_train.ops.activation import swiglu_fwd, triton_enabled
 from swiglu_train.ops.mlp import (
     SECOND_BACKWARD_ERROR,
     SECOND_BACKWARD_FREED_ERROR,
@@ -27,6 +29,11 @@ from swiglu_train.ops.mlp import (
     recompute_h,
     refuse_double_backward,
 )
+
+try:
+    from swiglu_train.kernels import swiglu_float8 as kernels
+except ImportError:  # no Triton on this platform: fc2 casts the h torch computes
+    kernels = None
 
 # torchao's float8 training linear: the class its converter installs (float8/float8_linear.py).
 TORCHAO_FLOAT8_LINEAR = ("torchao.float8.float8_linear", "Float8Linear")
@@ -107,6 +114,29 @@ def grad_weight(grad: torch.Tensor, x: torch.Tensor, gemms: Float8Gemms | None):
     return torch.mm(a.t(), b)
 
 
+def fc2_input(preact: torch.Tensor, gemms: Float8Gemms | None):
+    """fc2's forward operand: h, or where the recipe casts it dynamically to e4m3 (tensorwise
+    or per row) and Triton runs, h in e4m3 made from the preactivation without writing h,
+    as torchao's ``Float8TrainingTensor`` with torchao's own scale of the same amax."""
+    if gemms is None or kernels is None or preact.shape[0] == 0 or not triton_enabled(preact):
+        return swiglu_fwd(preact)
+    from torchao.float8.config import ScalingGranularity, ScalingType
+    from torchao.float8.float8_training_tensor import Float8TrainingTensor, GemmInputRole
+    from torchao.float8.float8_utils import amax_to_scale
+
+    cast = gemms.config.cast_config_input
+    if cast.scaling_type is not ScalingType.DYNAMIC or cast.target_dtype != torch.float8_e4m3fn:
+        return swiglu_fwd(preact)
+    rowwise = cast.scaling_granularity is ScalingGranularity.AXISWISE
+    amax = kernels.swiglu_row_amax(preact)
+    amax = amax[:, None] if rowwise else amax.max()
+    scale = amax_to_scale(amax, cast.target_dtype, gemms.config.round_scales_to_power_of_2)
+    data = kernels.swiglu_cast_e4m3(preact, scale)
+    return Float8TrainingTensor(
+        data, scale, preact.dtype, gemms.mm_config, GemmInputRole.INPUT, -1 if rowwise else None
+    )
+
+
 def _bias(out: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     return out if bias is None else out + bias.to(out.dtype)
 
@@ -115,8 +145,7 @@ class _DropHFloat8(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, fc1_weight, fc1_bias, fc2_weight, fc2_bias, fc1_gemms, fc2_gemms, inplace):
         preact = _bias(linear(x, fc1_weight, fc1_gemms), fc1_bias)
-        h = swiglu_fwd(preact)
-        y = _bias(linear(h, fc2_weight, fc2_gemms), fc2_bias)
+        y = _bias(linear(fc2_input(preact, fc2_gemms), fc2_weight, fc2_gemms), fc2_bias)
         ctx.save_for_backward(x, fc1_weight, fc2_weight, preact)
         ctx.gemms, ctx.inplace, ctx.backward_ran = (fc1_gemms, fc2_gemms), inplace, False
         ctx.has_bias = (fc1_bias is not None, fc2_bias is not None)
