@@ -9,9 +9,9 @@ kernel's, bit for bit (``swiglu._silu_times_up``, rounded to the preactivation's
 bytes are those torchao's cast of that h gives; the scale between the passes is torchao's own
 ``amax_to_scale`` (``ops.float8_mlp``).
 
-Under the interpreter (constexpr ``INTERPRET``) values are clamped and rounded on the e4m3 grid
-by hand first and NaN's code set by hand, as in ``swiglu_fp8``; on CUDA the conversion is the
-hardware's (``cvt.rn.satfinite``), which saturates to ±448 as torchao's clamp does.
+The bytes are ``swiglu_fp8.e4m3_code``'s: on CUDA the hardware's conversion
+(``cvt.rn.satfinite``, saturating to ±448 as torchao's clamp does), under the interpreter the
+same by hand.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import triton.language as tl
 
 from swiglu_train.kernels.runtime import INTERPRET
 from swiglu_train.kernels.swiglu import FWD_TILE, _silu_times_up, _tile, launch_config
-from swiglu_train.kernels.swiglu_fp8 import _MAX, _NAN_CODE, _round_e4m3
+from swiglu_train.kernels.swiglu_fp8 import e4m3_code
 
 AMAX_BLOCK_N = 1024  # columns a program reads at a time while it walks its rows' F
 
@@ -71,15 +71,7 @@ def _cast_kernel(
     rows, cols, mask = _tile(tl.program_id(0), M, F, BLOCK_M, BLOCK_N)
     h = _h(preact_ptr, rows, cols, mask, stride, F, preact_ptr.dtype.element_ty)
     scale = tl.load(scale_ptr + rows, mask=rows < M) if ROWWISE else tl.load(scale_ptr)
-    q = h * scale
-    if INTERPRET:
-        q = tl.maximum(q, -_MAX, propagate_nan=tl.PropagateNan.ALL)
-        q = tl.minimum(q, _MAX, propagate_nan=tl.PropagateNan.ALL)
-        q = _round_e4m3(q)
-    code = q.to(tl.float8e4nv, fp_downcast_rounding="rtne").to(tl.uint8, bitcast=True)
-    if INTERPRET:
-        code = tl.where(q != q, _NAN_CODE, code).to(tl.uint8)
-    tl.store(out_ptr + rows * stride_out + cols, code, mask=mask)
+    tl.store(out_ptr + rows * stride_out + cols, e4m3_code(h * scale, INTERPRET), mask=mask)
 
 
 def swiglu_row_amax(preact: torch.Tensor) -> torch.Tensor:

@@ -93,6 +93,20 @@ def _block_tile(pid, M, F, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
+def e4m3_code(q, INTERPRET: tl.constexpr):
+    """The e4m3 byte of each fp32 q: saturated to ±448, NaN kept, rounded to nearest-even (on
+    CUDA the conversion does all three; the interpreter's is done by hand)."""
+    if INTERPRET:
+        q = tl.maximum(q, -_MAX, propagate_nan=tl.PropagateNan.ALL)
+        q = tl.minimum(q, _MAX, propagate_nan=tl.PropagateNan.ALL)
+        q = _round_e4m3(q)
+    code = q.to(tl.float8e4nv, fp_downcast_rounding="rtne").to(tl.uint8, bitcast=True)
+    if INTERPRET:
+        code = tl.where(q != q, _NAN_CODE, code).to(tl.uint8)
+    return code
+
+
+@triton.jit
 def _quantize_store(v, q_ptrs, scale_ptrs, mask, scale_mask, INTERPRET: tl.constexpr):
     """Store v [BLOCK_M, S, 128] as e4m3 bytes and one bf16 scale per row and block (amax /
     448, rounded up)."""
@@ -102,14 +116,7 @@ def _quantize_store(v, q_ptrs, scale_ptrs, mask, scale_mask, INTERPRET: tl.const
     up = ((bits & 0xFFFF) != 0).to(tl.int32) << 16  # round up to bf16: block max <= 448
     scale = tl.where(amax != amax, amax, ((bits & -65536) + up).to(tl.float32, bitcast=True))
     q = v * tl.div_rn(tl.full(scale.shape, 1.0, tl.float32), scale)
-    if INTERPRET:  # on CUDA the conversion saturates to ±448 itself, keeping NaN
-        q = tl.maximum(q, -_MAX, propagate_nan=tl.PropagateNan.ALL)
-        q = tl.minimum(q, _MAX, propagate_nan=tl.PropagateNan.ALL)
-        q = _round_e4m3(q)
-    code = q.to(tl.float8e4nv, fp_downcast_rounding="rtne").to(tl.uint8, bitcast=True)
-    if INTERPRET:
-        code = tl.where(q != q, _NAN_CODE, code).to(tl.uint8)
-    tl.store(q_ptrs, code, mask=mask)
+    tl.store(q_ptrs, e4m3_code(q, INTERPRET), mask=mask)
     scale_bits = (scale.to(tl.int32, bitcast=True) >> 16).to(tl.int16)  # exact: low bits 0
     tl.store(scale_ptrs, scale_bits, mask=scale_mask)
 
