@@ -14,6 +14,7 @@ if not torch.cuda.is_available():
 import pytest
 
 from swiglu_train.kernels.runtime import triton_runs_on
+from swiglu_train.ops import use_backend
 
 HAS_CUDA = torch.cuda.is_available()
 
@@ -72,3 +73,14 @@ def one_rank_gloo(tmp_path):
         yield
     finally:
         dist.destroy_process_group()
+
+
+@pytest.fixture
+def offline_wandb_torch_math(monkeypatch):
+    """For training runs: W&B offline and quiet, and plain-torch SwiGLU math (the Triton
+    interpreter would make a run crawl; the kernels have their own interpreter tests). A
+    module asks for it with ``pytestmark = pytest.mark.usefixtures(...)``."""
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    with use_backend("torch"):
+        yield

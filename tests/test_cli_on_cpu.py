@@ -13,20 +13,12 @@ from swiglu_train.bench.memory.stack import to_markdown
 from swiglu_train.cli import app
 from swiglu_train.cli.bench_memory import CPU_SHAPE
 from swiglu_train.memory.profiler import NOT_MEASURED
-from swiglu_train.ops import use_backend
 
-pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only answers")
+pytestmark = [
+    pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only answers"),
+    pytest.mark.usefixtures("offline_wandb_torch_math"),
+]
 runner = CliRunner()
-
-
-@pytest.fixture(autouse=True)
-def _torch_math_offline_wandb(monkeypatch):
-    """Plain-torch SwiGLU math (what a CPU user without TRITON_INTERPRET runs; the interpreter
-    would make these runs crawl) and W&B offline."""
-    monkeypatch.setenv("WANDB_MODE", "offline")
-    monkeypatch.setenv("WANDB_SILENT", "true")
-    with use_backend("torch"):
-        yield
 
 
 def test_bench_memory_on_cpu_takes_a_cpu_sized_shape_and_says_why_memory_is_a_dash(tmp_path):

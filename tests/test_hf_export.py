@@ -21,7 +21,6 @@ from swiglu_train.integrations.lightning.model import ModelConfig
 from swiglu_train.integrations.lightning.module import OptimConfig, PretrainModule
 from swiglu_train.integrations.lightning.pretrain import run_pretrain
 from swiglu_train.layers.layout import packed_order
-from swiglu_train.ops import use_backend
 from swiglu_train.packing import convert_checkpoint
 
 transformers = pytest.importorskip("transformers")  # the hf extra; the GPU box lacks it
@@ -32,12 +31,7 @@ SHAPE = {"hidden_size": 64, "ffn_hidden_size": 160, "num_heads": 4, "num_layers"
          "max_seq_length": 32}  # fmt: skip
 
 
-@pytest.fixture(autouse=True)
-def _torch_math_offline_wandb(monkeypatch):
-    monkeypatch.setenv("WANDB_MODE", "offline")
-    monkeypatch.setenv("WANDB_SILENT", "true")
-    with use_backend("torch"):  # the interpreter would crawl; the kernels have their own tests
-        yield
+pytestmark = pytest.mark.usefixtures("offline_wandb_torch_math")
 
 
 def random_module(impl: str, chunk: int | None = None) -> PretrainModule:

@@ -18,7 +18,6 @@ from swiglu_train.cli import app
 from swiglu_train.integrations.lightning.config import load_config
 from swiglu_train.integrations.lightning.module import OptimConfig, PretrainModule
 from swiglu_train.integrations.lightning.pretrain import run_pretrain
-from swiglu_train.ops import use_backend
 
 transformers = pytest.importorskip("transformers")  # the hf extra
 from swiglu_train.integrations.lightning.hf import import_hf  # noqa: E402
@@ -27,12 +26,7 @@ runner = CliRunner()
 TOKENS = torch.randint(0, 320, (2, 32), generator=torch.Generator().manual_seed(1))
 
 
-@pytest.fixture(autouse=True)
-def _torch_math_offline_wandb(monkeypatch):
-    monkeypatch.setenv("WANDB_MODE", "offline")
-    monkeypatch.setenv("WANDB_SILENT", "true")
-    with use_backend("torch"):
-        yield
+pytestmark = pytest.mark.usefixtures("offline_wandb_torch_math")
 
 
 def moe_checkpoint(path: Path, **changes) -> PretrainModule:

@@ -20,7 +20,6 @@ from swiglu_train.integrations.lightning.planner import Steps, candidates, measu
 from swiglu_train.memory.budget import ESTIMATE
 from swiglu_train.memory.plan import NoPlanFits, Profile, choose_plan
 from swiglu_train.memory.runs import load_runs
-from swiglu_train.ops import use_backend
 from swiglu_train.ops.quack_mlp import quack_available
 
 runner = CliRunner()
@@ -32,13 +31,7 @@ SMALL = (
 IMPLS = ("normal", "drop_h")
 
 
-@pytest.fixture(autouse=True)
-def _offline_wandb_and_torch_math(monkeypatch):
-    """W&B offline; plain-torch SwiGLU math (the interpreter would make training crawl)."""
-    monkeypatch.setenv("WANDB_MODE", "offline")
-    monkeypatch.setenv("WANDB_SILENT", "true")
-    with use_backend("torch"):
-        yield
+pytestmark = pytest.mark.usefixtures("offline_wandb_torch_math")
 
 
 @pytest.fixture

@@ -38,14 +38,7 @@ from swiglu_train.packing import convert_checkpoint
 runner = CliRunner()
 
 
-@pytest.fixture(autouse=True)
-def _offline_wandb_and_torch_math(monkeypatch):
-    """W&B offline; and plain-torch SwiGLU math, since the Triton interpreter would make
-    training runs crawl (the kernels have their own interpreter tests)."""
-    monkeypatch.setenv("WANDB_MODE", "offline")
-    monkeypatch.setenv("WANDB_SILENT", "true")
-    with use_backend("torch"):
-        yield
+pytestmark = pytest.mark.usefixtures("offline_wandb_torch_math")
 
 
 @pytest.fixture(scope="module")

@@ -33,12 +33,7 @@ optim: {{warmup_steps: 2}}
 """
 
 
-@pytest.fixture(autouse=True)
-def _offline_wandb_and_torch_math(monkeypatch):
-    monkeypatch.setenv("WANDB_MODE", "offline")
-    monkeypatch.setenv("WANDB_SILENT", "true")
-    with use_backend("torch"):  # the kernels have their own interpreter tests
-        yield
+pytestmark = pytest.mark.usefixtures("offline_wandb_torch_math")
 
 
 @pytest.fixture(scope="module")

@@ -13,19 +13,13 @@ from swiglu_train.cli import app
 from swiglu_train.integrations.lightning.config import PretrainConfig
 from swiglu_train.integrations.lightning.model import ModelConfig
 from swiglu_train.integrations.lightning.pretrain import run_pretrain
-from swiglu_train.ops import use_backend
 
 transformers = pytest.importorskip("transformers")
 runner = CliRunner()
 HF_KEY = "model.host.model.layers.0.mlp.{}.weight"  # PretrainModule.model.host is the HF model
 
 
-@pytest.fixture(autouse=True)
-def _offline_wandb_and_torch_math(monkeypatch):
-    monkeypatch.setenv("WANDB_MODE", "offline")
-    monkeypatch.setenv("WANDB_SILENT", "true")
-    with use_backend("torch"):  # training runs: plain-torch SwiGLU math, as in test_pretrain
-        yield
+pytestmark = pytest.mark.usefixtures("offline_wandb_torch_math")
 
 
 @pytest.fixture

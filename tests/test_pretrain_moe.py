@@ -17,19 +17,13 @@ from swiglu_train.integrations.lightning.config import PretrainConfig
 from swiglu_train.integrations.lightning.host_model import host_shape
 from swiglu_train.integrations.lightning.model import ModelConfig
 from swiglu_train.integrations.lightning.pretrain import run_pretrain
-from swiglu_train.ops import use_backend
 
 transformers = pytest.importorskip("transformers")
 runner = CliRunner()
 SHORT = ["--max-steps", "2", "--micro-batch-size", "2"]
 
 
-@pytest.fixture(autouse=True)
-def _offline_wandb_and_torch_math(monkeypatch):
-    monkeypatch.setenv("WANDB_MODE", "offline")
-    monkeypatch.setenv("WANDB_SILENT", "true")
-    with use_backend("torch"):
-        yield
+pytestmark = pytest.mark.usefixtures("offline_wandb_torch_math")
 
 
 def metrics(out: Path) -> list[dict[str, str]]:

@@ -14,7 +14,6 @@ from swiglu_train.integrations.lightning.model import ModelConfig
 from swiglu_train.integrations.lightning.module import OptimConfig, PretrainModule
 from swiglu_train.integrations.lightning.pretrain import run_pretrain
 from swiglu_train.layers import ParMLP
-from swiglu_train.ops import use_backend
 
 runner = CliRunner()
 SMALL = (
@@ -24,13 +23,7 @@ SMALL = (
 )
 
 
-@pytest.fixture(autouse=True)
-def _offline_wandb_and_torch_math(monkeypatch):
-    """W&B offline; plain-torch SwiGLU math (the interpreter would make training crawl)."""
-    monkeypatch.setenv("WANDB_MODE", "offline")
-    monkeypatch.setenv("WANDB_SILENT", "true")
-    with use_backend("torch"):
-        yield
+pytestmark = pytest.mark.usefixtures("offline_wandb_torch_math")
 
 
 def small_yaml(tmp_path: Path, saved: str) -> Path:
