@@ -6,7 +6,9 @@ of the FP8-saved preactivation (drop_h+fp8) against bf16 drop_h.
 
 SUMMARY.json are ``swiglu-train pretrain --summary-json`` files of one config and step count.
 A run's arm is its impl, ``+fp8`` where it saved its preactivation in FP8 (``drop_h``,
-``drop_h+fp8``); the baseline arm (``--baseline``) needs two seeds at least, and every other
+``drop_h+fp8``), ``_float8_RECIPE`` where its GEMMs ran on torchao's FP8 recipe
+(``drop_h_float8_tensorwise``; ``normal_float8_tensorwise`` is torchao's own MLP). The
+baseline arm (``--baseline``) needs two seeds at least, and every other
 arm ran at the baseline's seeds. A run's final loss is the mean training loss of its last
 ``--last`` steps (one step's loss is one batch's, too noisy to compare). The baseline's spread
 is [min, max] of its final losses; each other run lies within it, or its gap is reported:
@@ -49,7 +51,7 @@ def load(paths: list[str]) -> list[dict]:
             )
         steps = sorted(int(s) for s in summary["losses"])
         run = {
-            "arm": impl_label(summary["mlp_impl"], summary["saved_fp8"]),
+            "arm": impl_label(summary["mlp_impl"], summary["saved_fp8"], summary.get("float8")),
             "seed": summary["seed"],
             "source": str(path),
             "steps": summary["steps"],

@@ -15,8 +15,10 @@ import re
 import statistics
 from pathlib import Path
 
+import torch
+
 from swiglu_train.files import atomic_write, write_json_atomic
-from swiglu_train.layers.registry import FP8_LABEL
+from swiglu_train.layers.registry import impl_label
 
 ROUND = re.compile(r"_(\d+)\.json$")
 
@@ -27,15 +29,16 @@ def load(paths: list[str]) -> list[dict]:
         run = json.loads(Path(path).read_text())
         match = ROUND.search(path)
         run["round"] = int(match.group(1)) if match else 1
-        if run.get("saved_fp8"):  # a row of its own, named as the planner names it
-            run["mlp_impl"] += FP8_LABEL
+        # a row of its own for FP8-saved or FP8-GEMM runs, named as the planner and bench name them
+        run["mlp_impl"] = impl_label(run["mlp_impl"], run.get("saved_fp8"), run.get("float8"))
         runs.append(run)
     return runs
 
 
-def table(runs: list[dict]) -> list[dict]:
-    """One row per impl: medians over rounds, and the paired ratio of tokens/s to normal."""
-    normal = {r["round"]: r["tokens_per_s"] for r in runs if r["mlp_impl"] == "normal"}
+def table(runs: list[dict], baseline: str = "normal") -> list[dict]:
+    """One row per impl: medians over rounds, and the paired ratio of tokens/s to the
+    baseline impl's run of the same round."""
+    normal = {r["round"]: r["tokens_per_s"] for r in runs if r["mlp_impl"] == baseline}
     rows = []
     for impl in dict.fromkeys(r["mlp_impl"] for r in runs):
         mine = [r for r in runs if r["mlp_impl"] == impl]
@@ -53,11 +56,11 @@ def table(runs: list[dict]) -> list[dict]:
     return rows
 
 
-def markdown(title: str, rows: list[dict]) -> str:
+def markdown(title: str, rows: list[dict], baseline: str = "normal") -> str:
     lines = [
         f"### {title}",
         "",
-        "| impl | rounds | tokens/s | ÷ normal (paired) | after-fwd MiB | peak MiB | loss |",
+        f"| impl | rounds | tokens/s | ÷ {baseline} (paired) | after-fwd MiB | peak MiB | loss |",
         "|---|---|---|---|---|---|---|",
     ]
     for r in rows:
@@ -76,16 +79,20 @@ def main() -> None:
     parser.add_argument("--title", required=True)
     parser.add_argument("--command", required=True, help="the command that produced the runs")
     parser.add_argument("--commit", required=True)
-    parser.add_argument("--gpu", default="NVIDIA H200")
+    parser.add_argument("--gpu", help="the GPU's name (default: this machine's CUDA device)")
+    parser.add_argument("--baseline", default="normal", help="the impl tokens/s are paired with")
     parser.add_argument("--json", required=True)
     parser.add_argument("--md", required=True)
     args = parser.parse_args()
     runs = load(args.runs)
-    rows = table(runs)
-    meta = {"title": args.title, "command": args.command, "commit": args.commit, "gpu": args.gpu}
+    rows = table(runs, args.baseline)
+    gpu = args.gpu or (torch.cuda.get_device_name() if torch.cuda.is_available() else None)
+    if gpu is None:
+        parser.error("--gpu: no CUDA device here to name; pass the GPU the runs ran on")
+    meta = {"title": args.title, "command": args.command, "commit": args.commit, "gpu": gpu}
     write_json_atomic(Path(args.json), {"meta": meta, "rows": rows, "runs": runs})
     with atomic_write(Path(args.md)) as f:
-        f.write(markdown(args.title, rows))
+        f.write(markdown(args.title, rows, args.baseline))
 
 
 if __name__ == "__main__":

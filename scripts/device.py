@@ -69,7 +69,9 @@ WHEELS: dict[str, tuple[str, list[str]]] = {
               ["megatron-core==0.16.1"]),
     ".whlh": ("LitGPT and jsonargparse, for the patch stage (0.4 MB)",
               ["litgpt==0.5.13", "jsonargparse==4.41.0"]),
-    ".whla": ("torchao, for FP8 training recipes (3.4 MB)", ["torchao==0.18.0"]),
+    ".whla": ("torchao for FP8 training, pure Python (0.8 MB): float8 and what it and transformers "
+              "import, without the CUDA extensions and prototypes (3.4 MB whole), so it fits "
+              "beside .whlqx, .whlx and the tree", ["torchao==0.18.0"]),
     ".whll": ("Liger alone (0.9 MB): the peer that still fits beside .whlqx, .whlx and the tree",
               ["liger-kernel==0.8.5"]),
 }  # fmt: skip
@@ -122,6 +124,39 @@ def pack_wheels(folder: Path, packages: list[str]) -> None:
         subprocess.run(tar, env=env, check=True)
 
 
+# What torchao's float8 training, its package __init__ and transformers' torchao quantizer import;
+# the rest (the compiled .so files, models, C++ sources, other prototypes) stays behind.
+TORCHAO_DROPPED = ("_C", "_models", "csrc")
+TORCHAO_PROTOTYPES_KEPT = ("quantization", "safetensors", "mx_formats")
+
+
+def strip_torchao(folder: Path) -> None:
+    """.whla: torchao's wheel re-zipped without what FP8 training never imports (RECORD
+    trimmed to match), so pip installs it as the same version."""
+    with tempfile.TemporaryDirectory() as tmp:
+        pip_download(Path(tmp), WHEELS[".whla"][1])
+        wheel = next(Path(tmp).glob("*.whl"))
+        folder.mkdir(exist_ok=True)
+
+        def kept(name: str) -> bool:
+            inner = name.removeprefix("torchao/")
+            if inner.startswith("prototype/") and inner.count("/") > 1:
+                return inner.split("/")[1] in TORCHAO_PROTOTYPES_KEPT
+            return not (name.startswith("torchao/") and inner.startswith(TORCHAO_DROPPED))
+
+        with (
+            zipfile.ZipFile(wheel) as src,
+            zipfile.ZipFile(folder / wheel.name, "w", zipfile.ZIP_DEFLATED, compresslevel=9) as out,
+        ):
+            names = [n for n in src.namelist() if kept(n)]
+            for name in names:
+                data = src.read(name)
+                if name.endswith(".dist-info/RECORD"):
+                    rows = data.decode().splitlines()
+                    data = ("\n".join(r for r in rows if r.split(",")[0] in names) + "\n").encode()
+                out.writestr(name, data)
+
+
 def unpack_wheels(folder: Path, into: Path) -> list[Path]:
     """.whlqx back into the wheels it was."""
     unpacked = into / "wheels"
@@ -160,6 +195,8 @@ def wheels(folders: list[str]) -> None:
             pack_cutlass_libs(folder)
         elif name == ".whlqx":
             pack_wheels(folder, WHEELS[name][1])
+        elif name == ".whla":
+            strip_torchao(folder)
         else:
             pip_download(folder, WHEELS[name][1])
         size = sum(p.stat().st_size for p in folder.iterdir()) / 2**20

@@ -46,6 +46,13 @@ reshard() {  # DIR EXTRA SRC_IMPL:TP TARGET_IMPL:TP...: save at step 3, resume b
   done
 }
 
+ab_config() {  # SEED STEPS OUT: the 125M config at a seed (init and data order) and step count
+  python3 -c "import sys, yaml; from swiglu_train.integrations.lightning.config import resolve_config_path as path
+s, n = int(sys.argv[1]), int(sys.argv[2]); cfg = yaml.safe_load(path('125m').read_text()); cfg['data']['seed'] = s
+cfg['train'].update(seed=s, max_steps=n, val_check_interval=n, checkpoint_every=n)
+open(sys.argv[3], 'w').write(yaml.safe_dump(cfg))" "$1" "$2" "$3"
+}
+
 # e2e_1b / e2e_3b: rounds add up across calls (--append): where 3 rounds overrun a call,
 # E2E_ROUNDS=1 E2E_PLANNER=0 twice, then E2E_ROUNDS=1. At 3B the planner alone takes ~6 min at 2
 # budgets with 5 impls: E2E_BUDGETS=auto:2 there. The JSON is written after every point.
@@ -372,10 +379,7 @@ stage_fp8_loss_ab() {
   # ~7 min for the four runs; one done is skipped, so a call cut short is finished by the next
   AB=/tmp/gpu-fp8ab-$COMMIT && steps=${FP8_AB_STEPS:-1000} && mkdir -p "$AB" "$RES/fp8_loss_ab"
   for seed in 1 2; do  # the seed draws the data order as well as the init
-    python3 -c "import sys, yaml; from swiglu_train.integrations.lightning.config import resolve_config_path as path
-s, n = int(sys.argv[1]), int(sys.argv[2]); cfg = yaml.safe_load(path('125m').read_text()); cfg['data']['seed'] = s
-cfg['train'].update(seed=s, max_steps=n, val_check_interval=n, checkpoint_every=n)
-open(sys.argv[3], 'w').write(yaml.safe_dump(cfg))" "$seed" "$steps" "$AB/125m_seed$seed.yaml"
+    ab_config "$seed" "$steps" "$AB/125m_seed$seed.yaml"
     for arm in bf16 fp8; do
       run="ab_${arm}_seed$seed" && [ -f "$AB/$run.json" ] && continue
       fp8=$([ "$arm" = fp8 ] && echo --saved-fp8 || echo --no-saved-fp8)
@@ -429,4 +433,79 @@ stage_fp8_training() {
     drop_h,save_factors_quack,drop_h_float8_tensorwise,drop_h_float8_rowwise,torchao_float8_tensorwise_compile,torchao_float8_rowwise_compile \
     --json "$RES/fp8/fp8_training_grid_${GPU}.json" --md "$RES/fp8/fp8_training_grid_${GPU}.md" \
     2>&1 | grep -v "^ " | tail -30
+}
+
+## float8_loss_ab: 125M, $FP8_AB_STEPS (1000) steps, seeds 1 and 2: drop_h on torchao's $FLOAT8_RECIPE (tensorwise) vs torchao's MLP vs bf16 drop_h
+stage_float8_loss_ab() {
+  # $FLOAT8_AB_PARALLEL (3) runs share the GPU at once (a 125M step leaves it idle between
+  # kernels); a run done is skipped, so a call cut short is finished by the next on this machine
+  AB=/tmp/gpu-f8ab-$COMMIT && steps=${FP8_AB_STEPS:-1000} && recipe=${FLOAT8_RECIPE:-tensorwise}
+  mkdir -p "$AB" "$RES/float8_loss_ab"
+  local running=0 seed arm impl run
+  for seed in 1 2; do
+    ab_config "$seed" "$steps" "$AB/125m_seed$seed.yaml"
+    for arm in drop_h drop_h_float8 normal_float8; do
+      run="ab_${arm}_seed$seed" && [ -f "$AB/$run.json" ] && continue
+      impl=${arm%_float8}
+      python3 -m swiglu_train pretrain --config "$AB/125m_seed$seed.yaml" --mlp-impl "$impl" \
+        --no-saved-fp8 $([ "$impl" != "$arm" ] && echo --float8 "$recipe") \
+        --output-dir "$SCRATCH/$run" --summary-json "$AB/$run.json" > "$AB/$run.log" 2>&1 \
+        || tail -5 "$AB/$run.log" &
+      running=$((running + 1))
+      if [ "$running" -ge "${FLOAT8_AB_PARALLEL:-3}" ]; then wait -n; running=$((running - 1)); fi
+    done
+  done
+  wait
+  rm -rf "$SCRATCH"/ab_*/checkpoints
+  cp "$AB"/ab_* "$RES/float8_loss_ab/"
+  if [ "$(ls "$AB"/ab_*_seed*.json | wc -l)" != 6 ]; then echo "float8_loss_ab: run it again"; exit 0; fi
+  python3 benchmarks/plot_loss_ab.py "$AB"/ab_*_seed*.json --last 100 --smooth 50 --commit "$COMMIT" \
+    --title "125M Lightning pretrain, bf16-mixed, $steps steps: drop_h on torchao's $recipe FP8 recipe vs torchao's FP8 MLP vs bf16 drop_h, seeds 1 and 2 (3 runs at once)" \
+    --command "python3 scripts/device.py stage float8_loss_ab" --json "$RES/float8_loss_ab_125m_${GPU}.json" \
+    --md "$RES/float8_loss_ab_125m_${GPU}.md" --plot "$RES/float8_loss_ab_125m_${GPU}.png"
+}
+
+## float8_1b: the ~1B Lightning model: drop_h on torchao's FP8 recipe vs torchao's MLP vs bf16, $FLOAT8_ROUNDS (2) rounds
+stage_float8_1b() {
+  local order="drop_h drop_h_float8 normal_float8" recipe=${FLOAT8_RECIPE:-tensorwise} round arm impl run
+  mkdir -p "$RES/float8_1b"
+  for round in $(seq "${FLOAT8_ROUNDS:-2}"); do
+    for arm in $order; do
+      impl=${arm%_float8} && run="float8_1b_${arm}_$round"
+      python3 -m swiglu_train pretrain --config 1b --mlp-impl "$impl" --no-saved-fp8 \
+        $([ "$impl" != "$arm" ] && echo --float8 "$recipe") --micro-batch-size "${FLOAT8_MBS:-4}" \
+        --max-steps "${FLOAT8_STEPS:-30}" --output-dir "$SCRATCH/$run" \
+        --summary-json "$RES/float8_1b/$run.json" > "$SCRATCH/$run.log" 2>&1 || tail -5 "$SCRATCH/$run.log"
+      rm -rf "$SCRATCH/$run/checkpoints"
+    done
+    order=$(echo $order | awk '{for (i = 2; i <= NF; i++) printf "%s ", $i; print $1}')
+  done
+  python3 benchmarks/summarize_runs.py "$RES"/float8_1b/float8_1b_*_[0-9]*.json --commit "$COMMIT" \
+    --baseline drop_h --title "1B Lightning pretrain, seq 4096, micro-batch ${FLOAT8_MBS:-4}, ${FLOAT8_STEPS:-30} steps: FP8 GEMMs ($recipe) against bf16 (arms rotated over rounds)" \
+    --command "python3 scripts/device.py stage float8_1b" \
+    --json "$RES/float8_1b_${GPU}.json" --md "$RES/float8_1b_${GPU}.md" && cat "$RES/float8_1b_${GPU}.md"
+}
+
+## moe_1b: the ~1B-active MoE Lightning model: tokens/s and memory per experts impl, rounds, the largest micro-batch
+stage_moe_1b() {
+  local order="normal drop_h $(echo $QUACK | grep -o drop_h_quack) drop_h+fp8" round impl run fp8
+  mkdir -p "$RES/moe_1b"
+  for round in $(seq "${MOE_1B_ROUNDS:-2}"); do
+    for impl in $order; do
+      run="moe_1b_${impl/+/_}_$round"
+      fp8=$([ "${impl%+fp8}" != "$impl" ] && echo --saved-fp8 || echo --no-saved-fp8)
+      python3 -m swiglu_train pretrain --config moe_1b --mlp-impl "${impl%+fp8}" $fp8 \
+        --micro-batch-size "${MOE_1B_MBS:-2}" --max-steps "${MOE_1B_STEPS:-20}" \
+        --output-dir "$SCRATCH/$run" --summary-json "$RES/moe_1b/$run.json" \
+        > "$SCRATCH/$run.log" 2>&1 || tail -5 "$SCRATCH/$run.log"
+      rm -rf "$SCRATCH/$run/checkpoints"
+    done
+    order=$(echo $order | awk '{for (i = 2; i <= NF; i++) printf "%s ", $i; print $1}')
+  done
+  python3 benchmarks/summarize_runs.py "$RES"/moe_1b/moe_1b_*_[0-9]*.json --commit "$COMMIT" \
+    --title "moe_1b Lightning pretrain (1.08B active of 3.49B), seq 4096, micro-batch ${MOE_1B_MBS:-2}, ${MOE_1B_STEPS:-20} steps (impls rotated over rounds)" \
+    --command "python3 scripts/device.py stage moe_1b" \
+    --json "$RES/moe_1b_${GPU}.json" --md "$RES/moe_1b_${GPU}.md" && cat "$RES/moe_1b_${GPU}.md"
+  [ "${MOE_1B_MAX_MICRO:-1}" = 1 ] && python3 benchmarks/max_micro_batch.py --config moe_1b \
+    --mlp-impl "$(echo $order | tr ' ' ',')" --limit "${MOE_1B_LIMIT:-8}" --commit "$COMMIT" --json "$RES/max_micro_batch_moe_1b_${GPU}.json"
 }

@@ -76,29 +76,48 @@ def test_summarize_runs_pairs_rounds_and_writes_both_files(tmp_path, monkeypatch
         "normal_2": (200.0, 800.0),
         "drop_h_2": (202.0, 700.0),
         "drop_h+fp8_1": (95.0, 600.0),
+        "drop_h@float8_1": (130.0, 650.0),
     }
     paths = []
     for name, (rate, after) in runs.items():
-        path = tmp_path / f"pretrain_{name}.json"
+        path = tmp_path / f"pretrain_{name.replace('@', '_')}.json"
         impl, fp8 = name.rsplit("_", 1)[0].removesuffix("+fp8"), "+fp8" in name
+        impl, _, float8 = impl.partition("@")
         summary = {"mlp_impl": impl, "saved_fp8": fp8, "tokens_per_s": rate}
+        summary["float8"] = "tensorwise" if float8 else None
         summary["after_forward_MiB"] = after
         summary |= {"peak_MiB": 900.0, "initial_loss": 5.7, "final_loss": 3.0}
         path.write_text(json.dumps(summary))
         paths.append(str(path))
     out_json, out_md = tmp_path / "t.json", tmp_path / "t.md"
-    argv = ["x", *paths, "--title", "T", "--command", "c", "--commit", "abc"]
+    argv = ["x", *paths, "--title", "T", "--command", "c", "--commit", "abc", "--gpu", "G"]
     monkeypatch.setattr("sys.argv", [*argv, "--json", str(out_json), "--md", str(out_md)])
     summarize.main()
-    rows = {r["mlp_impl"]: r for r in json.loads(out_json.read_text())["rows"]}
+    payload = json.loads(out_json.read_text())
+    rows = {r["mlp_impl"]: r for r in payload["rows"]}
+    assert payload["meta"]["gpu"] == "G"
     # paired per round: 0.99 and 1.01, median 1.00; unpaired medians would give 150.5/150
     assert rows["drop_h"]["tokens_per_s_vs_normal"] == pytest.approx(1.0)
     assert rows["drop_h"]["rounds"] == 2 and rows["drop_h"]["after_forward_MiB"] == 700.0
     # an FP8-saved run is a row of its own, never a round of the bf16 impl's
     assert rows["drop_h+fp8"]["rounds"] == 1 and rows["drop_h+fp8"]["after_forward_MiB"] == 600
     assert rows["drop_h+fp8"]["tokens_per_s_vs_normal"] == pytest.approx(0.95)
+    # and so is a run whose GEMMs ran on torchao's FP8 recipe, named as the bench variants are
+    assert rows["drop_h_float8_tensorwise"]["tokens_per_s_vs_normal"] == pytest.approx(1.3)
     assert "| drop_h | 2 | 150 | 1.000 | 700.0 | 900.0 | 5.700 → 3.000 |" in out_md.read_text()
     assert not list(tmp_path.glob("*.tmp"))
+
+    # --baseline pairs with another impl; without a CUDA device the GPU must be named
+    monkeypatch.setattr("sys.argv", [*argv, "--json", str(out_json), "--md", str(out_md),
+                                     "--baseline", "drop_h"])  # fmt: skip
+    summarize.main()
+    rows = {r["mlp_impl"]: r for r in json.loads(out_json.read_text())["rows"]}
+    assert rows["normal"]["tokens_per_s_vs_normal"] == pytest.approx((100 / 99 + 200 / 202) / 2)
+    assert rows["drop_h+fp8"]["tokens_per_s_vs_normal"] == pytest.approx(95 / 99)
+    assert "÷ drop_h (paired)" in out_md.read_text()
+    monkeypatch.setattr("sys.argv", [*argv[:-2], "--json", str(out_json), "--md", str(out_md)])
+    with pytest.raises(SystemExit):
+        summarize.main()
 
 
 def test_probe_result_records_where_and_how_it_was_measured(tmp_path, monkeypatch):

@@ -139,8 +139,9 @@ def pretrain(
         typer.Option(
             metavar="tensorwise|rowwise",
             help="train the linears in FP8 through torchao's Float8Linear with this scaling "
-            "recipe, the lm head in bf16; --mlp-impl normal only (the others' FP8 GEMMs are not "
-            "implemented yet), on a GPU of compute capability 8.9+ (docs/fp8-training.md)",
+            "recipe, the lm head in bf16; --mlp-impl drop_h (its own six FP8 GEMMs, h never "
+            "kept) or normal (torchao's MLP), on a GPU of compute capability 8.9+ "
+            "(docs/fp8-training.md)",
         ),
     ] = None,
     checkpoint_layers: Annotated[

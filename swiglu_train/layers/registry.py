@@ -121,9 +121,12 @@ def saved_fp8_labels(quack: bool) -> list[str]:
     return [name + FP8_LABEL for name in SAVED_FP8_IMPLS if quack or name not in QUACK_IMPLS]
 
 
-def impl_label(name: str, saved_fp8: bool) -> str:
-    """``name``, with ``+fp8`` when its saved preactivation is stored in FP8."""
-    return name + FP8_LABEL if saved_fp8 else name
+def impl_label(name: str, saved_fp8: bool, float8: str | None = None) -> str:
+    """``name``, with ``+fp8`` when its saved preactivation is stored in FP8, and
+    ``_float8_RECIPE`` when its GEMMs ran on torchao's FP8 recipe (as the benchmark variants
+    are named)."""
+    label = name + FP8_LABEL if saved_fp8 else name
+    return f"{label}_float8_{float8}" if float8 else label
 
 
 def get_impl(name: str, saved_fp8: bool = False) -> MLPFunction:
