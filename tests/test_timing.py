@@ -61,6 +61,33 @@ def test_a_queued_step_does_not_count_the_host_s_latency_to_its_first_kernel():
     assert queued[3] > 4.5 and queued[4] == queued[3]  # full: host-bound at 5 ms
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="without CUDA only")
+def test_without_a_gpu_no_step_waits_on_one_and_none_is_run_to_find_out():
+    def forward():
+        raise AssertionError("run")
+
+    assert (
+        timing.step_waits_on_gpu(timing.Case("a", forward, lambda _: None, lambda: None)) is False
+    )
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_step_that_reads_a_gpu_value_on_the_host_is_timed_from_an_idle_gpu():
+    """A forward that reads a count with .item() waits on the GPU: behind the hold, its host
+    time would be the hold's. It is found by torch's sync debug mode and gets an idle clock."""
+    a = torch.randn(256, 256, device="cuda")
+    reads = timing.Case("reads", lambda: a[: int((a > 0).sum().item()) % 256] @ a,
+                        lambda _: None, lambda: None)  # fmt: skip
+    plain = timing.Case("plain", lambda: a @ a, lambda _: None, lambda: None)
+    assert timing.step_waits_on_gpu(reads) and not timing.step_waits_on_gpu(plain)
+    assert torch.cuda.get_sync_debug_mode() == 0  # the mode is put back
+    reads.waits_on_gpu = True
+    times = timing.paired_samples([reads, plain], 3, torch.device("cuda"))
+    # idle-started, the reading step's host time is its own (well under the 10 ms hold)
+    assert (times["reads"]["host"] < 0.5 * timing.QUEUE_MS).all()
+
+
 def test_fresh_calls_each_get_inputs_no_other_call_has_written():
     """An in-place call doubles its input; were inputs shared, later samples would see 2**k."""
     seen: list[float] = []

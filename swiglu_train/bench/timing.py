@@ -26,8 +26,9 @@ PHASES = ("fwd", "bwd", "gpu", "host", "full")
 MiB = 2**20
 TIMING_DEFINITION = (
     "CUDA events around fwd and bwd (gpu = fwd + bwd), each step queued behind a spin kernel so "
-    "that host latency before the first kernel is not counted; host = the host's time to queue "
-    "the step; full = max(gpu, host), the step time a loop of such steps sustains"
+    "that host latency before the first kernel is not counted (a step that reads GPU values on "
+    "the host is timed from an idle GPU instead); host = the host's time to queue the step; "
+    "full = max(gpu, host), the step time a loop of such steps sustains"
 )
 PEAK_DEFINITION = (  # what memory_mib reads
     "max allocated during fwd+bwd minus allocated before forward; "
@@ -41,12 +42,15 @@ MAX_HOLD_MS = 200.0
 
 @dataclass
 class Case:
-    """One thing to time: a forward returning what backward consumes, and a grad reset."""
+    """One thing to time: a forward returning what backward consumes, and a grad reset.
+    ``waits_on_gpu``: its step reads a GPU value on the host (``step_waits_on_gpu``), so it is
+    timed from an idle GPU, since behind a spin kernel its host time would be the spin's."""
 
     name: str
     forward: Callable[[], object]
     backward: Callable[[object], None]
     reset: Callable[[], None]
+    waits_on_gpu: bool = False
 
 
 class Clock:
@@ -124,6 +128,28 @@ def run_once(case: Case, clock: Clock) -> tuple[float, float, float, float, floa
     return clock.ms(t0, t1), clock.ms(t1, t2), gpu, host, max(gpu, host)
 
 
+def step_waits_on_gpu(case: Case) -> bool:
+    """Whether one step of ``case`` synchronizes the host with the GPU (``.item()``, a
+    ``.tolist()`` of group sizes, ``nonzero``): torch's sync debug mode raises on those. Run it
+    after warm-up, since autotuning and compiling synchronize once. False on CPU."""
+    if not torch.cuda.is_available():
+        return False
+    case.reset()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        case.backward(case.forward())
+    except RuntimeError as e:
+        if "synchroniz" not in str(e):
+            raise
+        return True
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+        torch.cuda.synchronize()
+        case.reset()
+    return False
+
+
 def paired_samples(
     cases: Sequence[Case],
     samples: int,
@@ -132,13 +158,15 @@ def paired_samples(
     on_sample: Callable[[], None] = lambda: None,
     queued: bool = True,
 ) -> dict[str, dict[str, np.ndarray]]:
-    """Times of every case for each phase, shape [samples], in the same sample order."""
-    clock = Clock(device, queued)
+    """Times of every case for each phase, shape [samples], in the same sample order. Each case
+    has a clock of its own: queued (unless ``queued`` is False) where its step never waits on
+    the GPU, from an idle GPU where it does (``Case.waits_on_gpu``)."""
+    clocks = {c.name: Clock(device, queued and not c.waits_on_gpu) for c in cases}
     rng = np.random.default_rng(seed)
     times = {c.name: np.zeros((len(PHASES), samples)) for c in cases}
     for s in range(samples):
         for i in rng.permutation(len(cases)):
-            times[cases[i].name][:, s] = run_once(cases[i], clock)
+            times[cases[i].name][:, s] = run_once(cases[i], clocks[cases[i].name])
         on_sample()
     return {name: dict(zip(PHASES, t, strict=True)) for name, t in times.items()}
 

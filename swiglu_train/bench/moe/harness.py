@@ -30,11 +30,13 @@ from swiglu_train.bench.results import DTYPES, environment
 from swiglu_train.bench.timing import (
     PEAK_DEFINITION,
     PHASES,
+    TIMING_DEFINITION,
     Case,
     Clock,
     memory_mib,
     paired_samples,
     run_once,
+    step_waits_on_gpu,
 )
 
 Progress = Callable[[str, int], Callable[[], None]]
@@ -220,19 +222,24 @@ def measure_point(
     for _ in range(cfg.warmup):
         run_once(floor, Clock(device, queued=False))
     memory = {c.name: memory_mib(c, device) for c in cases}
+    # The loop's, HF's and Liger's steps read their group sizes on the host: they are timed from
+    # an idle GPU, where their host time counts as it does in training; the rest queued, as the
+    # dense benchmarks time every step.
+    for case in (floor, *cases):
+        case.waits_on_gpu = step_waits_on_gpu(case)
     tick = progress(f"{shape.name} {routing}: paired samples", cfg.samples)
-    # From an idle GPU, not queued behind a spin kernel: the loop, HF's and Liger's forwards wait
-    # on the GPU (their group sizes read on the host), which a queued clock counts as host time
-    # that doubles the hold each sample, without bound. MoE steps are milliseconds of GEMMs.
-    times = paired_samples([floor, *cases], cfg.samples, device, cfg.seed, tick, queued=False)
-    rows = [_row(point, "floor", times, (None, None), {})]
-    rows += [_row(point, c.name, times, memory[c.name], checks[c.name]) for c in cases]
+    times = paired_samples([floor, *cases], cfg.samples, device, cfg.seed, tick)
+    rows = [_row(point, "floor", times, (None, None), {}, floor.waits_on_gpu)]
+    rows += [
+        _row(point, c.name, times, memory[c.name], checks[c.name], c.waits_on_gpu) for c in cases
+    ]
     return point, rows, skipped
 
 
-def _row(point: dict, name: str, times: dict, memory: tuple, check: dict) -> dict:
+def _row(point: dict, name: str, times: dict, memory: tuple, check: dict, waits: bool) -> dict:
     t, floor = times[name], times["floor"]
     row: dict = {"model": point["model"], "routing": point["routing"], "variant": name}
+    row["waits_on_gpu"] = waits  # timed from an idle GPU: its step reads GPU values on the host
     for phase in PHASES:
         row[f"{phase}_ms"] = float(np.median(t[phase]))
         row[f"{phase}_over_floor"] = float(np.median(t[phase] / floor[phase]))
@@ -288,6 +295,5 @@ def meta(cfg: MoEConfig, device: torch.device) -> dict:
         "router_weights": "fp32 [T, k], softmax of random logits, applied to the expert output",
         "after_forward_definition": AFTER_FORWARD_DEFINITION,
         "peak_definition": PEAK_DEFINITION,
-        "clock": "each step timed from an idle GPU with CUDA events (not queued behind a spin "
-        "kernel): peers that synchronize the host in their forward are timed like the rest",
+        "clock": TIMING_DEFINITION + "; a row's waits_on_gpu says which clock timed it",
     }

@@ -69,6 +69,10 @@ def to_markdown(result: dict) -> str:
         f"(CUDA only). `y err` is the largest absolute error of y against the {meta['reference']}"
         "; `ok` means y and every gradient are within a relative error of "
         f"{_tolerances(meta)}.",
+        "",
+        "Each step is queued behind a spin kernel, as training's host runs ahead of the GPU; "
+        "† marks a step that reads GPU values on the host (its group sizes), timed from an "
+        "idle GPU instead, since it waits there in training too.",
     ]
     rows_at: dict[tuple[str, str], list[dict]] = {}
     for row in result["rows"]:
@@ -82,7 +86,8 @@ def to_markdown(result: dict) -> str:
         ]
         for r in rows_at.get((point["model"], point["routing"]), []):
             lines.append(
-                f"| {r['variant']} | {r['full_ms']:.3f} | {r['full_over_floor']:.3f} "
+                f"| {r['variant']}{' †' if r.get('waits_on_gpu') else ''} "
+                f"| {r['full_ms']:.3f} | {r['full_over_floor']:.3f} "
                 f"| {r['fwd_ms']:.3f} | {r['bwd_ms']:.3f} | {_mib(r['after_forward_MiB'])} "
                 f"| {_mib(r['peak_MiB'])} | {_err(r.get('y_max_abs_err'))} "
                 f"| {_err(_worst_grad(r))} | {_ok(r)} |"
