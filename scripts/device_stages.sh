@@ -185,6 +185,12 @@ stage_e2e_1b() {
   e2e_lightning 1b "${E2E_GRID_1B:-0,4,8,12,16}" "${E2E_MBS_1B:-4}"
 }
 
+## e2e_moe_1b: bench_e2e.py lightning, moe_1b (1.08B active): experts impl x checkpointed blocks, rounds, the planner
+stage_e2e_moe_1b() {
+  E2E_IMPLS=${E2E_IMPLS:-$(echo normal drop_h drop_h+fp8 $(echo $QUACK | grep -o drop_h_quack) | tr ' ' ',')} \
+    e2e_lightning moe_1b "${E2E_GRID_MOE_1B:-0,8,16}" "${E2E_MBS_MOE_1B:-2}"
+}
+
 ## e2e_3b: bench_e2e.py lightning, ~3B: impl x checkpointed blocks, rounds, the planner
 stage_e2e_3b() {
   e2e_lightning 3b "${E2E_GRID_3B:-0,7,14,21,28}" "${E2E_MBS_3B:-2}"
