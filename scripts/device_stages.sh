@@ -224,6 +224,18 @@ stage_e2e_megatron() {
   done
 }
 
+## megatron_moe: bench_e2e.py megatron with MoE layers ($MEGATRON_MOE: 8 experts, top-2): SequentialMLP (stock) vs ours, 3 rounds
+stage_megatron_moe() {
+  E2E=/tmp/gpu-e2e-$COMMIT && mkdir -p "$E2E" "$RES/e2e" && name=e2e_megatron_moe_${GPU}
+  prior_e2e "$E2E" $name.json
+  python3 benchmarks/bench_e2e.py megatron \
+    --impls "${MEGATRON_MOE_IMPLS:-$(echo stock drop_h $(echo $QUACK | grep -o drop_h_quack) | tr ' ' ',')}" \
+    --rounds "${MEGATRON_MOE_ROUNDS:-3}" --warmup 5 --steps 20 --commit "$COMMIT" --append \
+    --json "$E2E/$name.json" --md "$E2E/$name.md" -- $MEGATRON_GPU \
+    ${MEGATRON_MOE:---num-experts 8 --moe-router-topk 2} 2>&1 | tail -20
+  cp "$E2E"/$name.* "$RES/e2e/"
+}
+
 ## megatron_plan: the recipe's own planner at $MEGATRON_PLAN_GB (30, under the ~39 GB peak)
 stage_megatron_plan() {
   torchrun --standalone --nproc-per-node 1 recipes/pretrain_megatron.py $MEGATRON_GPU \
