@@ -105,8 +105,9 @@ def pretrain(
     model: Annotated[
         str | None,
         typer.Option(
-            help="train a Hugging Face or LitGPT architecture instead: hf:PATH/config.json or "
-            "litgpt:NAME (random init, nothing downloaded; its MLPs patched to --mlp-impl)"
+            help="train a Hugging Face or LitGPT architecture instead: hf:PATH/config.json (or "
+            "a packaged one: hf:moe_1b, hf:tiny_moe) or litgpt:NAME (random init, nothing "
+            "downloaded; its MLPs patched to --mlp-impl)"
         ),
     ] = None,
     mlp_impl: Annotated[
@@ -114,7 +115,15 @@ def pretrain(
         typer.Option(
             help="an impl (swiglu-train impls lists them), or auto (from the table); routed "
             "experts run normal, drop_h or drop_h_quack, and take drop_h (drop_h_quack) for the "
-            "others"
+            "others; stock (with --model): the host's own MLPs and experts, unpatched"
+        ),
+    ] = None,
+    experts_implementation: Annotated[
+        str | None,
+        typer.Option(
+            metavar="eager|grouped_mm|batched_mm",
+            help="with --mlp-impl stock and an HF MoE --model: transformers' experts code "
+            "(default: its own, grouped_mm where the model supports it)",
         ),
     ] = None,
     mlp_chunk: Annotated[
@@ -200,7 +209,9 @@ def pretrain(
             "per block over every device; checkpoints are sharded directories: docs/scale.md)"
         ),
     ] = None,
-    precision: Annotated[str | None, typer.Option(help="auto, bf16-mixed, 32-true")] = None,
+    precision: Annotated[
+        str | None, typer.Option(help="auto, bf16-mixed, bf16-true, 32-true")
+    ] = None,
     wandb_project: Annotated[str | None, typer.Option()] = None,
     wandb_group: Annotated[str | None, typer.Option()] = None,
     wandb_name: Annotated[str | None, typer.Option()] = None,
@@ -234,6 +245,7 @@ def pretrain(
         cfg.model = dataclasses.replace(cfg.model, source=model)
     overrides = [
         (cfg.model, "mlp_impl", mlp_impl),
+        (cfg.model, "experts_implementation", experts_implementation),
         (cfg.model, "mlp_chunk", mlp_chunk),
         (cfg.model, "saved_fp8", saved_fp8),
         (cfg.model, "float8", float8),
@@ -267,7 +279,8 @@ def pretrain(
         summary = run_pretrain(cfg, resume=resume, init_from=init_from)
     if summary is None:  # a DDP rank other than 0: rank 0 reports the run
         return
-    table = Table(title=f"pretrain summary ({summary['mlp_impl']})")
+    ran = ", ".join(filter(None, (summary["mlp_impl"], summary["experts_implementation"])))
+    table = Table(title=f"pretrain summary ({ran})")
     table.add_column("metric")
     table.add_column("value", justify="right")
     for key in (

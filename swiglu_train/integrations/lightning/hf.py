@@ -39,12 +39,14 @@ from swiglu_train.files import atomic_directory
 from swiglu_train.integrations.lightning.checkpoint_record import LAYOUT_KEY
 from swiglu_train.integrations.lightning.config import TrainConfig
 from swiglu_train.integrations.lightning.data import EOD
+from swiglu_train.integrations.lightning.host_model import host_config, parse_source
 from swiglu_train.integrations.lightning.model import ModelConfig
 from swiglu_train.integrations.lightning.module import OptimConfig, PretrainModule
 from swiglu_train.layers.layout import CANONICAL
 from swiglu_train.packing import from_hf, to_hf
 
 PREFIX = "model."  # PretrainModule's attribute holding the decoder
+HOST_PREFIX = PREFIX + "host."  # a --model run's: HostCausalLM.host, under the host's own keys
 # Our decoder's keys (after ParMLP's are renamed gate/up/down_proj) -> HF's; per layer, the
 # qkv rows split in three.
 TOP = {"embed.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight",
@@ -158,6 +160,8 @@ def export_hf(ckpt: dict, out: Path, where: str) -> dict[str, Any]:
     shape) into a ``LlamaForCausalLM`` (``MixtralForCausalLM``) before ``save_pretrained``
     writes it. Returns the config written, as a dict."""
     cfg = model_config(ckpt, where)
+    if cfg.source is not None:
+        return _export_host(ckpt, cfg.source, out, where)
     if cfg.num_experts and not cfg.moe_renormalize:
         raise ValueError(
             f"{where}: its MoE router does not renormalise the top-k weights "
@@ -174,6 +178,31 @@ def export_hf(ckpt: dict, out: Path, where: str) -> dict[str, Any]:
         model.load_state_dict(state, strict=True, assign=True)
     except RuntimeError as e:  # a missing key or another shape than the config's
         raise ValueError(f"{where} does not fit HF {cls.__name__}: "
+                         f"{' '.join(str(e).split())}") from e  # fmt: skip
+    with atomic_directory(out) as tmp:
+        model.save_pretrained(tmp)
+    return config.to_dict()
+
+
+def _export_host(ckpt: dict, source: str, out: Path, where: str) -> dict[str, Any]:
+    """A ``--model hf:`` run's checkpoint: its weights are the host's own keys already (patched
+    MLPs and experts present them so; stock ones are the host's), so transformers' model of the
+    source's config takes them as they are, strictly."""
+    kind, _ = parse_source(source)
+    if kind != "hf":
+        raise ValueError(f"{where} trained {source}: export-hf writes transformers models, and "
+                         f"its {HOST_PREFIX}* weights are LitGPT's own keys")  # fmt: skip
+    state = {k.removeprefix(HOST_PREFIX): v for k, v in ckpt["state_dict"].items()
+             if k.startswith(HOST_PREFIX)}  # fmt: skip
+    config = host_config(source)
+    config.dtype = str(next(iter(state.values())).dtype).removeprefix("torch.")
+    with torch.device("meta"):  # as export_hf: load_state_dict(assign=True) brings the weights
+        model = _transformers().AutoModelForCausalLM.from_config(config)
+    config.architectures = [type(model).__name__]
+    try:
+        model.load_state_dict(state, strict=True, assign=True)
+    except RuntimeError as e:
+        raise ValueError(f"{where} does not fit {source}'s {type(model).__name__}: "
                          f"{' '.join(str(e).split())}") from e  # fmt: skip
     with atomic_directory(out) as tmp:
         model.save_pretrained(tmp)

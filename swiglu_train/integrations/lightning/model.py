@@ -20,6 +20,7 @@ from swiglu_train.layers.registry import (
     FIXED_CHUNKS,
     IMPL_CHOICES,
     PACKED_IMPLS,
+    check_impl_name,
     check_saved_fp8,
     packed_chunk,
 )
@@ -47,9 +48,12 @@ class ModelConfig:
     # head aside (float8.py); with mlp_impl "normal" only, whose fc1/fc2 run through it
     float8: str | None = None
     # "hf:PATH/config.json" or "litgpt:NAME" (--model): train that architecture instead, its
-    # MLPs patched to mlp_impl (integrations/lightning/host_model.py); the sizes above are
-    # then read from its config
+    # MLPs patched to mlp_impl (integrations/lightning/host_model.py), or left as the host
+    # built them with mlp_impl "stock"; the sizes above are then read from its config
     source: str | None = None
+    # With mlp_impl "stock" and an HF MoE source: transformers' experts implementation (eager,
+    # grouped_mm, batched_mm); None: transformers' default (grouped_mm where it can)
+    experts_implementation: str | None = None
     # activation checkpointing of the first N transformer blocks (Megatron's
     # --recompute-num-layers with --recompute-method block): each keeps only its input for
     # backward and runs its forward again there
@@ -76,11 +80,30 @@ class ModelConfig:
             )
         if (self.hidden_size // self.num_heads) % 2:
             raise ValueError("the head dimension must be even for RoPE")
+        check_stock(self)
         check_moe(self)
         check_mlp_chunk(self)
         check_model_saved_fp8(self)
         check_float8(self.float8, self.mlp_impl, self.num_experts)
         check_checkpoint_layers(self)
+
+
+def check_stock(cfg: ModelConfig) -> None:
+    """mlp_impl "stock" and experts_implementation against the model they would apply to
+    (host_model.check_host_impl)."""
+    from swiglu_train.integrations.lightning.host_model import check_host_impl
+
+    check_host_impl(cfg.source, cfg.mlp_impl, cfg.experts_implementation, cfg.num_experts,
+                    cfg.saved_fp8, cfg.mlp_chunk)  # fmt: skip
+
+
+def check_impl(cfg: ModelConfig) -> None:
+    """model.mlp_impl: one of ours (an unknown name is refused, listing them), or stock."""
+    from swiglu_train.integrations.lightning.host_model import STOCK
+
+    if cfg.mlp_impl != STOCK:
+        check_impl_name(cfg.mlp_impl)
+    check_stock(cfg)
 
 
 def check_moe(cfg: ModelConfig) -> None:

@@ -13,6 +13,7 @@ from torch import nn
 from swiglu_train.integrations.lightning.checkpoint_record import LAYOUT_KEY
 from swiglu_train.integrations.lightning.float8 import convert_float8
 from swiglu_train.integrations.lightning.fsdp2 import is_fully_sharded, shard
+from swiglu_train.integrations.lightning.host_model import STOCK
 from swiglu_train.integrations.lightning.model import LlamaDecoder, ModelConfig
 from swiglu_train.layers import ParMLP
 from swiglu_train.layers.experts import ParExperts
@@ -131,7 +132,7 @@ class PretrainModule(pl.LightningModule):
         groups = self.trainer.optimizers[0].param_groups if self._trainer else []
         checkpoint[LAYOUT_KEY] = {
             "fc1_layout": self.fc1_layout(),
-            "mlp_impl": swiglu_mlps(self.model)[0].impl,  # "auto" as resolved
+            "mlp_impl": mlp_impl(self.model),  # "auto" as resolved
             "optimizer_param_names": [[names[p] for p in g["params"]] for g in groups],
         }
         if self.data_record is not None:
@@ -158,25 +159,31 @@ class PretrainModule(pl.LightningModule):
                 f"state would be misread. Resume with a model of the file's layout "
                 f"({_settings_for(saved)}), or first convert the checkpoint to this model's "
                 f"layout (swiglu-train convert --to {to} CKPT OUT); this model runs "
-                f"{swiglu_mlps(self.model)[0].impl!r} (mlp_chunk {self.model_cfg.mlp_chunk})",
+                f"{mlp_impl(self.model)!r} (mlp_chunk {self.model_cfg.mlp_chunk})",
                 rank=self.global_rank if rank is None else rank,
             )
 
 
 def swiglu_mlps(model: nn.Module) -> list[ParMLP | ParExperts]:
     """The decoder's ParMLPs and routed experts, block by block: the first one's impl is the
-    run's (a dense model's ParMLP, or an MoE model's experts)."""
+    run's (a dense model's ParMLP, or an MoE model's experts); none in a stock host model."""
     return [m for m in model.layers.modules() if isinstance(m, ParMLP | ParExperts)]
 
 
+def mlp_impl(model: nn.Module) -> str:
+    """The impl the model's MLPs run ("auto" as resolved), or "stock" where a host model keeps
+    its own."""
+    mlps = swiglu_mlps(model)
+    return mlps[0].impl if mlps else STOCK
+
+
 def _host_model(cfg: ModelConfig):
-    """A Hugging Face or LitGPT model (``--model``), its MLPs patched to ``cfg.mlp_impl``, its
-    first ``cfg.checkpoint_layers`` blocks checkpointed."""
+    """A Hugging Face or LitGPT model (``--model``), its MLPs patched to ``cfg.mlp_impl`` (or its
+    own, with stock), its first ``cfg.checkpoint_layers`` blocks checkpointed."""
     from swiglu_train.integrations.lightning.host_model import build_host_model
 
-    host = build_host_model(
-        cfg.source, cfg.mlp_impl, cfg.mlp_chunk, cfg.mlp_tokens_hint, cfg.saved_fp8
-    )
+    host = build_host_model(cfg.source, cfg.mlp_impl, cfg.mlp_chunk, cfg.mlp_tokens_hint,
+                            cfg.saved_fp8, cfg.experts_implementation)  # fmt: skip
     host.checkpoint_layers = cfg.checkpoint_layers
     return host
 

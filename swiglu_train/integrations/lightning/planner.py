@@ -35,6 +35,7 @@ import torch
 from lightning.fabric import Fabric
 
 from swiglu_train.integrations.lightning.config import PretrainConfig
+from swiglu_train.integrations.lightning.host_model import STOCK
 from swiglu_train.integrations.lightning.module import PretrainModule
 from swiglu_train.integrations.lightning.precision import resolve_precision
 from swiglu_train.layers.registry import (
@@ -109,6 +110,10 @@ def check_plan_settings(cfg: PretrainConfig, resuming: bool = False) -> None:
                              "--memory-budget-gb) are the planner's: they need "
                              "--activation-checkpointing auto")  # fmt: skip
         return
+    if cfg.model.mlp_impl == STOCK:
+        raise ValueError("--activation-checkpointing auto picks among our impls, and --mlp-impl "
+                         "stock keeps the host's own MLPs: pass --checkpoint-layers N "
+                         "instead")  # fmt: skip
     if resuming:
         raise ValueError("--activation-checkpointing auto plans a new run; a resume keeps its "
                          "run's plan: pass the --mlp-impl and --checkpoint-layers it recorded "

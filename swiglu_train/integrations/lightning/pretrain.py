@@ -20,14 +20,16 @@ from swiglu_train.integrations.lightning.config import PretrainConfig, check_ran
 from swiglu_train.integrations.lightning.data import PackedTextData
 from swiglu_train.integrations.lightning.float8 import check_float8, check_float8_run
 from swiglu_train.integrations.lightning.fsdp2 import FSDP2, check_fsdp2, trainer_strategy
+from swiglu_train.integrations.lightning.host_model import STOCK, stock_note
 from swiglu_train.integrations.lightning.memory_callback import MemoryProfilerCallback
 from swiglu_train.integrations.lightning.model import (
     check_checkpoint_layers,
+    check_impl,
     check_mlp_chunk,
     check_model_saved_fp8,
     check_moe,
 )
-from swiglu_train.integrations.lightning.module import PretrainModule, swiglu_mlps
+from swiglu_train.integrations.lightning.module import PretrainModule, mlp_impl, swiglu_mlps
 from swiglu_train.integrations.lightning.moe import experts_impl
 from swiglu_train.integrations.lightning.planner import check_plan_settings, plan_run
 from swiglu_train.integrations.lightning.precision import resolve_precision
@@ -40,7 +42,6 @@ from swiglu_train.integrations.lightning.sharded_checkpoint import (
     is_sharded,
     read_meta,
 )
-from swiglu_train.layers import check_impl_name
 from swiglu_train.layers.registry import AUTO
 from swiglu_train.memory.wandb_run import CSV_NAME
 
@@ -111,7 +112,7 @@ def run_pretrain(
         raise ValueError("--resume continues a run and --init-from starts a new one from a "
                          "checkpoint's weights; pass one of them")  # fmt: skip
     weights = None if init_from is None else _initial_weights(Path(init_from), cfg)
-    check_impl_name(cfg.model.mlp_impl)  # an unknown impl fails here, listing the valid ones
+    check_impl(cfg.model)  # an unknown impl fails here, listing the valid ones; stock's needs
     check_moe(cfg.model)  # again: command-line flags are set after the config is built
     check_mlp_chunk(cfg.model)
     on_gpu = torch.cuda.is_available() and cfg.train.accelerator != "cpu"
@@ -138,9 +139,11 @@ def run_pretrain(
         plan = plan_run(cfg, log=rank_zero_info)
         rank_zero_info(f"plan: {plan['why']}")
     pl.seed_everything(cfg.train.seed, workers=True)
+    stock = cfg.model.mlp_impl == STOCK
     module = PretrainModule(cfg.model, cfg.optim, cfg.train.max_steps)
-    if cfg.model.num_experts and experts_impl(cfg.model.mlp_impl)[1]:
-        rank_zero_info(f"routed experts: {experts_impl(cfg.model.mlp_impl)[1]}")
+    experts_note = stock_note(module.model) if stock else experts_impl(cfg.model.mlp_impl)[1]
+    if cfg.model.num_experts and experts_note:
+        rank_zero_info(f"routed experts: {experts_note}")
     if cfg.train.accelerator != "cpu":
         log_pretune_hints(module, cfg.data.micro_batch_size * cfg.data.seq_length, precision)
     if weights is not None:  # ParMLP's load hook packs or unpacks fc1 for its impl
@@ -206,13 +209,15 @@ def run_pretrain(
     losses = [history.losses[k] for k in sorted(history.losses)]
     val = trainer.callback_metrics.get("val/loss")
     mem = memory.max_metrics
-    mlp = swiglu_mlps(module.model)[0]  # an MoE model's: its routed experts
+    mlps = swiglu_mlps(module.model)  # an MoE model's first: its routed experts
     run = wandb_logger.experiment  # finished, and still naming where it went
     return {
-        "mlp_impl": mlp.impl,  # what ran: "auto" is resolved when the model is built
-        "mlp_auto_reason": getattr(mlp, "auto_reason", None),
+        "mlp_impl": mlp_impl(module.model),  # what ran: "auto" as resolved; stock: the host's
+        "mlp_auto_reason": getattr(mlps[0], "auto_reason", None) if mlps else None,
         "num_experts": cfg.model.num_experts,  # 0: dense MLPs
-        "saved_fp8": mlp.saved_fp8,  # mlp_impl's saved preactivation in FP8
+        # transformers' own experts' code in a stock HF MoE model (else None: ours, or none)
+        "experts_implementation": getattr(module.model, "experts_implementation", None),
+        "saved_fp8": bool(mlps) and mlps[0].saved_fp8,  # mlp_impl's saved preactivation in FP8
         "float8": cfg.model.float8,  # the linears' FP8 recipe (torchao), None for bf16
         "seed": cfg.train.seed,
         "steps": trainer.global_step,
