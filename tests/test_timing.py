@@ -88,6 +88,25 @@ def test_a_step_that_reads_a_gpu_value_on_the_host_is_timed_from_an_idle_gpu():
     assert (times["reads"]["host"] < 0.5 * timing.QUEUE_MS).all()
 
 
+@pytest.mark.gpu
+@pytest.mark.gpu_alone  # another process's kernels would fill the gap
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_the_timeline_shows_where_a_step_waits_on_its_host():
+    """Two kernels with 3 ms of host work between them: the hold covers the host's lead, not a
+    gap inside the step, so the second kernel's idle gap shows those 3 ms."""
+    a = torch.randn(512, 512, device="cuda")
+
+    def forward():
+        b = a @ a
+        torch.cuda.synchronize()  # the host falls behind the GPU here
+        time.sleep(0.003)
+        return b + 1
+
+    rows = timing.kernel_timeline(timing.Case("gap", forward, lambda _: None, lambda: None))
+    assert len(rows) == 2 and rows[0]["gap_before_us"] == 0.0
+    assert 2500 < rows[1]["gap_before_us"] < 20000 and rows[0]["us"] > 0
+
+
 def test_fresh_calls_each_get_inputs_no_other_call_has_written():
     """An in-place call doubles its input; were inputs shared, later samples would see 2**k."""
     seen: list[float] = []

@@ -222,11 +222,13 @@ def memory_mib(case: Case, device: torch.device) -> tuple[float | None, float | 
 
 
 def kernel_timeline(case: Case, steps: int = 3) -> list[dict]:
-    """One step's CUDA kernels in launch order, each with its mean µs over ``steps`` steps:
-    which GEMM of a chunk loop costs what, where a per-name sum would merge them."""
+    """One step's CUDA kernels in launch order, each with its mean µs over ``steps`` steps and
+    the mean µs the GPU sat idle before it (since the step's previous kernel ended): which
+    kernel costs what, and where the step waits on its host rather than on a kernel. Each step
+    is queued as ``paired_samples`` times it, so a gap is host time the hold did not cover."""
     from torch.profiler import ProfilerActivity, profile
 
-    clock = Clock(torch.device("cuda"))
+    clock = Clock(torch.device("cuda"), queued=not case.waits_on_gpu)
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(steps):
             run_once(case, clock)
@@ -237,14 +239,18 @@ def kernel_timeline(case: Case, steps: int = 3) -> list[dict]:
     ]
     kernels.sort(key=lambda e: e.time_range.start)
     per_step = len(kernels) // steps
-    return [
-        {
-            "name": kernels[i].name[:90],
-            "us": round(
-                sum(kernels[i + s * per_step].time_range.elapsed_us() for s in range(steps))
-                / steps,
-                1,
-            ),
-        }
-        for i in range(per_step)
-    ]
+    rows = []
+    for i in range(per_step):
+        runs = [kernels[i + s * per_step] for s in range(steps)]
+        gaps = [
+            max(0.0, k.time_range.start - kernels[i - 1 + s * per_step].time_range.end)
+            if i
+            else 0.0
+            for s, k in enumerate(runs)
+        ]
+        rows.append({
+            "name": runs[0].name[:90],
+            "us": round(sum(k.time_range.elapsed_us() for k in runs) / steps, 1),
+            "gap_before_us": round(sum(gaps) / steps, 1),
+        })  # fmt: skip
+    return rows

@@ -52,6 +52,10 @@ def bench_moe(
     dtype: Annotated[str, typer.Option(help="bf16, fp16 or fp32")] = "bf16",
     device: Annotated[str, typer.Option(help="cuda, or cpu for a smoke run")] = "cuda",
     seed: int = 0,
+    timeline: Annotated[
+        bool,
+        typer.Option(help="record each variant's kernels and the GPU's idle gaps (CUDA only)"),
+    ] = False,
     commit: Annotated[str | None, typer.Option(help="commit to record if git is absent")] = None,
     out: Annotated[
         Path | None,
@@ -105,7 +109,9 @@ def bench_moe(
         require_device(device)
         if samples < 30:
             console.print(f"[yellow]{samples} samples: results are not claimable (need >= 30)")
-        cfg = MoEConfig(chosen, routings, tokens, names, samples, warmup, dtype, device, seed)
+        cfg = MoEConfig(
+            chosen, routings, tokens, names, samples, warmup, dtype, device, seed, timeline
+        )
         cfg.extra = {"commit": commit, "command": invocation()}
         result = _run(cfg, out)
     siblings = (None, None) if out is None else (out.with_suffix(".md"), out.with_suffix(".png"))

@@ -33,6 +33,7 @@ from swiglu_train.bench.timing import (
     TIMING_DEFINITION,
     Case,
     Clock,
+    kernel_timeline,
     memory_mib,
     paired_samples,
     run_once,
@@ -65,6 +66,7 @@ class MoEConfig:
     dtype: str = "bf16"
     device: str = "cuda"
     seed: int = 0
+    timeline: bool = False  # each variant's kernels and idle gaps, one step, in the point
     extra: dict = field(default_factory=dict)
 
     def points(self) -> list[tuple[MoEShape, str]]:
@@ -227,6 +229,8 @@ def measure_point(
     # dense benchmarks time every step.
     for case in (floor, *cases):
         case.waits_on_gpu = step_waits_on_gpu(case)
+    if cfg.timeline and device.type == "cuda":
+        point["timeline"] = {c.name: kernel_timeline(c) for c in (floor, *cases)}
     tick = progress(f"{shape.name} {routing}: paired samples", cfg.samples)
     times = paired_samples([floor, *cases], cfg.samples, device, cfg.seed, tick)
     rows = [_row(point, "floor", times, (None, None), {}, floor.waits_on_gpu)]
