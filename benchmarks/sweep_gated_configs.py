@@ -3,14 +3,14 @@
 medians), against the cuBLAS fc1 GEMM alone and the autotuner's own pick.
 
     python benchmarks/sweep_gated_configs.py [--shapes M,K,F ...] [--extra-tiles BM,BN,BK,S,W,P ...]
-        [--samples 30] --json OUT.json [--md OUT.md] [--table TILES.json]
+        [--samples 30] --json OUT.json [--md OUT.md]
 
 The autotuner times candidates one launch at a time with a cold L2, which at 5-10 us kernels
 is mostly launch and flush; this shows what each config costs where the dispatch table is
 judged. ``--extra-tiles`` adds candidates outside the kernel's list (BLOCK_M, BLOCK_N,
 BLOCK_K, stages, warps, persistent 0/1), so a tile can be tried before it joins the list.
-``--table`` writes the fastest config of each shape as the kernel's pinned-tile table
-(``swiglu_train.kernels.gated_tiles``); pinning is off while the sweep runs.
+Pinning is off while the sweep runs; ``fit_gated_tile_rule.py`` judges the kernel's tile rule
+(``swiglu_train.kernels.gated_tiles``) on the result.
 """
 
 from __future__ import annotations
@@ -32,14 +32,12 @@ from swiglu_train.bench.inference.run import (
 )
 from swiglu_train.bench.results import write_probe_result
 from swiglu_train.bench.timing import Case, paired_samples
-from swiglu_train.files import write_json_atomic
 from swiglu_train.kernels import gated_autotune, gated_gemm, gated_kernels, gated_tiles
 from swiglu_train.kernels.runtime import m_bucket
 from swiglu_train.ops import reference
 
 REL_ERR_LIMIT = 1e-2  # bf16: a few roundings of h
 SMALL_QWEN = [f"{m},{k},{f}" for k, f in QWEN_MLP.values() for m in (1, 16, 128)]
-NO_TILES = {"schema": gated_tiles.SCHEMA, "gpu": "", "commit": "", "command": "", "shapes": {}}
 
 
 def extra_config(spec: str) -> triton.Config:
@@ -53,7 +51,7 @@ def extra_config(spec: str) -> triton.Config:
 
 
 def tile(c: triton.Config) -> dict:
-    """The config as a row of the pinned-tile table."""
+    """The config's tile, recorded with each row."""
     blocks = {k: c.kwargs[k] for k in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "PERSISTENT")}
     return blocks | {"num_stages": c.num_stages, "num_warps": c.num_warps}
 
@@ -114,19 +112,6 @@ def measure(m: int, k: int, f: int, samples: int, seed: int, extra: list) -> dic
     }  # fmt: skip
 
 
-def tile_table(result: dict) -> dict:
-    """The pinned-tile table: each measured shape's fastest config, with its measurements."""
-    shapes: dict[str, dict] = {}
-    for r in result["rows"]:
-        entry = r["tiles"][r["best"]] | {
-            "over_gemm_only": round(r["over_gemm_only"][r["best"]], 4),
-            "autotuned_over_best": round(r["autotuned_over_best"], 4),
-        }
-        shapes.setdefault(f"{r['K']}x{r['F']}", {})[str(r["M"])] = entry
-    keys = ("gpu", "commit", "command")
-    return {"schema": gated_tiles.SCHEMA} | {k: result[k] for k in keys} | {"shapes": shapes}
-
-
 def to_markdown(result: dict) -> str:
     lines = [f"### gated GEMM configs ÷ cuBLAS fc1 alone ({result['gpu']}, {result['commit']})"]
     for r in result["rows"]:
@@ -147,18 +132,17 @@ def main() -> None:
     parser.add_argument("--commit")
     parser.add_argument("--json", required=True)
     parser.add_argument("--md")
-    parser.add_argument("--table", help="write the fastest config per shape here")
     args = parser.parse_args()
     extra = [extra_config(s) for s in args.extra_tiles]
     rows = []
     for shape in args.shapes:
-        with gated_tiles.use_tiles(NO_TILES):  # the configs as given, and the autotuner's own
+        with gated_tiles.autotune_only():  # the configs as given, and the autotuner's own
             rows.append(measure(*map(int, shape.split(",")), args.samples, args.seed, extra))
         r = rows[-1]
         print(f"M={r['M']} K={r['K']} F={r['F']}: best {r['best']} "
               f"{r['over_gemm_only'][r['best']]:.3f}, autotuned {r['autotuned']} "
               f"{r['over_gemm_only']['autotuned']:.3f}", flush=True)  # fmt: skip
-    result = write_probe_result(
+    write_probe_result(
         f"benchmarks/{Path(__file__).name}",
         rows,
         args.samples,
@@ -167,10 +151,6 @@ def main() -> None:
         args.md,
         to_markdown,
     )
-    if args.table:
-        table = tile_table(result)
-        gated_tiles.from_dict(table)  # what the kernel will read must validate
-        write_json_atomic(args.table, table)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """The gated GEMM's autotuning candidates: the tile list measured on the H200, fitted to each
 call's layout and dtype and pruned to the tiles sized for its M, and the pre-hook that gives
-the TMA descriptors each config's box. Small-M shapes that were measured skip the autotuner
-and launch a pinned tile instead (gated_tiles).
+the TMA descriptors each config's box. At small M the measured kind of call skips the
+autotuner and launches the tile gated_tiles' rule picks instead.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ def autotune_configs() -> list[triton.Config]:
     # M = 128 and 7B's 148 tiles run in two waves, the second one 16 tiles long. Few stages
     # (or warps) let several programs share an SM, so at 7B's M <= 16 all 592 of 16x32 run
     # in one wave (sweep_gated_h200.json: 0.92x cuBLAS). At small M the autotuner's timing
-    # misranks these (see gated_tiles), so measured shapes launch a pinned tile.
+    # misranks these (see gated_tiles), so there a rule on the SM count picks the tile.
     tiles = [  # (BLOCK_M, BLOCK_N, BLOCK_K, stages, warps, persistent)
         (128, 128, 64, 3, 8, False),
         (128, 128, 64, 4, 8, False),

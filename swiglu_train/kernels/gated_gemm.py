@@ -1,5 +1,5 @@
 """The gated GEMM's launchers: argument checks, output allocation, and the launch of the kernels
-in gated_kernels, autotuned or at a tile pinned for the shape (gated_tiles).
+in gated_kernels, autotuned or at the tile gated_tiles' rule pins at small M.
 
 On the GPU operands and outputs move through TMA tensor descriptors (TMA stores made the
 factors epilogue 1.35x cheaper). The interpreter takes the pointer path with fp32 operands
@@ -9,23 +9,16 @@ strides).
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from swiglu_train.kernels.gated_autotune import fit_config, set_block_shapes
 from swiglu_train.kernels.gated_kernels import _factors_to_grad_kernel, _gated_gemm_kernel
-from swiglu_train.kernels.gated_tiles import pinned_config
+from swiglu_train.kernels.gated_tiles import num_sms, pinned_config
 from swiglu_train.kernels.runtime import INTERPRET, SUPPORTED_DTYPES, m_bucket
 
 AUX_KINDS = {"none": 0, "factors": 1, "preact": 2}
-
-
-@functools.cache
-def _num_sms(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
 def fused_supported(x: torch.Tensor, chunk: int) -> bool:
@@ -94,7 +87,7 @@ def gated_gemm(
         )
     else:
         x_arg, w_arg, out_args = x, weight, list(outs)
-    programs = _num_sms(x.device.index or 0) if x.is_cuda else 1
+    programs = num_sms(x.device.index or 0) if x.is_cuda else 1
 
     def grid(meta: dict) -> tuple[int]:
         tiles = triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(f, meta["BLOCK_N"])
@@ -115,7 +108,7 @@ def gated_gemm(
     pinned = pinned_config(x, f, chunk, aux, has_bias=bias is not None, use_tma=use_tma)
     if pinned is None:
         _gated_gemm_kernel[grid](*args, **constexprs)
-    else:  # the measured tile, launched as the autotuner launches its pick
+    else:  # the rule's tile, launched as the autotuner launches its pick
         pinned = fit_config(pinned, chunk, True, x.element_size())
         named = dict(zip(_gated_gemm_kernel.arg_names, args, strict=False))
         set_block_shapes({**named, **constexprs, **pinned.kwargs})
