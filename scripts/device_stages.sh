@@ -429,13 +429,13 @@ stage_grid() {
     --plot "$RES/grid/grid_${GPU}_$tag.png" 2>&1 | grep -v "^ " | tail -60
 }
 
-## moe: swiglu-train bench-moe, every model and routing ($MOE_MODELS, $MOE_VARIANTS)
+## moe: swiglu-train bench-moe, every model and routing ($MOE_MODELS, $MOE_ROUTING, $MOE_VARIANTS)
 stage_moe() {
   # Liger and torchtitan columns where their wheels were carried (.whll, .whlmoe); SonicMoE
   # runs in a process of its own (swiglu_train/bench/moe/sonic.py), merged with --merge.
   mkdir -p "$RES/moe"
   python3 -m swiglu_train bench-moe ${MOE_MODELS:+--models $MOE_MODELS} \
-    --routing balanced,skewed --samples 30 $([ "${MOE_TIMELINE:-1}" = 1 ] && echo --timeline) \
+    --routing "${MOE_ROUTING:-balanced,skewed}" --samples 30 $([ "${MOE_TIMELINE:-1}" = 1 ] && echo --timeline) \
     --variants "${MOE_VARIANTS:-normal,drop_h,drop_h+fp8,$(echo $QUACK | grep -q drop_h_quack && echo drop_h_quack,drop_h_quack+fp8,)liger}" \
     --out "$RES/moe/moe_${GPU}.json" 2>&1 | grep "^\[" | tail -20
 }
