@@ -232,13 +232,11 @@ def test_bad_construction_is_refused(kwargs, message):
 
 
 def test_the_weight_gradient_order_keeps_the_smaller_of_grad_w2_and_its_rows():
-    """Beside grad_W1 (the backward peak) stands grad_W2 or what it still needs: Qwen3-30B-A3B's
-    experts at 8192 tokens keep the rows (grad_y and h gathered: 184.5M < 201M elements),
-    at 32768 tokens grad_W2; quack's GEMM gathers grad_y, so only h [R, F] waits there (at
-    16384 tokens, half of grad_W2)."""
-    from swiglu_train.ops.experts_steps import grad_fc2_first
+    """drop_h_quack: beside grad_W1 (the backward peak) stands grad_W2 or what it still needs,
+    (w·)h [R, F] (quack's GEMM gathers grad_y): Qwen3-30B-A3B's experts at 16384 tokens keep
+    the rows (half of grad_W2), at 65536 tokens grad_W2."""
+    from swiglu_train.ops.experts_quack import grad_fc2_first
 
     e, d, f, k = 128, 2048, 768, 8
-    assert not grad_fc2_first(8192 * k * (d + f), e, d, f)
-    assert grad_fc2_first(32768 * k * (d + f), e, d, f)
+    assert grad_fc2_first(65536 * k * f, e, d, f)
     assert not grad_fc2_first(16384 * k * f, e, d, f)  # drop_h_quack

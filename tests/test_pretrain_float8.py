@@ -88,7 +88,7 @@ def test_a_gpu_without_fp8_is_refused(monkeypatch):
 @pytest.mark.parametrize("impl", ["normal", "drop_h"])
 @pytest.mark.parametrize("recipe", float8.RECIPES)
 def test_every_linear_but_the_head_is_converted_and_trains(recipe, impl):
-    cfg = ModelConfig(mlp_impl=impl, float8=recipe)
+    cfg = ModelConfig(mlp_impl=impl, float8=recipe, compile_blocks=False)
     torch.manual_seed(0)
     module = PretrainModule(cfg, OptimConfig(), max_steps=10)
     torch.manual_seed(0)
@@ -115,6 +115,32 @@ def test_every_linear_but_the_head_is_converted_and_trains(recipe, impl):
     assert calls == ([1] if impl == "normal" else [])
     assert torch.isfinite(loss) and loss.item() != baseline.item()
     assert module.model.layers[0].mlp.fc1.weight.grad is not None
+
+
+def test_float8_compiles_each_block_unless_told_not_to():
+    """torchao's casts are unfused eager kernels: FP8 drop_h ran 2.4-3.8x the bf16 floor on the
+    H100 uncompiled, torchao's compiled MLP 0.75-1.0x. Keys and module types stay put."""
+    blocks = lambda cfg: PretrainModule(cfg, OptimConfig(), max_steps=10).model.layers  # noqa: E731
+    assert all(b._compiled_call_impl is not None for b in blocks(ModelConfig(float8="rowwise")))
+    off = ModelConfig(float8="rowwise", compile_blocks=False)
+    assert all(b._compiled_call_impl is None for b in blocks(off))
+    assert all(b._compiled_call_impl is None for b in blocks(ModelConfig()))
+
+
+def test_a_compiled_block_trains_as_the_eager_one():
+    torch.manual_seed(0)
+    compiled = PretrainModule(ModelConfig(compile_blocks=True), OptimConfig(), max_steps=10)
+    torch.manual_seed(0)
+    eager = PretrainModule(ModelConfig(), OptimConfig(), max_steps=10)
+    assert compiled.state_dict().keys() == eager.state_dict().keys()
+    rows = torch.randint(0, 320, (2, 33))
+    with use_backend("torch"):
+        losses = [m.loss(rows) for m in (compiled, eager)]
+        for loss in losses:
+            loss.backward()
+    assert losses[0].item() == pytest.approx(losses[1].item(), rel=1e-5)
+    for (name, a), b in zip(compiled.named_parameters(), eager.parameters(), strict=True):
+        torch.testing.assert_close(a.grad, b.grad, rtol=1e-4, atol=1e-5, msg=name)
 
 
 def test_a_host_model_is_patched_to_normal_then_converted(tmp_path):

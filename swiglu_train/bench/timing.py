@@ -221,6 +221,11 @@ def memory_mib(case: Case, device: torch.device) -> tuple[float | None, float | 
     return after_forward / MiB, peak / MiB
 
 
+def _is_hold(kernel: str) -> bool:
+    """The clock's own spin kernel (``torch.cuda._sleep``: ``spin_kernel`` on CUDA 12+)."""
+    return any(word in kernel.lower() for word in ("sleep", "spin_kernel"))
+
+
 def kernel_timeline(case: Case, steps: int = 3) -> list[dict]:
     """One step's CUDA kernels in launch order, each with its mean µs over ``steps`` steps and
     the mean µs the GPU sat idle before it (since the step's previous kernel ended): which
@@ -235,7 +240,7 @@ def kernel_timeline(case: Case, steps: int = 3) -> list[dict]:
     kernels = [
         e
         for e in prof.events()
-        if e.device_type == torch.autograd.DeviceType.CUDA and "sleep" not in e.name.lower()
+        if e.device_type == torch.autograd.DeviceType.CUDA and not _is_hold(e.name)
     ]
     kernels.sort(key=lambda e: e.time_range.start)
     per_step = len(kernels) // steps

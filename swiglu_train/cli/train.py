@@ -153,6 +153,14 @@ def pretrain(
             "(docs/fp8-training.md)",
         ),
     ] = None,
+    compile_blocks: Annotated[
+        bool | None,
+        typer.Option(
+            "--compile/--no-compile",
+            help="torch.compile each transformer block (default: on with --float8, whose "
+            "casts are slow unfused, off without)",
+        ),
+    ] = None,
     checkpoint_layers: Annotated[
         int | None,
         typer.Option(
@@ -249,6 +257,7 @@ def pretrain(
         (cfg.model, "mlp_chunk", mlp_chunk),
         (cfg.model, "saved_fp8", saved_fp8),
         (cfg.model, "float8", float8),
+        (cfg.model, "compile_blocks", compile_blocks),
         (cfg.model, "checkpoint_layers", checkpoint_layers),
         (cfg.train, "activation_checkpointing", activation_checkpointing),
         (cfg.train, "memory_budget_gb", memory_budget_gb),

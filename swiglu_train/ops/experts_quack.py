@@ -40,7 +40,6 @@ from swiglu_train.ops.experts_routing import Routing, gather_sum, live_weights, 
 from swiglu_train.ops.experts_steps import (
     activate,
     backward_rows,
-    grad_fc2_first,
     router_grad,
     save,
     saved_tensors,
@@ -159,3 +158,13 @@ def drop_h_quack_experts(x, indices, weights, fc1, fc2, weights_on, saved_fp8=Fa
     check_quack_inputs(x, fc1[0], fc2[0], IMPL)
     x, fc1, fc2 = x.contiguous(), fc1.contiguous(), fc2.contiguous()
     return _ExpertsDropHQuack.apply(x, indices, weights, fc1, fc2, weights_on, saved_fp8, inplace)
+
+
+def grad_fc2_first(waiting: int, experts: int, hidden: int, ffn: int) -> bool:
+    """Whether to compute grad_W2 [E, D, F] before grad_W1: grad_W1's buffer [E, 2F, D] is the
+    step's peak, and beside it stands either grad_W2 (computed first) or the ``waiting``
+    elements grad_W2 still needs ((w·)h [R, F]; quack's GEMM gathers grad_y). The smaller of
+    the two is kept: at fine-grained experts and many tokens grad_W2 is the smaller, at few
+    wide experts the rows are. Not measured yet; on torch's grouped GEMMs (``ops.experts``)
+    the same order measured higher than grad_W2 first, so that path keeps grad_W2 first."""
+    return experts * hidden * ffn <= waiting

@@ -90,12 +90,3 @@ def router_grad(
     back in slot order, 0 for a dropped slot."""
     grad = torch.empty(indices.numel(), device=rows.device).index_copy_(0, plan.slot, rows)
     return torch.where(indices >= 0, grad.view(indices.shape), 0.0).to(weights.dtype)
-
-
-def grad_fc2_first(waiting: int, experts: int, hidden: int, ffn: int) -> bool:
-    """Whether to compute grad_W2 [E, D, F] before grad_W1: grad_W1's buffer [E, 2F, D] and the
-    gathered x are the step's peak, and beside them stands either grad_W2 (computed first) or
-    the ``waiting`` elements grad_W2 still needs ((w·)h [R, F], and grad_y gathered [R, D]
-    where the GEMM does not gather it). The smaller of the two is kept: at fine-grained experts
-    and many tokens grad_W2 is the smaller, at few wide experts the rows are."""
-    return experts * hidden * ffn <= waiting

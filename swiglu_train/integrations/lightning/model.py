@@ -45,8 +45,12 @@ class ModelConfig:
     # drop_h's saved preactivation in FP8 (swiglu_train.ops.fp8_saved); weights are unchanged
     saved_fp8: bool = False
     # "tensorwise" or "rowwise": the linears train in FP8 through torchao's Float8Linear, the lm
-    # head aside (float8.py); with mlp_impl "normal" only, whose fc1/fc2 run through it
+    # head aside (float8.py); with mlp_impl drop_h (its own FP8 GEMMs) or normal (torchao's)
     float8: str | None = None
+    # torch.compile each transformer block (nn.Module.compile: keys and types unchanged). None:
+    # on with float8, whose casts run as unfused eager kernels otherwise (2.4-3.8x the bf16
+    # step on the H100, benchmarks/results/fp8/fp8_training_grid_h100.md), off without
+    compile_blocks: bool | None = None
     # "hf:PATH/config.json" or "litgpt:NAME" (--model): train that architecture instead, its
     # MLPs patched to mlp_impl (integrations/lightning/host_model.py), or left as the host
     # built them with mlp_impl "stock"; the sizes above are then read from its config
@@ -86,6 +90,11 @@ class ModelConfig:
         check_model_saved_fp8(self)
         check_float8(self.float8, self.mlp_impl, self.num_experts)
         check_checkpoint_layers(self)
+
+
+def compiles_blocks(cfg: ModelConfig) -> bool:
+    """Whether the recipe torch.compiles each block: as asked, else exactly when --float8."""
+    return cfg.float8 is not None if cfg.compile_blocks is None else cfg.compile_blocks
 
 
 def check_stock(cfg: ModelConfig) -> None:

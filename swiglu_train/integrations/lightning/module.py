@@ -14,7 +14,7 @@ from swiglu_train.integrations.lightning.checkpoint_record import LAYOUT_KEY
 from swiglu_train.integrations.lightning.float8 import convert_float8
 from swiglu_train.integrations.lightning.fsdp2 import is_fully_sharded, shard
 from swiglu_train.integrations.lightning.host_model import STOCK
-from swiglu_train.integrations.lightning.model import LlamaDecoder, ModelConfig
+from swiglu_train.integrations.lightning.model import LlamaDecoder, ModelConfig, compiles_blocks
 from swiglu_train.layers import ParMLP
 from swiglu_train.layers.experts import ParExperts
 from swiglu_train.layers.layout import CANONICAL
@@ -65,6 +65,9 @@ class PretrainModule(pl.LightningModule):
         self.model = LlamaDecoder(model) if model.source is None else _host_model(model)
         if model.float8 is not None:  # after init: the conversion keeps the parameters
             convert_float8(self.model, model.float8)
+        if compiles_blocks(model):  # after float8: the compiled blocks trace its linears
+            for block in self.model.layers:
+                block.compile()
         # What fixes the batches (corpus, batch shape, world size), stamped into checkpoints so
         # that a resume on other data can say so; run_pretrain sets it once the data is loaded.
         self.data_record: dict | None = None
