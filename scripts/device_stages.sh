@@ -53,6 +53,16 @@ cfg['train'].update(seed=s, max_steps=n, val_check_interval=n, checkpoint_every=
 open(sys.argv[3], 'w').write(yaml.safe_dump(cfg))" "$1" "$2" "$3"
 }
 
+ab_report() {  # DIR STAGE RUNS TITLE: the runs' summaries into $RES, and the A/B once all ran
+  local dir=$1 stage=$2
+  cp "$dir"/ab_* "$RES/$stage/"
+  if [ "$(ls "$dir"/ab_*_seed*.json | wc -l)" != "$3" ]; then echo "$stage: run it again"; return 0; fi
+  python3 benchmarks/plot_loss_ab.py "$dir"/ab_*_seed*.json --last 100 --smooth 50 --commit "$COMMIT" \
+    --title "$4" --command "python3 scripts/device.py stage $stage" \
+    --json "$RES/${stage}_125m_${GPU}.json" --md "$RES/${stage}_125m_${GPU}.md" \
+    --plot "$RES/${stage}_125m_${GPU}.png"
+}
+
 # e2e_1b / e2e_3b: rounds add up across calls (--append): where 3 rounds overrun a call,
 # E2E_ROUNDS=1 E2E_PLANNER=0 twice, then E2E_ROUNDS=1. At 3B the planner alone takes ~6 min at 2
 # budgets with 5 impls: E2E_BUDGETS=auto:2 there. The JSON is written after every point.
@@ -407,12 +417,7 @@ stage_fp8_loss_ab() {
       rm -rf "$SCRATCH/$run/checkpoints"  # 1.5 GB a run, not needed
     done
   done
-  cp "$AB"/ab_* "$RES/fp8_loss_ab/"
-  if [ "$(ls "$AB"/ab_*_seed*.json | wc -l)" != 4 ]; then echo "fp8_loss_ab: run it again"; exit 0; fi
-  python3 benchmarks/plot_loss_ab.py "$AB"/ab_*_seed*.json --last 100 --smooth 50 --commit "$COMMIT" \
-    --title "125M Lightning pretrain, bf16-mixed, $steps steps: drop_h saving its preactivation in FP8 vs bf16, seeds 1 and 2" \
-    --command "python3 scripts/device.py stage fp8_loss_ab" --json "$RES/fp8_loss_ab_125m_${GPU}.json" \
-    --md "$RES/fp8_loss_ab_125m_${GPU}.md" --plot "$RES/fp8_loss_ab_125m_${GPU}.png"
+  ab_report "$AB" fp8_loss_ab 4 "125M Lightning pretrain, bf16-mixed, $steps steps: drop_h saving its preactivation in FP8 vs bf16, seeds 1 and 2"
 }
 
 ## grid: swiglu-train bench-grid, a chunk a call ($GRID_CHUNK, _MODELS, _M, _VARIANTS)
@@ -475,12 +480,7 @@ stage_float8_loss_ab() {
   done
   wait
   rm -rf "$SCRATCH"/ab_*/checkpoints
-  cp "$AB"/ab_* "$RES/float8_loss_ab/"
-  if [ "$(ls "$AB"/ab_*_seed*.json | wc -l)" != 6 ]; then echo "float8_loss_ab: run it again"; exit 0; fi
-  python3 benchmarks/plot_loss_ab.py "$AB"/ab_*_seed*.json --last 100 --smooth 50 --commit "$COMMIT" \
-    --title "125M Lightning pretrain, bf16-mixed, $steps steps: drop_h on torchao's $recipe FP8 recipe vs torchao's FP8 MLP vs bf16 drop_h, seeds 1 and 2 (3 runs at once)" \
-    --command "python3 scripts/device.py stage float8_loss_ab" --json "$RES/float8_loss_ab_125m_${GPU}.json" \
-    --md "$RES/float8_loss_ab_125m_${GPU}.md" --plot "$RES/float8_loss_ab_125m_${GPU}.png"
+  ab_report "$AB" float8_loss_ab 6 "125M Lightning pretrain, bf16-mixed, $steps steps: drop_h on torchao's $recipe FP8 recipe vs torchao's FP8 MLP vs bf16 drop_h, seeds 1 and 2 (${FLOAT8_AB_PARALLEL:-3} runs at once)"
 }
 
 ## float8_1b: the ~1B Lightning model: drop_h on torchao's FP8 recipe vs torchao's MLP vs bf16, $FLOAT8_ROUNDS (2) rounds
