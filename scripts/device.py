@@ -70,8 +70,9 @@ WHEELS: dict[str, tuple[str, list[str]]] = {
     ".whlh": ("LitGPT and jsonargparse, for the patch stage (0.4 MB)",
               ["litgpt==0.5.13", "jsonargparse==4.41.0"]),
     ".whla": ("torchao for FP8 training, pure Python (0.8 MB): float8 and what it and transformers "
-              "import, without the CUDA extensions and prototypes (3.4 MB whole), so it fits "
-              "beside .whlqx, .whlx and the tree", ["torchao==0.18.0"]),
+              "import, without the CUDA extensions and prototypes (3.4 MB whole). Even so it "
+              "does not fit beside .whlqx, .whlx and the tree: the device counts 4 KiB blocks, "
+              "64.8 MiB there", ["torchao==0.18.0"]),
     ".whll": ("Liger alone (0.9 MB): the peer that still fits beside .whlqx, .whlx and the tree",
               ["liger-kernel==0.8.5"]),
 }  # fmt: skip
