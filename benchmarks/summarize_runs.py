@@ -39,21 +39,34 @@ def table(runs: list[dict], baseline: str = "normal") -> list[dict]:
     """One row per impl: medians over rounds, and the paired ratio of tokens/s to the
     baseline impl's run of the same round."""
     normal = {r["round"]: r["tokens_per_s"] for r in runs if r["mlp_impl"] == baseline}
+    normal = {k: v for k, v in normal.items() if v}
     rows = []
     for impl in dict.fromkeys(r["mlp_impl"] for r in runs):
         mine = [r for r in runs if r["mlp_impl"] == impl]
-        ratios = [r["tokens_per_s"] / normal[r["round"]] for r in mine if r["round"] in normal]
+        ratios = [r["tokens_per_s"] / normal[r["round"]] for r in mine
+                  if r["round"] in normal and r["tokens_per_s"]]  # fmt: skip
         rows.append({
             "mlp_impl": impl,
             "rounds": len(mine),
-            "tokens_per_s": statistics.median(r["tokens_per_s"] for r in mine),
+            "tokens_per_s": _median(r["tokens_per_s"] for r in mine),
             "tokens_per_s_vs_normal": statistics.median(ratios) if ratios else None,
-            "after_forward_MiB": statistics.median(r["after_forward_MiB"] for r in mine),
-            "peak_MiB": statistics.median(r["peak_MiB"] for r in mine),
+            "after_forward_MiB": _median(r["after_forward_MiB"] for r in mine),
+            "peak_MiB": _median(r["peak_MiB"] for r in mine),
             "initial_loss": mine[0]["initial_loss"],
-            "final_loss": statistics.median(r["final_loss"] for r in mine),
+            "final_loss": _median(r["final_loss"] for r in mine),
         })  # fmt: skip
     return rows
+
+
+def _median(values) -> float | None:
+    """The median, or None where a run did not measure it (memory on the CPU, a run too short
+    for tokens/s)."""
+    values = list(values)
+    return None if any(v is None for v in values) else statistics.median(values)
+
+
+def _cell(value: float | None, spec: str) -> str:
+    return "—" if value is None else format(value, spec)
 
 
 def markdown(title: str, rows: list[dict], baseline: str = "normal") -> str:
@@ -66,9 +79,9 @@ def markdown(title: str, rows: list[dict], baseline: str = "normal") -> str:
     for r in rows:
         ratio = f"{r['tokens_per_s_vs_normal']:.3f}" if r["tokens_per_s_vs_normal"] else "—"
         lines.append(
-            f"| {r['mlp_impl']} | {r['rounds']} | {r['tokens_per_s']:.0f} | {ratio} "
-            f"| {r['after_forward_MiB']:.1f} | {r['peak_MiB']:.1f} "
-            f"| {r['initial_loss']:.3f} → {r['final_loss']:.3f} |"
+            f"| {r['mlp_impl']} | {r['rounds']} | {_cell(r['tokens_per_s'], '.0f')} | {ratio} "
+            f"| {_cell(r['after_forward_MiB'], '.1f')} | {_cell(r['peak_MiB'], '.1f')} "
+            f"| {_cell(r['initial_loss'], '.3f')} → {_cell(r['final_loss'], '.3f')} |"
         )
     return "\n".join(lines) + "\n"
 

@@ -119,6 +119,20 @@ def test_summarize_runs_pairs_rounds_and_writes_both_files(tmp_path, monkeypatch
     with pytest.raises(SystemExit):
         summarize.main()
 
+    # a run that measured no memory (on the CPU) reads "—", never a made-up number
+    cpu = tmp_path / "pretrain_stock_1.json"
+    cpu.write_text(json.dumps({"mlp_impl": "stock", "saved_fp8": False, "tokens_per_s": 50.0,
+                               "after_forward_MiB": None, "peak_MiB": None,
+                               "initial_loss": 5.7, "final_loss": 5.6}))  # fmt: skip
+    monkeypatch.setattr("sys.argv", ["x", str(cpu), paths[0], "--title", "T", "--command", "c",
+                                     "--commit", "abc", "--gpu", "cpu", "--baseline", "stock",
+                                     "--json", str(out_json), "--md", str(out_md)])  # fmt: skip
+    summarize.main()
+    rows = {r["mlp_impl"]: r for r in json.loads(out_json.read_text())["rows"]}
+    assert rows["stock"]["after_forward_MiB"] is None
+    assert rows["normal"]["tokens_per_s_vs_normal"] == pytest.approx(2.0)
+    assert "| stock | 1 | 50 | 1.000 | — | — | 5.700 → 5.600 |" in out_md.read_text()
+
 
 def test_probe_result_records_where_and_how_it_was_measured(tmp_path, monkeypatch):
     import torch
