@@ -5,6 +5,8 @@ than train in bf16 unannounced; ``patch`` leaves an MLP converted before it. Flo
 on the CPU (torch's CPU ``_scaled_mm``), so the numerics are checked here too; the cuda case is
 the GPU test (H100/H200: real FP8 GEMMs)."""
 
+import warnings
+
 import pytest
 import torch
 from conftest import device_backends
@@ -258,3 +260,34 @@ def test_h_cast_from_the_preactivation_is_torchao_s_cast_of_h(device, backend, r
         theirs._axiswise_dim,
         theirs._gemm_input_role,
     )
+
+
+def test_training_fp8_gemms_uncompiled_on_a_gpu_is_flagged_and_compiled_is_not():
+    """Uncompiled, torchao's casts are separate kernels: FP8 ran 2.4-3.8x the bf16 GEMMs on an
+    H100. The flag holds on a GPU with grad outside torch.compile only."""
+    from swiglu_train.layers.par_mlp import uncompiled_float8_training
+
+    assert uncompiled_float8_training("cuda") and not uncompiled_float8_training("cpu")
+    with torch.no_grad():
+        assert not uncompiled_float8_training("cuda")
+
+    @torch.compile(backend="eager")
+    def flagged(t: torch.Tensor) -> torch.Tensor:
+        return t + (1.0 if uncompiled_float8_training("cuda") else 0.0)
+
+    assert flagged(torch.zeros(1)).item() == 0.0
+
+
+@pytest.mark.parametrize("impl", ["drop_h", "normal"])
+def test_a_converted_mlp_warns_once_where_its_fp8_gemms_would_run_unfused(monkeypatch, impl):
+    from swiglu_train.layers import par_mlp
+
+    mlp = nn.Sequential(ParMLP(D, FFN, impl=impl))
+    convert(mlp)
+    x = torch.randn(M, D, requires_grad=True)
+    with use_backend("torch"), warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        mlp(x)  # on the CPU: no warning
+        monkeypatch.setattr(par_mlp, "uncompiled_float8_training", lambda device_type: True)
+        mlp(x)
+    assert [str(w.message) for w in seen] == [par_mlp.UNCOMPILED_FLOAT8_WARNING]

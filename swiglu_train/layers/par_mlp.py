@@ -11,6 +11,7 @@ model is written (``layers.loading``).
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Mapping
 
 import torch
@@ -49,6 +50,12 @@ CONVERTED_IMPL = "normal"
 # the impl that runs torchao's Float8Linear recipes in GEMMs of its own (ops.float8_mlp)
 FLOAT8_IMPL = "drop_h"
 FLOAT8_IMPLS = (FLOAT8_IMPL, CONVERTED_IMPL)  # the impls an FP8 training conversion runs under
+UNCOMPILED_FLOAT8_WARNING = (
+    "ParMLP trains FP8 GEMMs (torchao Float8Linear fc1/fc2) outside torch.compile: torchao's "
+    "casts then run as separate eager kernels, and the step is slower than bf16 (2.4-3.8x the "
+    "bf16 GEMMs on an H100, docs/fp8-training.md). Compile the model or its blocks "
+    "(torch.compile, nn.Module.compile; pretrain --float8 does) to fuse them."
+)
 STAMP_KEY = "_extra_state"  # a packed ParMLP's state_dict entry: {"fc1_layout": {...}}
 
 
@@ -221,6 +228,8 @@ class ParMLP(nn.Module, CheckedLoad):
         params = (*_weight_and_bias(fc1), *_weight_and_bias(fc2))
         device = x.device
         self._check_input(x, fc1.in_features, device, params)
+        if converted and uncompiled_float8_training(device.type) and is_torchao_float8(fc1):
+            warnings.warn(UNCOMPILED_FLOAT8_WARNING, stacklevel=2)
         if converted and self._impl == FLOAT8_IMPL:  # torchao's recipes in drop_h's GEMMs
             return self._float8(x, fc1, fc2, params)
         if converted:  # impl normal: the converted forwards run the GEMMs (FP8 under torchao)
@@ -363,6 +372,12 @@ def converted_forward(linear: nn.Module) -> bool:
     swaps nn.Linear for ``Float8Linear``, whose forward runs FP8 GEMMs). Subclasses that keep
     ``nn.Linear.forward`` (FSDP2's, a parametrization's) are not converted."""
     return type(linear).forward is not nn.Linear.forward
+
+
+def uncompiled_float8_training(device_type: str) -> bool:
+    """Whether FP8 GEMMs would train here with their casts unfused: on a GPU, with grad, and
+    not inside torch.compile (the CPU's FP8 GEMMs are for tests, slow whichever way)."""
+    return device_type == "cuda" and torch.is_grad_enabled() and not torch.compiler.is_compiling()
 
 
 def _check_converted_linears(fc1: nn.Module, fc2: nn.Module, impl: str, saved_fp8: bool) -> bool:
