@@ -437,12 +437,28 @@ stage_grid() {
 ## moe: swiglu-train bench-moe, every model and routing ($MOE_MODELS, $MOE_ROUTING, $MOE_VARIANTS)
 stage_moe() {
   # Liger and torchtitan columns where their wheels were carried (.whll, .whlmoe); SonicMoE
-  # runs in a process of its own (swiglu_train/bench/moe/sonic.py), merged with --merge.
+  # runs in a process of its own (stage sonic), merged with bench-moe --merge.
   mkdir -p "$RES/moe"
   python3 -m swiglu_train bench-moe ${MOE_MODELS:+--models $MOE_MODELS} \
     --routing "${MOE_ROUTING:-balanced,skewed}" --samples 30 $([ "${MOE_TIMELINE:-1}" = 1 ] && echo --timeline) \
     --variants "${MOE_VARIANTS:-normal,drop_h,drop_h+fp8,$(echo $QUACK | grep -q drop_h_quack && echo drop_h_quack,drop_h_quack+fp8,)liger}" \
     --out "$RES/moe/moe_${GPU}.json" 2>&1 | grep "^\[" | tail -20
+}
+
+## sonic: SonicMoE beside drop_h in a process of its own, its wheels from .whls ($MOE_MODELS, $MOE_ROUTING)
+stage_sonic() {
+  # .whls (carried alone: 46 MB) holds sonicmoe's snapshot wheel, the quack it pins (with
+  # gemm_act), cuda-python and cutlass-dsl 4.2.1 unpacked (its python_packages on the path as
+  # its .pth would put them). Never installed into python3's own site: our quack stays 0.6.5.
+  local site=/tmp/sonic-site
+  if [ ! -d "$site/sonicmoe" ]; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --target "$site" .whls/*.whl
+    tar xJf .whls/cutlass-dsl-*.tar.xz -C "$site"
+  fi
+  mkdir -p "$RES/moe"
+  PYTHONPATH="$site:$site/nvidia_cutlass_dsl/python_packages:$PYTHONPATH" python3 -m swiglu_train \
+    bench-moe --models "${MOE_MODELS:-qwen3-30b-a3b,olmoe-1b-7b}" --routing "${MOE_ROUTING:-balanced}" \
+    --samples 30 --variants drop_h,drop_h+fp8,sonicmoe --out "$RES/moe/moe_sonic_${GPU}.json" 2>&1 | tail -20
 }
 
 ## fp8_training: the FP8-GEMM GPU tests, then drop_h on torchao's recipes against torchao's MLP (carry .whla)
