@@ -137,10 +137,15 @@ def float8_convert(module: torch.nn.Module, recipe: str) -> torch.nn.Module:
     return convert_to_float8_training(module, config=Float8LinearConfig.from_recipe_name(recipe))
 
 
-def ours_float8(impl: str, recipe: str) -> Callable[[LayerWeights], Layer]:
+def ours_float8(impl: str, recipe: str, compile_: bool = False) -> Callable[[LayerWeights], Layer]:
     """Our impl on fc1/fc2 that torchao converted (issue 48): drop_h runs their recipes in its
-    own GEMMs, normal runs their forwards."""
-    return lambda w: float8_convert(ours(impl)(w), recipe)
+    own GEMMs, normal runs their forwards; torch.compile'd as ``pretrain --float8`` runs it."""
+
+    def build(w: LayerWeights) -> Layer:
+        mlp = float8_convert(ours(impl)(w), recipe)
+        return torch.compile(mlp) if compile_ else mlp
+
+    return build
 
 
 class _TorchaoMLP(torch.nn.Module):
@@ -195,9 +200,10 @@ BUILDERS: dict[str, Callable[[LayerWeights], Layer]] = {
     },
     # FP8 GEMMs (issue 48): ours on torchao-converted linears, and torchao's own MLP
     **{
-        f"{impl}_float8_{recipe}": ours_float8(impl, recipe)
+        f"{impl}_float8_{recipe}{'_compile' if c else ''}": ours_float8(impl, recipe, c)
         for impl in ("drop_h", "normal")
         for recipe in ("tensorwise", "rowwise")
+        for c in (False, True)
     },
     **{
         f"torchao_float8_{recipe}{'_compile' if c else ''}": torchao_float8(recipe, c)
