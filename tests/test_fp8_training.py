@@ -182,8 +182,12 @@ def test_patch_leaves_an_mlp_converted_before_it_with_the_reason():
 
 @pytest.mark.parametrize(
     "variant",
-    ["drop_h_float8_rowwise", "normal_float8_tensorwise", "torchao_float8_tensorwise",
-     "drop_h_float8_tensorwise_compile"],  # fmt: skip
+    [
+        "drop_h_float8_rowwise",
+        "normal_float8_tensorwise",
+        "torchao_float8_tensorwise",
+        "drop_h_float8_tensorwise_compile",
+    ],
 )
 def test_the_benchmark_s_float8_variants_run_fp8_gemms_on_the_shared_weights(variant):
     """bench's FP8 variants (ours on converted linears, torchao's own MLP) read the layer's
