@@ -73,7 +73,8 @@ WHEELS: dict[str, tuple[str, list[str]]] = {
               "import, without the CUDA extensions and prototypes (3.4 MB whole). Even so it "
               "does not fit beside .whlqx, .whlx and the tree: the device counts 4 KiB blocks, "
               "64.8 MiB there", ["torchao==0.18.0"]),
-    ".whll": ("Liger alone (0.9 MB): the peer that still fits beside .whlqx, .whlx and the tree",
+    ".whll": ("Liger alone (0.9 MB), for a call without quack: beside .whlqx and .whlx the tree "
+              "leaves no room for it (the device counts 4 KiB blocks; 64 MiB in all)",
               ["liger-kernel==0.8.5"]),
 }  # fmt: skip
 # py-spy's only wheel is manylinux1: a narrower list skips it
