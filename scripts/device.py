@@ -77,6 +77,18 @@ WHEELS: dict[str, tuple[str, list[str]]] = {
               "leaves no room for it (the device counts 4 KiB blocks; 64 MiB in all)",
               ["liger-kernel==0.8.5"]),
 }  # fmt: skip
+# What a device call may carry, in the 4 KiB blocks the device counts, and what quack's wheels
+# (.whlqx + .whlx, as `wheels` packs them) take of it: the tracked tree must fit the rest, or
+# no call can run the quack impls (tests/test_device_tool.py checks it).
+CARRY_LIMIT_KIB = 64 * 1024
+QUACK_CARRY_KIB = 53252
+
+
+def blocks_kib(sizes: list[int]) -> int:
+    """KiB of 4 KiB blocks that files of these byte sizes occupy."""
+    return sum(-(-size // 4096) * 4 for size in sizes)
+
+
 # py-spy's only wheel is manylinux1: a narrower list skips it
 PLATFORMS = [
     "manylinux_2_28_x86_64", "manylinux_2_24_x86_64", "manylinux_2_17_x86_64",

@@ -141,3 +141,15 @@ def test_a_stage_past_its_bound_is_stopped_and_what_finished_comes_back(
     device.run_stages(["write", "hang:1"])
     with tarfile.open(tmp_path / "out" / "results-xyz.tgz") as tar:
         assert tar.extractfile("./commit.txt").read() == b"abc1234\n"
+
+
+def test_the_tracked_tree_leaves_room_for_quack_s_wheels_in_a_device_call(device):
+    """A device call carries the tracked tree and the wheel folders in 64 MiB of 4 KiB blocks:
+    grown past what quack's wheels leave, no call could measure the quack impls again."""
+    listed = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, capture_output=True,
+                            text=True, check=True).stdout.split("\0")  # fmt: skip
+    files = [ROOT / p for p in listed if p and (ROOT / p).is_file() and not (ROOT / p).is_symlink()]
+    tree = device.blocks_kib([f.stat().st_size for f in files])
+    room = device.CARRY_LIMIT_KIB - device.QUACK_CARRY_KIB
+    assert tree <= room, f"the tracked tree takes {tree} KiB, quack's wheels leave {room}"
+    assert device.blocks_kib([1, 4096, 4097]) == 16
