@@ -23,7 +23,7 @@ import sys
 from pathlib import Path
 
 from swiglu_train.bench.results import git_commit
-from swiglu_train.files import write_json_atomic
+from swiglu_train.files import atomic_write, write_json_atomic
 from swiglu_train.kernels.gated_tiles import RULE, TileRule
 
 FILLS = [round(0.3 + 0.05 * i, 2) for i in range(15)]  # 0.30 .. 1.00
@@ -205,7 +205,8 @@ def main() -> None:
     result = {"commit": git_commit(), "command": command} | result
     write_json_atomic(args.json, result)
     if args.md:
-        Path(args.md).write_text(to_markdown(result))
+        with atomic_write(Path(args.md)) as f:
+            f.write(to_markdown(result))
     s = result["leave_one_shape_out"]["summary"]
     print(
         f"leave one shape out: median {num(s['median_over_best'])}x best, worst "

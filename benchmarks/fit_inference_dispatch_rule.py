@@ -35,7 +35,7 @@ from pathlib import Path
 
 from swiglu_train.bench.inference.variants import CANDIDATES
 from swiglu_train.bench.results import git_commit
-from swiglu_train.files import write_json_atomic
+from swiglu_train.files import atomic_write, write_json_atomic
 from swiglu_train.ops import dispatch
 
 # H200: auto_h200.json's six-GEMM floor (799.55 TFLOP/s) over a 4 GiB device copy (4.30 TB/s,
@@ -271,7 +271,8 @@ def main() -> None:
     result = {"commit": git_commit(), "command": command} | result
     write_json_atomic(args.json, result)
     if args.md:
-        Path(args.md).write_text(to_markdown(result))
+        with atomic_write(Path(args.md)) as f:
+            f.write(to_markdown(result))
     lomo = result["leave_one_model_out"]
     for name in ("rule", "table"):
         s = lomo[name]["summary"]
