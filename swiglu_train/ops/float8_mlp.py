@@ -17,6 +17,7 @@ A linear given as None (left in bf16 by the conversion) runs its GEMMs in the we
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 from torch import nn
@@ -26,6 +27,7 @@ from swiglu_train.ops.mlp import (
     SECOND_BACKWARD_ERROR,
     SECOND_BACKWARD_FREED_ERROR,
     claim_inplace_backward,
+    drop_h_grads,
     recompute_h,
     refuse_double_backward,
 )
@@ -159,14 +161,14 @@ class _DropHFloat8(torch.autograd.Function):
         fc1_gemms, fc2_gemms = ctx.gemms
         grad_y = grad_y.contiguous()
         h, grad_preact = recompute_h(preact, grad_input(grad_y, fc2_weight, fc2_gemms), inplace)
-        need_x, need_w1, need_b1, need_w2, need_b2 = ctx.needs_input_grad[:5]
-        grad_w2 = grad_weight(grad_y, h, fc2_gemms) if need_w2 else None
+        grad_w2 = grad_weight(grad_y, h, fc2_gemms) if ctx.needs_input_grad[3] else None
         del h
-        grad_x = grad_input(grad_preact, fc1_weight, fc1_gemms) if need_x else None
-        grad_w1 = grad_weight(grad_preact, x, fc1_gemms) if need_w1 else None
-        grad_b1 = grad_preact.sum(0) if need_b1 and ctx.has_bias[0] else None
-        grad_b2 = grad_y.sum(0) if need_b2 and ctx.has_bias[1] else None
-        return grad_x, grad_w1, grad_b1, grad_w2, grad_b2, None, None, None
+        grads = drop_h_grads(
+            ctx, x, fc1_weight, grad_preact, grad_y, grad_w2,
+            input_grad=partial(grad_input, gemms=fc1_gemms),
+            weight_grad=partial(grad_weight, gemms=fc1_gemms),
+        )  # fmt: skip
+        return *grads, None, None, None
 
 
 def drop_h_float8_mlp(

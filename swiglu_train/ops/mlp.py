@@ -9,6 +9,8 @@ All functions take a 2D x [M, D] and canonical weights: fc1 [2F, D] = [W_gate; W
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 
@@ -169,12 +171,22 @@ def recompute_h(
     return swiglu_bwd_recompute(preact, grad_h)
 
 
-def drop_h_grads(ctx, x, fc1_weight, grad_preact, grad_y, grad_w2) -> tuple:
+def drop_h_grads(
+    ctx,
+    x,
+    fc1_weight,
+    grad_preact,
+    grad_y,
+    grad_w2,
+    input_grad: Callable = torch.mm,
+    weight_grad: Callable = lambda grad, x: grad.t() @ x,
+) -> tuple:
     """(grad_x, grad_W1, grad_b1, grad_W2, grad_b2) as autograd asked for them, from
-    grad_preact on cuBLAS: how every portable drop_h backward ends (``save_drop_h``'s ctx)."""
+    grad_preact: how every portable drop_h backward ends (``save_drop_h``'s ctx), on cuBLAS or
+    on the GEMMs given (the FP8 ones of ``ops.float8_mlp``)."""
     need_x, need_w1, need_b1, _, need_b2 = ctx.needs_input_grad[:5]
-    grad_x = grad_preact @ fc1_weight if need_x else None
-    grad_w1 = grad_preact.t() @ x if need_w1 else None
+    grad_x = input_grad(grad_preact, fc1_weight) if need_x else None
+    grad_w1 = weight_grad(grad_preact, x) if need_w1 else None
     grad_b1 = grad_preact.sum(0) if need_b1 and ctx.has_bias[0] else None
     grad_b2 = grad_y.sum(0) if need_b2 and ctx.has_bias[1] else None
     return grad_x, grad_w1, grad_b1, grad_w2, grad_b2
