@@ -17,13 +17,10 @@ import argparse
 import itertools
 import json
 import math
-import shlex
 import statistics
-import sys
 from pathlib import Path
 
-from swiglu_train.bench.results import git_commit
-from swiglu_train.files import atomic_write, write_json_atomic
+from swiglu_train.bench.results import git_commit, write_result
 from swiglu_train.kernels.gated_tiles import RULE, TileRule
 
 FILLS = [round(0.3 + 0.05 * i, 2) for i in range(15)]  # 0.30 .. 1.00
@@ -201,12 +198,10 @@ def main() -> None:
     args = parser.parse_args()
     judged = [json.loads(Path(p).read_text()) for p in args.judge]
     result = evaluate(json.loads(Path(args.sweep).read_text()), judged, args.sms)
-    command = f"python benchmarks/{Path(__file__).name} " + shlex.join(sys.argv[1:])
-    result = {"commit": git_commit(), "command": command} | result
-    write_json_atomic(args.json, result)
-    if args.md:
-        with atomic_write(Path(args.md)) as f:
-            f.write(to_markdown(result))
+    script = f"benchmarks/{Path(__file__).name}"
+    result = write_result(
+        script, {"commit": git_commit()} | result, args.json, args.md, to_markdown
+    )
     s = result["leave_one_shape_out"]["summary"]
     print(
         f"leave one shape out: median {num(s['median_over_best'])}x best, worst "

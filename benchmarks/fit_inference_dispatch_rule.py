@@ -26,16 +26,13 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import shlex
 import statistics
-import sys
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from swiglu_train.bench.inference.variants import CANDIDATES
-from swiglu_train.bench.results import git_commit
-from swiglu_train.files import atomic_write, write_json_atomic
+from swiglu_train.bench.results import git_commit, write_result
 from swiglu_train.ops import dispatch
 
 # H200: auto_h200.json's six-GEMM floor (799.55 TFLOP/s) over a 4 GiB device copy (4.30 TB/s,
@@ -267,12 +264,10 @@ def main() -> None:
     args = parser.parse_args()
     others = [json.loads(Path(p).read_text()) for p in args.judge]
     result = evaluate(json.loads(Path(args.results).read_text()), others, args.ridge)
-    command = f"python benchmarks/{Path(__file__).name} " + shlex.join(sys.argv[1:])
-    result = {"commit": git_commit(), "command": command} | result
-    write_json_atomic(args.json, result)
-    if args.md:
-        with atomic_write(Path(args.md)) as f:
-            f.write(to_markdown(result))
+    script = f"benchmarks/{Path(__file__).name}"
+    result = write_result(
+        script, {"commit": git_commit()} | result, args.json, args.md, to_markdown
+    )
     lomo = result["leave_one_model_out"]
     for name in ("rule", "table"):
         s = lomo[name]["summary"]

@@ -12,6 +12,7 @@ import shlex
 import subprocess
 import sys
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 
@@ -54,9 +55,21 @@ def write_probe_result(
     """A GPU probe script's result: its rows with the GPU, commit, exact command and
     environment, written atomically as JSON (and as markdown when asked)."""
     env = environment(device, commit)
-    command = f"python {script} " + shlex.join(sys.argv[1:])
-    result = {"gpu": env["device_name"], "commit": env["commit"], "command": command}
+    result = {"gpu": env["device_name"], "commit": env["commit"]}
     result |= {"environment": env, "samples": samples, "rows": rows}
+    return write_result(script, result, json_path, md_path, to_markdown)
+
+
+def write_result(
+    script: str,
+    result: dict,
+    json_path: str | Path,
+    md_path: str | Path | None = None,
+    to_markdown: Callable[[dict], str] | None = None,
+) -> dict:
+    """``result`` with the exact command that made it, written atomically as JSON (and as
+    markdown when asked): a lab script's output names how to make it again."""
+    result = {"command": f"python {script} " + shlex.join(sys.argv[1:])} | result
     write_json_atomic(json_path, result)
     if md_path and to_markdown is not None:
         with atomic_write(md_path) as fh:
