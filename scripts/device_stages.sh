@@ -46,6 +46,16 @@ reshard() {  # DIR EXTRA SRC_IMPL:TP TARGET_IMPL:TP...: save at step 3, resume b
   done
 }
 
+rotate() {  # WORD...: the words with the first moved last, so no impl always runs first
+  echo "$@" | awk '{for (i = 2; i <= NF; i++) printf "%s ", $i; print $1}'
+}
+pretrain_run() {  # NAME DIR ARGS...: one pretrain run, its summary DIR/NAME.json, its log and
+  local name=$1 dir=$2  # (checkpoints dropped) output in $SCRATCH
+  shift 2
+  python3 -m swiglu_train pretrain "$@" --output-dir "$SCRATCH/$name" \
+    --summary-json "$dir/$name.json" > "$SCRATCH/$name.log" 2>&1 || tail -5 "$SCRATCH/$name.log"
+  rm -rf "$SCRATCH/$name/checkpoints"
+}
 ab_config() {  # SEED STEPS OUT: the 125M config at a seed (init and data order) and step count
   python3 -c "import sys, yaml; from swiglu_train.integrations.lightning.config import resolve_config_path as path
 s, n = int(sys.argv[1]), int(sys.argv[2]); cfg = yaml.safe_load(path('125m').read_text()); cfg['data']['seed'] = s
@@ -315,7 +325,7 @@ stage_scale4_rounds() {
   S4=/tmp/gpu-scale4-$COMMIT && mkdir -p "$S4" "$RES/scale4"
   order="${SCALE4_IMPLS:-stock normal drop_h $QUACK}"
   for round in ${SCALE4_ROUNDS:-2 3}; do
-    order=$(echo $order | awk '{for (i = 2; i <= NF; i++) printf "%s ", $i; print $1}')
+    order=$(rotate $order)
     for impl in $order; do
       for layout in ${SCALE4_LAYOUTS:-tp1 tp4 tp2dp2}; do  # no --cpu-init: weights may differ
         json="$S4/megatron_${layout}_${impl}_$round.json"
@@ -501,18 +511,16 @@ stage_float8_loss_ab() {
 
 ## float8_1b: the ~1B Lightning model: drop_h on torchao's FP8 recipe vs torchao's MLP vs bf16, $FLOAT8_ROUNDS (2) rounds
 stage_float8_1b() {
-  local order="drop_h drop_h_float8 normal_float8" recipe=${FLOAT8_RECIPE:-tensorwise} round arm impl run
+  local order="drop_h drop_h_float8 normal_float8" recipe=${FLOAT8_RECIPE:-tensorwise} round arm impl
   mkdir -p "$RES/float8_1b"
   for round in $(seq "${FLOAT8_ROUNDS:-2}"); do
     for arm in $order; do
-      impl=${arm%_float8} && run="float8_1b_${arm}_$round"
-      python3 -m swiglu_train pretrain --config 1b --mlp-impl "$impl" --no-saved-fp8 \
-        $([ "$impl" != "$arm" ] && echo --float8 "$recipe") --micro-batch-size "${FLOAT8_MBS:-4}" \
-        --max-steps "${FLOAT8_STEPS:-30}" --output-dir "$SCRATCH/$run" \
-        --summary-json "$RES/float8_1b/$run.json" > "$SCRATCH/$run.log" 2>&1 || tail -5 "$SCRATCH/$run.log"
-      rm -rf "$SCRATCH/$run/checkpoints"
+      impl=${arm%_float8}
+      pretrain_run "float8_1b_${arm}_$round" "$RES/float8_1b" --config 1b --mlp-impl "$impl" \
+        --no-saved-fp8 $([ "$impl" != "$arm" ] && echo --float8 "$recipe") \
+        --micro-batch-size "${FLOAT8_MBS:-4}" --max-steps "${FLOAT8_STEPS:-30}"
     done
-    order=$(echo $order | awk '{for (i = 2; i <= NF; i++) printf "%s ", $i; print $1}')
+    order=$(rotate $order)
   done
   python3 benchmarks/summarize_runs.py "$RES"/float8_1b/float8_1b_*_[0-9]*.json --commit "$COMMIT" \
     --baseline drop_h --title "1B Lightning pretrain, seq 4096, micro-batch ${FLOAT8_MBS:-4}, ${FLOAT8_STEPS:-30} steps: FP8 GEMMs ($recipe) against bf16 (arms rotated over rounds)" \
@@ -524,19 +532,16 @@ stage_float8_1b() {
 stage_moe_1b() {
   # bf16-true for every arm: under bf16-mixed, transformers' grouped_mm experts would compute
   # in fp32 (torch's grouped GEMM has no autocast rule), ours in bf16
-  local order="stock normal drop_h $(echo $QUACK | grep -o drop_h_quack) drop_h+fp8" round impl run fp8
+  local order="stock normal drop_h $(echo $QUACK | grep -o drop_h_quack) drop_h+fp8" round impl
   mkdir -p "$RES/moe_1b"
   for round in $(seq "${MOE_1B_ROUNDS:-2}"); do
     for impl in $order; do
-      run="moe_1b_${impl/+/_}_$round"
-      fp8=$([ "${impl%+fp8}" != "$impl" ] && echo --saved-fp8)
-      python3 -m swiglu_train pretrain --config moe_1b --model hf:moe_1b --mlp-impl "${impl%+fp8}" \
-        $fp8 --precision "${MOE_1B_PRECISION:-bf16-true}" --micro-batch-size "${MOE_1B_MBS:-2}" \
-        --max-steps "${MOE_1B_STEPS:-20}" --output-dir "$SCRATCH/$run" \
-        --summary-json "$RES/moe_1b/$run.json" > "$SCRATCH/$run.log" 2>&1 || tail -5 "$SCRATCH/$run.log"
-      rm -rf "$SCRATCH/$run/checkpoints"
+      pretrain_run "moe_1b_${impl/+/_}_$round" "$RES/moe_1b" --config moe_1b --model hf:moe_1b \
+        --mlp-impl "${impl%+fp8}" $([ "${impl%+fp8}" != "$impl" ] && echo --saved-fp8) \
+        --precision "${MOE_1B_PRECISION:-bf16-true}" --micro-batch-size "${MOE_1B_MBS:-2}" \
+        --max-steps "${MOE_1B_STEPS:-20}"
     done
-    order=$(echo $order | awk '{for (i = 2; i <= NF; i++) printf "%s ", $i; print $1}')
+    order=$(rotate $order)
   done
   python3 benchmarks/summarize_runs.py "$RES"/moe_1b/moe_1b_*_[0-9]*.json --commit "$COMMIT" --baseline stock \
     --title "moe_1b as an HF Mixtral (1.08B active of 3.49B), ${MOE_1B_PRECISION:-bf16-true}, seq 4096, micro-batch ${MOE_1B_MBS:-2}, ${MOE_1B_STEPS:-20} steps: transformers' grouped_mm experts (stock) against ours (impls rotated over rounds)" \
