@@ -109,6 +109,19 @@ def pip_download(folder: Path, packages: list[str]) -> None:
     )  # fmt: skip
 
 
+# xz's x86 branch filter shrinks shared libraries; the dictionary holds the largest of them
+LIBS_XZ = "--x86 --lzma2=preset=9e,dict=192MiB"
+# Sorted, owned by root and dated 2000-01-01 (zip, as `setup` re-zips them, starts at 1980):
+# the same wheels give the same tarball.
+TAR_FIXED = ["--sort=name", "--owner=0", "--group=0", "--numeric-owner", "--mtime=@946684800"]
+
+
+def tar_xz(tarball: Path, tree: Path, members: list[str], xz_opt: str) -> None:
+    """tree's members (paths relative to it) into one xz tarball."""
+    tar = ["tar", "cJf", str(tarball), *TAR_FIXED, "-C", str(tree), *members]
+    subprocess.run(tar, env=dict(os.environ, XZ_OPT=xz_opt), check=True)
+
+
 def pack_cutlass_libs(folder: Path) -> None:
     """.whlx: the cu13 libs wheel unpacked and re-compressed with xz, whose x86 branch filter
     shrinks its shared libraries (88 -> 48 MB), so that it fits one carry with quack's wheels."""
@@ -118,9 +131,7 @@ def pack_cutlass_libs(folder: Path) -> None:
         unpacked = Path(tmp) / "x"
         zipfile.ZipFile(wheel).extractall(unpacked)
         folder.mkdir(exist_ok=True)
-        env = dict(os.environ, XZ_OPT="--x86 --lzma2=preset=9e,dict=192MiB")
-        tar = ["tar", "cJf", str(folder / "cu13libs.tar.xz"), "-C", str(unpacked), "."]
-        subprocess.run(tar, env=env, check=True)
+        tar_xz(folder / "cu13libs.tar.xz", unpacked, ["."], LIBS_XZ)
         (folder / "NAME.txt").write_text(wheel.name + "\n")
 
 
@@ -133,9 +144,7 @@ def pack_wheels(folder: Path, packages: list[str]) -> None:
         for wheel in Path(tmp).glob("*.whl"):
             zipfile.ZipFile(wheel).extractall(unpacked / wheel.stem)
         folder.mkdir(exist_ok=True)
-        env = dict(os.environ, XZ_OPT="--x86 --lzma2=preset=9e")
-        tar = ["tar", "cJf", str(folder / "wheels.tar.xz"), "-C", str(unpacked), "."]
-        subprocess.run(tar, env=env, check=True)
+        tar_xz(folder / "wheels.tar.xz", unpacked, ["."], "--x86 --lzma2=preset=9e")
 
 
 # What torchao's float8 training, its package __init__ and transformers' torchao quantizer import;
@@ -200,19 +209,36 @@ def ignore_locally(*folders: str) -> None:
     exclude.write_text("\n".join(lines) + "\n")
 
 
+def build(name: str, folder: Path) -> None:
+    """One wheel folder, from nothing."""
+    if name == ".whlx":
+        pack_cutlass_libs(folder)
+    elif name == ".whlqx":
+        pack_wheels(folder, WHEELS[name][1])
+    elif name == ".whla":
+        strip_torchao(folder)
+    else:
+        pip_download(folder, WHEELS[name][1])
+
+
+def build_in_place(name: str) -> Path:
+    """Built beside its place and renamed into it: a failed download leaves the old folder whole,
+    and no half-built one is carried. A link there (a worktree sharing another checkout's
+    folders) is replaced, never written through."""
+    folder = ROOT / name
+    with tempfile.TemporaryDirectory(dir=ROOT, prefix=f"{name}.") as tmp:
+        build(name, Path(tmp) / name)
+        if folder.is_symlink():
+            folder.unlink()
+        shutil.rmtree(folder, ignore_errors=True)
+        (Path(tmp) / name).rename(folder)
+    return folder
+
+
 def wheels(folders: list[str]) -> None:
     ignore_locally(*folders)
     for name in folders:
-        folder = ROOT / name
-        shutil.rmtree(folder, ignore_errors=True)
-        if name == ".whlx":
-            pack_cutlass_libs(folder)
-        elif name == ".whlqx":
-            pack_wheels(folder, WHEELS[name][1])
-        elif name == ".whla":
-            strip_torchao(folder)
-        else:
-            pip_download(folder, WHEELS[name][1])
+        folder = build_in_place(name)
         size = sum(p.stat().st_size for p in folder.iterdir()) / 2**20
         print(f"{name}  {size:5.1f} MiB  {WHEELS[name][0]}")
 

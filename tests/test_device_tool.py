@@ -105,6 +105,33 @@ def test_the_xz_packed_wheels_come_back_as_the_wheels_they_were(device, tmp_path
     assert zipfile.ZipFile(wheel).read("quack/__init__.py") == b"version = '0.6.5'\n"
 
 
+def test_a_folder_is_swapped_in_whole_and_never_written_through_a_link(
+    device, tmp_path, monkeypatch
+):
+    """A failed download keeps the old folder; a worktree's link to another checkout's folder
+    is replaced by the new one, the other checkout's left as it was."""
+    monkeypatch.setattr(device, "ROOT", tmp_path / "root")
+    (tmp_path / "root").mkdir()
+    (tmp_path / "main" / ".whlt").mkdir(parents=True)
+    (tmp_path / "main" / ".whlt" / "old.whl").write_text("old")
+    (tmp_path / "root" / ".whlt").symlink_to(tmp_path / "main" / ".whlt")
+
+    def build(name, folder, fail=True):
+        folder.mkdir()
+        if fail:
+            raise RuntimeError("no network")
+
+    monkeypatch.setattr(device, "build", build)
+    with pytest.raises(RuntimeError):
+        device.build_in_place(".whlt")
+    assert (tmp_path / "root" / ".whlt" / "old.whl").exists()
+    assert [p.name for p in (tmp_path / "root").iterdir()] == [".whlt"]
+    monkeypatch.setattr(device, "build", lambda name, folder: build(name, folder, fail=False))
+    folder = device.build_in_place(".whlt")
+    assert folder.is_dir() and not folder.is_symlink() and not any(folder.iterdir())
+    assert [p.name for p in (tmp_path / "main" / ".whlt").iterdir()] == ["old.whl"]
+
+
 def test_setup_installs_only_what_is_missing(device, tmp_path, monkeypatch):
     calls = []
     monkeypatch.setattr(device, "ROOT", tmp_path)
