@@ -51,6 +51,16 @@ WANDB = [
     "pydantic-core==2.50.5", "annotated-types", "typing-inspection", "platformdirs",
     "importlib-metadata", "lazy-importer", "distro", "sniffio", "typing-extensions",
 ]  # fmt: skip
+# SonicMoE is not on the package registry and pins quack at a commit (its requirements.txt):
+# both are built from their git snapshots, each from these paths (all where none; sonic-moe's
+# tests/ would install as a top-level `tests` package).
+SONIC_SOURCES = [
+    ("Dao-AILab/sonic-moe", "8565e849c08082e12dbeb7a9de035108a60fe1b2",
+     ["setup.py", "LICENSE", "sonicmoe"]),
+    ("Dao-AILab/quack", "3d0ab3ec2164749caac8f269f771e66a40efd2de", []),
+]  # fmt: skip
+# Bare mirrors of GitHub repositories (owner+name/repo), where a machine has no GitHub access
+MIRRORS = Path("/work/.mirror")
 # Folder: (what it carries, its packages). .whlq + .whlx fit one call beside the tracked tree;
 # .whl + .whlx no longer do, and .whlw goes in another call.
 WHEELS: dict[str, tuple[str, list[str]]] = {
@@ -76,6 +86,11 @@ WHEELS: dict[str, tuple[str, list[str]]] = {
     ".whll": ("Liger alone (0.9 MB), for a call without quack: beside .whlqx and .whlx the tree "
               "leaves no room for it (the device counts 4 KiB blocks; 64 MiB in all)",
               ["liger-kernel==0.8.5"]),
+    ".whls": ("SonicMoE and the quack it pins, built from their commits "
+              f"({', '.join(commit[:7] for _, commit, _ in SONIC_SOURCES)}), cuda-python, and "
+              "nvidia-cutlass-dsl 4.2.1 re-packed with xz (46 MB): stage sonic's own site, carried "
+              "alone (it does not fit beside quack's wheels)",
+              ["nvidia-cutlass-dsl==4.2.1", "cuda-python==12.9.10", "cuda-bindings==12.9.10"]),
 }  # fmt: skip
 # What a device call may carry, in the 4 KiB blocks the device counts, and what quack's wheels
 # (.whlqx + .whlx, as `wheels` packs them) take of it: the tracked tree must fit the rest, or
@@ -180,6 +195,64 @@ def strip_torchao(folder: Path) -> None:
                 out.writestr(name, data)
 
 
+def pack_cutlass_dsl(wheel: Path, folder: Path) -> None:
+    """cutlass-dsl's wheel as the tarball stage sonic extracts into its --target site (62 ->
+    40 MB): its folders, without the .pth such a site never reads (the stage puts
+    python_packages on PYTHONPATH itself)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        zipfile.ZipFile(wheel).extractall(tmp)
+        folders = sorted(p.name for p in Path(tmp).iterdir() if p.is_dir())
+        version = wheel.name.split("-")[1]
+        tar_xz(folder / f"cutlass-dsl-{version}.tar.xz", Path(tmp), folders, LIBS_XZ)
+
+
+def git_source(repo: str) -> str:
+    """repo's bare mirror on this machine if there is one, else GitHub."""
+    mirror = MIRRORS / repo.replace("/", "+") / "repo"
+    return str(mirror) if mirror.is_dir() else f"https://github.com/{repo}.git"
+
+
+def git_wheel(source: str, commit: str, paths: list[str], folder: Path) -> Path:
+    """The wheel of commit's paths (all where none) in folder, built offline by this
+    environment's setuptools and dated at the commit: the same commit gives the same bytes."""
+    with tempfile.TemporaryDirectory() as tmp:
+
+        def git(*args: str) -> str:
+            run = subprocess.run(["git", "-C", tmp, *args], stdout=subprocess.PIPE, text=True,
+                                 check=True)  # fmt: skip
+            return run.stdout.strip()
+
+        git("init", "-q")
+        git("fetch", "-q", "--depth", "1", source, commit)
+        git("archive", "-o", "src.tar", "FETCH_HEAD", *paths)
+        src, out = Path(tmp) / "src", Path(tmp) / "out"
+        with tarfile.open(Path(tmp) / "src.tar") as tar:
+            tar.extractall(src, filter="tar")
+        epoch = git("log", "-1", "--format=%ct", "FETCH_HEAD")
+        subprocess.run(
+            [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation",
+             "-w", str(out), str(src)],
+            env=dict(os.environ, SOURCE_DATE_EPOCH=epoch), check=True,
+        )  # fmt: skip
+        return Path(shutil.move(next(out.glob("*.whl")), folder))
+
+
+def build_sonic(folder: Path) -> None:
+    """.whls: stage sonic's own site (its quack is not ours): the pinned wheels, cutlass-dsl
+    re-packed, SonicMoE and its quack built from their commits, which SOURCE.txt names."""
+    with tempfile.TemporaryDirectory() as tmp:
+        pip_download(Path(tmp), WHEELS[".whls"][1])
+        folder.mkdir()
+        for wheel in Path(tmp).glob("*.whl"):
+            if wheel.name.startswith("nvidia_cutlass_dsl-"):
+                pack_cutlass_dsl(wheel, folder)
+            else:
+                shutil.move(wheel, folder)
+    built = [(repo, commit, git_wheel(git_source(repo), commit, paths, folder))
+             for repo, commit, paths in SONIC_SOURCES]  # fmt: skip
+    (folder / "SOURCE.txt").write_text("".join(f"{r} {c} {w.name}\n" for r, c, w in built))
+
+
 def unpack_wheels(folder: Path, into: Path) -> list[Path]:
     """.whlqx back into the wheels it was."""
     unpacked = into / "wheels"
@@ -217,6 +290,8 @@ def build(name: str, folder: Path) -> None:
         pack_wheels(folder, WHEELS[name][1])
     elif name == ".whla":
         strip_torchao(folder)
+    elif name == ".whls":
+        build_sonic(folder)
     else:
         pip_download(folder, WHEELS[name][1])
 
@@ -268,8 +343,10 @@ def unpack_cutlass_libs(folder: Path, into: Path) -> Path:
 def setup() -> None:
     """Install each carried folder's wheels that are not installed yet (a warm machine keeps
     them), with `python3 -m pip` into python3's own environment: quack needs a real
-    site-packages path (it fingerprints code outside it), cutlass-dsl its .pth file processed."""
-    carried = [ROOT / n for n in WHEELS if n not in (".whlx", ".whlqx") and (ROOT / n).is_dir()]
+    site-packages path (it fingerprints code outside it), cutlass-dsl its .pth file processed.
+    .whls is stage sonic's, for a site of its own: its quack would replace ours."""
+    packed = (".whlx", ".whlqx", ".whls")
+    carried = [ROOT / n for n in WHEELS if n not in packed and (ROOT / n).is_dir()]
     if (ROOT / ".whl").is_dir():  # .whlq is .whl's subset
         carried = [f for f in carried if f.name != ".whlq"]
     with tempfile.TemporaryDirectory() as tmp:

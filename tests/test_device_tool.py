@@ -67,6 +67,7 @@ def test_the_wheel_folders_keep_their_names(device):
         ".whlh",
         ".whla",
         ".whll",
+        ".whls",
     }
     assert set(device.WHEELS) == expected
 
@@ -103,6 +104,47 @@ def test_the_xz_packed_wheels_come_back_as_the_wheels_they_were(device, tmp_path
     names = set(zipfile.ZipFile(wheel).namelist())
     assert names == {"quack/__init__.py", "quack_kernels-0.6.5.dist-info/RECORD"}
     assert zipfile.ZipFile(wheel).read("quack/__init__.py") == b"version = '0.6.5'\n"
+
+
+def test_cutlass_dsl_is_packed_as_stage_sonic_extracts_it(device, tmp_path):
+    """Its folders at the tarball's top, as a --target site holds them; the .pth stays behind."""
+    wheel = tmp_path / "nvidia_cutlass_dsl-4.2.1-cp312-cp312-manylinux_2_28_x86_64.whl"
+    with zipfile.ZipFile(wheel, "w") as z:
+        z.writestr("nvidia_cutlass_dsl/python_packages/cutlass/__init__.py", "")
+        z.writestr("nvidia_cutlass_dsl-4.2.1.dist-info/RECORD", "")
+        z.writestr("nvidia_cutlass_dsl.pth", "nvidia_cutlass_dsl/python_packages")
+    device.pack_cutlass_dsl(wheel, tmp_path)
+    with tarfile.open(tmp_path / "cutlass-dsl-4.2.1.tar.xz") as tar:
+        files = {m.name for m in tar.getmembers() if m.isfile()}
+    assert files == {
+        "nvidia_cutlass_dsl/python_packages/cutlass/__init__.py",
+        "nvidia_cutlass_dsl-4.2.1.dist-info/RECORD",
+    }
+
+
+def test_a_git_wheel_holds_only_its_paths_and_is_the_same_built_twice(device, tmp_path):
+    """SonicMoE's wheel is built from these paths of its commit: its tests/ must not install as
+    a top-level `tests` package beside ours."""
+    pytest.importorskip("setuptools.command.bdist_wheel", reason="setuptools < 70.1: no wheels")
+    repo = tmp_path / "repo"
+    (repo / "pkg").mkdir(parents=True)
+    (repo / "tests").mkdir()
+    (repo / "pkg" / "__init__.py").write_text("")
+    (repo / "tests" / "__init__.py").write_text("")
+    setup = 'from setuptools import setup, find_packages\nsetup(name="pkg", version="1.0", '
+    (repo / "setup.py").write_text(setup + "packages=find_packages())\n")
+    git = ["git", "-C", str(repo), "-c", "user.name=t", "-c", "user.email=t@t"]
+    subprocess.run(["git", "init", "-q", str(repo)], check=True)
+    subprocess.run([*git, "add", "."], check=True)
+    subprocess.run([*git, "commit", "-qm", "pkg"], check=True)
+    commit = subprocess.run([*git, "rev-parse", "HEAD"], capture_output=True, text=True).stdout
+    built = []
+    for out in (tmp_path / "a", tmp_path / "b"):
+        out.mkdir()
+        built.append(device.git_wheel(str(repo), commit.strip(), ["setup.py", "pkg"], out))
+    assert built[0].name == "pkg-1.0-py3-none-any.whl"
+    assert not any(n.startswith("tests/") for n in zipfile.ZipFile(built[0]).namelist())
+    assert built[0].read_bytes() == built[1].read_bytes()
 
 
 def test_a_folder_is_swapped_in_whole_and_never_written_through_a_link(
@@ -142,6 +184,8 @@ def test_setup_installs_only_what_is_missing(device, tmp_path, monkeypatch):
     (tmp_path / ".whlt" / "execnet_not_here-9.9-py3-none-any.whl").touch()
     (tmp_path / ".whlq").mkdir()  # .whl's subset: skipped where .whl is carried
     (tmp_path / ".whlq" / "quack_kernels-0.6.5-py3-none-any.whl").touch()
+    (tmp_path / ".whls").mkdir()  # stage sonic's, for a site of its own
+    (tmp_path / ".whls" / "sonicmoe-0.0.1-py3-none-any.whl").touch()
     device.setup()
     assert len(calls) == 1 and [Path(a).name for a in calls[0] if a.endswith(".whl")] == [
         "quack_kernels-0.6.5-py3-none-any.whl",
