@@ -457,9 +457,10 @@ stage_moe() {
 
 ## sonic: SonicMoE beside drop_h in a process of its own, its wheels from .whls ($MOE_MODELS, $MOE_ROUTING)
 stage_sonic() {
-  # .whls (carried alone: 46 MB) holds sonicmoe's snapshot wheel, the quack it pins (with
-  # gemm_act), cuda-python and cutlass-dsl 4.2.1 unpacked (its python_packages on the path as
-  # its .pth would put them). Never installed into python3's own site: our quack stays 0.6.5.
+  # .whls (carried alone: 46 MB; `device.py wheels .whls` builds it) holds sonicmoe's snapshot
+  # wheel, the quack it pins (with gemm_act), cuda-python and cutlass-dsl 4.2.1 unpacked (its
+  # python_packages on the path as its .pth would put them). Never installed into python3's own
+  # site (`setup` skips it): our quack stays 0.6.5.
   local site=/tmp/sonic-site
   if [ ! -d "$site/sonicmoe" ]; then
     python3 -m pip install -q --no-index --no-deps --no-compile --target "$site" .whls/*.whl
