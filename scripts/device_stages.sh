@@ -455,6 +455,17 @@ stage_moe() {
     --out "$RES/moe/moe_${GPU}.json" 2>&1 | grep "^\[" | tail -20
 }
 
+## moe_gemms: drop_h_quack's six varlen GEMMs, quack configs vs its default and torch's grouped GEMM ($MOE_MODELS, $MOE_ROUTING, $MOE_GEMM_CONFIGS)
+stage_moe_gemms() {
+  # ~2.5 min on an H100 at the six default models, both routings (~5 if quack's compile pool
+  # does not start and its ~70 kernels compile one by one); the files are rewritten per point
+  mkdir -p "$RES/moe"
+  python3 benchmarks/sweep_moe_gemm_configs.py --commit "$COMMIT" --samples 30 \
+    ${MOE_MODELS:+--models $MOE_MODELS} ${MOE_ROUTING:+--routing $MOE_ROUTING} \
+    ${MOE_GEMM_CONFIGS:+--configs $MOE_GEMM_CONFIGS} \
+    --json "$RES/moe/moe_gemm_configs_${GPU}.json" --md "$RES/moe/moe_gemm_configs_${GPU}.md" 2>&1 | tail -40
+}
+
 ## sonic: SonicMoE beside drop_h in a process of its own, its wheels from .whls ($MOE_MODELS, $MOE_ROUTING)
 stage_sonic() {
   # .whls (carried alone: 46 MB; `device.py wheels .whls` builds it) holds sonicmoe's snapshot

@@ -42,6 +42,24 @@ def test_the_hold_grows_to_twice_a_host_time_that_nears_it():
     assert clock.hold_ms == pytest.approx(1.2 * timing.QUEUE_MS)
 
 
+def test_the_hold_starts_where_the_caller_asks_and_only_on_a_queued_gpu_clock(monkeypatch):
+    cuda = torch.device("cuda")  # a Clock only reads the device's type: no GPU needed
+    assert timing.Clock(cuda).hold_ms == timing.QUEUE_MS
+    assert timing.Clock(cuda, hold_ms=0.5).hold_ms == 0.5
+    assert timing.Clock(cuda, queued=False, hold_ms=0.5).hold_ms == 0
+    assert timing.Clock(CPU, hold_ms=0.5).hold_ms == 0
+    made = []
+
+    class Recorded(timing.Clock):
+        def __init__(self, *args) -> None:
+            super().__init__(*args)
+            made.append(args)
+
+    monkeypatch.setattr(timing, "Clock", Recorded)
+    timing.paired_samples([sleeping_case("a", 0, 0)], 1, CPU, hold_ms=0.5)
+    assert made == [(CPU, True, 0.5)]
+
+
 @pytest.mark.gpu
 @pytest.mark.gpu_alone  # another process's kernels would hold the idle clock's start event
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

@@ -56,13 +56,16 @@ class Case:
 class Clock:
     """CUDA events on the GPU (no host sync inside the timed region), perf_counter on CPU.
 
-    ``queued`` (CUDA only) starts each step behind a spin kernel of ``QUEUE_MS``, lengthened to
-    twice the host time of any step that came close to it.
+    ``queued`` (CUDA only) starts each step behind a spin kernel of ``hold_ms`` (``QUEUE_MS``),
+    lengthened to twice the host time of any step that came close to it. A caller timing one
+    kernel a step may start it shorter: the hold is GPU time every sample spends.
     """
 
-    def __init__(self, device: torch.device, queued: bool = True) -> None:
+    def __init__(
+        self, device: torch.device, queued: bool = True, hold_ms: float = QUEUE_MS
+    ) -> None:
         self.cuda = device.type == "cuda"
-        self.hold_ms = QUEUE_MS if self.cuda and queued else 0.0
+        self.hold_ms = hold_ms if self.cuda and queued else 0.0
 
     def hold(self) -> None:
         """Keep the GPU busy while the host queues what follows."""
@@ -157,11 +160,13 @@ def paired_samples(
     seed: int = 0,
     on_sample: Callable[[], None] = lambda: None,
     queued: bool = True,
+    hold_ms: float = QUEUE_MS,
 ) -> dict[str, dict[str, np.ndarray]]:
     """Times of every case for each phase, shape [samples], in the same sample order. Each case
     has a clock of its own: queued (unless ``queued`` is False) where its step never waits on
-    the GPU, from an idle GPU where it does (``Case.waits_on_gpu``)."""
-    clocks = {c.name: Clock(device, queued and not c.waits_on_gpu) for c in cases}
+    the GPU, from an idle GPU where it does (``Case.waits_on_gpu``); its hold starts at
+    ``hold_ms``."""
+    clocks = {c.name: Clock(device, queued and not c.waits_on_gpu, hold_ms) for c in cases}
     rng = np.random.default_rng(seed)
     times = {c.name: np.zeros((len(PHASES), samples)) for c in cases}
     for s in range(samples):
