@@ -37,3 +37,15 @@ def test_experts_mlp_refuses_cpu_tensors():
     idx, w = torch.zeros(3, 1, dtype=torch.long), torch.ones(3, 1)
     with pytest.raises(ValueError, match=r"^impl 'drop_h_quack' runs on CUDA only"):
         experts_mlp(x, idx, w, fc1, fc2, impl="drop_h_quack")
+
+
+@pytest.mark.parametrize(
+    ("weights_on", "saved_fp8", "fused"),
+    [("output", False, True), ("output", True, False), ("input", False, False)],
+)
+def test_swiglu_runs_in_quack_epilogues_only_where_they_take_the_weight(
+    weights_on, saved_fp8, fused
+):
+    """The dgated epilogue scales grad_preact and h by a per-row weight after the GEMM and
+    reads a bf16 preactivation: a weight on the input, or an FP8 copy, keeps Triton's kernels."""
+    assert experts_quack.fused_epilogues(weights_on, saved_fp8) is fused

@@ -15,10 +15,21 @@ with varlen_k, and gathers A's rows (varlen_m) or columns (varlen_k) through ``A
     grad_W1  [E, 2F, D]     = gemm(xᵀ, grad_preact, cu_seqlens_k, A_idx=token), written
                               through the transposed view of its [E, 2F, D] buffer
 
-h, the FP8 copy and grad_preact come from the Triton kernels drop_h uses (``swiglu_fwd``, its
-FP8 variant, ``kernels.experts_swiglu``), so the preactivation stays canonical [gate | up] and
-its saved bytes are drop_h's. quack's gated epilogues would write h with fc1's GEMM, but they
-store the preactivation gate/up interleaved, which these backward kernels do not read.
+With the router weight on the output and a bf16 preactivation (Mixtral, Qwen, DeepSeek), SwiGLU
+runs in the GEMM epilogues, as the dense ``drop_h_quack`` does (``ops.quack_mlp``):
+
+    fc1      preact, h = gemm_gated(x, fc1ᵀ, ..., A_idx=token)      no activation kernel
+    grad_h   grad_preact, w·h, grad_w = gemm_dgated(grad_y, fc2, preact, ..., A_idx=token,
+                 colvec_scale=w, colvec_reduce=True)               written over preact
+
+The dgated epilogue folds the router weight into grad_preact and h (``colvec_scale``) and sums
+⟨h, g⟩ per row for the weight's gradient (``colvec_reduce``, fp32), so neither g nor a second
+pass over [R, F] exists. The preactivation is then kept gate/up interleaved per column, as
+quack's epilogues read it; grad_xg and grad_W1 pair it with the canonical fc1 inside the GEMM
+(``concat_layout``), so the weights, their grads and the saved bytes are drop_h's. With the
+weight on the input, or the FP8-saved copy, h, the copy and grad_preact come from drop_h's
+Triton kernels (``swiglu_fwd``, its FP8 variant, ``kernels.experts_swiglu``) on a canonical
+[gate | up] preactivation.
 
 With the router weight on the input (Llama-4), preact = w · (fc1 x): the gathered GEMM's rows
 are scaled after it, grad_W1 takes w on grad_preact instead of on x, and the weight's gradient
@@ -50,6 +61,7 @@ from swiglu_train.ops.quack_mlp import (
     quack_gemm,
     quack_sizes_ok,
     quack_unavailable_reason,
+    require_quack,
 )
 
 IMPL = "drop_h_quack"
@@ -107,15 +119,24 @@ class _ExpertsDropHQuack(torch.autograd.Function):
         gemm = quack_gemm()
         plan = route(indices, weights, fc1.shape[0])
         cu, token = _varlen(plan)
-        preact = gemm(x, fc1.mT, cu_seqlens_m=cu, A_idx=token)
-        if weights_on == "input":  # fc1 (w x) = w (fc1 x), one rounding: fp32 product
-            preact.mul_(plan.weight[:, None])
-        h, saved = activate(preact, saved_fp8)
+        fused = fused_epilogues(weights_on, saved_fp8)
+        if fused:
+            preact, h = require_quack().gemm_gated(
+                x, fc1.mT, activation="swiglu", cu_seqlens_m=cu, A_idx=token,
+                concat_layout=("B",), tuned=False,
+            )  # fmt: skip
+            saved = (preact,)
+        else:
+            preact = gemm(x, fc1.mT, cu_seqlens_m=cu, A_idx=token)
+            if weights_on == "input":  # fc1 (w x) = w (fc1 x), one rounding: fp32 product
+                preact.mul_(plan.weight[:, None])
+            h, saved = activate(preact, saved_fp8)
         del preact
         out = gemm(h, fc2.mT, cu_seqlens_m=cu)
         del h
         y = gather_sum(out, plan, None if weights_on == "input" else live_weights(indices, weights))
         save(ctx, x, indices, weights, fc1, fc2, plan, saved, weights_on, inplace)
+        ctx.fused = fused
         return y
 
     @staticmethod
@@ -126,15 +147,24 @@ class _ExpertsDropHQuack(torch.autograd.Function):
         cu, token = _varlen(plan)
         on_output = ctx.weights_on == "output"
         grad_y = grad_y.contiguous()
-        g = gemm(grad_y, fc2, cu_seqlens_m=cu, A_idx=token)  # unweighted grad_h
-        w = plan.weight if on_output else None
-        grad_preact, g, grad_w_rows = backward_rows(saved, g, w, inplace)  # g: (w ·) h now
+        if ctx.fused:  # saved[0] is the interleaved preact, or its copy out of place
+            grad_preact, g, grad_w_rows = require_quack().gemm_dgated(
+                grad_y, fc2, saved[0], activation="swiglu", dx_out=saved[0],
+                colvec_scale=plan.weight, colvec_reduce=True, cu_seqlens_m=cu, A_idx=token,
+                tuned=False, dynamic_scheduler=False,
+            )  # fmt: skip
+        else:
+            g = gemm(grad_y, fc2, cu_seqlens_m=cu, A_idx=token)  # unweighted grad_h
+            w = plan.weight if on_output else None
+            grad_preact, g, grad_w_rows = backward_rows(saved, g, w, inplace)  # g: (w ·) h now
         del saved
         fc2_first = grad_fc2_first(g.numel(), *fc2.shape)  # grad_y is gathered in the GEMM
         grad_fc2 = gemm(grad_y.T, g, cu_seqlens_k=cu, A_idx=token) if fc2_first else None
         if fc2_first:
             del g
-        grad_xg = gemm(grad_preact, fc1, cu_seqlens_m=cu)
+        # the interleaved grad_preact meets the canonical fc1 inside the GEMM (concat_layout)
+        concat = ("B",) if ctx.fused else None
+        grad_xg = gemm(grad_preact, fc1, cu_seqlens_m=cu, concat_layout=concat)
         if not on_output:  # d(w x)/dw = x; grad_W1 takes the weight on grad_preact's rows
             grad_w_rows = _gathered_row_dots(grad_xg, x, plan.token)
             grad_preact.mul_(plan.weight[:, None])
@@ -142,7 +172,11 @@ class _ExpertsDropHQuack(torch.autograd.Function):
         grad_x = gather_sum(grad_xg, plan, None if on_output else live_weights(indices, weights))
         del grad_xg
         grad_fc1 = fc1.new_empty(fc1.shape)
-        gemm(x.T, grad_preact, out=grad_fc1.mT, cu_seqlens_k=cu, A_idx=token)
+        out_concat = ("out",) if ctx.fused else None
+        gemm(
+            x.T, grad_preact, out=grad_fc1.mT, cu_seqlens_k=cu, A_idx=token,
+            concat_layout=out_concat,
+        )  # fmt: skip
         del grad_preact
         if not fc2_first:
             grad_fc2 = gemm(grad_y.T, g, cu_seqlens_k=cu, A_idx=token)
@@ -158,6 +192,15 @@ def drop_h_quack_experts(x, indices, weights, fc1, fc2, weights_on, saved_fp8=Fa
     check_quack_inputs(x, fc1[0], fc2[0], IMPL)
     x, fc1, fc2 = x.contiguous(), fc1.contiguous(), fc2.contiguous()
     return _ExpertsDropHQuack.apply(x, indices, weights, fc1, fc2, weights_on, saved_fp8, inplace)
+
+
+def fused_epilogues(weights_on: str, saved_fp8: bool) -> bool:
+    """Whether SwiGLU runs in quack's fc1 and grad_h epilogues (the module docstring): when the
+    router weight scales the expert output, which the dgated epilogue's per-row scale and sum
+    take, and the preactivation is kept in bf16, which is what that epilogue reads back. The
+    weight on the input must scale the preactivation before SwiGLU, which quack's gated
+    epilogue cannot; the FP8 copy is written by drop_h's quantizing kernel."""
+    return weights_on == "output" and not saved_fp8
 
 
 def grad_fc2_first(waiting: int, experts: int, hidden: int, ffn: int) -> bool:
