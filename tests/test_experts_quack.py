@@ -40,12 +40,12 @@ def test_experts_mlp_refuses_cpu_tensors():
 
 
 @pytest.mark.parametrize(
-    ("weights_on", "saved_fp8", "fused"),
+    ("weights_on", "saved_fp8", "gated"),
     [("output", False, True), ("output", True, False), ("input", False, False)],
 )
-def test_swiglu_runs_in_quack_epilogues_only_where_they_take_the_weight(
-    weights_on, saved_fp8, fused
+def test_swiglu_runs_in_fc1s_epilogue_unless_the_weight_or_the_copy_needs_the_kernel(
+    weights_on, saved_fp8, gated
 ):
-    """The dgated epilogue scales grad_preact and h by a per-row weight after the GEMM and
-    reads a bf16 preactivation: a weight on the input, or an FP8 copy, keeps Triton's kernels."""
-    assert experts_quack.fused_epilogues(weights_on, saved_fp8) is fused
+    """A weight on the input scales the preactivation before SwiGLU, which quack's gated
+    epilogue cannot; the FP8 copy is drop_h's quantizing kernel's."""
+    assert experts_quack.gated_forward(weights_on, saved_fp8) is gated

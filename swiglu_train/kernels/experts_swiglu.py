@@ -65,28 +65,42 @@ def _experts_bwd_kernel(
     stride_preact,
     stride_g,
     WEIGHTED: tl.constexpr,
+    INTERLEAVED: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
-    """In place: grad_preact over preact, (w ·) h over g, and grad_w when WEIGHTED."""
+    """In place: grad_preact over preact, (w ·) h over g, and grad_w when WEIGHTED. An
+    INTERLEAVED preact holds feature f's gate and up at columns 2f and 2f + 1 (quack's gated
+    epilogue writes it so): a tile is then [BLOCK_M, BLOCK_N, 2], one contiguous span per row."""
     rows = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
     row_ok = rows < R
     w = tl.load(w_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)[:, None] if WEIGHTED else 1.0
     dot = tl.zeros([BLOCK_M], tl.float32)
     dtype = g_ptr.dtype.element_ty
+    pair = tl.arange(0, 2)[None, None, :]
     for start in range(0, F, BLOCK_N):
         cols = start + tl.arange(0, BLOCK_N)
         mask = row_ok[:, None] & (cols[None, :] < F)
-        gate_ptrs = preact_ptr + rows[:, None] * stride_preact + cols[None, :]
         g_ptrs = g_ptr + rows[:, None] * stride_g + cols[None, :]
-        gate = tl.load(gate_ptrs, mask=mask, other=0.0).to(tl.float32)
-        up = tl.load(gate_ptrs + F, mask=mask, other=0.0).to(tl.float32)
+        if INTERLEAVED:
+            pair_ptrs = preact_ptr + rows[:, None, None] * stride_preact + 2 * cols[None, :, None]
+            pair_ptrs += pair
+            pair_mask = mask[:, :, None] & (pair < 2)
+            gate, up = tl.split(tl.load(pair_ptrs, mask=pair_mask, other=0.0).to(tl.float32))
+        else:
+            gate_ptrs = preact_ptr + rows[:, None] * stride_preact + cols[None, :]
+            gate = tl.load(gate_ptrs, mask=mask, other=0.0).to(tl.float32)
+            up = tl.load(gate_ptrs + F, mask=mask, other=0.0).to(tl.float32)
         g = tl.load(g_ptrs, mask=mask, other=0.0).to(tl.float32)
         grad_gate, grad_up, h, gh = _grads(gate, up, g, w, dtype, WEIGHTED)
         dot += tl.sum(gh, axis=1)
         tl.store(g_ptrs, h.to(dtype), mask=mask)
-        tl.store(gate_ptrs, grad_gate.to(preact_ptr.dtype.element_ty), mask=mask)
-        tl.store(gate_ptrs + F, grad_up.to(preact_ptr.dtype.element_ty), mask=mask)
+        out_dtype = preact_ptr.dtype.element_ty
+        if INTERLEAVED:
+            tl.store(pair_ptrs, tl.join(grad_gate, grad_up).to(out_dtype), mask=pair_mask)
+        else:
+            tl.store(gate_ptrs, grad_gate.to(out_dtype), mask=mask)
+            tl.store(gate_ptrs + F, grad_up.to(out_dtype), mask=mask)
     if WEIGHTED:
         tl.store(grad_w_ptr + rows, dot, mask=row_ok)
 
@@ -178,9 +192,11 @@ def experts_backward_(
     g: torch.Tensor,
     w: torch.Tensor | None = None,
     grad_w: torch.Tensor | None = None,
+    interleaved: bool = False,
 ) -> None:
     """In place: grad_preact over preact [R, 2F], (w ·) h over g [R, F]; grad_w [R] (fp32)
-    gets Σ g·h per row when w (the router weight per row, [R]) is given."""
+    gets Σ g·h per row when w (the router weight per row, [R]) is given. ``interleaved``:
+    preact, and so grad_preact, hold gate and up of each feature side by side."""
     r, ffn = _check(g, w, grad_w)
     if preact.shape != (r, 2 * ffn) or preact.dtype != g.dtype or preact.device != g.device:
         raise ValueError(
@@ -196,7 +212,8 @@ def experts_backward_(
     _experts_bwd_kernel[(-(-r // block_m),)](
         preact, g, w if weighted else g, grad_w if weighted else g, r, ffn,
         preact.stride(0), g.stride(0),
-        WEIGHTED=weighted, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps,
+        WEIGHTED=weighted, INTERLEAVED=interleaved, BLOCK_M=block_m, BLOCK_N=block_n,
+        num_warps=warps,
     )  # fmt: skip
 
 

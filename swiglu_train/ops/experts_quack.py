@@ -15,21 +15,18 @@ with varlen_k, and gathers A's rows (varlen_m) or columns (varlen_k) through ``A
     grad_W1  [E, 2F, D]     = gemm(xᵀ, grad_preact, cu_seqlens_k, A_idx=token), written
                               through the transposed view of its [E, 2F, D] buffer
 
-With the router weight on the output and a bf16 preactivation (Mixtral, Qwen, DeepSeek), SwiGLU
-runs in the GEMM epilogues, as the dense ``drop_h_quack`` does (``ops.quack_mlp``):
-
-    fc1      preact, h = gemm_gated(x, fc1ᵀ, ..., A_idx=token)      no activation kernel
-    grad_h   grad_preact, w·h, grad_w = gemm_dgated(grad_y, fc2, preact, ..., A_idx=token,
-                 colvec_scale=w, colvec_reduce=True)               written over preact
-
-The dgated epilogue folds the router weight into grad_preact and h (``colvec_scale``) and sums
-⟨h, g⟩ per row for the weight's gradient (``colvec_reduce``, fp32), so neither g nor a second
-pass over [R, F] exists. The preactivation is then kept gate/up interleaved per column, as
-quack's epilogues read it; grad_xg and grad_W1 pair it with the canonical fc1 inside the GEMM
-(``concat_layout``), so the weights, their grads and the saved bytes are drop_h's. With the
-weight on the input, or the FP8-saved copy, h, the copy and grad_preact come from drop_h's
-Triton kernels (``swiglu_fwd``, its FP8 variant, ``kernels.experts_swiglu``) on a canonical
-[gate | up] preactivation.
+With the router weight on the output and a bf16 preactivation (Mixtral, Qwen, DeepSeek), fc1's
+GEMM runs SwiGLU in its epilogue (``gemm_gated``, as the dense ``drop_h_quack``), so no
+activation kernel runs forward; the preactivation is then kept gate/up interleaved per
+column, as quack writes it. grad_preact, w·h and the router weight's gradient come from drop_h's
+Triton backward kernel (``kernels.experts_swiglu``), which reads that layout too, and grad_xg
+and grad_W1 pair the interleaved grad_preact with the canonical fc1 inside the GEMM
+(``concat_layout``): the weights, their grads and the saved bytes are drop_h's. quack's
+``gemm_dgated`` would fold grad_h's epilogue into the GEMM as well (router weight as per-row
+scale, its gradient as per-row sum), but with rows gathered it measured 933 µs against 680 for
+the plain gathered GEMM and the Triton pass (H100, Qwen3-30B-A3B, moe_h100_epilogues.md). With
+the weight on the input, or the FP8-saved copy, the activation and the copy are drop_h's
+Triton kernels' (``swiglu_fwd``, its FP8 variant) on a canonical [gate | up] preactivation.
 
 With the router weight on the input (Llama-4), preact = w · (fc1 x): the gathered GEMM's rows
 are scaled after it, grad_W1 takes w on grad_preact instead of on x, and the weight's gradient
@@ -78,6 +75,16 @@ SECOND_BACKWARD_FREED_ERROR = (
 )
 # Elements of x gathered at once for the input-side router weight's gradient: 32 MiB of bf16.
 DOT_CHUNK = 1 << 24
+# The shallowest contraction at which the row GEMMs (varlen_m: fc1, fc2, grad_h, grad_xg) take
+# quack's cooperative 128 x 256 tile instead of its default, pingpong 128 x 192. Pingpong hides
+# each tile's epilogue under the other warpgroup's mainloop, which pays while K is short; the
+# wider tile reads each (gathered) row of A once per 256 output columns instead of 192, which
+# pays once the mainloop dominates. On the H100 at three models' expert shapes
+# (moe_gemm_configs_h100.md): cooperative 0.67-0.98x the default at K = 1536 to 28672 (all
+# nine points), 1.02-1.03x at K = 768 and 1024 (fc2 of the fine-grained experts). The bound
+# sits between the two. The varlen_k weight-gradient GEMMs keep the default: there the wider
+# tile won at 512 and 1024 rows per expert and lost at 2048, no rule of K either way.
+COOPERATIVE_MIN_DEPTH = 1280
 
 
 def check_experts_quack_runs(hidden_size: int, ffn_hidden_size: int) -> None:
@@ -92,6 +99,35 @@ def check_experts_quack_runs(hidden_size: int, ffn_hidden_size: int) -> None:
         )
     if reason is not None:
         raise ValueError(f"ParExperts(impl={IMPL!r}) cannot run here: {reason}; use impl='drop_h'")
+
+
+def row_gemm_config(depth: int):
+    """quack's SM90 config for a row GEMM contracting over ``depth``, or None for quack's
+    default (``COOPERATIVE_MIN_DEPTH``). None under torch.compile, which takes no explicit
+    config."""
+    if depth < COOPERATIVE_MIN_DEPTH or torch.compiler.is_compiling():
+        return None
+    from quack.gemm_config import GemmConfig
+
+    return GemmConfig(
+        tile_m=128, tile_n=256, pingpong=False, cluster_m=2, cluster_n=1,
+        is_dynamic_persistent=False,
+    )  # fmt: skip
+
+
+def _row_gemm(a: torch.Tensor, b: torch.Tensor, cu: torch.Tensor, **options) -> torch.Tensor:
+    """[R, N] = rows of a (gathered through ``A_idx`` if given) times each expert's b, on the
+    config ``row_gemm_config`` picks. quack's ``gemm`` takes no config, so a chosen one goes
+    through ``gemm_tuned.fn``, the function ``gemm(..., tuned=False)`` calls with config=None:
+    the same launch, another tile."""
+    config = row_gemm_config(a.shape[-1])
+    if config is None:
+        return quack_gemm()(a, b, cu_seqlens_m=cu, **options)
+    token = options.get("A_idx")
+    out = a.new_empty(a.shape[0] if token is None else token.shape[0], b.shape[-1])
+    if out.numel():
+        require_quack().gemm_tuned.fn(a, b, out, cu_seqlens_m=cu, config=config, **options)
+    return out
 
 
 def _varlen(plan: Routing) -> tuple[torch.Tensor, torch.Tensor]:
@@ -116,55 +152,48 @@ def _gathered_row_dots(rows: torch.Tensor, x: torch.Tensor, token: torch.Tensor)
 class _ExpertsDropHQuack(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, indices, weights, fc1, fc2, weights_on: str, saved_fp8: bool, inplace):
-        gemm = quack_gemm()
         plan = route(indices, weights, fc1.shape[0])
         cu, token = _varlen(plan)
-        fused = fused_epilogues(weights_on, saved_fp8)
-        if fused:
+        interleaved = gated_forward(weights_on, saved_fp8)
+        if interleaved:
             preact, h = require_quack().gemm_gated(
                 x, fc1.mT, activation="swiglu", cu_seqlens_m=cu, A_idx=token,
-                concat_layout=("B",), tuned=False,
+                concat_layout=("B",), tuned=False, config=row_gemm_config(x.shape[1]),
             )  # fmt: skip
             saved = (preact,)
         else:
-            preact = gemm(x, fc1.mT, cu_seqlens_m=cu, A_idx=token)
+            preact = _row_gemm(x, fc1.mT, cu, A_idx=token)
             if weights_on == "input":  # fc1 (w x) = w (fc1 x), one rounding: fp32 product
                 preact.mul_(plan.weight[:, None])
             h, saved = activate(preact, saved_fp8)
         del preact
-        out = gemm(h, fc2.mT, cu_seqlens_m=cu)
+        out = _row_gemm(h, fc2.mT, cu)
         del h
         y = gather_sum(out, plan, None if weights_on == "input" else live_weights(indices, weights))
         save(ctx, x, indices, weights, fc1, fc2, plan, saved, weights_on, inplace)
-        ctx.fused = fused
+        ctx.interleaved = interleaved
         return y
 
     @staticmethod
     def backward(ctx, grad_y: torch.Tensor):
         errors = (SECOND_BACKWARD_ERROR, SECOND_BACKWARD_FREED_ERROR)
         inplace, (x, indices, weights, fc1, fc2), plan, saved = saved_tensors(ctx, errors)
-        gemm = quack_gemm()
+        gemm = quack_gemm()  # the weight-gradient (varlen_k) GEMMs: quack's default config
         cu, token = _varlen(plan)
         on_output = ctx.weights_on == "output"
         grad_y = grad_y.contiguous()
-        if ctx.fused:  # saved[0] is the interleaved preact, or its copy out of place
-            grad_preact, g, grad_w_rows = require_quack().gemm_dgated(
-                grad_y, fc2, saved[0], activation="swiglu", dx_out=saved[0],
-                colvec_scale=plan.weight, colvec_reduce=True, cu_seqlens_m=cu, A_idx=token,
-                tuned=False, dynamic_scheduler=False,
-            )  # fmt: skip
-        else:
-            g = gemm(grad_y, fc2, cu_seqlens_m=cu, A_idx=token)  # unweighted grad_h
-            w = plan.weight if on_output else None
-            grad_preact, g, grad_w_rows = backward_rows(saved, g, w, inplace)  # g: (w ·) h now
+        g = _row_gemm(grad_y, fc2, cu, A_idx=token)  # unweighted grad_h
+        w = plan.weight if on_output else None
+        # g: (w ·) h now; an interleaved preact gives an interleaved grad_preact
+        grad_preact, g, grad_w_rows = backward_rows(saved, g, w, inplace, ctx.interleaved)
         del saved
         fc2_first = grad_fc2_first(g.numel(), *fc2.shape)  # grad_y is gathered in the GEMM
         grad_fc2 = gemm(grad_y.T, g, cu_seqlens_k=cu, A_idx=token) if fc2_first else None
         if fc2_first:
             del g
         # the interleaved grad_preact meets the canonical fc1 inside the GEMM (concat_layout)
-        concat = ("B",) if ctx.fused else None
-        grad_xg = gemm(grad_preact, fc1, cu_seqlens_m=cu, concat_layout=concat)
+        concat = ("B",) if ctx.interleaved else None
+        grad_xg = _row_gemm(grad_preact, fc1, cu, concat_layout=concat)
         if not on_output:  # d(w x)/dw = x; grad_W1 takes the weight on grad_preact's rows
             grad_w_rows = _gathered_row_dots(grad_xg, x, plan.token)
             grad_preact.mul_(plan.weight[:, None])
@@ -172,7 +201,7 @@ class _ExpertsDropHQuack(torch.autograd.Function):
         grad_x = gather_sum(grad_xg, plan, None if on_output else live_weights(indices, weights))
         del grad_xg
         grad_fc1 = fc1.new_empty(fc1.shape)
-        out_concat = ("out",) if ctx.fused else None
+        out_concat = ("out",) if ctx.interleaved else None
         gemm(
             x.T, grad_preact, out=grad_fc1.mT, cu_seqlens_k=cu, A_idx=token,
             concat_layout=out_concat,
@@ -194,12 +223,11 @@ def drop_h_quack_experts(x, indices, weights, fc1, fc2, weights_on, saved_fp8=Fa
     return _ExpertsDropHQuack.apply(x, indices, weights, fc1, fc2, weights_on, saved_fp8, inplace)
 
 
-def fused_epilogues(weights_on: str, saved_fp8: bool) -> bool:
-    """Whether SwiGLU runs in quack's fc1 and grad_h epilogues (the module docstring): when the
-    router weight scales the expert output, which the dgated epilogue's per-row scale and sum
-    take, and the preactivation is kept in bf16, which is what that epilogue reads back. The
-    weight on the input must scale the preactivation before SwiGLU, which quack's gated
-    epilogue cannot; the FP8 copy is written by drop_h's quantizing kernel."""
+def gated_forward(weights_on: str, saved_fp8: bool) -> bool:
+    """Whether SwiGLU runs in fc1's GEMM epilogue (the module docstring): unless the router
+    weight scales the input, and so the preactivation before SwiGLU, which quack's gated
+    epilogue cannot, or the preactivation is kept as drop_h's canonical FP8 copy, which
+    drop_h's quantizing kernel writes."""
     return weights_on == "output" and not saved_fp8
 
 

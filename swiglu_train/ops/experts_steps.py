@@ -54,11 +54,15 @@ def saved_tensors(ctx, errors: tuple[str, str]) -> tuple[bool, tuple, Routing, l
     return inplace, (x, indices, weights, fc1, fc2), plan, saved
 
 
-def backward_rows(saved: list, g: torch.Tensor, w: torch.Tensor | None, inplace: bool):
+def backward_rows(
+    saved: list, g: torch.Tensor, w: torch.Tensor | None, inplace: bool, interleaved: bool = False
+):
     """(grad_preact, (w·)h, grad_w [R] fp32 or None) from the saved preact, overwritten in
     place, or from its FP8 copy (q, scales), freed once read when ``inplace``; g [R, F] is
     overwritten by (w·)h where Triton runs. ``w`` is the router weight per sorted row when it
-    scales the expert output (its gradient then comes from the same pass)."""
+    scales the expert output (its gradient then comes from the same pass). ``interleaved``:
+    the bf16 preact holds each feature's gate and up side by side (quack's gated epilogue),
+    and grad_preact comes back so."""
     fp8 = len(saved) == 2
     if kernels is not None and triton_enabled(g):
         grad_w = torch.empty(g.shape[0], device=g.device) if w is not None else None
@@ -67,14 +71,18 @@ def backward_rows(saved: list, g: torch.Tensor, w: torch.Tensor | None, inplace:
             kernels.experts_backward_fp8(*saved, g, grad_preact, w, grad_w)
         else:
             grad_preact = saved[0]
-            kernels.experts_backward_(grad_preact, g, w, grad_w)
+            kernels.experts_backward_(grad_preact, g, w, grad_w, interleaved)
         wh = g
     else:
         preact = dequantize(*saved) if fp8 else saved[0].float()
-        ffn = g.shape[1]
+        rows, ffn = g.shape
+        if interleaved:  # [g0, u0, g1, u1, ...] -> [g0, g1, ... | u0, u1, ...]
+            preact = preact.view(rows, ffn, 2).transpose(1, 2).reshape(rows, 2 * ffn)
         h = (F.silu(preact[:, :ffn]).to(g.dtype).float() * preact[:, ffn:]).to(g.dtype).float()
         scale = 1.0 if w is None else w[:, None]
         grad_preact = (swiglu_grad(preact, g.float()) * scale).to(g.dtype)
+        if interleaved:
+            grad_preact = grad_preact.view(rows, 2, ffn).transpose(1, 2).reshape(rows, 2 * ffn)
         grad_w = (g.float() * h).sum(-1) if w is not None else None
         wh = (h * scale).to(g.dtype)
     if inplace and fp8:
