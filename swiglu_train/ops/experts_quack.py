@@ -23,8 +23,9 @@ Triton backward kernel (``kernels.experts_swiglu``), which reads that layout too
 and grad_W1 pair the interleaved grad_preact with the canonical fc1 inside the GEMM
 (``concat_layout``): the weights, their grads and the saved bytes are drop_h's. quack's
 ``gemm_dgated`` would fold grad_h's epilogue into the GEMM as well (router weight as per-row
-scale, its gradient as per-row sum), but with rows gathered it measured 933 µs against 680 for
-the plain gathered GEMM and the Triton pass (H100, Qwen3-30B-A3B, moe_h100_epilogues.md). With
+scale, its gradient as per-row sum), but with rows gathered it took 933 µs (the timeline of
+moe_h100_epilogues.json) against 475 for the plain gathered GEMM (moe_gemm_configs_h100.md)
+and 204 for the Triton pass (H100, Qwen3-30B-A3B). With
 the weight on the input, or the FP8-saved copy, the activation and the copy are drop_h's
 Triton kernels' (``swiglu_fwd``, its FP8 variant) on a canonical [gate | up] preactivation.
 
