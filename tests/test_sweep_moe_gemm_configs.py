@@ -187,3 +187,43 @@ def test_the_markdown_reads_the_best_config_per_gemm_and_the_point_s_sums(sweep)
     # six GEMMs of 1 ms under torch; the best per GEMM is fc1's candidate, else the default
     assert f"| small | balanced | 6.000 | 1.200 | {(1.1 + 5 * 1.2) / 6:.3f} |" in md
     assert md.count("DSLRuntimeError: no smem") == len(sweep.GEMMS)
+
+
+@pytest.fixture(scope="module")
+def fit():
+    path = ROOT / "benchmarks" / "fit_moe_gemm_rule.py"
+    spec = importlib.util.spec_from_file_location("fit_moe_gemm_rule", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def synthetic_sweep(fit, times: dict) -> dict:
+    """Rows as the sweep writes them: per (model, gemm, K), each config's time over the default,
+    and the torch twin's (which the fit must not count as a config)."""
+    rows = []
+    for (model, gemm, k), (coop, torch_twin) in times.items():
+        for config, over in ((SM90_DEFAULT, 1.0), (fit.COOPERATIVE, coop), ("torch", torch_twin)):
+            rows.append({"model": model, "routing": "balanced", "gemm": gemm, "K": k,
+                         "config": config, "over_default": over})  # fmt: skip
+    rows.append({"model": "a", "routing": "balanced", "gemm": "grad_W1", "K": 64,
+                 "config": fit.COOPERATIVE, "over_default": 0.5})  # fmt: skip
+    return {"default": SM90_DEFAULT, "rows": rows, "gpu": "GPU", "commit": "c", "command": "x"}
+
+
+def test_the_fit_learns_the_depth_bound_out_of_sample_and_ignores_the_torch_twin(fit):
+    # cooperative wins from K = 2048, loses at 512; torch is faster than both everywhere
+    times = {
+        (model, gemm, k): ((0.9, 0.5) if k >= 2048 else (1.1, 0.5))
+        for model in ("a", "b", "c")
+        for gemm, k in (("fc1", 2048), ("fc2", 512), ("grad_xg", 4096))
+    }
+    result = fit.evaluate(synthetic_sweep(fit, times))
+    assert result["bound_fitted_on_all"] == (512 + 2048) / 2
+    rows = result["leave_one_model_out"]["rows"]
+    assert len(rows) == 9  # the varlen_k grad_W1 row is no row GEMM
+    assert {r["pick"] for r in rows if r["K"] == 512} == {"default"}
+    assert {r["pick"] for r in rows if r["K"] >= 2048} == {fit.COOPERATIVE}
+    assert result["leave_one_model_out"]["summary"]["max_over_best"] == 1.0
+    md = fit.to_markdown({"command": "python x"} | result)
+    assert "| a | balanced | fc2 | 512 | 1280 | default | 1.000 | 1.000 |" in md
