@@ -50,6 +50,9 @@ CASES = {
     "moe-d2048": (4096, 2048, 768, 128, 8, "random"),
     "skewed": (1000, 256, 200, 16, 4, "skewed"),  # expert 0 takes half the first choices
     "edges": (333, 256, 136, 8, 2, "edges"),  # expert 3 gets no token, slot (5, 1) dropped
+    # the same edges with D past drop_h_quack's COOPERATIVE_MIN_DEPTH: fc1 and grad_h on the
+    # cooperative 128 x 256 tile, partial in rows and columns
+    "edges-deep": (333, 1336, 136, 8, 2, "edges"),
     "no-tokens": (0, 64, 32, 4, 2, "random"),
     "one-expert": (77, 64, 32, 1, 1, "random"),
     "top-1": (300, 128, 96, 6, 1, "random"),
