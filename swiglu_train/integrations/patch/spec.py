@@ -102,8 +102,8 @@ def same_code(fn: Callable, ref: Callable) -> bool:
     if (a.co_flags & varargs) != (b.co_flags & varargs) or _ops(fn) != _ops(ref):
         return False
     names = {i.argval for i in dis.get_instructions(ref) if i.opname == "LOAD_GLOBAL"}
-    missing = object()
-    return all(fn.__globals__.get(n, missing) is ref.__globals__.get(n) for n in names)
+    missing = object()  # a builtin (float, super) is in neither module's globals: the same
+    return all(fn.__globals__.get(n, missing) is ref.__globals__.get(n, missing) for n in names)
 
 
 def _ops(fn: Callable) -> list[tuple[str, object]]:
