@@ -99,7 +99,9 @@ class ExpertsHost:
     ``fits`` says whether a module is this host's experts at all (so the report names it as
     such); ``mismatch`` why one that fits cannot be replaced (None when it can); ``build``
     the PatchedExperts on ``meta`` (options checked, no memory touched); ``install`` fills it
-    from the host module and returns what takes the host's place in the model.
+    from the host module and returns what takes the host's place in the model. ``walked``
+    names the children that ``patch`` still walks into, replaced or left (a whole MoE block's
+    shared expert, a dense MLP of its own); the others are the experts'.
     """
 
     library: str
@@ -107,6 +109,7 @@ class ExpertsHost:
     mismatch: Callable[[nn.Module], str | None]
     build: Callable[..., PatchedExperts]
     install: Callable[[PatchedExperts, nn.Module], nn.Module]
+    walked: tuple[str, ...] = ()
 
 
 def module_mismatch(module: nn.Module) -> str | None:

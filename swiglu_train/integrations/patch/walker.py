@@ -12,6 +12,7 @@ from swiglu_train.integrations.patch import (
     guard,
     hf,
     hf_experts,
+    hf_llama4,
     litgpt,
     torchtitan,
     torchtitan_experts,
@@ -30,7 +31,8 @@ from swiglu_train.layers.experts import ParExperts
 
 logger = logging.getLogger("swiglu_train.patch")
 SPECS: tuple[HostSpec, ...] = (*hf.SPECS, *litgpt.SPECS, *torchtitan.SPECS)
-EXPERTS_HOSTS: tuple[ExpertsHost, ...] = (hf_experts.HOST, torchtitan_experts.HOST)
+# a whole MoE block's host comes before the experts' hosts: the walk meets the block first
+EXPERTS_HOSTS: tuple[ExpertsHost, ...] = (hf_llama4.HOST, hf_experts.HOST, torchtitan_experts.HOST)
 # class names that read as an MLP: reported when left, so nothing MLP-like goes unmentioned
 _MLP_NAME = re.compile(r"(mlp|feedforward|feed_forward|ffn|experts?)$", re.IGNORECASE)
 
@@ -47,8 +49,8 @@ def patch(
 ) -> PatchReport:
     """Replace every SwiGLU MLP of ``model`` (Hugging Face, LitGPT, torchtitan layouts) with a
     PatchedSwiGLU running ``impl``, and every block of routed SwiGLU experts (transformers 5's
-    experts interface, torchtitan's MoE) with a PatchedExperts running ``experts_impl``;
-    return and log what was replaced and what was left, why.
+    experts interface and Llama-4's MoE block, torchtitan's MoE) with a PatchedExperts running
+    ``experts_impl``; return and log what was replaced and what was left, why.
 
     ``impl="auto"`` picks per layer shape from its cost model at ``tokens_hint`` (tokens
     per micro-batch); ``chunk`` and ``inplace`` are ParMLP's; ``saved_fp8`` keeps drop_h's
@@ -69,7 +71,7 @@ def patch(
     report, plans = PatchReport(), []
     skip: list[str] = []  # modules replaced or already patched: their insides are not walked
     for name, module in model.named_modules():
-        if any(name.startswith(f"{s}.") for s in skip):
+        if any(name == s or name.startswith(f"{s}.") for s in skip):
             continue
         host_class = type(module).__qualname__
         ours = _already(module)
@@ -79,7 +81,9 @@ def patch(
             continue
         host = next((h for h in EXPERTS_HOSTS if h.fits(module)), None)
         if host is not None:  # routed experts: their insides (act_fn, inner_experts) are theirs
-            skip.append(name)
+            inside = [f"{name}.{c}".lstrip(".") for c, _ in module.named_children()
+                      if c not in host.walked]  # fmt: skip
+            skip.extend(inside if host.walked else [name])
             reason = host.mismatch(module) or _placement(model, name)
             if reason is None:
                 plans.append((name, module, host, host.build(module, **experts_options)))

@@ -1,0 +1,165 @@
+"""swiglu_train.patch on Llama-4's MoE block (Llama4TextMoe) of a real tiny transformers 5
+Llama4ForCausalLM (CPU).
+
+Llama-4 runs every expert on every token scaled by its router score; the patched block runs
+the top-k experts alone. fp32 logits, the block's router logits and every gradient (router,
+experts, shared expert) match the unpatched twin; the state_dict is the host's keys, layouts
+and values, so checkpoints go both ways.
+"""
+
+import copy
+
+import pytest
+import torch
+from helpers import rel_err
+from patch_models import PARITY, TOKENS, assert_close_all, assert_state_equal, host_grads, run_step
+
+import swiglu_train
+from swiglu_train.integrations.patch.hf_llama4 import PatchedLlama4Experts, PatchedLlama4Moe
+
+transformers = pytest.importorskip("transformers")
+from transformers.models.llama4.modeling_llama4 import Llama4TextMoe  # noqa: E402
+
+CONFIG = dict(vocab_size=64, hidden_size=32, intermediate_size=24, intermediate_size_mlp=48,
+              num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+              max_position_embeddings=64, num_local_experts=4, num_experts_per_tok=2)  # fmt: skip
+BLOCKS = ["model.layers.0.feed_forward", "model.layers.1.feed_forward"]
+
+
+def llama4_model(seed: int = 0):
+    torch.manual_seed(seed)
+    config = transformers.Llama4TextConfig(**CONFIG)
+    return transformers.AutoModelForCausalLM.from_config(config).train()
+
+
+def patched_pair(**options):
+    reference = llama4_model()
+    patched = copy.deepcopy(reference)
+    return reference, patched, swiglu_train.patch(patched, **options)
+
+
+def block_outputs(model, ids):
+    """(logits, grad of the input embeddings, each block's router logits) of one step."""
+    outs = []
+    handles = [model.get_submodule(name).register_forward_hook(lambda m, a, o: outs.append(o))
+               for name in BLOCKS]  # fmt: skip
+    try:
+        logits, embed_grad = run_step(model, model.get_input_embeddings(), ids)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return logits, embed_grad, outs
+
+
+@pytest.mark.parametrize("impl", ["normal", "drop_h"])
+def test_patched_llama4_computes_as_the_original(impl):
+    reference, patched, _ = patched_pair(impl=impl)
+    assert isinstance(reference.model.layers[0].feed_forward, Llama4TextMoe)
+    block = patched.model.layers[0].feed_forward
+    assert isinstance(block, PatchedLlama4Moe) and isinstance(block.experts, PatchedLlama4Experts)
+    assert block.experts.impl == impl and block.experts.router_weights_on == "input"
+    ids = torch.randint(0, 64, TOKENS)
+    logits, embed_grad, outs = block_outputs(patched, ids)
+    ref_logits, ref_embed_grad, ref_outs = block_outputs(reference, ids)
+    assert rel_err(logits, ref_logits) < PARITY
+    assert rel_err(embed_grad, ref_embed_grad) < PARITY
+    for (out, router_logits), (ref_out, ref_router_logits) in zip(outs, ref_outs, strict=True):
+        assert out.shape == ref_out.shape == (TOKENS[0] * TOKENS[1], 32)
+        assert out.dtype == ref_out.dtype and router_logits.shape == (16, 4)
+        assert rel_err(out, ref_out) < PARITY
+        assert rel_err(router_logits, ref_router_logits) < PARITY
+    grads, ref_grads = host_grads(patched), host_grads(reference)
+    assert_close_all(grads, ref_grads)
+    for key in ("experts.gate_up_proj", "experts.down_proj", "router.weight",
+                "shared_expert.gate_proj.weight"):  # fmt: skip
+        assert ref_grads[f"{BLOCKS[1]}.{key}"].norm() > 0, key  # each grad is really compared
+
+
+def test_state_dict_is_the_hosts_and_loads_both_ways():
+    reference, patched, _ = patched_pair()
+    state = patched.state_dict()
+    assert_state_equal(state, reference.state_dict())
+    assert state[f"{BLOCKS[0]}.experts.gate_up_proj"].shape == (4, 32, 48)  # [E, D, 2F]
+    assert state[f"{BLOCKS[0]}.experts.down_proj"].shape == (4, 24, 32)  # [E, F, D]
+    other = llama4_model(seed=1)  # other weights, so a load that did nothing shows
+    patched.load_state_dict(other.state_dict())
+    assert_state_equal(patched.state_dict(), other.state_dict())
+    reference.load_state_dict(patched.state_dict())
+    assert_state_equal(reference.state_dict(), other.state_dict())
+    ids = torch.randint(0, 64, TOKENS)
+    patched.eval(), other.eval()
+    with torch.no_grad():
+        assert rel_err(patched(ids).logits, other(ids).logits) < PARITY
+    bad = {f"{BLOCKS[0]}.experts.down_proj": torch.zeros(4, 32, 24)}  # ours, not the host's
+    with pytest.raises(RuntimeError, match=r"size mismatch for .*experts\.down_proj"):
+        patched.load_state_dict(bad, strict=False)
+
+
+def test_save_pretrained_writes_the_plain_models_files(tmp_path):
+    from safetensors.torch import load_file
+
+    reference, patched, _ = patched_pair()
+    patched.save_pretrained(tmp_path / "patched")
+    reference.save_pretrained(tmp_path / "plain")
+    written = load_file(tmp_path / "patched" / "model.safetensors")
+    plain = load_file(tmp_path / "plain" / "model.safetensors")
+    assert_state_equal(dict(sorted(written.items())), dict(sorted(plain.items())))
+
+
+def test_report_names_the_block_and_the_shared_expert_is_patched_as_a_dense_mlp():
+    _, patched, report = patched_pair(impl="save_factors", chunk=8)
+    assert [(r.name, r.host_class, r.impl, r.num_experts, r.shape) for r in report.replaced] == [
+        *[(n, "Llama4TextMoe", "drop_h", 4, (32, 24, 32)) for n in BLOCKS[:1]],
+        (f"{BLOCKS[0]}.shared_expert", "Llama4TextMLP", "save_factors", None, (32, 24, 32)),
+        *[(n, "Llama4TextMoe", "drop_h", 4, (32, 24, 32)) for n in BLOCKS[1:]],
+        (f"{BLOCKS[1]}.shared_expert", "Llama4TextMLP", "save_factors", None, (32, 24, 32)),
+    ]
+    assert report.left == []
+    assert "replaced 2 x transformers Llama4TextMoe -> 4 experts drop_h (save_factors" in str(
+        report
+    )
+    again = swiglu_train.patch(patched)  # patching twice changes nothing
+    assert again.replaced == [] and {e.reason for e in again.left} == {
+        "already patched (impl drop_h)",
+        "already patched (impl save_factors)",
+    }
+
+
+def test_an_optimizer_built_before_patch_is_refused():
+    model = llama4_model()
+    early = torch.optim.SGD(model.parameters(), lr=1.0)
+    swiglu_train.patch(model)
+    run_step(model, model.get_input_embeddings(), torch.randint(0, 64, TOKENS))
+    with pytest.raises(RuntimeError, match=r"experts\.gate_up_proj"):
+        early.step()
+
+
+class MyMoe(Llama4TextMoe):
+    def forward(self, hidden_states):
+        out, logits = super().forward(hidden_states)
+        return 2 * out, logits
+
+
+def test_a_block_that_differs_is_left_with_the_reason():
+    model = llama4_model()
+    config = model.config
+    model.model.layers[0].feed_forward = MyMoe(config)
+    gelu = model.model.layers[1].feed_forward
+    gelu.experts.act_fn = torch.nn.GELU()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    report = swiglu_train.patch(model)
+    reasons = {e.name: (e.host_class, e.reason) for e in report.left}
+    assert reasons == {
+        BLOCKS[0]: ("MyMoe", "its forward (MyMoe.forward) is not transformers' Llama-4 MoE "
+                    "(Llama4TextMoe, Llama4TextExperts, Llama4Router)"),
+        BLOCKS[1]: ("Llama4TextMoe", "its activation GELU is not SiLU (a gated MLP with it is "
+                    "not SwiGLU)"),
+    }  # fmt: skip
+    # the experts are the block's (not reported twice); its shared expert is a dense MLP still
+    assert [r.name for r in report.replaced] == [f"{n}.shared_expert" for n in BLOCKS]
+    assert isinstance(model.model.layers[0].feed_forward, MyMoe)
+    state = model.state_dict()
+    assert list(state) == list(before)
+    for key in before:
+        if "shared_expert" not in key:
+            assert torch.equal(state[key], before[key]), key
