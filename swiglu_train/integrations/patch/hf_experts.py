@@ -19,8 +19,9 @@ A module is recognized by what it computes, as the dense MLPs are: its eager for
 to transformers' own (kept verbatim below), its gate is ``act_fn(gate) * up`` on [gate; up]
 halves, ``act_fn`` computes SiLU, and the implementation in use is one of transformers' own.
 gpt-oss's experts (a clamped ``swiglu_oai`` with alpha and limit on interleaved gate/up
-columns of a transposed [E, D, 2F] weight, with biases) and Llama-4's (every expert on
-router-weighted tokens) are left, with the reason.
+columns of a transposed [E, D, 2F] weight, with biases) are left, with the reason; Llama-4's
+experts (every expert on router-weighted tokens) are not this interface's, and their whole
+MoE block is patched instead (``hf_llama4``).
 """
 
 from __future__ import annotations
