@@ -77,6 +77,20 @@ def host_grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return twin.state_dict()
 
 
+def assert_loads_both_ways(patched, reference, other) -> None:
+    """``other``'s state (other weights, so a load that did nothing shows) loads into the
+    patched model and the patched model's into the unpatched ``reference``; the patched model
+    then computes ``other``'s logits."""
+    patched.load_state_dict(other.state_dict())
+    assert_state_equal(patched.state_dict(), other.state_dict())
+    reference.load_state_dict(patched.state_dict())
+    assert_state_equal(reference.state_dict(), other.state_dict())
+    ids = torch.randint(0, 64, TOKENS)
+    patched.eval(), other.eval()
+    with torch.no_grad():
+        assert rel_err(patched(ids).logits, other(ids).logits) < PARITY
+
+
 def assert_state_equal(actual: dict, expected: dict) -> None:
     """Same keys in the same order, and bitwise the same values."""
     assert list(actual) == list(expected)

@@ -10,7 +10,15 @@ import copy
 import pytest
 import torch
 from helpers import rel_err
-from patch_models import PARITY, TOKENS, assert_close_all, assert_state_equal, host_grads, run_step
+from patch_models import (
+    PARITY,
+    TOKENS,
+    assert_close_all,
+    assert_loads_both_ways,
+    assert_state_equal,
+    host_grads,
+    run_step,
+)
 
 import swiglu_train
 from swiglu_train.integrations.patch.hf_experts import PatchedHFExperts
@@ -139,15 +147,7 @@ def test_experts_impl_follows_impl_or_says_why():
 def test_state_dicts_load_both_ways():
     """An unpatched model's state loads into a patched one, and back, strictly."""
     reference, patched, _ = patched_pair("qwen3_moe")
-    other = moe_model("qwen3_moe", seed=1)  # other weights, so a load that did nothing shows
-    patched.load_state_dict(other.state_dict())
-    assert_state_equal(patched.state_dict(), other.state_dict())
-    reference.load_state_dict(patched.state_dict())
-    assert_state_equal(reference.state_dict(), other.state_dict())
-    ids = torch.randint(0, 64, TOKENS)
-    patched.eval(), other.eval()
-    with torch.no_grad():
-        assert rel_err(patched(ids).logits, other(ids).logits) < PARITY
+    assert_loads_both_ways(patched, reference, moe_model("qwen3_moe", seed=1))
 
 
 def test_save_pretrained_and_from_pretrained(tmp_path):

@@ -12,7 +12,15 @@ import copy
 import pytest
 import torch
 from helpers import rel_err
-from patch_models import PARITY, TOKENS, assert_close_all, assert_state_equal, host_grads, run_step
+from patch_models import (
+    PARITY,
+    TOKENS,
+    assert_close_all,
+    assert_loads_both_ways,
+    assert_state_equal,
+    host_grads,
+    run_step,
+)
 
 import swiglu_train
 from swiglu_train.integrations.patch.hf_llama4 import PatchedLlama4Experts, PatchedLlama4Moe
@@ -81,15 +89,7 @@ def test_state_dict_is_the_hosts_and_loads_both_ways():
     assert_state_equal(state, reference.state_dict())
     assert state[f"{BLOCKS[0]}.experts.gate_up_proj"].shape == (4, 32, 48)  # [E, D, 2F]
     assert state[f"{BLOCKS[0]}.experts.down_proj"].shape == (4, 24, 32)  # [E, F, D]
-    other = llama4_model(seed=1)  # other weights, so a load that did nothing shows
-    patched.load_state_dict(other.state_dict())
-    assert_state_equal(patched.state_dict(), other.state_dict())
-    reference.load_state_dict(patched.state_dict())
-    assert_state_equal(reference.state_dict(), other.state_dict())
-    ids = torch.randint(0, 64, TOKENS)
-    patched.eval(), other.eval()
-    with torch.no_grad():
-        assert rel_err(patched(ids).logits, other(ids).logits) < PARITY
+    assert_loads_both_ways(patched, reference, llama4_model(seed=1))
     bad = {f"{BLOCKS[0]}.experts.down_proj": torch.zeros(4, 32, 24)}  # ours, not the host's
     with pytest.raises(RuntimeError, match=r"size mismatch for .*experts\.down_proj"):
         patched.load_state_dict(bad, strict=False)
