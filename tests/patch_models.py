@@ -77,6 +77,17 @@ def host_grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return twin.state_dict()
 
 
+def assert_step_matches(patched, reference, tol: float = PARITY) -> None:
+    """One step of each on the same tokens: logits, the input embeddings' grad and every
+    parameter's grad under the host's names (the router's too) within ``tol``."""
+    ids = torch.randint(0, 64, TOKENS)
+    logits, embed_grad = run_step(patched, patched.get_input_embeddings(), ids)
+    ref_logits, ref_embed_grad = run_step(reference, reference.get_input_embeddings(), ids)
+    assert rel_err(logits, ref_logits) < tol
+    assert rel_err(embed_grad, ref_embed_grad) < tol
+    assert_close_all(host_grads(patched), host_grads(reference), tol)  # router's too
+
+
 def assert_loads_both_ways(patched, reference, other) -> None:
     """``other``'s state (other weights, so a load that did nothing shows) loads into the
     patched model and the patched model's into the unpatched ``reference``; the patched model

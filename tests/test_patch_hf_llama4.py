@@ -18,6 +18,7 @@ from patch_models import (
     assert_close_all,
     assert_loads_both_ways,
     assert_state_equal,
+    assert_step_matches,
     host_grads,
     run_step,
 )
@@ -81,6 +82,21 @@ def test_patched_llama4_computes_as_the_original(impl):
     for key in ("experts.gate_up_proj", "experts.down_proj", "router.weight",
                 "shared_expert.gate_proj.weight"):  # fmt: skip
         assert ref_grads[f"{BLOCKS[1]}.{key}"].norm() > 0, key  # each grad is really compared
+
+
+def test_saved_fp8_matches_within_e4m3_rounding():
+    reference, patched, report = patched_pair(impl="drop_h", saved_fp8=True)
+    assert report.impls == {"drop_h": 4}  # two blocks: their experts and shared experts
+    assert patched.get_submodule(BLOCKS[0]).experts.saved_fp8
+    assert_step_matches(patched, reference, tol=6e-2)  # the e4m3 preactivation, 3 mantissa bits
+
+
+def test_a_bf16_model_matches_within_bf16_rounding():
+    reference, patched, _ = patched_pair(impl="drop_h")
+    for model in (reference, patched):
+        model.to(torch.bfloat16)
+    assert patched.get_submodule(BLOCKS[0]).experts.fc1_weight.dtype == torch.bfloat16
+    assert_step_matches(patched, reference, tol=3e-2)  # bf16 sums in another order
 
 
 def test_state_dict_is_the_hosts_and_loads_both_ways():
