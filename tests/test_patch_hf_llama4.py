@@ -179,3 +179,21 @@ def test_a_block_that_differs_is_left_with_the_reason():
     for key in before:
         if "shared_expert" not in key:
             assert torch.equal(state[key], before[key]), key
+
+
+def test_the_multimodal_models_text_blocks_are_patched_and_compute_as_before():
+    """Llama4ForConditionalGeneration holds the same text blocks under its language model."""
+    vision = dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=4, intermediate_size=48,
+                  image_size=28, patch_size=14, vision_output_dim=32, projector_input_dim=32,
+                  projector_output_dim=32)  # fmt: skip
+    config = transformers.Llama4Config(text_config=CONFIG, vision_config=vision)
+    torch.manual_seed(0)
+    reference = transformers.Llama4ForConditionalGeneration(config).train()
+    patched = copy.deepcopy(reference)
+    report = swiglu_train.patch(patched, impl="drop_h")
+    assert report.impls == {"drop_h": 4}  # two blocks: their experts and shared experts
+    blocks = [m for n, m in patched.named_modules() if n.endswith("feed_forward")]
+    assert len(blocks) == 2 and all(isinstance(b, PatchedLlama4Moe) for b in blocks)
+    ids = torch.randint(0, 64, TOKENS)
+    with torch.no_grad():
+        assert rel_err(patched(input_ids=ids).logits, reference(input_ids=ids).logits) < PARITY
