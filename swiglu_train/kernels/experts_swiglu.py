@@ -76,7 +76,7 @@ def _experts_bwd_kernel(
     row_ok = rows < R
     w = tl.load(w_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)[:, None] if WEIGHTED else 1.0
     dot = tl.zeros([BLOCK_M], tl.float32)
-    dtype = g_ptr.dtype.element_ty
+    dtype, out_dtype = g_ptr.dtype.element_ty, preact_ptr.dtype.element_ty
     pair = tl.arange(0, 2)[None, None, :]
     for start in range(0, F, BLOCK_N):
         cols = start + tl.arange(0, BLOCK_N)
@@ -85,7 +85,7 @@ def _experts_bwd_kernel(
         if INTERLEAVED:
             pair_ptrs = preact_ptr + rows[:, None, None] * stride_preact + 2 * cols[None, :, None]
             pair_ptrs += pair
-            pair_mask = mask[:, :, None] & (pair < 2)
+            pair_mask = mask[:, :, None] & (pair < 2)  # broadcast to the [.., .., 2] tile
             gate, up = tl.split(tl.load(pair_ptrs, mask=pair_mask, other=0.0).to(tl.float32))
         else:
             gate_ptrs = preact_ptr + rows[:, None] * stride_preact + cols[None, :]
@@ -95,7 +95,6 @@ def _experts_bwd_kernel(
         grad_gate, grad_up, h, gh = _grads(gate, up, g, w, dtype, WEIGHTED)
         dot += tl.sum(gh, axis=1)
         tl.store(g_ptrs, h.to(dtype), mask=mask)
-        out_dtype = preact_ptr.dtype.element_ty
         if INTERLEAVED:
             tl.store(pair_ptrs, tl.join(grad_gate, grad_up).to(out_dtype), mask=pair_mask)
         else:

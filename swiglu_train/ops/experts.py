@@ -19,8 +19,8 @@ token's k rows are summed back by one deterministic gather-and-sum. R = T·k bel
             (``kernels.experts_swiglu``): h and the expert outputs are never kept.
 ``drop_h_quack``  drop_h on quack's GEMMs, which gather the rows inside the GEMM: the
             gathered x and grad_y are never written. With the weight on the output and a
-            bf16 preactivation, SwiGLU, the weight and its gradient run in the GEMMs'
-            epilogues too (``ops.experts_quack``; sm_90+).
+            bf16 preactivation, SwiGLU runs in fc1's GEMM epilogue too; backward is drop_h's
+            Triton pass on quack's interleaved preact (``ops.experts_quack``; sm_90+).
 """
 
 from __future__ import annotations

@@ -43,6 +43,8 @@ whose contraction is empty, as it does for an expert with no rows.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from swiglu_train.ops.experts_routing import Routing, gather_sum, live_weights, route
@@ -108,6 +110,12 @@ def row_gemm_config(depth: int):
     config."""
     if depth < COOPERATIVE_MIN_DEPTH or torch.compiler.is_compiling():
         return None
+    return _cooperative_config()
+
+
+@functools.cache
+def _cooperative_config():
+    """Built once: every row GEMM of every step asks for it."""
     from quack.gemm_config import GemmConfig
 
     return GemmConfig(
