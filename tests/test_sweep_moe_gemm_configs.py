@@ -1,6 +1,7 @@
 """benchmarks/sweep_moe_gemm_configs.py on CPU: its candidates keep quack's rules, its operands
-are the GEMMs experts_quack runs and its torch._grouped_mm twins the same GEMMs, and its
-markdown reads the best config off the rows."""
+are the GEMMs experts_quack runs and its torch._grouped_mm twins the same GEMMs
+(moe_gemm_candidates.py), and its markdown reads the best config off the rows
+(moe_gemm_report.py)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import itertools
 import math
 import sys
 from pathlib import Path
+from types import ModuleType
 
 import numpy as np
 import pytest
@@ -23,14 +25,31 @@ SHAPE = MoEShape("small", "", 24, 16, 5, 2)  # D, F, E, k
 TOKENS = 32
 
 
+def load_lab(name: str) -> ModuleType:
+    """A module of benchmarks/, imported with that folder first on the path, as ``python3
+    benchmarks/sweep_moe_gemm_configs.py`` puts it: the script imports its siblings by name."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        return importlib.import_module(name)
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+
+
 @pytest.fixture(scope="module")
 def sweep():
-    path = ROOT / "benchmarks" / "sweep_moe_gemm_configs.py"
-    spec = importlib.util.spec_from_file_location("sweep_moe_gemm_configs", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclasses resolve annotations through it
-    spec.loader.exec_module(module)
-    return module
+    """The sweep's configs, candidates and operands."""
+    return load_lab("moe_gemm_candidates")
+
+
+@pytest.fixture(scope="module")
+def report():
+    return load_lab("moe_gemm_report")
+
+
+def test_the_script_runs_its_siblings_candidates_and_report(sweep, report):
+    script = load_lab("sweep_moe_gemm_configs")
+    assert script.candidates is sweep.candidates and script.operands is sweep.operands
+    assert script.rows_of is report.rows_of and script.to_markdown is report.to_markdown
 
 
 def chosen(sweep, gemm: str, limit: int = 12) -> list:
@@ -150,7 +169,7 @@ def test_output_tiles_count_each_expert_s_row_tiles_or_its_whole_output(sweep):
     assert sweep.output_tiles("grad_W2", [0, 100, 300], 2048, 1536, c) == 3 * 16 * 8
 
 
-def sweep_result(sweep) -> dict:
+def sweep_result(sweep, report) -> dict:
     """Every GEMM of one point timed: on fc1 a candidate beats the default (1.1 against 1.2
     ms), elsewhere the only timed candidate is slower; one candidate failed everywhere."""
     p = sweep.make_point(SHAPE, "balanced", TOKENS, 0, "cpu", torch.float32)
@@ -162,13 +181,13 @@ def sweep_result(sweep) -> dict:
                  (("torch", 1.0), ("default", 1.2), ("128x128-pp-2x1-static", fast))}  # fmt: skip
         errors = {"torch": 1e-3, "default": 0.0, "128x128-pp-2x1-static": 0.0}
         failed = {"256x128-coop-2x1-static": "DSLRuntimeError: no smem"}
-        rows += sweep.rows_of(p, sweep.operands(p, gemm), times, errors, failed, default)
+        rows += report.rows_of(p, sweep.operands(p, gemm), times, errors, failed, default)
     return {"gpu": "H100", "sm_count": 132, "commit": "abc", "tokens": TOKENS, "samples": 3,
             "default": SM90_DEFAULT, "errors": [], "rows": rows}  # fmt: skip
 
 
-def test_each_row_has_its_point_config_and_ratios_and_a_failure_its_reason(sweep):
-    rows = [r for r in sweep_result(sweep)["rows"] if r["gemm"] == "fc1"]
+def test_each_row_has_its_point_config_and_ratios_and_a_failure_its_reason(sweep, report):
+    rows = [r for r in sweep_result(sweep, report)["rows"] if r["gemm"] == "fc1"]
     by = {r["config"]: r for r in rows}
     assert set(by) == {"torch", "default", "128x128-pp-2x1-static", "256x128-coop-2x1-static"}
     assert by["torch"]["tile_m"] is None and by["torch"]["tiles"] is None
@@ -180,8 +199,8 @@ def test_each_row_has_its_point_config_and_ratios_and_a_failure_its_reason(sweep
     assert broken["ms"] is None and broken["failed"] == "DSLRuntimeError: no smem"
 
 
-def test_the_markdown_reads_the_best_config_per_gemm_and_the_point_s_sums(sweep):
-    md = sweep.to_markdown(sweep_result(sweep))
+def test_the_markdown_reads_the_best_config_per_gemm_and_the_point_s_sums(sweep, report):
+    md = report.to_markdown(sweep_result(sweep, report))
     assert "| fc1 | 1 | 1.200 | 0.917 (0.917) | 1.100 | 128x128-pp-2x1-static (1) |" in md
     assert "| grad_h | 1 | 1.200 | 1.000 (1.000) | 1.200 | default (1) |" in md  # none beat it
     # six GEMMs of 1 ms under torch; the best per GEMM is fc1's candidate, else the default
