@@ -22,7 +22,7 @@ import json
 import statistics
 from pathlib import Path
 
-from swiglu_train.files import atomic_write, write_json_atomic
+from swiglu_train.files import atomic_write, write_json_atomic, write_png_atomic
 
 DROPS_H = ("drop_h", "drop_h_quack")  # keep preact only: h [M, F/tp] is not saved
 
@@ -167,8 +167,7 @@ def plot_losses(runs: dict[tuple[str, str], dict], path: Path) -> None:
         ax.set(title=impl, xlabel="step", ylabel="loss", yscale="log")
         ax.grid(alpha=0.3)
         ax.legend()
-    with atomic_write(path, "wb") as f:
-        fig.savefig(f, format="png", dpi=110)
+    write_png_atomic(path, fig, dpi=110)
 
 
 def _num(value: float | None, spec: str = ".1f") -> str:

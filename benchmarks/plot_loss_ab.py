@@ -27,7 +27,7 @@ from pathlib import Path
 
 import numpy as np
 
-from swiglu_train.files import atomic_write, write_json_atomic
+from swiglu_train.files import atomic_write, write_json_atomic, write_png_atomic
 from swiglu_train.layers.registry import impl_label
 
 KEYS = ("mlp_impl", "saved_fp8", "seed", "steps", "losses")
@@ -279,8 +279,7 @@ def main(argv: list[str] | None = None) -> dict:
         with atomic_write(args.md) as f:
             f.write(markdown)
     if figure is not None:
-        with atomic_write(args.plot, "wb") as f:
-            figure.savefig(f, format="png", dpi=120)
+        write_png_atomic(args.plot, figure, dpi=120)
     return result
 
 

@@ -11,7 +11,7 @@ from rich.markdown import Markdown
 from rich.markup import escape
 
 from swiglu_train.cli.app import check_output, console
-from swiglu_train.files import atomic_write, write_json_atomic
+from swiglu_train.files import atomic_write, write_json_atomic, write_png_atomic
 
 
 def check_results_path(json_path: Path | None, siblings: tuple[str, ...]) -> None:
@@ -48,6 +48,5 @@ def write_results(
             f.write(markdown)
         console.print(f"wrote {escape(str(md_path))}")
     if plot_path is not None:
-        with atomic_write(plot_path, "wb") as f:
-            plot(result).savefig(f, format="png", dpi=110)
+        write_png_atomic(plot_path, plot(result), dpi=110)
         console.print(f"wrote {escape(str(plot_path))}")

@@ -15,7 +15,7 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
-from swiglu_train.files import atomic_write
+from swiglu_train.files import atomic_write, png_bytes
 from swiglu_train.memory.runs import (
     MAIN_KEYS,
     MemoryRun,
@@ -116,9 +116,11 @@ def _plot_layer_bars(ax, runs: list[MemoryRun], colors: list[str]) -> None:
 
 def figure_bytes(fig: Figure, fmt: str) -> bytes:
     """The figure rendered as ``fmt`` (png, svg); SVG keeps text as text so pages stay small."""
+    if fmt == "png":
+        return png_bytes(fig, dpi=120)
     buffer = io.BytesIO()
     with matplotlib.rc_context({"svg.fonttype": "none"}):
-        fig.savefig(buffer, format=fmt, dpi=120, metadata={"Date": None} if fmt == "svg" else {})
+        fig.savefig(buffer, format=fmt, dpi=120, metadata={"Date": None})
     return buffer.getvalue()
 
 

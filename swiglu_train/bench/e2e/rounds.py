@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from swiglu_train.files import atomic_write, write_json_atomic
+from swiglu_train.files import atomic_write, write_json_atomic, write_png_atomic
 
 # The figures of a point that a row spreads over rounds (optimizer_s: absent in older runs).
 FIGURES = ("tokens_per_s", "optimizer_s", "after_forward_MiB", "peak_MiB")
@@ -115,5 +115,4 @@ def write_result(
         with atomic_write(md) as f:
             f.write(text)
     if plot is not None and draw is not None:
-        with atomic_write(plot, "wb") as f:
-            draw(result).savefig(f, format="png", dpi=120)
+        write_png_atomic(plot, draw(result), dpi=120)
