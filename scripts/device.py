@@ -5,6 +5,7 @@ git-ignored folders that the device call carries (64 MiB a call), and installed 
 Here, with network:
     python3 scripts/device.py wheels [FOLDER...]   download the wheel folders (all by default)
     python3 scripts/device.py snapshot             freeze HEAD into .src/ (carry it for `run`)
+    python3 scripts/device.py carry [FOLDER...]    whether the tree and these folders fit a call
 On the GPU box, from the repository root:
     python3 scripts/device.py setup                install whichever wheel folders were carried
     python3 scripts/device.py stage STAGE[:S]...   run stages in this tree; results in $OUT
@@ -102,6 +103,28 @@ QUACK_CARRY_KIB = 53252
 def blocks_kib(sizes: list[int]) -> int:
     """KiB of 4 KiB blocks that files of these byte sizes occupy."""
     return sum(-(-size // 4096) * 4 for size in sizes)
+
+
+def tracked_tree_kib() -> int:
+    """What the tracked tree takes of a call's carry: every call sends it beside the folders."""
+    listed = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, capture_output=True,
+                            text=True, check=True).stdout.split("\0")  # fmt: skip
+    files = [ROOT / p for p in listed if p and (ROOT / p).is_file() and not (ROOT / p).is_symlink()]
+    return blocks_kib([f.stat().st_size for f in files])
+
+
+def carry_report(folders: list[str]) -> tuple[list[str], bool]:
+    """One line per part and a total, and whether they fit: a call over the limit is refused
+    after its machine has started, so plan the folders of a call here first."""
+    parts = [("tracked tree", tracked_tree_kib())]
+    for folder in folders:
+        files = [f for f in (ROOT / folder).rglob("*") if f.is_file() and not f.is_symlink()]
+        parts.append((folder, blocks_kib([f.stat().st_size for f in files])))
+    total = sum(kib for _, kib in parts)
+    left = CARRY_LIMIT_KIB - total
+    verdict = f"fits, {left} KiB left" if left >= 0 else f"over by {-left} KiB"
+    lines = [f"{name:14} {kib:>6} KiB" for name, kib in parts]
+    return [*lines, f"{'total':14} {total:>6} KiB of {CARRY_LIMIT_KIB}: {verdict}"], left >= 0
 
 
 # py-spy's only wheel is manylinux1: a narrower list skips it
@@ -465,6 +488,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     w = sub.add_parser("wheels", help="download the wheel folders here")
     w.add_argument("folders", nargs="*", metavar="FOLDER", help=f"any of {', '.join(WHEELS)}")
     sub.add_parser("snapshot", help="freeze HEAD into .src/")
+    c = sub.add_parser("carry", help="whether the tree and these folders fit one call's carry")
+    c.add_argument("folders", nargs="*", metavar="FOLDER", help="wheel folders, as run's carry")
     sub.add_parser("setup", help="install the carried wheel folders (on the box)")
     sub.add_parser("list", help="the stages, one line each")
     for name in ("stage", "run"):
@@ -475,6 +500,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         args.folders = args.folders or list(WHEELS)
         if unknown := sorted(set(args.folders) - set(WHEELS)):
             parser.error(f"unknown wheel folders {unknown}; they are {', '.join(WHEELS)}")
+    if args.command == "carry" and (absent := [f for f in args.folders if not (ROOT / f).is_dir()]):
+        parser.error(f"no folder {', '.join(absent)} here; `device.py wheels FOLDER` builds it")
     for spec in getattr(args, "specs", []):
         name, _, seconds = spec.partition(":")
         if name not in stages():
@@ -490,6 +517,10 @@ def main(argv: list[str] | None = None) -> None:
         wheels(args.folders)
     elif args.command == "snapshot":
         snapshot()
+    elif args.command == "carry":
+        lines, fits = carry_report(args.folders)
+        print("\n".join(lines))
+        sys.exit(0 if fits else 1)
     elif args.command == "setup":
         setup()
     elif args.command == "list":

@@ -217,10 +217,35 @@ def test_a_stage_past_its_bound_is_stopped_and_what_finished_comes_back(
 def test_the_tracked_tree_leaves_room_for_quack_s_wheels_in_a_device_call(device):
     """A device call carries the tracked tree and the wheel folders in 64 MiB of 4 KiB blocks:
     grown past what quack's wheels leave, no call could measure the quack impls again."""
-    listed = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, capture_output=True,
-                            text=True, check=True).stdout.split("\0")  # fmt: skip
-    files = [ROOT / p for p in listed if p and (ROOT / p).is_file() and not (ROOT / p).is_symlink()]
-    tree = device.blocks_kib([f.stat().st_size for f in files])
+    tree = device.tracked_tree_kib()
     room = device.CARRY_LIMIT_KIB - device.QUACK_CARRY_KIB
     assert tree <= room, f"the tracked tree takes {tree} KiB, quack's wheels leave {room}"
     assert device.blocks_kib([1, 4096, 4097]) == 16
+
+
+def test_carry_adds_the_tracked_tree_and_the_folders_in_blocks_and_says_whether_they_fit(
+    device, tmp_path, monkeypatch, capsys
+):
+    """`device.py carry` plans a call before a machine is started for it: a carry over the
+    limit is refused only once the machine is up."""
+    subprocess.run(["git", "init", "-q", str(tmp_path)], check=True)
+    (tmp_path / "tracked.py").write_text("x = 1\n")  # one block
+    (tmp_path / "untracked.txt").write_text("not sent unless git ignores nothing")
+    subprocess.run(["git", "-C", str(tmp_path), "add", "tracked.py"], check=True)
+    (tmp_path / ".whlz" / "sub").mkdir(parents=True)
+    (tmp_path / ".whlz" / "a.whl").write_bytes(b"\0" * 5000)  # two blocks
+    (tmp_path / ".whlz" / "sub" / "b.whl").write_bytes(b"\0" * 4096)  # one block
+    monkeypatch.setattr(device, "ROOT", tmp_path)
+    assert device.carry_report([".whlz"]) == (
+        ["tracked tree        4 KiB", ".whlz              12 KiB",
+         "total              16 KiB of 65536: fits, 65520 KiB left"],
+        True,
+    )  # fmt: skip
+    monkeypatch.setattr(device, "CARRY_LIMIT_KIB", 12)
+    with pytest.raises(SystemExit) as over:
+        device.main(["carry", ".whlz"])
+    assert over.value.code == 1
+    assert capsys.readouterr().out.splitlines()[-1].endswith("16 KiB of 12: over by 4 KiB")
+    with pytest.raises(SystemExit):
+        device.main(["carry", ".whlq_absent"])
+    assert "no folder .whlq_absent here" in capsys.readouterr().err
