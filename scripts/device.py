@@ -115,7 +115,7 @@ def tracked_tree_kib() -> int:
 
 def carry_report(folders: list[str]) -> tuple[list[str], bool]:
     """One line per part and a total, and whether they fit: a call over the limit is refused
-    after its machine has started, so plan the folders of a call here first."""
+    ("the working tree is larger than 64 MiB"), so plan the folders of a call here first."""
     parts = [("tracked tree", tracked_tree_kib())]
     for folder in folders:
         files = [f for f in (ROOT / folder).rglob("*") if f.is_file() and not f.is_symlink()]

@@ -226,8 +226,7 @@ def test_the_tracked_tree_leaves_room_for_quack_s_wheels_in_a_device_call(device
 def test_carry_adds_the_tracked_tree_and_the_folders_in_blocks_and_says_whether_they_fit(
     device, tmp_path, monkeypatch, capsys
 ):
-    """`device.py carry` plans a call before a machine is started for it: a carry over the
-    limit is refused only once the machine is up."""
+    """`device.py carry` plans a call's folders here: a call over the limit is refused."""
     subprocess.run(["git", "init", "-q", str(tmp_path)], check=True)
     (tmp_path / "tracked.py").write_text("x = 1\n")  # one block
     (tmp_path / "untracked.txt").write_text("not sent unless git ignores nothing")
