@@ -84,8 +84,8 @@ WHEELS: dict[str, tuple[str, list[str]]] = {
               "import, without the CUDA extensions and prototypes (3.4 MB whole). Even so it "
               "does not fit beside .whlqx, .whlx and the tree: the device counts 4 KiB blocks, "
               "64.8 MiB there", ["torchao==0.18.0"]),
-    ".whll": ("Liger alone (0.9 MB), for a call without quack: beside .whlqx and .whlx the tree "
-              "leaves no room for it (the device counts 4 KiB blocks; 64 MiB in all)",
+    ".whll": ("Liger alone (0.9 MB), to carry beside .whlqx and .whlx where the tree leaves room "
+              "(`device.py carry .whlqx .whlx .whll` says; 64 MiB in 4 KiB blocks in all)",
               ["liger-kernel==0.8.5"]),
     ".whls": ("SonicMoE and the quack it pins, built from their commits "
               f"({', '.join(commit[:7] for _, commit, _ in SONIC_SOURCES)}), cuda-python, and "
