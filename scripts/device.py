@@ -87,6 +87,11 @@ WHEELS: dict[str, tuple[str, list[str]]] = {
     ".whll": ("Liger alone (0.9 MB), to carry beside .whlqx and .whlx where the tree leaves room "
               "(`device.py carry .whlqx .whlx .whll` says; 64 MiB in 4 KiB blocks in all)",
               ["liger-kernel==0.8.5"]),
+    ".whlmoe": ("torchtitan and the deps the box lacks, for bench-moe's torchtitan columns "
+                "(1.6 MB): fits beside .whlqx and .whlx where the tree leaves room (`device.py "
+                "carry` says); Liger's columns need .whll too",
+                ["torchtitan==0.3.0", "tyro==1.0.17", "docstring-parser==0.18.0",
+                 "typeguard==4.6.1", "spmd-types==0.2.3"]),
     ".whls": ("SonicMoE and the quack it pins, built from their commits "
               f"({', '.join(commit[:7] for _, commit, _ in SONIC_SOURCES)}), cuda-python, and "
               "nvidia-cutlass-dsl 4.2.1 re-packed with xz (46 MB): stage sonic's own site, carried "

@@ -446,8 +446,9 @@ stage_grid() {
 
 ## moe: swiglu-train bench-moe, every model and routing ($MOE_MODELS, $MOE_ROUTING, $MOE_VARIANTS)
 stage_moe() {
-  # Liger and torchtitan columns where their wheels were carried (.whll, .whlmoe); SonicMoE
-  # runs in a process of its own (stage sonic), merged with bench-moe --merge.
+  # Liger and torchtitan columns where their wheels were carried (.whll, .whlmoe: `setup`
+  # installs both); SonicMoE runs in a process of its own (stage sonic), merged with
+  # bench-moe --merge.
   mkdir -p "$RES/moe"
   python3 -m swiglu_train bench-moe ${MOE_MODELS:+--models $MOE_MODELS} \
     --routing "${MOE_ROUTING:-balanced,skewed}" --samples 30 $([ "${MOE_TIMELINE:-1}" = 1 ] && echo --timeline) \

@@ -67,6 +67,7 @@ def test_the_wheel_folders_keep_their_names(device):
         ".whlh",
         ".whla",
         ".whll",
+        ".whlmoe",
         ".whls",
     }
     assert set(device.WHEELS) == expected
