@@ -181,6 +181,22 @@ def test_a_block_that_differs_is_left_with_the_reason():
             assert torch.equal(state[key], before[key]), key
 
 
+def test_experts_whose_weights_are_not_the_pair_are_left_with_the_reason():
+    """Llama-4 holds its experts transposed ([E, D, 2F], [E, F, D]); the reason says so."""
+    model = llama4_model()
+    first, second = (model.model.layers[i].feed_forward.experts for i in (0, 1))
+    first.register_parameter("bias", torch.nn.Parameter(torch.zeros(3)))
+    e, f, d = second.down_proj.shape
+    second.down_proj = torch.nn.Parameter(torch.zeros(e, f - 1, d))
+    report = swiglu_train.patch(model)
+    reasons = {e.name: e.reason for e in report.left}
+    assert reasons == {
+        BLOCKS[0]: "its experts: it holds bias besides gate_up_proj and down_proj",
+        BLOCKS[1]: f"its experts: its shapes do not chain: gate_up_proj ({e}, {d}, {2 * f}), "
+        f"down_proj ({e}, {f - 1}, {d}) (want [E, D, 2F] and [E, F, D])",
+    }
+
+
 def test_the_multimodal_models_text_blocks_are_patched_and_compute_as_before():
     """Llama4ForConditionalGeneration holds the same text blocks under its language model."""
     vision = dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=4, intermediate_size=48,

@@ -134,3 +134,26 @@ def weights_mismatch(weights: dict[str, torch.Tensor]) -> str | None:
         if (p.dtype, p.device) != (first.dtype, first.device):
             return f"{name} is {p.dtype} on {p.device}, unlike its other weights"
     return None
+
+
+def gate_up_down_mismatch(experts: nn.Module, *, transposed: bool) -> str | None:
+    """Why ``experts`` is not a pair of transformers' fused SwiGLU expert weights:
+    ``gate_up_proj`` [E, 2F, D] and ``down_proj`` [E, D, F] alone (Llama-4's bmm experts hold
+    them transposed, [E, D, 2F] and [E, F, D]), plain, of one dtype and device, chaining."""
+    names = ("gate_up_proj", "down_proj")
+    extra = sorted(set(experts._parameters) - set(names))
+    if extra or experts._buffers:
+        return f"it holds {', '.join(extra or experts._buffers)} besides {' and '.join(names)}"
+    up, down = experts.gate_up_proj, experts.down_proj
+    why = weights_mismatch({"gate_up_proj": up, "down_proj": down})
+    if why:
+        return why
+    e, two_f, d = (up.shape[0], up.shape[2], up.shape[1]) if transposed else tuple(up.shape)
+    chained = (e, two_f // 2, d) if transposed else (e, d, two_f // 2)
+    if two_f % 2 or tuple(down.shape) != chained:
+        want = "[E, D, 2F] and [E, F, D]" if transposed else "[E, 2F, D] and [E, D, F]"
+        return (
+            f"its shapes do not chain: gate_up_proj {tuple(up.shape)}, down_proj "
+            f"{tuple(down.shape)} (want {want})"
+        )
+    return None

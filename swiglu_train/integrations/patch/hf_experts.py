@@ -32,8 +32,8 @@ from torch import nn
 from swiglu_train.integrations.patch.experts import (
     ExpertsHost,
     PatchedExperts,
+    gate_up_down_mismatch,
     module_mismatch,
-    weights_mismatch,
 )
 from swiglu_train.integrations.patch.module import _like
 from swiglu_train.integrations.patch.spec import _where, not_silu, same_code
@@ -165,19 +165,10 @@ def _activation(module: nn.Module) -> str | None:
 
 
 def _weights(module: nn.Module) -> str | None:
-    extra = sorted(set(module._parameters) - {"gate_up_proj", "down_proj"})
-    if extra or module._buffers:
-        return f"it holds {', '.join(extra or module._buffers)} besides gate_up_proj and down_proj"
-    up, down = module.gate_up_proj, module.down_proj
-    why = weights_mismatch({"gate_up_proj": up, "down_proj": down})
+    why = gate_up_down_mismatch(module, transposed=False)
     if why:
         return why
-    e, two_f, d = up.shape
-    if two_f % 2 or tuple(down.shape) != (e, d, two_f // 2):
-        return (
-            f"its shapes do not chain: gate_up_proj {tuple(up.shape)}, down_proj "
-            f"{tuple(down.shape)} (want [E, 2F, D] and [E, D, F])"
-        )
+    e = module.gate_up_proj.shape[0]
     experts = getattr(module, "num_experts", e)
     if experts != e:
         return f"its num_experts ({experts}) is not its weights' {e}: sharded for EP?"

@@ -30,8 +30,8 @@ from torch import nn
 from swiglu_train.integrations.patch.experts import (
     ExpertsHost,
     PatchedExperts,
+    gate_up_down_mismatch,
     module_mismatch,
-    weights_mismatch,
 )
 from swiglu_train.integrations.patch.module import _like
 from swiglu_train.integrations.patch.spec import _where, not_silu, same_code
@@ -199,19 +199,10 @@ def _router(router: nn.Module) -> str | None:
 
 def _weights(module: nn.Module) -> str | None:
     experts, router = module.experts, module.router
-    extra = sorted(set(experts._parameters) - set(HOST_ORDER))
-    if extra or experts._buffers:
-        return f"its experts hold {', '.join(extra or experts._buffers)} besides {HOST_ORDER}"
-    up, down = experts.gate_up_proj, experts.down_proj
-    why = weights_mismatch({"gate_up_proj": up, "down_proj": down})
+    why = gate_up_down_mismatch(experts, transposed=True)
     if why:
-        return why
-    e, d, two_f = up.shape
-    if two_f % 2 or tuple(down.shape) != (e, two_f // 2, d):
-        return (
-            f"its experts' shapes do not chain: gate_up_proj {tuple(up.shape)}, down_proj "
-            f"{tuple(down.shape)} (want [E, D, 2F] and [E, F, D])"
-        )
+        return f"its experts: {why}"
+    e, d, _ = experts.gate_up_proj.shape
     if tuple(router.weight.shape) != (e, d) or module.hidden_dim != d:
         return f"its router {tuple(router.weight.shape)} does not score {e} experts of size {d}"
     if not 1 <= router.top_k <= e:
