@@ -50,6 +50,8 @@ import statistics
 from pathlib import Path
 from typing import Any
 
+from swiglu_train.files import write_json_atomic
+
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
 BYTES_PER_ELEMENT = 2  # bf16
@@ -194,7 +196,7 @@ def main() -> None:
             "datasheet_TBps": DATASHEET_TBPS[gpu], "summary": summary, "rows": rows,
         }  # fmt: skip
     if args.json:
-        args.json.write_text(json.dumps(out, indent=1) + "\n")
+        write_json_atomic(args.json, out)
 
 
 if __name__ == "__main__":

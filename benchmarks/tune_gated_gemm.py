@@ -10,15 +10,16 @@ kernel's config list and behind which impls use the fused forward by default.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import subprocess
+from pathlib import Path
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
 from swiglu_train.bench.timing import Case, paired_samples
+from swiglu_train.files import write_json_atomic
 from swiglu_train.kernels import gated_gemm, gated_kernels
 from swiglu_train.layers.layout import CANONICAL, Layout, order
 from swiglu_train.ops.activation import swiglu_fwd
@@ -96,8 +97,7 @@ def main() -> None:
     if args.json:
         commit = _commit()
         out = {"gpu": torch.cuda.get_device_name(), "commit": commit, "shapes": results}
-        with open(args.json, "w") as fh:
-            json.dump(out, fh, indent=1)
+        write_json_atomic(Path(args.json), out)
 
 
 if __name__ == "__main__":

@@ -85,11 +85,18 @@ def write_png_atomic(path: Path, figure: Any, dpi: int) -> None:
         f.write(data)
 
 
+def json_bytes(payload: dict) -> bytes:
+    """JSON with one value per line and no indentation, and a trailing newline: a quarter
+    fewer bytes than indent=2 and still diffable. Results are committed, and every device call
+    carries the tracked tree in 64 MiB."""
+    return (json.dumps(payload, indent=0, separators=(",", ":")) + "\n").encode()
+
+
 def write_json_atomic(path: Path, payload: dict) -> None:
-    """Indented JSON with a trailing newline, written atomically."""
-    with atomic_write(path) as f:
-        json.dump(payload, f, indent=2)
-        f.write("\n")
+    """``json_bytes`` of the payload, written atomically."""
+    data = json_bytes(payload)
+    with atomic_write(path, "wb") as f:
+        f.write(data)
 
 
 @contextlib.contextmanager

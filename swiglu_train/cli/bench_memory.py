@@ -3,7 +3,6 @@ peak MiB per impl and depth (logic in ``bench/memory/stack.py``)."""
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 from typing import Annotated
@@ -23,7 +22,7 @@ from swiglu_train.cli.app import (
 )
 from swiglu_train.cli.bench_results import check_results_path
 from swiglu_train.extras import require
-from swiglu_train.files import atomic_write, png_bytes
+from swiglu_train.files import atomic_write, json_bytes, png_bytes
 
 SEED_SHAPE = "11136,3584,14336,3584"  # seed 000's Qwen-7B-like [M, D, F, O]
 # bench-memory's default off CUDA: saved bytes are exact at any size and scale with M and F,
@@ -108,7 +107,7 @@ def bench_memory(
         # were, never a new JSON and table beside an old PNG.
         payload = {"meta": meta, "results": rows, "overhead": overhead}
         outputs = {
-            json_path: json.dumps(payload, indent=2).encode() + b"\n",
+            json_path: json_bytes(payload),
             json_path.with_suffix(".md"): markdown.encode(),
             json_path.with_suffix(".png"): png_bytes(memory_stack.plot(rows), dpi=120),
         }
