@@ -1,6 +1,7 @@
 """pretrain --model hf:PATH / litgpt:NAME: a Hugging Face or LitGPT architecture trained by the
 same recipe (data, checkpoints, W&B offline, memory profiler), its MLPs patched to --mlp-impl."""
 
+import json
 import sys
 from pathlib import Path
 
@@ -95,7 +96,7 @@ def test_cli_trains_a_litgpt_config(tmp_path):
             "1", "--output-dir", str(out), "--summary-json", str(out / "s.json")]  # fmt: skip
     result = runner.invoke(app, args)
     assert result.exit_code == 0, result.output
-    assert '"mlp_impl": "drop_h"' in (out / "s.json").read_text()
+    assert json.loads((out / "s.json").read_text())["mlp_impl"] == "drop_h"
     state = torch.load(out / "checkpoints" / "last.ckpt", weights_only=False)["state_dict"]
     assert "model.host.transformer.h.1.mlp.fc_2.weight" in state
 
