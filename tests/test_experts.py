@@ -80,6 +80,24 @@ def test_matches_float64_in_bf16(device, backend, impl, fp8, on, skew):
     assert got[3][3].abs().max() == 0 and got[4][3].abs().max() == 0, "expert 3 saw no token"
 
 
+@pytest.mark.parametrize(("device", "backend"), device_backends()[:2])
+@pytest.mark.parametrize(("impl", "fp8"), IMPLS)
+@pytest.mark.parametrize("on", ["output", "input"])
+def test_torch_compile_gives_eager_values(device, backend, impl, fp8, on):
+    """A compiled model (torchtitan compiles each block) runs the same kernels: the Triton
+    launches are opaque ops to torch.compile, so y and every gradient equal eager's."""
+    x, idx, w, fc1, fc2, grad_y = inputs(24, 32, 40, 5, 2, torch.bfloat16, True)
+    eager = run(impl, fp8, on, x, idx, w, fc1, fc2, grad_y, backend)
+    torch._dynamo.reset()
+    compiled = torch.compile(experts_mlp, backend="aot_eager")
+    leaves = [t.detach().clone().requires_grad_() for t in (x, w, fc1, fc2)]
+    with use_backend(backend):
+        y = compiled(leaves[0], idx, leaves[1], leaves[2], leaves[3], impl, fp8, on)
+        y.backward(grad_y)
+    for name, a, b in zip(NAMES, [y, *(t.grad for t in leaves)], eager, strict=True):
+        assert torch.equal(a, b), name
+
+
 @pytest.mark.parametrize(("impl", "fp8"), IMPLS[:2])
 @pytest.mark.parametrize("on", ["output", "input"])
 def test_fp32_is_exact_to_rounding(impl, fp8, on):

@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from swiglu_train.ops.activation import triton_enabled
+from swiglu_train.ops.eager import eager_op
 
 try:
     from swiglu_train.kernels import experts_swiglu as kernels
@@ -120,12 +121,26 @@ def gather_sum(
     """``combine`` outside autograd (the impls' own Functions): with the router weights kept
     in fp32 until the sum, which is rounded once. Triton where it runs, else in fp32 torch."""
     weights = None if slot_weights is None else slot_weights.float()
+    return combine_rows(rows, plan.bags, weights)
+
+
+@eager_op("swiglu_train::experts_combine_rows", mutates_args=())
+def combine_rows(
+    rows: torch.Tensor, bags: torch.Tensor, weights: torch.Tensor | None
+) -> torch.Tensor:
+    """[T, D]: Σ_j weights[t, j] · rows[bags[t, j]] (fp32 weights), rounded once; an op
+    torch.compile keeps opaque, as it cannot trace a Triton launch on every platform."""
     if kernels is not None and triton_enabled(rows):
-        return kernels.combine_rows(rows, plan.bags, weights)
-    if plan.bags.shape[0] == 0:
+        return kernels.combine_rows(rows, bags, weights)
+    if bags.shape[0] == 0:
         return rows.new_zeros(0, rows.shape[1])
-    summed = F.embedding_bag(plan.bags, rows.float(), mode="sum", per_sample_weights=weights)
+    summed = F.embedding_bag(bags, rows.float(), mode="sum", per_sample_weights=weights)
     return summed.to(rows.dtype)
+
+
+@combine_rows.register_fake
+def _(rows: torch.Tensor, bags: torch.Tensor, weights: torch.Tensor | None) -> torch.Tensor:
+    return rows.new_empty(bags.shape[0], rows.shape[1])
 
 
 def live_weights(indices: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:

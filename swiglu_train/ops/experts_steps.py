@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from swiglu_train.ops.activation import swiglu_fwd, triton_enabled
+from swiglu_train.ops.eager import eager_op
 from swiglu_train.ops.experts_routing import Routing
 from swiglu_train.ops.fp8_saved import copy_buffers, dequantize, swiglu_fwd_fp8_
 from swiglu_train.ops.mlp import claim_inplace_backward, refuse_double_backward
@@ -68,10 +69,10 @@ def backward_rows(
         grad_w = torch.empty(g.shape[0], device=g.device) if w is not None else None
         if fp8:
             grad_preact = g.new_empty(g.shape[0], 2 * g.shape[1])
-            kernels.experts_backward_fp8(*saved, g, grad_preact, w, grad_w)
+            experts_backward_fp8_(*saved, g, grad_preact, w, grad_w)
         else:
             grad_preact = saved[0]
-            kernels.experts_backward_(grad_preact, g, w, grad_w, interleaved)
+            experts_backward_(grad_preact, g, w, grad_w, interleaved)
         wh = g
     else:
         preact = dequantize(*saved) if fp8 else saved[0].float()
@@ -89,6 +90,43 @@ def backward_rows(
         for t in saved:  # the FP8 copy, read for the last time: its memory goes back now
             t.untyped_storage().resize_(0)
     return grad_preact, wh, grad_w
+
+
+# The Triton backward passes as ops torch.compile keeps opaque (``ops.eager``), as the dense
+# layer's kernels are: a compiled model (torchtitan compiles each block) never traces a launch.
+@eager_op("swiglu_train::experts_backward_", mutates_args=("preact", "g", "grad_w"))
+def experts_backward_(
+    preact: torch.Tensor,
+    g: torch.Tensor,
+    w: torch.Tensor | None,
+    grad_w: torch.Tensor | None,
+    interleaved: bool,
+) -> None:
+    """``kernels.experts_backward_``: grad_preact over preact, (w·)h over g, grad_w."""
+    kernels.experts_backward_(preact, g, w, grad_w, interleaved)
+
+
+@experts_backward_.register_fake
+def _(preact, g, w, grad_w, interleaved) -> None:
+    return None
+
+
+@eager_op("swiglu_train::experts_backward_fp8_", mutates_args=("g", "grad_preact", "grad_w"))
+def experts_backward_fp8_(
+    q: torch.Tensor,
+    scales: torch.Tensor,
+    g: torch.Tensor,
+    grad_preact: torch.Tensor,
+    w: torch.Tensor | None,
+    grad_w: torch.Tensor | None,
+) -> None:
+    """``kernels.experts_backward_fp8``: from the e4m3 copy, into grad_preact; as above."""
+    kernels.experts_backward_fp8(q, scales, g, grad_preact, w, grad_w)
+
+
+@experts_backward_fp8_.register_fake
+def _(q, scales, g, grad_preact, w, grad_w) -> None:
+    return None
 
 
 def router_grad(
