@@ -31,6 +31,13 @@ data: {{seq_length: 32, val_fraction: 0.34}}
 train: {{max_steps: {STEPS}, checkpoint_every: {EVERY}, val_check_interval: {STEPS}}}
 optim: {{warmup_steps: 2}}
 """
+# The same with 4 routed experts of F = 64 per block, top-2: FSDP2 shards each [E, 2F, D]
+# expert weight as any other. No load-balancing loss, which each rank takes over its own
+# tokens: with it, two ranks of 2 sequences are not one process of 4.
+MOE_CONFIG = CONFIG.replace(
+    "ffn_hidden_size: 160, num_heads: 2}",
+    "ffn_hidden_size: 64, num_heads: 2, num_experts: 4, moe_top_k: 2, moe_aux_loss_coef: 0.0}",
+)
 
 
 pytestmark = pytest.mark.usefixtures("offline_wandb_torch_math")
@@ -56,34 +63,42 @@ def config(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def one_process(tmp_path_factory, config, corpus):
-    """(impl, micro-batch) -> the summary of the reference: one process, no sharding, its
-    first block checkpointed; each runs once per module."""
-    runs: dict[tuple[str, int], dict] = {}
+def moe_config(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("config") / "small_moe.yaml"
+    path.write_text(MOE_CONFIG)
+    return path
 
-    def run(impl: str, micro: int) -> dict:
-        if (impl, micro) not in runs:
-            cfg = load_config(str(config))
+
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory, config, moe_config, corpus):
+    """(impl, micro-batch, moe) -> the summary of the reference: one process, no sharding, its
+    first block checkpointed; each runs once per module."""
+    runs: dict[tuple[str, int, bool], dict] = {}
+
+    def run(impl: str, micro: int, moe: bool = False) -> dict:
+        if (impl, micro, moe) not in runs:
+            cfg = load_config(str(moe_config if moe else config))
             cfg.model.mlp_impl, cfg.model.checkpoint_layers = impl, 1
             cfg.data.data, cfg.data.micro_batch_size = [str(corpus / "*.py")], micro
             cfg.output_dir = str(tmp_path_factory.mktemp(f"one_{impl}_{micro}") / "run")
-            runs[impl, micro] = run_pretrain(cfg)
-        return runs[impl, micro]
+            runs[impl, micro, moe] = run_pretrain(cfg)
+        return runs[impl, micro, moe]
 
     return run
 
 
 @pytest.fixture(scope="module")
-def two_ranks(tmp_path_factory, config, corpus):
-    """``impl`` -> (summary, output dir) of a 2-rank fsdp2 CLI run, 2 sequences per rank, its
-    first block checkpointed; each impl runs once per module."""
-    runs: dict[str, tuple[dict, Path]] = {}
+def two_ranks(tmp_path_factory, config, moe_config, corpus):
+    """(impl, moe) -> (summary, output dir) of a 2-rank fsdp2 CLI run, 2 sequences per rank,
+    its first block checkpointed; each runs once per module."""
+    runs: dict[tuple[str, bool], tuple[dict, Path]] = {}
 
-    def run(impl: str) -> tuple[dict, Path]:
-        if impl not in runs:
+    def run(impl: str, moe: bool = False) -> tuple[dict, Path]:
+        if (impl, moe) not in runs:
             root = tmp_path_factory.mktemp(f"fsdp2_{impl}")
             out, summary = root / "run", root / "summary.json"
-            args = ["pretrain", "--config", str(config), "--data", str(corpus / "*.py")]
+            path = moe_config if moe else config
+            args = ["pretrain", "--config", str(path), "--data", str(corpus / "*.py")]
             args += ["--strategy", "fsdp2", "--devices", "2", "--accelerator", "cpu"]
             args += ["--mlp-impl", impl, "--micro-batch-size", "2", "--checkpoint-layers", "1"]
             args += ["--output-dir", str(out), "--summary-json", str(summary)]
@@ -93,20 +108,23 @@ def two_ranks(tmp_path_factory, config, corpus):
                                   capture_output=True, text=True, timeout=600)  # fmt: skip
             assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
             assert done.stdout.count("pretrain summary") == 1  # rank 1 prints no table
-            runs[impl] = json.loads(summary.read_text()), out
-        return runs[impl]
+            runs[impl, moe] = json.loads(summary.read_text()), out
+        return runs[impl, moe]
 
     return run
 
 
-@pytest.mark.parametrize("impl", ["normal", "drop_h"])
+@pytest.mark.parametrize(("impl", "moe"), [("normal", False), ("drop_h", False), ("drop_h", True)])
 @pytest.mark.slow
-def test_two_fsdp2_ranks_match_one_process_at_the_same_global_batch(two_ranks, one_process, impl):
-    """Each rank's 2 sequences, its parameters sharded over both ranks (fc1 included), give the
-    losses of one unsharded process on all 4, to fp32 summation order; and the checkpoints
-    are sharded directories, each written whole."""
-    summary, out = two_ranks(impl)
-    one = one_process(impl, micro=4)
+def test_two_fsdp2_ranks_match_one_process_at_the_same_global_batch(
+    two_ranks, one_process, impl, moe
+):
+    """Each rank's 2 sequences, its parameters sharded over both ranks (fc1 and the experts'
+    weights included), give the losses of one unsharded process on all 4, to fp32 summation
+    order; and the checkpoints are sharded directories, each written whole."""
+    summary, out = two_ranks(impl, moe)
+    one = one_process(impl, 4, moe)
+    assert summary["num_experts"] == (4 if moe else 0)
     assert summary["mlp_impl"] == impl and summary["steps"] == STEPS
     assert summary["losses"].keys() == one["losses"].keys() == {str(s) for s in range(STEPS)}
     for step, loss in one["losses"].items():
