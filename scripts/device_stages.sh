@@ -452,7 +452,7 @@ stage_moe() {
   mkdir -p "$RES/moe"
   python3 -m swiglu_train bench-moe ${MOE_MODELS:+--models $MOE_MODELS} \
     --routing "${MOE_ROUTING:-balanced,skewed}" --samples 30 $([ "${MOE_TIMELINE:-1}" = 1 ] && echo --timeline) \
-    --variants "${MOE_VARIANTS:-normal,drop_h,drop_h+fp8,$(echo $QUACK | grep -q drop_h_quack && echo drop_h_quack,drop_h_quack+fp8,)liger}" \
+    --variants "${MOE_VARIANTS:-normal,drop_h,drop_h+fp8,$(echo $QUACK | grep -q drop_h_quack && echo drop_h_quack,drop_h_quack+fp8,)torchtitan,torchtitan_compile,hf_grouped_mm,liger}" \
     --out "$RES/moe/moe_${GPU}.json" 2>&1 | grep "^\[" | tail -20
 }
 
