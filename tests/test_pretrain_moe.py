@@ -16,6 +16,7 @@ from swiglu_train.cli import app
 from swiglu_train.integrations.lightning.config import PretrainConfig
 from swiglu_train.integrations.lightning.host_model import host_shape
 from swiglu_train.integrations.lightning.model import ModelConfig
+from swiglu_train.integrations.lightning.moe import experts_impl
 from swiglu_train.integrations.lightning.pretrain import run_pretrain
 
 transformers = pytest.importorskip("transformers")
@@ -102,3 +103,21 @@ def test_an_hf_moe_config_s_sizes_are_its_experts(tmp_path):
     config.save_pretrained(tmp_path / "qwen3")
     shape = host_shape(f"hf:{tmp_path / 'qwen3' / 'config.json'}")
     assert (shape.ffn_hidden_size, shape.num_experts, shape.moe_top_k) == (24, 8, 2)
+
+
+@pytest.mark.parametrize(
+    ("mlp_impl", "chosen", "why"),
+    [
+        ("drop_h_quack", "drop_h_quack", None),
+        ("save_factors_quack", "drop_h_quack", "save_factors_quack has no routed-experts form"),
+        ("auto", "drop_h", "drop_h was the faster routed experts impl at the MoE shapes measured"),
+    ],
+)
+def test_each_mlp_impl_names_an_experts_impl_and_says_why_when_another(mlp_impl, chosen, why):
+    got, reason = experts_impl(mlp_impl)
+    assert got == chosen
+    if why is None:
+        assert reason is None
+    else:
+        assert why in reason
+        assert reason.endswith(f", so {chosen}; experts_impl= names one")
