@@ -467,6 +467,15 @@ stage_moe_gemms() {
     --json "$RES/moe/moe_gemm_configs_${GPU}.json" --md "$RES/moe/moe_gemm_configs_${GPU}.md" 2>&1 | tail -40
 }
 
+## moe_wgrad: drop_h's grad_W1 with x's rows gathered inside the Triton GEMM vs gathered first, vs torch's grouped GEMM ($MOE_MODELS)
+stage_moe_wgrad() {
+  # ~1 min on an H100 at the five default models, both routings (the Triton GEMM autotunes
+  # 5 tiles per shape first)
+  mkdir -p "$RES/moe"
+  python3 benchmarks/experts_wgrad.py --commit "$COMMIT" --samples 30 ${MOE_MODELS:+--models $MOE_MODELS} \
+    --json "$RES/moe/moe_wgrad_${GPU}.json" --md "$RES/moe/moe_wgrad_${GPU}.md" 2>&1 | tail -40
+}
+
 ## sonic: SonicMoE beside drop_h in a process of its own, its wheels from .whls ($MOE_MODELS, $MOE_ROUTING)
 stage_sonic() {
   # .whls (carried alone: 46 MB; `device.py wheels .whls` builds it) holds sonicmoe's snapshot

@@ -1,7 +1,8 @@
 """CUDA checks of the routed experts: every impl's y and gradients (x, router weights, fc1, fc2)
 against float64 at an MoE layer's shape (D = 2048, F = 768, E = 128, k = 8, T = 4096) and at
 the routing's edges; torch's grouped GEMM on an expert with no rows; the bytes held after
-forward against each impl's claim; drop_h_quack's second-backward rules and refusals.
+forward against each impl's claim; drop_h's backward peak; drop_h_quack's second-backward rules
+and refusals.
 
 Run with ``python -m pytest tests/test_gpu_experts.py -m gpu``. drop_h_quack's cases need
 quack-kernels and an sm_90+ GPU, and skip without them.
@@ -203,6 +204,32 @@ def test_after_forward_holds_what_the_impl_claims(impl, fp8, on):
     held = requested_bytes() - base - y.numel() * y.element_size()
     claim = saved_activation_bytes(impl, fp8, on, t, d, f, k, e, torch.bfloat16)
     assert abs(held - claim) <= 512 * (8 if fp8 else 7), (held, claim)
+
+
+@pytest.mark.parametrize("on", WEIGHTS_ON)
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
+def test_drop_h_backward_peak_holds_no_gathered_x_beside_the_weight_grads(on, fp8):
+    """drop_h's backward allocates, at its peak, both weight gradients, grad_x and (from the FP8
+    copy) grad_preact: grad_W1's GEMM reads x's rows itself (kernels.experts_wgrad). Here the
+    weight gradients (48 MiB) dwarf the [R, D] rows (4 MiB) that a gather first would add."""
+    t, d, f, e, k = 1024, 512, 256, 64, 4
+    layer = ParExperts(e, d, f, "drop_h", fp8, on, device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(t, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    idx, w = routing(t, e, k, "random"), torch.rand(t, k, device="cuda", requires_grad=True)
+    grad_y = torch.randn(t, d, device="cuda", dtype=torch.bfloat16)
+    layer(x, idx, w).backward(grad_y)  # warm-up: compiles and autotunes
+    layer.zero_grad(set_to_none=True)
+    x.grad = w.grad = None
+    y = layer(x, idx, w)
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    y.backward(grad_y)
+    torch.cuda.synchronize()
+    grown = torch.cuda.max_memory_allocated() - base
+    held = sum(p.grad.numel() * 2 for p in layer.parameters()) + x.numel() * 2
+    held += t * k * 2 * f * 2 if fp8 else 0  # grad_preact: the bf16 preact is overwritten
+    assert grown <= held + 2**20, (grown / 2**20, held / 2**20)
 
 
 @NEEDS_QUACK

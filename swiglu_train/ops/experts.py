@@ -14,9 +14,11 @@ token's k rows are summed back by one deterministic gather-and-sum. R = T·k bel
             eager MoE layers of HF transformers and torchtitan do.
 ``drop_h``  keeps x [T, D] (the caller's own tensor), the routing inputs and preact [R, 2F]
             alone, or with ``saved_fp8`` its e4m3 copy (``kernels.fp8_format``). Backward
-            re-gathers x and grad_y, recomputes h inside the kernel that writes grad_preact,
-            and takes the router weight's gradient from that kernel's row sums
-            (``kernels.experts_swiglu``): h and the expert outputs are never kept.
+            re-gathers grad_y, recomputes h inside the kernel that writes grad_preact, takes
+            the router weight's gradient from that kernel's row sums
+            (``kernels.experts_swiglu``), and reads x's rows inside grad_W1's GEMM
+            (``kernels.experts_wgrad``): h, the expert outputs and the gathered x are never
+            kept.
 ``drop_h_quack``  drop_h on quack's GEMMs, which gather the rows inside the GEMM: the
             gathered x and grad_y are never written. With the weight on the output and a
             bf16 preactivation, SwiGLU runs in fc1's GEMM epilogue too; backward is drop_h's
@@ -33,6 +35,7 @@ from swiglu_train.ops.experts_routing import (
     check_routing,
     combine,
     gather_sum,
+    gathered_weight_grad,
     grouped_linear,
     grouped_weight_grad,
     live_weights,
@@ -126,18 +129,17 @@ class _ExpertsDropH(torch.autograd.Function):
         grad_fc2 = grouped_weight_grad(grad_yg, wh, plan.offsets)
         del grad_yg, wh
         grad_xg = grouped_linear(grad_preact, fc1.transpose(1, 2), plan.offsets)
-        xg = None
         if not on_output:  # d(w x)/dw = x: the router's gradient from grad_xg before scaling
             xg = x.index_select(0, plan.token)
             grad_w_rows = torch.bmm(grad_xg.unsqueeze(1), xg.unsqueeze(2)).view(-1).float()
-            xg.mul_(plan.weight.to(x.dtype)[:, None])
+            del xg
         # grad_x before grad_W1 is allocated: the step's peak then holds [T, D], not [R, D]
         grad_x = gather_sum(grad_xg, plan, None if on_output else live_weights(indices, weights))
         del grad_xg
-        if xg is None:
-            xg = x.index_select(0, plan.token)
-        grad_fc1 = grouped_weight_grad(grad_preact, xg, plan.offsets)
-        del xg, grad_preact
+        # beside both weight gradients, the peak: x's rows are gathered inside the GEMM
+        scale = None if on_output else plan.weight
+        grad_fc1 = gathered_weight_grad(grad_preact, x, plan.token, plan.offsets, scale)
+        del grad_preact
         grad_w = router_grad(grad_w_rows, plan, indices, weights)
         return grad_x, None, grad_w, grad_fc1, grad_fc2, None, None, None
 

@@ -25,8 +25,9 @@ from swiglu_train.ops.eager import eager_op
 
 try:
     from swiglu_train.kernels import experts_swiglu as kernels
+    from swiglu_train.kernels.experts_wgrad import gathered_weight_grad as _gathered_wgrad
 except ImportError:  # no Triton on this platform: torch computes the same sums
-    kernels = None
+    kernels = _gathered_wgrad = None
 
 BAD_INDEX = "expert_indices must hold values in [0, num_experts) or -1 (slot dropped)"
 
@@ -191,3 +192,27 @@ def grouped_weight_grad(
         if end > start:
             torch.mm(grad_out[start:end].t(), inp[start:end], out=out[e])
     return out
+
+
+@eager_op("swiglu_train::experts_gathered_weight_grad", mutates_args=())
+def gathered_weight_grad(
+    grad_out: torch.Tensor,
+    inp: torch.Tensor,
+    token: torch.Tensor,
+    offsets: torch.Tensor,
+    row_scale: torch.Tensor | None,
+) -> torch.Tensor:
+    """``grouped_weight_grad(grad_out, (row_scale ·) inp[token], offsets)`` [E, N, K]: where
+    Triton runs, the GEMM reads inp's rows through ``token`` (``kernels.experts_wgrad``), so
+    the gathered [R, K] rows are never written; elsewhere they are gathered here first."""
+    if _gathered_wgrad is not None and triton_enabled(grad_out):
+        return _gathered_wgrad(grad_out, inp, token, offsets, row_scale)
+    rows = inp.index_select(0, token)
+    if row_scale is not None:
+        rows.mul_(row_scale.to(rows.dtype)[:, None])
+    return grouped_weight_grad(grad_out, rows, offsets)
+
+
+@gathered_weight_grad.register_fake
+def _(grad_out, inp, token, offsets, row_scale) -> torch.Tensor:
+    return grad_out.new_empty(offsets.shape[0], grad_out.shape[1], inp.shape[1])

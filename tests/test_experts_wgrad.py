@@ -1,0 +1,121 @@
+"""drop_h's fc1 weight gradient with x's rows read inside the GEMM (``kernels.experts_wgrad``):
+against float64 at the routing's edges, with and without the router weight on the input, and
+the backward that no longer gathers x."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import device_backends
+from helpers import rel_err
+from test_experts import inputs
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from swiglu_train.kernels.runtime import triton_runs_on
+from swiglu_train.ops.activation import use_backend
+from swiglu_train.ops.experts import experts_mlp
+from swiglu_train.ops.experts_routing import gathered_weight_grad
+
+# rows per expert: empty first, in the middle and last; none a multiple of the 16-row step
+SIZES = [0, 5, 37, 0, 19, 1, 0]
+T, N, K = 23, 48, 40
+
+
+def operands(dtype: torch.dtype, device: str, scaled: bool):
+    """a [R, N] sorted by expert, b [T, K], token [R] (tokens repeat), offsets, scale."""
+    g = torch.Generator().manual_seed(0)
+    rows = sum(SIZES)
+    a = torch.randn(rows, N, generator=g).to(dtype)
+    b = torch.randn(T, K, generator=g).to(dtype)
+    token = torch.randint(0, T, (rows,), generator=g)
+    offsets = torch.tensor(SIZES).cumsum(0).to(torch.int32)
+    scale = torch.rand(rows, generator=g) if scaled else None
+    return [t if t is None else t.to(device) for t in (a, b, token, offsets, scale)]
+
+
+def float64_truth(a, b, token, offsets, scale) -> torch.Tensor:
+    """Per expert, its rows of a times the gathered (scaled, rounded as in forward) rows of b."""
+    rows = b.index_select(0, token)
+    if scale is not None:
+        rows = rows * scale.to(b.dtype)[:, None]
+    out, start = [], 0
+    for end in offsets.tolist():
+        out.append(a[start:end].double().t() @ rows[start:end].double())
+        start = end
+    return torch.stack(out)
+
+
+@pytest.mark.parametrize(("device", "backend"), device_backends())
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("scaled", [False, True])
+def test_matches_float64_with_empty_experts_and_odd_row_counts(device, backend, dtype, scaled):
+    a, b, token, offsets, scale = operands(dtype, device, scaled)
+    with use_backend(backend):
+        out = gathered_weight_grad(a, b, token, offsets, scale)
+    assert out.shape == (len(SIZES), N, K) and out.dtype == dtype
+    truth = float64_truth(a, b, token, offsets, scale)
+    # fp32: summation order only. bf16: two roundings, of w·x and of the output, each under
+    # 2^-7 relative where the interpreter truncates them (it does not round to nearest)
+    assert rel_err(out, truth) < (1e-6 if dtype == torch.float32 else 2**-6)
+    empty = [e for e, size in enumerate(SIZES) if size == 0]
+    assert out[empty].abs().max() == 0  # written as zeros, never left as old memory
+
+
+@pytest.mark.parametrize(("device", "backend"), device_backends())
+def test_reads_a_strided_input_and_no_rows_give_zeros(device, backend):
+    a, b, token, offsets, _ = operands(torch.float32, device, False)
+    strided = b.t().contiguous().t()  # same values, column stride T
+    with use_backend(backend):
+        out = gathered_weight_grad(a, strided, token, offsets, None)
+        none = gathered_weight_grad(a[:0], b, token[:0], offsets * 0, None)
+    assert rel_err(out, float64_truth(a, b, token, offsets, None)) < 1e-6
+    assert none.shape == (len(SIZES), N, K) and none.abs().max() == 0
+
+
+class _Gathers(TorchDispatchMode):
+    """Records the storage of every tensor whose rows ``index_select`` gathers."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.sources: list[int] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten.index_select.default:
+            self.sources.append(args[0].untyped_storage().data_ptr())
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.skipif(not triton_runs_on(torch.device("cpu")), reason="needs TRITON_INTERPRET=1")
+@pytest.mark.parametrize("on", ["output", "input"])
+def test_drop_h_backward_gathers_x_only_for_the_input_weight_s_own_gradient(on):
+    """With Triton, grad_W1 reads x's rows inside its GEMM: x is gathered in backward only where
+    the router weight scales the input, for that weight's gradient, and freed before grad_W1
+    (whose value test_experts checks against float64)."""
+    x, idx, w, fc1, fc2, grad_y = inputs(40, 32, 24, 4, 2, torch.float32)
+    for leaf in (x, w, fc1, fc2):
+        leaf.requires_grad_()
+    with use_backend("triton"):
+        y = experts_mlp(x, idx, w, fc1, fc2, "drop_h", weights_on=on)
+        with _Gathers() as gathers:
+            y.backward(grad_y)
+    x_storage = x.untyped_storage().data_ptr()
+    assert gathers.sources.count(x_storage) == (1 if on == "input" else 0), gathers.sources
+    assert gathers.sources.count(grad_y.untyped_storage().data_ptr()) == 1  # grad_y's rows
+    assert all(leaf.grad is not None for leaf in (x, w, fc1, fc2))
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"b": torch.zeros(T, K, dtype=torch.float64)}, "one dtype and device"),
+        ({"token": torch.zeros(sum(SIZES), dtype=torch.int32)}, "token must be int64"),
+        ({"offsets": torch.tensor(SIZES).cumsum(0)}, "offsets must be int32"),
+        ({"scale": torch.ones(3)}, f"scale must be [{sum(SIZES)}]"),
+    ],
+)
+def test_kernel_refuses_bad_operands_in_one_line(change, message):
+    kernels = pytest.importorskip("swiglu_train.kernels.experts_wgrad")
+    a, b, token, offsets, scale = operands(torch.float32, "cpu", False)
+    args = {"a": a, "b": b, "token": token, "offsets": offsets, "scale": scale} | change
+    with pytest.raises(ValueError, match=message.replace("[", r"\[")):
+        kernels.gathered_weight_grad(**args)
