@@ -3,10 +3,10 @@
 At each MoE model's expert shape and routing (T tokens, bf16), three calls make the same
 grad_W1 [E, 2F, D] from grad_preact [R, 2F] and x [T, D] (R = T·k rows sorted by expert):
 
-  gather+grouped_mm   what drop_h ran before: x's rows gathered to [R, D], then torch's grouped
-                      GEMM (the [R, D] buffer is live beside both weight gradients at the peak);
+  gather+grouped_mm   drop_h's default: x's rows gathered to [R, D], then torch's grouped GEMM
+                      (the [R, D] buffer is live beside both weight gradients at the peak);
   gathered_triton     ``kernels.experts_wgrad``: the rows read through the token index inside
-                      the GEMM, nothing gathered (what drop_h runs now);
+                      the GEMM, nothing gathered (drop_h with ``gathered_wgrad=True``);
   grouped_mm          the floor: torch's grouped GEMM alone on rows gathered outside the timing.
 
 Each sample times every call once in a fresh random order (CUDA events around each, the GPU

@@ -452,7 +452,7 @@ stage_moe() {
   mkdir -p "$RES/moe"
   python3 -m swiglu_train bench-moe ${MOE_MODELS:+--models $MOE_MODELS} \
     --routing "${MOE_ROUTING:-balanced,skewed}" --samples 30 $([ "${MOE_TIMELINE:-1}" = 1 ] && echo --timeline) \
-    --variants "${MOE_VARIANTS:-normal,drop_h,drop_h+fp8,$(echo $QUACK | grep -q drop_h_quack && echo drop_h_quack,drop_h_quack+fp8,)torchtitan,torchtitan_compile,hf_grouped_mm,liger}" \
+    --variants "${MOE_VARIANTS:-normal,drop_h,drop_h+fp8,drop_h+gathered_wgrad,$(echo $QUACK | grep -q drop_h_quack && echo drop_h_quack,drop_h_quack+fp8,)torchtitan,torchtitan_compile,hf_grouped_mm,liger}" \
     --out "$RES/moe/moe_${GPU}.json" 2>&1 | grep "^\[" | tail -20
 }
 
@@ -467,7 +467,7 @@ stage_moe_gemms() {
     --json "$RES/moe/moe_gemm_configs_${GPU}.json" --md "$RES/moe/moe_gemm_configs_${GPU}.md" 2>&1 | tail -40
 }
 
-## moe_wgrad: drop_h's grad_W1 with x's rows gathered inside the Triton GEMM vs gathered first, vs torch's grouped GEMM ($MOE_MODELS)
+## moe_wgrad: drop_h's grad_W1 with x's rows gathered inside the Triton GEMM (gathered_wgrad) vs gathered first, vs torch's grouped GEMM ($MOE_MODELS)
 stage_moe_wgrad() {
   # ~1 min on an H100 at the five default models, both routings (the Triton GEMM autotunes
   # 5 tiles per shape first)

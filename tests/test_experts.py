@@ -241,6 +241,7 @@ def test_bad_input_is_refused_in_one_line(change, message):
         ({"impl": "normal", "saved_fp8": True}, "saved_fp8=True needs impl='drop_h'"),
         ({"router_weights_on": "both"}, "router_weights_on must be one of"),
         ({"num_experts": 0}, "num_experts must be a positive integer"),
+        ({"impl": "normal", "gathered_wgrad": True}, "gathered_wgrad=True needs impl='drop_h'"),
     ],
 )
 def test_bad_construction_is_refused(kwargs, message):

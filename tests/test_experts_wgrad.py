@@ -1,6 +1,7 @@
-"""drop_h's fc1 weight gradient with x's rows read inside the GEMM (``kernels.experts_wgrad``):
-against float64 at the routing's edges, with and without the router weight on the input, and
-the backward that no longer gathers x."""
+"""drop_h's fc1 weight gradient with x's rows read inside the GEMM (``gathered_wgrad=True``,
+``kernels.experts_wgrad``): the GEMM against float64 at the routing's edges, with and without
+the router weight on the input; drop_h with it against float64, eager and compiled; and its
+backward, which no longer gathers x."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import pytest
 import torch
 from conftest import device_backends
 from helpers import rel_err
-from test_experts import inputs
+from test_experts import FP8_TOLERANCE, NAMES, inputs, oracle
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from swiglu_train.kernels.runtime import triton_runs_on
@@ -48,10 +49,13 @@ def float64_truth(a, b, token, offsets, scale) -> torch.Tensor:
 @pytest.mark.parametrize(("device", "backend"), device_backends())
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("scaled", [False, True])
-def test_matches_float64_with_empty_experts_and_odd_row_counts(device, backend, dtype, scaled):
+@pytest.mark.parametrize("in_gemm", [True, False], ids=["in_gemm", "gathered_first"])
+def test_matches_float64_with_empty_experts_and_odd_row_counts(
+    device, backend, dtype, scaled, in_gemm
+):
     a, b, token, offsets, scale = operands(dtype, device, scaled)
     with use_backend(backend):
-        out = gathered_weight_grad(a, b, token, offsets, scale)
+        out = gathered_weight_grad(a, b, token, offsets, scale, in_gemm)
     assert out.shape == (len(SIZES), N, K) and out.dtype == dtype
     truth = float64_truth(a, b, token, offsets, scale)
     # fp32: summation order only. bf16: two roundings, of w·x and of the output, each under
@@ -66,10 +70,52 @@ def test_reads_a_strided_input_and_no_rows_give_zeros(device, backend):
     a, b, token, offsets, _ = operands(torch.float32, device, False)
     strided = b.t().contiguous().t()  # same values, column stride T
     with use_backend(backend):
-        out = gathered_weight_grad(a, strided, token, offsets, None)
-        none = gathered_weight_grad(a[:0], b, token[:0], offsets * 0, None)
+        out = gathered_weight_grad(a, strided, token, offsets, None, True)
+        none = gathered_weight_grad(a[:0], b, token[:0], offsets * 0, None, True)
     assert rel_err(out, float64_truth(a, b, token, offsets, None)) < 1e-6
     assert none.shape == (len(SIZES), N, K) and none.abs().max() == 0
+
+
+def run_drop_h(x, idx, w, fc1, fc2, grad_y, on, fp8, gathered, backend, fn=experts_mlp):
+    """y and the grads of x, w, fc1, fc2 of drop_h, with or without the gathered grad_W1."""
+    leaves = [t.detach().clone().requires_grad_() for t in (x, w, fc1, fc2)]
+    with use_backend(backend):
+        y = fn(*leaves[:1], idx, *leaves[1:], "drop_h", fp8, on, gathered_wgrad=gathered)
+        y.backward(grad_y)
+    return [y.detach()] + [t.grad for t in leaves]
+
+
+@pytest.mark.parametrize(("device", "backend"), device_backends()[:2])
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
+@pytest.mark.parametrize(("on", "skew"), [("output", True), ("input", False)])
+def test_drop_h_with_it_matches_float64_in_bf16(device, backend, fp8, on, skew):
+    """As test_experts' rule: each output within twice the eager bf16 loop's error (FP8: 6 %)."""
+    x, idx, w, fc1, fc2, grad_y = inputs(24, 32, 40, 5, 2, torch.bfloat16, skew)
+    idx[idx == 3] = 4  # expert 3 gets no token
+    idx[5, 1] = -1  # a dropped slot
+    got = run_drop_h(x, idx, w, fc1, fc2, grad_y, on, fp8, True, backend)
+    truth = oracle(x, idx, w, fc1, fc2, grad_y, on)
+    eager = oracle(x, idx, w, fc1, fc2, grad_y, on, torch.bfloat16)
+    for name, a, b, c in zip(NAMES, got, truth, eager, strict=True):
+        bound = FP8_TOLERANCE if fp8 and name != "y" else 2 * rel_err(c, b) + 1e-3
+        assert rel_err(a, b) <= bound, (name, rel_err(a, b), bound)
+    assert got[3][3].abs().max() == 0, "expert 3 saw no token"
+
+
+@pytest.mark.parametrize(("device", "backend"), device_backends()[:2])
+@pytest.mark.parametrize("on", ["output", "input"])
+def test_fp32_equals_gathering_first_to_rounding_eager_and_compiled(device, backend, on):
+    """The same sums in another order: fp32 y and every gradient agree with gathering first to
+    rounding; compiled (the GEMM is an op torch.compile keeps opaque), exactly as eager."""
+    x, idx, w, fc1, fc2, grad_y = inputs(24, 32, 40, 5, 2, torch.float32, True)
+    first = run_drop_h(x, idx, w, fc1, fc2, grad_y, on, False, False, backend)
+    inside = run_drop_h(x, idx, w, fc1, fc2, grad_y, on, False, True, backend)
+    torch._dynamo.reset()
+    compiled = torch.compile(experts_mlp, backend="aot_eager")
+    traced = run_drop_h(x, idx, w, fc1, fc2, grad_y, on, False, True, backend, compiled)
+    for name, a, b, c in zip(NAMES, inside, first, traced, strict=True):
+        assert rel_err(a, b) < 1e-6, name
+        assert torch.equal(a, c), name
 
 
 class _Gathers(TorchDispatchMode):
@@ -87,19 +133,20 @@ class _Gathers(TorchDispatchMode):
 
 @pytest.mark.skipif(not triton_runs_on(torch.device("cpu")), reason="needs TRITON_INTERPRET=1")
 @pytest.mark.parametrize("on", ["output", "input"])
-def test_drop_h_backward_gathers_x_only_for_the_input_weight_s_own_gradient(on):
-    """With Triton, grad_W1 reads x's rows inside its GEMM: x is gathered in backward only where
-    the router weight scales the input, for that weight's gradient, and freed before grad_W1
-    (whose value test_experts checks against float64)."""
+@pytest.mark.parametrize("gathered", [True, False], ids=["gathered_wgrad", "gather_first"])
+def test_backward_gathers_x_only_where_its_rows_are_needed_written(on, gathered):
+    """With gathered_wgrad, grad_W1 reads x's rows inside its GEMM: x is gathered in backward only
+    where the router weight scales the input, for that weight's gradient (freed before
+    grad_W1). Gathering first, grad_W1's rows are one gather more."""
     x, idx, w, fc1, fc2, grad_y = inputs(40, 32, 24, 4, 2, torch.float32)
     for leaf in (x, w, fc1, fc2):
         leaf.requires_grad_()
     with use_backend("triton"):
-        y = experts_mlp(x, idx, w, fc1, fc2, "drop_h", weights_on=on)
+        y = experts_mlp(x, idx, w, fc1, fc2, "drop_h", weights_on=on, gathered_wgrad=gathered)
         with _Gathers() as gathers:
             y.backward(grad_y)
-    x_storage = x.untyped_storage().data_ptr()
-    assert gathers.sources.count(x_storage) == (1 if on == "input" else 0), gathers.sources
+    expected = (1 if on == "input" else 0) + (0 if gathered else 1)
+    assert gathers.sources.count(x.untyped_storage().data_ptr()) == expected, gathers.sources
     assert gathers.sources.count(grad_y.untyped_storage().data_ptr()) == 1  # grad_y's rows
     assert all(leaf.grad is not None for leaf in (x, w, fc1, fc2))
 

@@ -35,14 +35,20 @@ NEEDS_QUACK = pytest.mark.skipif(
     not torch.cuda.is_available() or not quack_available(),
     reason="needs quack-kernels and an sm_90+ GPU",
 )
+GATHERED = {"gathered_wgrad": True}  # grad_W1 in the Triton GEMM that reads x's rows itself
 IMPLS = [
-    pytest.param("normal", False, id="normal"),
-    pytest.param("drop_h", False, id="drop_h"),
-    pytest.param("drop_h", True, id="drop_h+fp8"),
-    pytest.param("drop_h_quack", False, id="drop_h_quack", marks=NEEDS_QUACK),
-    pytest.param("drop_h_quack", True, id="drop_h_quack+fp8", marks=NEEDS_QUACK),
+    pytest.param("normal", False, {}, id="normal"),
+    pytest.param("drop_h", False, {}, id="drop_h"),
+    pytest.param("drop_h", True, {}, id="drop_h+fp8"),
+    pytest.param("drop_h", False, GATHERED, id="drop_h+gathered_wgrad"),
+    pytest.param("drop_h", True, GATHERED, id="drop_h+fp8+gathered_wgrad"),
+    pytest.param("drop_h_quack", False, {}, id="drop_h_quack", marks=NEEDS_QUACK),
+    pytest.param("drop_h_quack", True, {}, id="drop_h_quack+fp8", marks=NEEDS_QUACK),
 ]
-SAVING_IMPLS = IMPLS[1:]  # normal's claim leaves out the index vectors torch's ops keep
+# normal's claim leaves out the index vectors torch's ops keep; the backward's option saves alike
+SAVING_IMPLS = [
+    pytest.param(*p.values[:2], id=p.id, marks=p.marks) for p in IMPLS[1:] if not p.values[2]
+]
 FP8_TOLERANCE = 6e-2
 NAMES = ("y", "grad_x", "grad_router_weights", "grad_fc1", "grad_fc2")
 # name: (T, D, F, E, k, routing). D and F are multiples of 8 (quack's rows); F = 200 and 136
@@ -84,11 +90,11 @@ def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
     return (diff / expected.double().norm().clamp_min(1e-30)).item()
 
 
-def run(impl: str, fp8: bool, on: str, inputs: tuple) -> list[torch.Tensor]:
+def run(impl: str, fp8: bool, on: str, inputs: tuple, **options) -> list[torch.Tensor]:
     """y and the grads of x, the router weights, fc1 and fc2 for one impl."""
     x, idx, w, fc1, fc2, grad_y = inputs
     leaves = [t.detach().clone().requires_grad_() for t in (x, w, fc1, fc2)]
-    y = experts_mlp(leaves[0], idx, leaves[1], leaves[2], leaves[3], impl, fp8, on)
+    y = experts_mlp(leaves[0], idx, leaves[1], leaves[2], leaves[3], impl, fp8, on, **options)
     y.backward(grad_y)
     # With no tokens plain autograd may leave a leaf out of the graph: its gradient is zero
     return [y.detach()] + [torch.zeros_like(t) if t.grad is None else t.grad for t in leaves]
@@ -125,10 +131,10 @@ def references(case: str, on: str) -> tuple[tuple, list[torch.Tensor], list[floa
 
 @pytest.mark.parametrize("case", CASES)
 @pytest.mark.parametrize("on", WEIGHTS_ON)
-@pytest.mark.parametrize(("impl", "fp8"), IMPLS)
-def test_matches_float64(case, on, impl, fp8):
+@pytest.mark.parametrize(("impl", "fp8", "options"), IMPLS)
+def test_matches_float64(case, on, impl, fp8, options):
     inputs, truth, eager = references(case, on)
-    got = run(impl, fp8, on, inputs)
+    got = run(impl, fp8, on, inputs, **options)
     for name, a, b, eager_err in zip(NAMES, got, truth, eager, strict=True):
         assert a.shape == b.shape, (name, a.shape, b.shape)
         if b.numel() == 0:
@@ -209,11 +215,14 @@ def test_after_forward_holds_what_the_impl_claims(impl, fp8, on):
 @pytest.mark.parametrize("on", WEIGHTS_ON)
 @pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
 def test_drop_h_backward_peak_holds_no_gathered_x_beside_the_weight_grads(on, fp8):
-    """drop_h's backward allocates, at its peak, both weight gradients, grad_x and (from the FP8
-    copy) grad_preact: grad_W1's GEMM reads x's rows itself (kernels.experts_wgrad). Here the
-    weight gradients (48 MiB) dwarf the [R, D] rows (4 MiB) that a gather first would add."""
+    """With gathered_wgrad, drop_h's backward allocates at its peak both weight gradients,
+    grad_x and (from the FP8 copy) grad_preact: grad_W1's GEMM reads x's rows itself
+    (kernels.experts_wgrad). Here the weight gradients (48 MiB) dwarf the [R, D] rows (4 MiB)
+    that gathering first adds."""
     t, d, f, e, k = 1024, 512, 256, 64, 4
-    layer = ParExperts(e, d, f, "drop_h", fp8, on, device="cuda", dtype=torch.bfloat16)
+    layer = ParExperts(
+        e, d, f, "drop_h", fp8, on, gathered_wgrad=True, device="cuda", dtype=torch.bfloat16
+    )
     x = torch.randn(t, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     idx, w = routing(t, e, k, "random"), torch.rand(t, k, device="cuda", requires_grad=True)
     grad_y = torch.randn(t, d, device="cuda", dtype=torch.bfloat16)

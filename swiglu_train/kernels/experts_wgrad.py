@@ -4,11 +4,12 @@ With the slots sorted by expert (``ops.experts_routing``), drop_h's fc1 weight g
 
     grad_W1[e] = Σ over expert e's rows r of grad_preact[r]ᵀ · (s[r] ·) x[token[r]]
 
-torch's grouped GEMM takes only written rows, so drop_h used to gather x to the R = T·k slots
-first: an [R, D] buffer live beside both weight gradients at the step's backward peak (256 MiB
-at Qwen3-30B-A3B with 8192 tokens, where compiled torchtitan's peak was 98 MiB below drop_h's
-on the H100, benchmarks/results/moe/moe_h100.md). Here each program reads its rows of x
-through the token index, as quack's gather GEMMs do, so the gathered input is never written.
+torch's grouped GEMM takes only written rows, so drop_h gathers x to the R = T·k slots first:
+an [R, D] buffer live beside both weight gradients at the step's backward peak (256 MiB at
+Qwen3-30B-A3B with 8192 tokens, where compiled torchtitan's peak was 98 MiB below drop_h's on
+the H100, benchmarks/results/moe/moe_h100.md). Here each program reads its rows of x through
+the token index, as quack's gather GEMMs do, so the gathered input is never written
+(``ParExperts(gathered_wgrad=True)``; opt-in until its speed is measured on a GPU).
 ``s`` is the router weight when it scales the input (Llama-4), rounded as the forward rounded
 w·x, so the gradient is of the product the forward used.
 

@@ -16,7 +16,7 @@ import math
 import torch
 from torch import nn
 
-from swiglu_train.ops.experts import IMPLS, WEIGHTS_ON, experts_mlp
+from swiglu_train.ops.experts import WEIGHTS_ON, check_options, experts_mlp
 from swiglu_train.ops.experts_quack import check_experts_quack_runs
 
 
@@ -29,6 +29,9 @@ class ParExperts(nn.Module):
     ``saved_fp8`` keeps drop_h's preactivation in e4m3 (1x128 blocks, bf16 scales).
     ``router_weights_on``: "output" (Mixtral, Qwen, DeepSeek) or "input" (Llama-4).
     ``inplace=False`` keeps the saved tensors intact so a graph can be backpropagated twice.
+    ``gathered_wgrad=True`` (drop_h) runs grad_W1 in a Triton GEMM that reads x's rows itself,
+    so backward never writes the gathered x [T·k, D] beside both weight gradients (its peak);
+    opt-in until its speed against torch's grouped GEMM is measured on a GPU.
     Under autocast, x and the weights run in autocast's dtype and y comes back in it.
     """
 
@@ -41,6 +44,7 @@ class ParExperts(nn.Module):
         saved_fp8: bool = False,
         router_weights_on: str = "output",
         inplace: bool = True,
+        gathered_wgrad: bool = False,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
     ) -> None:
@@ -52,14 +56,11 @@ class ParExperts(nn.Module):
         ):
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
-        if impl not in IMPLS:
-            raise ValueError(f"unknown experts impl {impl!r}; choose one of {IMPLS}")
         if router_weights_on not in WEIGHTS_ON:
             raise ValueError(
                 f"router_weights_on must be one of {WEIGHTS_ON}, got {router_weights_on!r}"
             )
-        if saved_fp8 and impl == "normal":
-            raise ValueError("saved_fp8=True needs impl='drop_h' (normal saves h as well)")
+        check_options(impl, saved_fp8, router_weights_on, gathered_wgrad)
         if impl == "drop_h_quack":
             check_experts_quack_runs(hidden_size, ffn_hidden_size)
         self.num_experts, self.hidden_size, self.ffn_hidden_size = (
@@ -68,6 +69,7 @@ class ParExperts(nn.Module):
             ffn_hidden_size,
         )
         self.impl, self.saved_fp8, self.inplace = impl, saved_fp8, inplace
+        self.gathered_wgrad = gathered_wgrad
         self.router_weights_on = router_weights_on
         factory = {"device": device, "dtype": dtype}
         self.fc1_weight = nn.Parameter(
@@ -112,6 +114,7 @@ class ParExperts(nn.Module):
                 saved_fp8=self.saved_fp8,
                 weights_on=self.router_weights_on,
                 inplace=self.inplace,
+                gathered_wgrad=self.gathered_wgrad,
             )
         return y.view(*lead, self.hidden_size)
 
@@ -120,4 +123,5 @@ class ParExperts(nn.Module):
             f"num_experts={self.num_experts}, hidden_size={self.hidden_size}, "
             f"ffn_hidden_size={self.ffn_hidden_size}, impl={self.impl!r}, "
             f"saved_fp8={self.saved_fp8}, router_weights_on={self.router_weights_on!r}"
+            + (", gathered_wgrad=True" if self.gathered_wgrad else "")
         )

@@ -14,11 +14,12 @@ token's k rows are summed back by one deterministic gather-and-sum. R = T·k bel
             eager MoE layers of HF transformers and torchtitan do.
 ``drop_h``  keeps x [T, D] (the caller's own tensor), the routing inputs and preact [R, 2F]
             alone, or with ``saved_fp8`` its e4m3 copy (``kernels.fp8_format``). Backward
-            re-gathers grad_y, recomputes h inside the kernel that writes grad_preact, takes
-            the router weight's gradient from that kernel's row sums
-            (``kernels.experts_swiglu``), and reads x's rows inside grad_W1's GEMM
-            (``kernels.experts_wgrad``): h, the expert outputs and the gathered x are never
-            kept.
+            re-gathers x and grad_y, recomputes h inside the kernel that writes grad_preact,
+            takes the router weight's gradient from that kernel's row sums
+            (``kernels.experts_swiglu``): h and the expert outputs are never kept. With
+            ``gathered_wgrad`` grad_W1's Triton GEMM reads x's rows itself
+            (``kernels.experts_wgrad``), so the gathered x [R, D] is not written either: a
+            lower backward peak, opt-in until its speed is measured on a GPU.
 ``drop_h_quack``  drop_h on quack's GEMMs, which gather the rows inside the GEMM: the
             gathered x and grad_y are never written. With the weight on the output and a
             bf16 preactivation, SwiGLU runs in fc1's GEMM epilogue too; backward is drop_h's
@@ -98,7 +99,9 @@ def normal_experts(x, indices, weights, fc1, fc2, weights_on: str, **_) -> torch
 
 class _ExpertsDropH(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, indices, weights, fc1, fc2, weights_on: str, saved_fp8: bool, inplace):
+    def forward(
+        ctx, x, indices, weights, fc1, fc2, weights_on: str, saved_fp8: bool, inplace, gathered
+    ):
         plan = route(indices, weights, fc1.shape[0])
         xg = x.index_select(0, plan.token)
         if weights_on == "input":
@@ -111,6 +114,7 @@ class _ExpertsDropH(torch.autograd.Function):
         del h
         y = gather_sum(out, plan, None if weights_on == "input" else live_weights(indices, weights))
         save(ctx, x, indices, weights, fc1, fc2, plan, saved, weights_on, inplace)
+        ctx.gathered_wgrad = gathered
         return y
 
     @staticmethod
@@ -136,12 +140,15 @@ class _ExpertsDropH(torch.autograd.Function):
         # grad_x before grad_W1 is allocated: the step's peak then holds [T, D], not [R, D]
         grad_x = gather_sum(grad_xg, plan, None if on_output else live_weights(indices, weights))
         del grad_xg
-        # beside both weight gradients, the peak: x's rows are gathered inside the GEMM
+        # beside both weight gradients, the step's peak: with gathered_wgrad, x's rows are
+        # read inside the GEMM, not gathered to [R, D] first
         scale = None if on_output else plan.weight
-        grad_fc1 = gathered_weight_grad(grad_preact, x, plan.token, plan.offsets, scale)
+        grad_fc1 = gathered_weight_grad(
+            grad_preact, x, plan.token, plan.offsets, scale, ctx.gathered_wgrad
+        )
         del grad_preact
         grad_w = router_grad(grad_w_rows, plan, indices, weights)
-        return grad_x, None, grad_w, grad_fc1, grad_fc2, None, None, None
+        return grad_x, None, grad_w, grad_fc1, grad_fc2, None, None, None, None
 
 
 def saved_activation_bytes(
@@ -172,9 +179,13 @@ def saved_activation_bytes(
     return plan + size * rows * 2 * ffn
 
 
-def drop_h_experts(x, indices, weights, fc1, fc2, weights_on, saved_fp8=False, inplace=True):
+def drop_h_experts(
+    x, indices, weights, fc1, fc2, weights_on, saved_fp8=False, inplace=True, gathered_wgrad=False
+):
     """Seed 000's drop-h for routed experts (the module docstring)."""
-    return _ExpertsDropH.apply(x, indices, weights, fc1, fc2, weights_on, saved_fp8, inplace)
+    return _ExpertsDropH.apply(
+        x, indices, weights, fc1, fc2, weights_on, saved_fp8, inplace, gathered_wgrad
+    )
 
 
 _IMPLS = {
@@ -194,20 +205,32 @@ def experts_mlp(
     saved_fp8: bool = False,
     weights_on: str = "output",
     inplace: bool = True,
+    gathered_wgrad: bool = False,
 ) -> torch.Tensor:
     """y [T, D] of the routed experts (the module docstring), after checking every input."""
+    check_options(impl, saved_fp8, weights_on, gathered_wgrad)
+    check_routing(x, expert_indices, expert_weights, fc1_weight.shape[0])
+    check_weights(x, fc1_weight, fc2_weight)
+    options = {"gathered_wgrad": True} if gathered_wgrad else {}
+    return _IMPLS[impl](
+        x, expert_indices, expert_weights, fc1_weight, fc2_weight, weights_on,
+        saved_fp8=saved_fp8, inplace=inplace, **options,
+    )  # fmt: skip
+
+
+def check_options(impl: str, saved_fp8: bool, weights_on: str, gathered_wgrad: bool) -> None:
+    """A one-line error for an impl, weight order or option the experts do not offer."""
     if impl not in _IMPLS:
         raise ValueError(f"unknown experts impl {impl!r}; choose one of {tuple(_IMPLS)}")
     if weights_on not in WEIGHTS_ON:
         raise ValueError(f"weights_on must be one of {WEIGHTS_ON}, got {weights_on!r}")
     if saved_fp8 and impl == "normal":
         raise ValueError("saved_fp8=True needs impl='drop_h' (normal saves h as well)")
-    check_routing(x, expert_indices, expert_weights, fc1_weight.shape[0])
-    check_weights(x, fc1_weight, fc2_weight)
-    return _IMPLS[impl](
-        x, expert_indices, expert_weights, fc1_weight, fc2_weight, weights_on,
-        saved_fp8=saved_fp8, inplace=inplace,
-    )  # fmt: skip
+    if gathered_wgrad and impl != "drop_h":
+        raise ValueError(
+            f"gathered_wgrad=True needs impl='drop_h', got {impl!r} (drop_h_quack's GEMMs "
+            "gather inside already; normal keeps the gathered x)"
+        )
 
 
 def check_weights(x: torch.Tensor, fc1: torch.Tensor, fc2: torch.Tensor) -> None:

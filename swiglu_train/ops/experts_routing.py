@@ -201,11 +201,13 @@ def gathered_weight_grad(
     token: torch.Tensor,
     offsets: torch.Tensor,
     row_scale: torch.Tensor | None,
+    in_gemm: bool,
 ) -> torch.Tensor:
-    """``grouped_weight_grad(grad_out, (row_scale ·) inp[token], offsets)`` [E, N, K]: where
-    Triton runs, the GEMM reads inp's rows through ``token`` (``kernels.experts_wgrad``), so
-    the gathered [R, K] rows are never written; elsewhere they are gathered here first."""
-    if _gathered_wgrad is not None and triton_enabled(grad_out):
+    """``grouped_weight_grad(grad_out, (row_scale ·) inp[token], offsets)`` [E, N, K]. With
+    ``in_gemm`` where Triton runs, the GEMM reads inp's rows through ``token``
+    (``kernels.experts_wgrad``), so the gathered [R, K] rows are never written; otherwise
+    they are gathered here first, for torch's grouped GEMM."""
+    if in_gemm and _gathered_wgrad is not None and triton_enabled(grad_out):
         return _gathered_wgrad(grad_out, inp, token, offsets, row_scale)
     rows = inp.index_select(0, token)
     if row_scale is not None:
@@ -214,5 +216,5 @@ def gathered_weight_grad(
 
 
 @gathered_weight_grad.register_fake
-def _(grad_out, inp, token, offsets, row_scale) -> torch.Tensor:
+def _(grad_out, inp, token, offsets, row_scale, in_gemm) -> torch.Tensor:
     return grad_out.new_empty(offsets.shape[0], grad_out.shape[1], inp.shape[1])

@@ -1,7 +1,8 @@
 """Every variant ``bench-moe`` can race, by name: our ``ParExperts`` impls and the peers.
 
 A variant is built per point (shape and routing) over that point's shared weights. Ours are
-named as the dense benchmarks name them (``drop_h+fp8`` is drop_h with ``saved_fp8=True``);
+named as the dense benchmarks name them (``drop_h+fp8`` is drop_h with ``saved_fp8=True``,
+``drop_h+gathered_wgrad`` with ``gathered_wgrad=True``);
 an impl the module does not offer fails at construction and is recorded as such.
 """
 
@@ -15,10 +16,13 @@ from swiglu_train.layers.experts import ParExperts
 REFERENCE = "loop"
 
 
-def ours(impl: str, saved_fp8: bool = False) -> Builder:
+def ours(impl: str, saved_fp8: bool = False, gathered_wgrad: bool = False) -> Builder:
     def build(w: ExpertWeights, top_k: int) -> Variant:
         e, d = w.fc1.shape[0], w.fc1.shape[2]
-        module = ParExperts(e, d, w.ffn, impl=impl, saved_fp8=saved_fp8, device="meta")
+        module = ParExperts(
+            e, d, w.ffn, impl=impl, saved_fp8=saved_fp8, gathered_wgrad=gathered_wgrad,
+            device="meta",
+        )  # fmt: skip
         module.fc1_weight, module.fc2_weight = w.fc1, w.fc2
         return shared(module, w)
 
@@ -30,6 +34,7 @@ OURS: dict[str, Builder] = {
     "drop_h": ours("drop_h"),
     "drop_h_quack": ours("drop_h_quack"),
     "drop_h+fp8": ours("drop_h", saved_fp8=True),
+    "drop_h+gathered_wgrad": ours("drop_h", gathered_wgrad=True),
     "drop_h_quack+fp8": ours("drop_h_quack", saved_fp8=True),
 }
 PEERS: dict[str, Builder] = {
