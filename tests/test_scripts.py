@@ -227,3 +227,26 @@ def test_device_count_comparison_pairs_each_impl_s_runs(tmp_path):
     row = rows["drop_h"]
     assert row["steps"] == 2 and row["max_abs_loss_diff"] == pytest.approx(0.1)
     assert row["tokens_per_s_4gpu"] == 400.0 and row["peak_MiB_1gpu"] == 200.0
+
+
+@pytest.mark.parametrize("routing", ["balanced", "skewed"])
+def test_experts_wgrad_calls_make_one_gradient_and_its_table_names_each(routing):
+    """The three timed calls of benchmarks/experts_wgrad.py compute the same grad_W1 (here on
+    CPU: the Triton GEMM through the interpreter where it is on, else its gathered twin)."""
+    import torch
+
+    from swiglu_train.bench.moe.shapes import MoEShape
+
+    script = load_script("experts_wgrad")
+    shape = MoEShape("tiny", "", 32, 24, 4, 2)
+    ops = script.operands(shape, routing, 40, torch.device("cpu"))
+    outs = {name: fn().float() for name, fn in script.calls(ops).items()}
+    assert set(outs) == set(script.CALLS)
+    floor = outs[script.FLOOR]
+    assert floor.shape == (4, 48, 32) and floor.norm() > 0
+    for name, out in outs.items():  # bf16 outputs; the interpreter truncates its rounding
+        assert ((out - floor).norm() / floor.norm()).item() < 2**-7, name
+    row = {"model": "tiny", "routing": routing, "call": "gathered_triton", "ms": 0.5,
+           "over_floor": 1.25, "extra_MiB": 0.0, "rel_err_vs_floor": 1e-3}  # fmt: skip
+    table = script.to_markdown({"gpu": "H100", "commit": "abc", "samples": 30, "rows": [row]})
+    assert "| tiny | " + routing + " | gathered_triton | 0.500 | 1.250 | 0 | 1.0e-03 |" in table
