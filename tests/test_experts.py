@@ -14,6 +14,10 @@ from swiglu_train.ops.activation import use_backend
 from swiglu_train.ops.experts import experts_mlp
 
 IMPLS = [("normal", False), ("drop_h", False), ("drop_h", True)]
+# ... and with drop_h's grad_W1 gathering x inside its GEMM (tests/test_experts_wgrad.py)
+WITH_OPTIONS = [(*impl, {}) for impl in IMPLS] + [
+    ("drop_h", fp8, {"gathered_wgrad": True}) for fp8 in (False, True)
+]
 FP8_TOLERANCE = 6e-2  # e4m3's 3 mantissa bits: ~3 % rms on the recomputed gradients
 
 
@@ -31,11 +35,11 @@ def routing(t: int, e: int, k: int, skew: bool = False) -> torch.Tensor:
     return idx.long()
 
 
-def run(impl, fp8, on, x, idx, w, fc1, fc2, grad_y, backend="triton"):
-    """y and the grads of x, w, fc1, fc2 for one impl."""
+def run(impl, fp8, on, x, idx, w, fc1, fc2, grad_y, backend="triton", fn=experts_mlp, **options):
+    """y and the grads of x, w, fc1, fc2 for one impl (through ``fn``: experts_mlp, compiled)."""
     leaves = [t.detach().clone().requires_grad_() for t in (x, w, fc1, fc2)]
     with use_backend(backend):
-        y = experts_mlp(leaves[0], idx, leaves[1], leaves[2], leaves[3], impl, fp8, on)
+        y = fn(leaves[0], idx, leaves[1], leaves[2], leaves[3], impl, fp8, on, **options)
         y.backward(grad_y)
     # With no tokens plain autograd may leave a leaf out of the graph: its gradient is zero
     return [y.detach()] + [torch.zeros_like(t) if t.grad is None else t.grad for t in leaves]
@@ -61,14 +65,14 @@ NAMES = ("y", "grad_x", "grad_router_weights", "grad_fc1", "grad_fc2")
 
 
 @pytest.mark.parametrize(("device", "backend"), device_backends()[:2])
-@pytest.mark.parametrize(("impl", "fp8"), IMPLS)
+@pytest.mark.parametrize(("impl", "fp8", "options"), WITH_OPTIONS)
 @pytest.mark.parametrize(("on", "skew"), [("output", True), ("input", False)])
-def test_matches_float64_in_bf16(device, backend, impl, fp8, on, skew):
+def test_matches_float64_in_bf16(device, backend, impl, fp8, options, on, skew):
     """bf16: each output within twice the eager bf16 loop's error of float64 (FP8: 6 %)."""
     x, idx, w, fc1, fc2, grad_y = inputs(24, 32, 40, 5, 2, torch.bfloat16, skew)
     idx[idx == 3] = 4  # expert 3 gets no token
     idx[5, 1] = -1  # a dropped slot
-    got = run(impl, fp8, on, x, idx, w, fc1, fc2, grad_y, backend)
+    got = run(impl, fp8, on, x, idx, w, fc1, fc2, grad_y, backend, **options)
     truth = oracle(x, idx, w, fc1, fc2, grad_y, on)
     eager = oracle(x, idx, w, fc1, fc2, grad_y, on, torch.bfloat16)
     for name, a, b, c in zip(NAMES, got, truth, eager, strict=True):
@@ -81,20 +85,17 @@ def test_matches_float64_in_bf16(device, backend, impl, fp8, on, skew):
 
 
 @pytest.mark.parametrize(("device", "backend"), device_backends()[:2])
-@pytest.mark.parametrize(("impl", "fp8"), IMPLS)
+@pytest.mark.parametrize(("impl", "fp8", "options"), WITH_OPTIONS)
 @pytest.mark.parametrize("on", ["output", "input"])
-def test_torch_compile_gives_eager_values(device, backend, impl, fp8, on):
+def test_torch_compile_gives_eager_values(device, backend, impl, fp8, options, on):
     """A compiled model (torchtitan compiles each block) runs the same kernels: the Triton
     launches are opaque ops to torch.compile, so y and every gradient equal eager's."""
     x, idx, w, fc1, fc2, grad_y = inputs(24, 32, 40, 5, 2, torch.bfloat16, True)
-    eager = run(impl, fp8, on, x, idx, w, fc1, fc2, grad_y, backend)
+    eager = run(impl, fp8, on, x, idx, w, fc1, fc2, grad_y, backend, **options)
     torch._dynamo.reset()
     compiled = torch.compile(experts_mlp, backend="aot_eager")
-    leaves = [t.detach().clone().requires_grad_() for t in (x, w, fc1, fc2)]
-    with use_backend(backend):
-        y = compiled(leaves[0], idx, leaves[1], leaves[2], leaves[3], impl, fp8, on)
-        y.backward(grad_y)
-    for name, a, b in zip(NAMES, [y, *(t.grad for t in leaves)], eager, strict=True):
+    traced = run(impl, fp8, on, x, idx, w, fc1, fc2, grad_y, backend, compiled, **options)
+    for name, a, b in zip(NAMES, traced, eager, strict=True):
         assert torch.equal(a, b), name
 
 

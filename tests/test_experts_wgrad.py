@@ -1,7 +1,7 @@
 """drop_h's fc1 weight gradient with x's rows read inside the GEMM (``gathered_wgrad=True``,
 ``kernels.experts_wgrad``): the GEMM against float64 at the routing's edges, with and without
-the router weight on the input; drop_h with it against float64, eager and compiled; and its
-backward, which no longer gathers x."""
+the router weight on the input; drop_h with it against gathering first; and its backward, which
+no longer gathers x. drop_h with it against float64 and compiled: tests/test_experts.py."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 import torch
 from conftest import device_backends
 from helpers import rel_err
-from test_experts import FP8_TOLERANCE, NAMES, inputs, oracle
+from test_experts import NAMES, inputs, run
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from swiglu_train.kernels.runtime import triton_runs_on
@@ -76,46 +76,16 @@ def test_reads_a_strided_input_and_no_rows_give_zeros(device, backend):
     assert none.shape == (len(SIZES), N, K) and none.abs().max() == 0
 
 
-def run_drop_h(x, idx, w, fc1, fc2, grad_y, on, fp8, gathered, backend, fn=experts_mlp):
-    """y and the grads of x, w, fc1, fc2 of drop_h, with or without the gathered grad_W1."""
-    leaves = [t.detach().clone().requires_grad_() for t in (x, w, fc1, fc2)]
-    with use_backend(backend):
-        y = fn(*leaves[:1], idx, *leaves[1:], "drop_h", fp8, on, gathered_wgrad=gathered)
-        y.backward(grad_y)
-    return [y.detach()] + [t.grad for t in leaves]
-
-
-@pytest.mark.parametrize(("device", "backend"), device_backends()[:2])
-@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
-@pytest.mark.parametrize(("on", "skew"), [("output", True), ("input", False)])
-def test_drop_h_with_it_matches_float64_in_bf16(device, backend, fp8, on, skew):
-    """As test_experts' rule: each output within twice the eager bf16 loop's error (FP8: 6 %)."""
-    x, idx, w, fc1, fc2, grad_y = inputs(24, 32, 40, 5, 2, torch.bfloat16, skew)
-    idx[idx == 3] = 4  # expert 3 gets no token
-    idx[5, 1] = -1  # a dropped slot
-    got = run_drop_h(x, idx, w, fc1, fc2, grad_y, on, fp8, True, backend)
-    truth = oracle(x, idx, w, fc1, fc2, grad_y, on)
-    eager = oracle(x, idx, w, fc1, fc2, grad_y, on, torch.bfloat16)
-    for name, a, b, c in zip(NAMES, got, truth, eager, strict=True):
-        bound = FP8_TOLERANCE if fp8 and name != "y" else 2 * rel_err(c, b) + 1e-3
-        assert rel_err(a, b) <= bound, (name, rel_err(a, b), bound)
-    assert got[3][3].abs().max() == 0, "expert 3 saw no token"
-
-
 @pytest.mark.parametrize(("device", "backend"), device_backends()[:2])
 @pytest.mark.parametrize("on", ["output", "input"])
-def test_fp32_equals_gathering_first_to_rounding_eager_and_compiled(device, backend, on):
+def test_fp32_equals_gathering_first_to_rounding(device, backend, on):
     """The same sums in another order: fp32 y and every gradient agree with gathering first to
-    rounding; compiled (the GEMM is an op torch.compile keeps opaque), exactly as eager."""
+    rounding (bf16 against float64, and compiled against eager: test_experts' WITH_OPTIONS)."""
     x, idx, w, fc1, fc2, grad_y = inputs(24, 32, 40, 5, 2, torch.float32, True)
-    first = run_drop_h(x, idx, w, fc1, fc2, grad_y, on, False, False, backend)
-    inside = run_drop_h(x, idx, w, fc1, fc2, grad_y, on, False, True, backend)
-    torch._dynamo.reset()
-    compiled = torch.compile(experts_mlp, backend="aot_eager")
-    traced = run_drop_h(x, idx, w, fc1, fc2, grad_y, on, False, True, backend, compiled)
-    for name, a, b, c in zip(NAMES, inside, first, traced, strict=True):
+    first = run("drop_h", False, on, x, idx, w, fc1, fc2, grad_y, backend)
+    inside = run("drop_h", False, on, x, idx, w, fc1, fc2, grad_y, backend, gathered_wgrad=True)
+    for name, a, b in zip(NAMES, inside, first, strict=True):
         assert rel_err(a, b) < 1e-6, name
-        assert torch.equal(a, c), name
 
 
 class _Gathers(TorchDispatchMode):

@@ -211,10 +211,9 @@ def experts_mlp(
     check_options(impl, saved_fp8, weights_on, gathered_wgrad)
     check_routing(x, expert_indices, expert_weights, fc1_weight.shape[0])
     check_weights(x, fc1_weight, fc2_weight)
-    options = {"gathered_wgrad": True} if gathered_wgrad else {}
     return _IMPLS[impl](
         x, expert_indices, expert_weights, fc1_weight, fc2_weight, weights_on,
-        saved_fp8=saved_fp8, inplace=inplace, **options,
+        saved_fp8=saved_fp8, inplace=inplace, gathered_wgrad=gathered_wgrad,
     )  # fmt: skip
 
 

@@ -223,10 +223,13 @@ class _ExpertsDropHQuack(torch.autograd.Function):
         return grad_x, None, grad_w, grad_fc1, grad_fc2, None, None, None
 
 
-def drop_h_quack_experts(x, indices, weights, fc1, fc2, weights_on, saved_fp8=False, inplace=True):
+def drop_h_quack_experts(
+    x, indices, weights, fc1, fc2, weights_on, saved_fp8=False, inplace=True, **_
+):
     """drop_h for routed experts on quack's gather GEMMs (CUDA sm_90+, D and F multiples of 8;
     the module docstring). One expert's weights have the dense layer's shapes, which
-    ``check_quack_inputs`` reads."""
+    ``check_quack_inputs`` reads. Its GEMMs gather inside already: ``gathered_wgrad`` is
+    drop_h's (``ops.experts.check_options`` refuses it here)."""
     check_quack_inputs(x, fc1[0], fc2[0], IMPL)
     x, fc1, fc2 = x.contiguous(), fc1.contiguous(), fc2.contiguous()
     return _ExpertsDropHQuack.apply(x, indices, weights, fc1, fc2, weights_on, saved_fp8, inplace)
