@@ -493,7 +493,7 @@ stage_sonic() {
     --samples 30 --variants drop_h,drop_h+fp8,sonicmoe --out "$RES/moe/moe_sonic_${GPU}.json" 2>&1 | tail -20
 }
 
-## fp8_training: the FP8-GEMM GPU tests, then drop_h on torchao's recipes against torchao's MLP, both compiled ($FP8_MODELS, $FP8_VARIANTS; carry .whla)
+## fp8_training: the FP8-GEMM GPU tests, then drop_h (and drop_h+fp8, its preact in FP8) on torchao's recipes against torchao's MLP, both compiled ($FP8_MODELS, $FP8_VARIANTS; carry .whla)
 stage_fp8_training() {
   mkdir -p "$RES/fp8"
   python3 -m pytest -q -rfE -m gpu -p no:cacheprovider tests/test_fp8_training.py \
@@ -501,7 +501,7 @@ stage_fp8_training() {
   tail -3 "$RES/fp8/gpu_tests_fp8_training_${GPU}.txt"
   python3 -m swiglu_train bench-grid --commit "$COMMIT" --chunk 1/1 --prewarm-workers 8 \
     --m "${FP8_M:-8000}" ${FP8_MODELS:+--models $FP8_MODELS} --variants \
-    ${FP8_VARIANTS:-drop_h,save_factors_quack,drop_h_float8_tensorwise_compile,drop_h_float8_rowwise_compile,torchao_float8_tensorwise_compile,torchao_float8_rowwise_compile} \
+    ${FP8_VARIANTS:-drop_h,save_factors_quack,drop_h_float8_tensorwise_compile,drop_h_float8_rowwise_compile,drop_h+fp8_float8_rowwise_compile,torchao_float8_tensorwise_compile,torchao_float8_rowwise_compile} \
     --json "$RES/fp8/fp8_training_grid_${GPU}.json" --md "$RES/fp8/fp8_training_grid_${GPU}.md" \
     2>&1 | grep -v "^ " | tail -30
 }

@@ -5,6 +5,7 @@ than train in bf16 unannounced; ``patch`` leaves an MLP converted before it. Flo
 on the CPU (torch's CPU ``_scaled_mm``), so the numerics are checked here too; the cuda case is
 the GPU test (H100/H200: real FP8 GEMMs)."""
 
+import math
 import warnings
 
 import pytest
@@ -110,12 +111,63 @@ def test_drop_h_casts_as_float8_linear_and_keeps_x_and_the_preactivation_only(
     assert saved["normal"] - saved["drop_h"] >= h
 
 
-def test_drop_h_with_saved_fp8_and_other_converters_are_refused_in_one_line():
-    mlp = convert(ParMLP(D, FFN, impl="drop_h", saved_fp8=True))
-    with pytest.raises(TypeError, match=r"with saved_fp8=True are not implemented yet") as info:
-        mlp(torch.randn(M, D))
-    assert "\n" not in str(info.value)
+@pytest.mark.parametrize("recipe", RECIPES)
+@pytest.mark.parametrize(("device", "backend"), device_backends())
+def test_drop_h_with_saved_fp8_runs_the_recipe_and_keeps_the_fp8_copy_alone(
+    device, backend, recipe
+):
+    """saved_fp8 on converted linears: y is drop_h's on the same recipe to the bit (fc2's h
+    comes from the bf16 preactivation); backward keeps the e4m3 copy and its scales, not the
+    preactivation, and its gradients carry that rounding on top of FP8's GEMMs (seen 1.14x
+    torchao's error at most), within 1.5x of torchao's FP8 MLP's distance from float64."""
+    from swiglu_train.kernels.fp8_format import saved_shapes
+    from swiglu_train.memory import SavedTensorCounter
 
+    torch.manual_seed(0)
+    kwargs = dict(device=device, dtype=torch.bfloat16)
+    bf16_saved = ParMLP(D, FFN, impl="drop_h", **kwargs)
+    exact, peer = TorchaoMLP(bf16_saved).double().to(device), TorchaoMLP(bf16_saved).to(device)
+    fp8_saved = ParMLP(D, FFN, impl="drop_h", saved_fp8=True, **kwargs)
+    fp8_saved.load_state_dict(bf16_saved.state_dict())
+    for mlp in (bf16_saved, fp8_saved, peer):
+        convert(mlp, recipe)
+    x, grad_y = torch.randn(M, D, **kwargs), torch.randn(M, D, **kwargs)
+    expected = outputs(exact, x.double(), grad_y.double())
+    with use_backend(backend):
+        ours, drop_h = outputs(fp8_saved, x, grad_y), outputs(bf16_saved, x, grad_y)
+        leaf = x.clone().requires_grad_()
+        with SavedTensorCounter(exclude=[*fp8_saved.parameters(), leaf]) as counter:
+            fp8_saved(leaf)
+    theirs = outputs(peer, x, grad_y)
+    assert torch.equal(ours["y"], drop_h["y"])
+    for name in ("grad_x", "grad_W1", "grad_W2"):
+        err, peer_err = rel_err(ours[name], expected[name]), rel_err(theirs[name], expected[name])
+        assert err <= 1.5 * peer_err, (name, err, peer_err)
+        assert not torch.equal(ours[name], drop_h[name]), name  # the copy, not the preact
+    q_shape, scale_shape = saved_shapes(M, FFN)
+    assert counter.bytes == math.prod(q_shape) + 2 * math.prod(scale_shape)  # e4m3, bf16 scales
+
+
+def test_drop_h_with_saved_fp8_on_converted_linears_frees_its_copy_once_read():
+    """inplace (the default): a second backward is refused with saved_fp8's message, since the
+    copy is gone; inplace=False keeps it, and the second backward gives the first's grads."""
+    x = torch.randn(M, D, dtype=torch.bfloat16)
+    mlp = convert(ParMLP(D, FFN, impl="drop_h", saved_fp8=True, dtype=torch.bfloat16))
+    y = mlp(x.clone().requires_grad_())
+    y.sum().backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match=r"saved_fp8=True\) freed its saved FP8 preact"):
+        y.sum().backward()
+    keeps = ParMLP(D, FFN, impl="drop_h", saved_fp8=True, inplace=False, dtype=torch.bfloat16)
+    convert(keeps).load_state_dict(mlp.state_dict())
+    y = keeps(x)
+    y.sum().backward(retain_graph=True)
+    first = keeps.fc1.weight.grad.clone()
+    keeps.zero_grad()
+    y.sum().backward()
+    assert torch.equal(keeps.fc1.weight.grad, first) and first.abs().sum() > 0
+
+
+def test_drop_h_with_other_converters_is_refused_in_one_line():
     class OtherConverter(nn.Linear):
         def forward(self, x: torch.Tensor) -> torch.Tensor:
             return super().forward(x)
@@ -150,13 +202,14 @@ def test_a_patched_model_takes_the_converter_under_normal_and_drop_h_only():
     with pytest.raises(TypeError, match=r"^ParMLP\.fc1 is a .*Float8Linear.* 'save_factors'"):
         refused(ids)
 
-    for impl in ("normal", "drop_h"):
+    for impl, saved_fp8 in (("normal", False), ("drop_h", False), ("drop_h", True)):
         model = hf_model("llama")
         keys = set(model.state_dict())
-        swiglu_train.patch(model, impl)
+        swiglu_train.patch(model, impl, saved_fp8=saved_fp8)
         convert(model)
         mlp = model.model.layers[0].mlp
         assert isinstance(mlp, PatchedSwiGLU) and isinstance(mlp.fc1, Float8Linear)
+        assert mlp.saved_fp8 == saved_fp8
         assert set(model.state_dict()) == keys  # the host's keys, as before the conversion
         model(ids).logits.sum().backward()
         assert mlp.fc1.weight.grad is not None
@@ -187,6 +240,7 @@ def test_patch_leaves_an_mlp_converted_before_it_with_the_reason():
         "normal_float8_tensorwise",
         "torchao_float8_tensorwise",
         "drop_h_float8_tensorwise_compile",
+        "drop_h+fp8_float8_rowwise_compile",
     ],
 )
 def test_the_benchmark_s_float8_variants_run_fp8_gemms_on_the_shared_weights(variant):

@@ -104,7 +104,8 @@ class ParMLP(nn.Module, CheckedLoad):
 
     An fc1 or fc2 converted for FP8 training (torchao's ``convert_to_float8_training`` makes it
     a ``Float8Linear``) runs through its own forward under ``normal``, and under ``drop_h`` its
-    GEMMs run in FP8 as its recipe says, with drop_h's saved set (``ops.float8_mlp``); every
+    GEMMs run in FP8 as its recipe says, with drop_h's saved set (``ops.float8_mlp``; with
+    ``saved_fp8``, the preactivation as its FP8 copy); every
     other impl runs GEMMs of its own, whose FP8 versions are not implemented yet, and refuses
     it at forward rather than train in bf16 unannounced (docs/fp8-training.md).
     """
@@ -224,7 +225,7 @@ class ParMLP(nn.Module, CheckedLoad):
         fc1, fc2 = self._modules["fc1"], self._modules["fc2"]  # as self.fc1, less __getattr__
         converted = False
         if type(fc1) is not nn.Linear or type(fc2) is not nn.Linear:
-            converted = _check_converted_linears(fc1, fc2, self._impl, self._saved_fp8)
+            converted = _check_converted_linears(fc1, fc2, self._impl)
         params = (*_weight_and_bias(fc1), *_weight_and_bias(fc2))
         device = x.device
         self._check_input(x, fc1.in_features, device, params)
@@ -272,16 +273,17 @@ class ParMLP(nn.Module, CheckedLoad):
         return y if flat else y.view(*x.shape[:-1], y.shape[-1])
 
     def _float8(self, x: torch.Tensor, fc1: nn.Module, fc2: nn.Module, params: tuple):
-        """drop_h with fc1's and fc2's torchao recipes; under autocast, in its dtype, as
-        Float8Linear casts its input."""
+        """drop_h with fc1's and fc2's torchao recipes (its preactivation saved in FP8 with
+        ``saved_fp8``); under autocast, in its dtype, as Float8Linear casts its input."""
         device_type = x.device.type
         if torch.is_autocast_enabled(device_type):
             x = x.to(torch.get_autocast_dtype(device_type))
         x2d = x.reshape(-1, x.shape[-1])
         with torch.autocast(device_type, enabled=False):
             y = drop_h_float8_mlp(
-                x2d, *params, Float8Gemms.of(fc1), Float8Gemms.of(fc2), inplace=self.inplace
-            )
+                x2d, *params, Float8Gemms.of(fc1), Float8Gemms.of(fc2), self.inplace,
+                self._saved_fp8,
+            )  # fmt: skip
         return y.view(*x.shape[:-1], y.shape[-1])
 
     def _function_for(self, dtype: torch.dtype) -> MLPFunction:
@@ -380,7 +382,7 @@ def uncompiled_float8_training(device_type: str) -> bool:
     return device_type == "cuda" and torch.is_grad_enabled() and not torch.compiler.is_compiling()
 
 
-def _check_converted_linears(fc1: nn.Module, fc2: nn.Module, impl: str, saved_fp8: bool) -> bool:
+def _check_converted_linears(fc1: nn.Module, fc2: nn.Module, impl: str) -> bool:
     """Whether fc1 or fc2 has a converted forward: impl ``normal`` runs them through it, and
     ``drop_h`` runs torchao's Float8Linear recipes in its own GEMMs. Any other impl, or drop_h
     with another converter, would skip that forward (and its FP8 GEMMs) and train in bf16
@@ -393,12 +395,9 @@ def _check_converted_linears(fc1: nn.Module, fc2: nn.Module, impl: str, saved_fp
         if impl == CONVERTED_IMPL:
             continue
         kind = f"{type(linear).__module__}.{type(linear).__qualname__}"
-        if impl == FLOAT8_IMPL and is_torchao_float8(linear) and not saved_fp8:
-            continue
         if impl == FLOAT8_IMPL and is_torchao_float8(linear):
-            why = "its FP8 GEMMs with saved_fp8=True are not implemented yet; build it with "
-            why += "saved_fp8=False"
-        elif impl == FLOAT8_IMPL:
+            continue
+        if impl == FLOAT8_IMPL:
             why = "drop_h runs torchao's Float8Linear recipes only"
         else:
             why = f"its FP8 GEMMs are not implemented yet; use impl {FLOAT8_IMPL!r} or "

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from swiglu_train.ops.activation import swiglu_fwd, triton_enabled
 from swiglu_train.ops.eager import eager_op
 from swiglu_train.ops.experts_routing import Routing
-from swiglu_train.ops.fp8_saved import copy_buffers, dequantize, swiglu_fwd_fp8_
+from swiglu_train.ops.fp8_saved import copy_buffers, dequantize, free_copy, swiglu_fwd_fp8_
 from swiglu_train.ops.mlp import claim_inplace_backward, refuse_double_backward
 from swiglu_train.ops.reference import swiglu_grad
 
@@ -86,9 +86,7 @@ def backward_rows(
             grad_preact = grad_preact.view(rows, 2, ffn).transpose(1, 2).reshape(rows, 2 * ffn)
         grad_w = (g.float() * h).sum(-1) if w is not None else None
         wh = (h * scale).to(g.dtype)
-    if inplace and fp8:
-        for t in saved:  # the FP8 copy, read for the last time: its memory goes back now
-            t.untyped_storage().resize_(0)
+    free_copy(inplace and fp8, *saved)
     return grad_preact, wh, grad_w
 
 

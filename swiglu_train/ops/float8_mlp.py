@@ -10,6 +10,10 @@ x and the preactivation. fc2's forward operand, h in e4m3, comes straight from t
 preactivation where Triton runs (``kernels.swiglu_float8``: h is never written in bf16 there);
 in backward h is recomputed by the kernel that writes grad_preact, cast for grad_W2 and never
 saved.
+With ``saved_fp8`` the preactivation is kept as drop_h's FP8 copy (``ops.fp8_saved``: e4m3, a
+bf16 scale per row per 128 columns of each half), made in one pass with the h that fc2 casts,
+and backward recomputes h and grad_preact from it. It runs unchunked: a chunk's tensorwise
+cast would scale by the chunk's amax, not the tensor's, so the GEMMs would not be the recipe's.
 
 A linear given as None (left in bf16 by the conversion) runs its GEMMs in the weights' dtype.
 """
@@ -23,6 +27,15 @@ import torch
 from torch import nn
 
 from swiglu_train.ops.activation import swiglu_fwd, triton_enabled
+from swiglu_train.ops.fp8_saved import (
+    SECOND_BACKWARD_ERROR_FP8,
+    SECOND_BACKWARD_FREED_ERROR_FP8,
+    check_fp8_gpu,
+    copy_buffers,
+    free_copy,
+    swiglu_bwd_fp8_,
+    swiglu_fwd_fp8_,
+)
 from swiglu_train.ops.mlp import (
     SECOND_BACKWARD_ERROR,
     SECOND_BACKWARD_FREED_ERROR,
@@ -143,32 +156,64 @@ def _bias(out: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     return out if bias is None else out + bias.to(out.dtype)
 
 
+def _fc2_operand_and_saved(preact: torch.Tensor, gemms: Float8Gemms | None, saved_fp8: bool):
+    """(fc2's forward operand, what backward keeps of the preactivation): the preact itself, or
+    its FP8 copy and scales, written in one pass with h (preact is then no longer referenced)."""
+    if not saved_fp8:
+        return fc2_input(preact, gemms), (preact,)
+    m, ffn = preact.shape[0], preact.shape[1] // 2
+    h, copy = preact.new_empty(m, ffn), copy_buffers(m, ffn, preact)
+    swiglu_fwd_fp8_(preact, h, *copy)
+    return h, copy
+
+
+def _h_and_grad_preact(saved: list[torch.Tensor], grad_h: torch.Tensor, inplace: bool):
+    """(h, grad_preact) from the kept preact (over it and grad_h when ``inplace``) or from the
+    FP8 copy (h over grad_h; the copy freed once read when ``inplace``)."""
+    if len(saved) == 1:
+        return recompute_h(saved[0], grad_h, inplace)
+    grad_preact = grad_h.new_empty(grad_h.shape[0], 2 * grad_h.shape[1])
+    swiglu_bwd_fp8_(*saved, grad_h, grad_preact)
+    free_copy(inplace, *saved)
+    return grad_h, grad_preact
+
+
 class _DropHFloat8(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, fc1_weight, fc1_bias, fc2_weight, fc2_bias, fc1_gemms, fc2_gemms, inplace):
+    def forward(
+        ctx, x, fc1_weight, fc1_bias, fc2_weight, fc2_bias, fc1_gemms, fc2_gemms, inplace,
+        saved_fp8,
+    ):  # fmt: skip
         preact = _bias(linear(x, fc1_weight, fc1_gemms), fc1_bias)
-        y = _bias(linear(fc2_input(preact, fc2_gemms), fc2_weight, fc2_gemms), fc2_bias)
-        ctx.save_for_backward(x, fc1_weight, fc2_weight, preact)
+        fc2_in, saved = _fc2_operand_and_saved(preact, fc2_gemms, saved_fp8)
+        del preact  # with saved_fp8, freed before fc2's GEMM
+        y = _bias(linear(fc2_in, fc2_weight, fc2_gemms), fc2_bias)
+        ctx.save_for_backward(x, fc1_weight, fc2_weight, *saved)
         ctx.gemms, ctx.inplace, ctx.backward_ran = (fc1_gemms, fc2_gemms), inplace, False
         ctx.has_bias = (fc1_bias is not None, fc2_bias is not None)
+        ctx.saved_fp8 = saved_fp8
         return y
 
     @staticmethod
     def backward(ctx, grad_y: torch.Tensor):
         refuse_double_backward()
-        inplace = claim_inplace_backward(ctx, SECOND_BACKWARD_ERROR, SECOND_BACKWARD_FREED_ERROR)
-        x, fc1_weight, fc2_weight, preact = ctx.saved_tensors
+        errors = (SECOND_BACKWARD_ERROR_FP8, SECOND_BACKWARD_FREED_ERROR_FP8)
+        if not ctx.saved_fp8:
+            errors = (SECOND_BACKWARD_ERROR, SECOND_BACKWARD_FREED_ERROR)
+        inplace = claim_inplace_backward(ctx, *errors)
+        x, fc1_weight, fc2_weight, *saved = ctx.saved_tensors
         fc1_gemms, fc2_gemms = ctx.gemms
         grad_y = grad_y.contiguous()
-        h, grad_preact = recompute_h(preact, grad_input(grad_y, fc2_weight, fc2_gemms), inplace)
+        grad_h = grad_input(grad_y, fc2_weight, fc2_gemms)
+        h, grad_preact = _h_and_grad_preact(saved, grad_h, inplace)
         grad_w2 = grad_weight(grad_y, h, fc2_gemms) if ctx.needs_input_grad[3] else None
-        del h
+        del h, grad_h
         grads = drop_h_grads(
             ctx, x, fc1_weight, grad_preact, grad_y, grad_w2,
             input_grad=partial(grad_input, gemms=fc1_gemms),
             weight_grad=partial(grad_weight, gemms=fc1_gemms),
         )  # fmt: skip
-        return *grads, None, None, None
+        return *grads, None, None, None, None
 
 
 def drop_h_float8_mlp(
@@ -180,9 +225,14 @@ def drop_h_float8_mlp(
     fc1_gemms: Float8Gemms | None,
     fc2_gemms: Float8Gemms | None,
     inplace: bool = True,
+    saved_fp8: bool = False,
 ) -> torch.Tensor:
     """drop_h (x and the preactivation saved, h recomputed) with each linear's GEMMs in FP8 as
-    its torchao recipe says (the module docstring); x is [M, D]."""
+    its torchao recipe says (the module docstring); x is [M, D]. ``saved_fp8`` keeps the
+    preactivation as drop_h's FP8 copy."""
+    # the copy's kernels need sm_89: refused before any GEMM, as drop_h's FP8 copy is
+    if saved_fp8 and x.is_cuda and not torch.compiler.is_compiling() and triton_enabled(x):
+        check_fp8_gpu(x.get_device())
     return _DropHFloat8.apply(
-        x, fc1_weight, fc1_bias, fc2_weight, fc2_bias, fc1_gemms, fc2_gemms, inplace
+        x, fc1_weight, fc1_bias, fc2_weight, fc2_bias, fc1_gemms, fc2_gemms, inplace, saved_fp8
     )

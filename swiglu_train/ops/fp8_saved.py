@@ -262,8 +262,9 @@ def backward_from_copies(ctx, grad_out: torch.Tensor, step, errors: tuple[str, s
     return grad_x, grad_w1, grad_b1, grad_w2, grad_b2, None, None
 
 
-def _free(consume: bool, *saved: torch.Tensor) -> None:
-    """A copy and its scales, read for the last time: their memory goes back now."""
+def free_copy(consume: bool, *saved: torch.Tensor) -> None:
+    """With ``consume``, a copy and its scales, read for the last time: their memory goes back
+    now, whatever else still references them (autograd's saved-tensor slots)."""
     if consume:
         for t in saved:
             t.untyped_storage().resize_(0)
@@ -302,7 +303,7 @@ def _backward_rows(grad_y, x, fc1_weight, fc2_weight, copies, pieces, consume, n
     for part, (q, scales) in zip(pieces, copies, strict=True):
         grad_preact = h.new_empty(part.stop - part.start, 2 * ffn)  # this chunk's only
         step.run(q, scales, grad_y[part], fc2_weight, h[part], grad_preact)
-        _free(consume, q, scales)
+        free_copy(consume, q, scales)
         if need_x:
             torch.mm(grad_preact, fc1_weight, out=grad_x[part])
         if need_w1:  # accumulated in the parameters' dtype (module docstring)

@@ -137,12 +137,15 @@ def float8_convert(module: torch.nn.Module, recipe: str) -> torch.nn.Module:
     return convert_to_float8_training(module, config=Float8LinearConfig.from_recipe_name(recipe))
 
 
-def ours_float8(impl: str, recipe: str, compile_: bool = False) -> Callable[[LayerWeights], Layer]:
+def ours_float8(
+    impl: str, recipe: str, compile_: bool = False, saved_fp8: bool = False
+) -> Callable[[LayerWeights], Layer]:
     """Our impl on fc1/fc2 that torchao converted (issue 48): drop_h runs their recipes in its
-    own GEMMs, normal runs their forwards; torch.compile'd as ``pretrain --float8`` runs it."""
+    own GEMMs (its preactivation kept in FP8 with ``saved_fp8``), normal runs their forwards;
+    torch.compile'd as ``pretrain --float8`` runs it."""
 
     def build(w: LayerWeights) -> Layer:
-        mlp = float8_convert(ours(impl)(w), recipe)
+        mlp = float8_convert(ours(impl, saved_fp8=saved_fp8)(w), recipe)
         return torch.compile(mlp) if compile_ else mlp
 
     return build
@@ -200,8 +203,10 @@ BUILDERS: dict[str, Callable[[LayerWeights], Layer]] = {
     },
     # FP8 GEMMs (issue 48): ours on torchao-converted linears, and torchao's own MLP
     **{
-        f"{impl}_float8_{recipe}{'_compile' if c else ''}": ours_float8(impl, recipe, c)
-        for impl in ("drop_h", "normal")
+        f"{impl_label(impl, saved, recipe)}{'_compile' if c else ''}": ours_float8(
+            impl, recipe, c, saved
+        )
+        for impl, saved in (("drop_h", False), ("drop_h", True), ("normal", False))
         for recipe in ("tensorwise", "rowwise")
         for c in (False, True)
     },
