@@ -350,3 +350,47 @@ def test_a_converted_mlp_warns_once_where_its_fp8_gemms_would_run_unfused(monkey
         monkeypatch.setattr(par_mlp, "uncompiled_float8_training", lambda device_type: True)
         mlp(x)
     assert [str(w.message) for w in seen] == [par_mlp.UNCOMPILED_FLOAT8_WARNING]
+
+
+def moe_training_convert(model: nn.Module, kind: type) -> nn.Module:
+    """torchao's MoE FP8 training conversion (torchtitan's float8 for MoE), applied to the
+    modules of ``kind``: their weights become Float8TrainingWeightWrapperTensor."""
+    from torchao.prototype.moe_training.config import Float8TrainingOpConfig
+    from torchao.quantization import quantize_
+
+    quantize_(model, Float8TrainingOpConfig(), filter_fn=lambda m, fqn: isinstance(m, kind))
+    return model
+
+
+@pytest.mark.parametrize("impl", ["normal", "drop_h"])
+def test_experts_whose_weights_a_moe_training_conversion_wrapped_are_refused(impl):
+    """torchao's MoE FP8 training reroutes torch._grouped_mm and mm on its wrapped weights:
+    some of the experts' GEMMs would run in FP8 and the rest (the Triton passes, the weight
+    gradients) would not. The first forward refuses in one line that names the class."""
+    from swiglu_train.layers.experts import ParExperts
+
+    experts = moe_training_convert(ParExperts(4, D, FFN, impl=impl, dtype=torch.bfloat16),
+                                   ParExperts)  # fmt: skip
+    assert type(experts.fc1_weight).__name__ == "Float8TrainingWeightWrapperTensor"
+    x = torch.randn(M, D, dtype=torch.bfloat16)
+    indices, weights = torch.randint(0, 4, (M, 2)), torch.rand(M, 2)
+    with pytest.raises(TypeError, match=r"^experts\.fc1_weight is a torchao\.prototype\.moe_"
+                       r"training\.tensor\.Float8TrainingWeightWrapperTensor, a tensor subclass"
+                       ) as info:  # fmt: skip
+        experts(x, indices, weights)
+    assert "\n" not in str(info.value) and "filter_fn" in str(info.value)
+
+
+def test_a_dense_weight_that_a_conversion_wrapped_is_refused_and_plain_ones_pass():
+    """The same wrapper on ParMLP's nn.Linear weights (torchao's MoE config also reroutes mm
+    and linear): refused at forward, naming the weight. A plain tensor in a weight's place (a
+    parametrization's output is one) is no conversion and runs."""
+    mlp = moe_training_convert(ParMLP(D, FFN, impl="drop_h"), nn.Linear)
+    with pytest.raises(TypeError, match=r"^ParMLP\.fc1\.weight is a torchao\..*Wrapper"):
+        mlp(torch.randn(M, D))
+    plain = ParMLP(D, FFN, impl="drop_h")
+    expected = plain(x := torch.randn(M, D))
+    weight = plain.fc1.weight.detach()
+    del plain.fc1.weight
+    plain.fc1.weight = weight  # a plain tensor attribute, as functional_call sets
+    assert torch.equal(plain(x), expected)

@@ -44,6 +44,7 @@ from swiglu_train.ops.inference import (
 )
 from swiglu_train.ops.mlp import swiglu_activation
 from swiglu_train.ops.quack_mlp import QUACK_DTYPES
+from swiglu_train.ops.weights import check_plain_weights
 
 # the impl that runs an FP8-converted fc1/fc2 through their own forward (its GEMMs are theirs)
 CONVERTED_IMPL = "normal"
@@ -228,7 +229,7 @@ class ParMLP(nn.Module, CheckedLoad):
             converted = _check_converted_linears(fc1, fc2, self._impl)
         params = (*_weight_and_bias(fc1), *_weight_and_bias(fc2))
         device = x.device
-        self._check_input(x, fc1.in_features, device, params)
+        self._check_input(x, fc1.in_features, device, params, converted)
         if converted and uncompiled_float8_training(device.type) and is_torchao_float8(fc1):
             warnings.warn(UNCOMPILED_FLOAT8_WARNING, stacklevel=2)
         if converted and self._impl == FLOAT8_IMPL:  # torchao's recipes in drop_h's GEMMs
@@ -294,10 +295,16 @@ class ParMLP(nn.Module, CheckedLoad):
         return get_impl(self._impl.removesuffix("_quack"))
 
     def _check_input(
-        self, x: torch.Tensor, hidden_size: int, device: torch.device, params: tuple
+        self,
+        x: torch.Tensor,
+        hidden_size: int,
+        device: torch.device,
+        params: tuple,
+        converted: bool,
     ) -> None:
         """Refuse an input the impls cannot take, naming the problem; ``params`` in
-        ``_PARAM_NAMES`` order, absent biases as None."""
+        ``_PARAM_NAMES`` order, absent biases as None. Unless fc1/fc2 were ``converted`` (their
+        weights are then the converter's to wrap), a weight must be a plain tensor."""
         if x.dtype not in SUPPORTED_DTYPES:
             if not x.is_floating_point():
                 raise TypeError(f"ParMLP expects a floating-point input, got {x.dtype}")
@@ -308,10 +315,14 @@ class ParMLP(nn.Module, CheckedLoad):
                 f"its last dim must be {hidden_size}"
             )
         for i, p in enumerate(params):
-            if p is not None and p.device != device:
+            if p is None:
+                continue
+            if p.device != device:
                 raise ValueError(
                     f"ParMLP input is on {device} but its {_PARAM_NAMES[i]} is on {p.device}"
                 )
+            if type(p) is not nn.Parameter and not converted:
+                check_plain_weights("ParMLP", ((_PARAM_NAMES[i], p),))
 
     def check_state_dict(self, state_dict: Mapping, prefix: str = "") -> Layout:
         """The fc1 layout of this module's entries in ``state_dict`` (keys under ``prefix``),

@@ -51,6 +51,7 @@ from swiglu_train.ops.experts_steps import (
     saved_tensors,
 )
 from swiglu_train.ops.mlp import refuse_double_backward, swiglu_activation
+from swiglu_train.ops.weights import check_plain_weights
 
 WEIGHTS_ON = ("output", "input")
 IMPLS = ("normal", "drop_h", "drop_h_quack")
@@ -211,6 +212,7 @@ def experts_mlp(
     check_options(impl, saved_fp8, weights_on, gathered_wgrad)
     check_routing(x, expert_indices, expert_weights, fc1_weight.shape[0])
     check_weights(x, fc1_weight, fc2_weight)
+    check_plain_weights("experts", (("fc1_weight", fc1_weight), ("fc2_weight", fc2_weight)))
     return _IMPLS[impl](
         x, expert_indices, expert_weights, fc1_weight, fc2_weight, weights_on,
         saved_fp8=saved_fp8, inplace=inplace, gathered_wgrad=gathered_wgrad,
