@@ -106,9 +106,10 @@ class ParMLP(nn.Module, CheckedLoad):
     An fc1 or fc2 converted for FP8 training (torchao's ``convert_to_float8_training`` makes it
     a ``Float8Linear``) runs through its own forward under ``normal``, and under ``drop_h`` its
     GEMMs run in FP8 as its recipe says, with drop_h's saved set (``ops.float8_mlp``; with
-    ``saved_fp8``, the preactivation as its FP8 copy); every
-    other impl runs GEMMs of its own, whose FP8 versions are not implemented yet, and refuses
-    it at forward rather than train in bf16 unannounced (docs/fp8-training.md).
+    ``saved_fp8``, the preactivation as its FP8 copy); every other impl runs GEMMs of its own,
+    whose FP8 versions are not implemented yet, and refuses it at forward rather than train in
+    bf16 unannounced (docs/fp8-training.md). A weight that a conversion wrapped in a tensor
+    subclass (torchao's MoE FP8 training) is refused the same way (``ops.weights``).
     """
 
     def __init__(
