@@ -156,6 +156,8 @@ def test_a_tiny_run_checks_every_variant_against_the_loop(tmp_path):
     assert skipped["sonicmoe"].startswith("not installed")
     (point,) = result["points"]
     assert point["rows_per_expert"]["max"] >= 8  # the hot expert has half the first choices
+    assert list(point["prepare_s"]) == variants.split(",")  # skipped ones too: failing costs
+    assert all(seconds >= 0 for seconds in point["prepare_s"].values())
     meta = result["meta"]
     assert meta["variants"] == variants.split(",") and meta["reference"] == "loop"
     assert {"torch", "transformers", "torchtitan"} <= set(meta["versions"])

@@ -249,14 +249,3 @@ def test_bad_construction_is_refused(kwargs, message):
     args = {"num_experts": 4, "hidden_size": 16, "ffn_hidden_size": 8, **kwargs}
     with pytest.raises(ValueError, match=message):
         ParExperts(**args)
-
-
-def test_the_weight_gradient_order_keeps_the_smaller_of_grad_w2_and_its_rows():
-    """drop_h_quack: beside grad_W1 (the backward peak) stands grad_W2 or what it still needs,
-    (w·)h [R, F] (quack's GEMM gathers grad_y): Qwen3-30B-A3B's experts at 16384 tokens keep
-    the rows (half of grad_W2), at 65536 tokens grad_W2."""
-    from swiglu_train.ops.experts_quack import grad_fc2_first
-
-    e, d, f, k = 128, 2048, 768, 8
-    assert grad_fc2_first(65536 * k * f, e, d, f)
-    assert not grad_fc2_first(16384 * k * f, e, d, f)  # drop_h_quack

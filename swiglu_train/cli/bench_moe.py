@@ -128,14 +128,19 @@ def _run(cfg: MoEConfig, out: Path | None) -> dict:
     def on_point(result: dict) -> None:
         nonlocal done
         shape, routing = points[done]
+        key = (shape.name, routing)
         done += 1
         ratios = ", ".join(
             f"{r['variant']} {r['full_over_floor']:.2f}"
             for r in result["rows"]
-            if (r["model"], r["routing"]) == (shape.name, routing) and r["variant"] != "floor"
+            if (r["model"], r["routing"]) == key and r["variant"] != "floor"
         )
+        prepared = [p["prepare_s"] for p in result["points"] if (p["model"], p["routing"]) == key]
+        slowest = max(prepared[0].items(), key=lambda item: item[1]) if prepared else None
         console.print(
-            f"[{done}/{len(points)}] {shape.name} {routing} ({time.perf_counter() - began:.0f} s): "
+            f"[{done}/{len(points)}] {shape.name} {routing} ({time.perf_counter() - began:.0f} s"
+            + (f"; slowest to prepare {slowest[0]}, {slowest[1]:.0f} s" if slowest else "")
+            + "): "
             + (f"step ÷ floor {ratios}" if ratios else "nothing measured (see the skips)"),
             markup=False,
         )

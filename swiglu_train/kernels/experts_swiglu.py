@@ -77,9 +77,8 @@ def _experts_bwd_kernel(
     w = tl.load(w_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)[:, None] if WEIGHTED else 1.0
     dot = tl.zeros([BLOCK_M], tl.float32)
     dtype = g_ptr.dtype.element_ty
-    out_dtype = (
-        preact_ptr.dtype.element_ty
-    )  # (a tuple of dtypes does not compile, unlike in the interpreter)
+    # Two assignments: a tuple of dtypes lowers in the interpreter but not for the GPU
+    out_dtype = preact_ptr.dtype.element_ty
     pair = tl.arange(0, 2)[None, None, :]
     for start in range(0, F, BLOCK_N):
         cols = start + tl.arange(0, BLOCK_N)

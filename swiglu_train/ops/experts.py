@@ -128,9 +128,9 @@ class _ExpertsDropH(torch.autograd.Function):
         w = plan.weight if on_output else None
         grad_preact, wh, grad_w_rows = backward_rows(saved, g, w, inplace)
         del saved, g
-        # grad_W2 first: kept to the end instead, the rows it needs measured 96 MiB more at the
-        # peak on the H100 (Qwen3-30B-A3B, 8192 tokens: 1762 against 1666 MiB), beyond what
-        # their sizes predict, so torch's grouped GEMM holds more than its operands there
+        # grad_W2 first: kept to the end, the rows it needs would stand beside both weight
+        # gradients and grad_preact, which in place is the saved preactivation, held until
+        # backward returns (H100, Qwen3-30B-A3B, 8192 tokens: 1762 against 1666 MiB)
         grad_fc2 = grouped_weight_grad(grad_yg, wh, plan.offsets)
         del grad_yg, wh
         grad_xg = grouped_linear(grad_preact, fc1.transpose(1, 2), plan.offsets)

@@ -196,10 +196,12 @@ class _ExpertsDropHQuack(torch.autograd.Function):
         # g: (w ·) h now; an interleaved preact gives an interleaved grad_preact
         grad_preact, g, grad_w_rows = backward_rows(saved, g, w, inplace, ctx.interleaved)
         del saved
-        fc2_first = grad_fc2_first(g.numel(), *fc2.shape)  # grad_y is gathered in the GEMM
-        grad_fc2 = gemm(grad_y.T, g, cu_seqlens_k=cu, A_idx=token) if fc2_first else None
-        if fc2_first:
-            del g
+        # grad_W2 first, so g is freed before grad_W1's buffer: in place, grad_preact is the
+        # saved preactivation, held until backward returns, so it stands beside grad_W1 in either
+        # order and g would only add to it (+96 MiB at Qwen3-30B-A3B on the H100: 1506 against
+        # 1411 MiB, moe_h100_peers.md against moe_h100_plan.md)
+        grad_fc2 = gemm(grad_y.T, g, cu_seqlens_k=cu, A_idx=token)
+        del g
         # the interleaved grad_preact meets the canonical fc1 inside the GEMM (concat_layout)
         concat = ("B",) if ctx.interleaved else None
         grad_xg = _row_gemm(grad_preact, fc1, cu, concat_layout=concat)
@@ -216,9 +218,6 @@ class _ExpertsDropHQuack(torch.autograd.Function):
             concat_layout=out_concat,
         )  # fmt: skip
         del grad_preact
-        if not fc2_first:
-            grad_fc2 = gemm(grad_y.T, g, cu_seqlens_k=cu, A_idx=token)
-            del g
         grad_w = router_grad(grad_w_rows, plan, indices, weights)
         return grad_x, None, grad_w, grad_fc1, grad_fc2, None, None, None
 
@@ -241,13 +240,3 @@ def gated_forward(weights_on: str, saved_fp8: bool) -> bool:
     epilogue cannot, or the preactivation is kept as drop_h's canonical FP8 copy, which
     drop_h's quantizing kernel writes."""
     return weights_on == "output" and not saved_fp8
-
-
-def grad_fc2_first(waiting: int, experts: int, hidden: int, ffn: int) -> bool:
-    """Whether to compute grad_W2 [E, D, F] before grad_W1: grad_W1's buffer [E, 2F, D] is the
-    step's peak, and beside it stands either grad_W2 (computed first) or the ``waiting``
-    elements grad_W2 still needs ((w·)h [R, F]; quack's GEMM gathers grad_y). The smaller of
-    the two is kept: at fine-grained experts and many tokens grad_W2 is the smaller, at few
-    wide experts the rows are. Not measured yet; on torch's grouped GEMMs (``ops.experts``)
-    the same order measured higher than grad_W2 first, so that path keeps grad_W2 first."""
-    return experts * hidden * ffn <= waiting

@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import importlib.metadata
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -180,6 +181,7 @@ def measure_point(
     device = torch.device(cfg.device)
     inputs = Inputs.build(cfg, shape, routing)
     sizes = group_sizes(inputs.indices, shape.e)
+    prepare_s: dict[str, float] = {}  # each variant's build, warm-up and check: its compiles
     point = {
         "model": shape.name,
         "repo": shape.repo,
@@ -195,6 +197,7 @@ def measure_point(
             "mean": cfg.tokens * shape.k / shape.e,
             "empty_experts": int((sizes == 0).sum()),
         },
+        "prepare_s": prepare_s,
     }
     reference_variant = BUILDERS[REFERENCE](inputs.weights, shape.k)
     reference = step_outputs(
@@ -203,6 +206,7 @@ def measure_point(
     cases, checks, skipped = [], {}, {}
     tick = progress(f"{shape.name} {routing}: build, warm-up, check", len(cfg.variants))
     for name in cfg.variants:
+        began = time.perf_counter()
         try:
             variant = BUILDERS[name](inputs.weights, shape.k)
             case = variant_case(name, variant, inputs)
@@ -217,6 +221,7 @@ def measure_point(
         if name in skipped:  # its tensors go back once the traceback holding them is gone
             variant = case = None
             free(device)
+        prepare_s[name] = round(time.perf_counter() - began, 2)
         tick()
     del reference
     floor = floor_case(inputs.x, inputs.indices, inputs.weights.fc1, inputs.weights.fc2,
