@@ -95,6 +95,7 @@ def _binder(fn: Callable) -> Callable:
 
 
 def _lowering(fn: Callable, named: dict, options: dict) -> Lowering:
+    """What a launch of ``fn`` with these arguments and keywords compiles on the GPU."""
     bound, specialization, _ = _binder(fn)(**named, **options)
     params = tuple((n, *s) for n, s in zip(bound, specialization, strict=True))
     return Lowering(fn.__module__, fn.__name__, params, tuple(sorted(options.items())))
@@ -119,7 +120,8 @@ GPU_VARIANTS: dict[str, tuple[Callable[[dict], dict], ...]] = {
 
 @triton.jit
 def _dtype_pair_kernel(x_ptr, y_ptr):
-    """a1306b4's bug: the interpreter runs it, the GPU's front end cannot lower it."""
+    """The line a1306b4 took out of the experts' backward: the interpreter runs it, the GPU's
+    front end cannot lower it."""
     a, b = x_ptr.dtype.element_ty, y_ptr.dtype.element_ty
     tl.store(y_ptr, tl.load(x_ptr).to(a).to(b))
 
@@ -128,6 +130,7 @@ def _dtype_pair_kernel(x_ptr, y_ptr):
 
 
 def _randn(*shape: int, dtype: torch.dtype) -> torch.Tensor:
+    """Values only the interpreter's run reads: the lowering sees dtypes, strides, alignment."""
     return torch.randn(*shape).to(dtype)
 
 
@@ -174,14 +177,13 @@ def _drive_fp8_saved(dtype: torch.dtype) -> None:
 
 
 def _drive_experts(dtype: torch.dtype) -> None:
-    r, f = 5, 24
+    r, f, fp8_f = 5, 24, 130
     for weighted in (False, True):
         w, grad_w = (torch.rand(r), torch.empty(r)) if weighted else (None, None)
         for interleaved in (False, True):
             experts_swiglu.experts_backward_(
                 _randn(r, 2 * f, dtype=dtype), _randn(r, f, dtype=dtype), w, grad_w, interleaved
             )
-        fp8_f = 130
         experts_swiglu.experts_backward_fp8(
             *_fp8_copy(r, fp8_f),
             _randn(r, fp8_f, dtype=dtype),
@@ -216,24 +218,25 @@ def _drive_fused_mlp(dtype: torch.dtype) -> None:
             )
 
 
-# (chunk, aux, bias) at F = 32: each aux kind and both biases in the canonical layout (two dots
-# a tile) and a packed one (the wide single-dot tile); the canonical 16-bit call without aux or
-# bias takes the rule's pinned tile, the others the autotuner's.
+# (canonical, aux, bias): each aux kind and both biases in the canonical layout (two dots a
+# tile) and in a packed one of chunk 16 (the wide single-dot tile); the canonical 16-bit call
+# without aux or bias takes the rule's pinned tile, the others the autotuner's.
 GATED_CALLS = (
-    (32, "none", False),
-    (32, "factors", True),
-    (32, "preact", False),
-    (16, "none", True),
-    (16, "factors", False),
-    (16, "preact", True),
+    (True, "none", False),
+    (True, "factors", True),
+    (True, "preact", False),
+    (False, "none", True),
+    (False, "factors", False),
+    (False, "preact", True),
 )
 
 
 def _drive_gated_gemm(dtype: torch.dtype) -> None:
     m, k, f = 4, 32, 32
     x = _randn(m, k, dtype=dtype)
-    for chunk, aux, bias in GATED_CALLS:
+    for canonical, aux, bias in GATED_CALLS:
         b = _randn(2 * f, dtype=dtype) if bias else None
+        chunk = f if canonical else 16
         gated_gemm.gated_gemm(x, _randn(2 * f, k, dtype=dtype), b, chunk=chunk, aux=aux)
     for chunk in (f, 16):
         gated_gemm.factors_to_grad_(_randn(m, 2 * f, dtype=dtype), _randn(m, f, dtype=dtype), chunk)
@@ -332,8 +335,9 @@ def lowered(lowerings: list[Lowering], tmp_path_factory) -> dict[Lowering, str |
     requests, results = work / "requests.pickle", work / "results.pickle"
     requests.write_bytes(pickle.dumps(lowerings))
     here = Path(__file__)
+    package_root = str(Path(swiglu_train.__file__).parents[1])  # the parent's swiglu_train
     code = (
-        f"import sys; sys.path.insert(0, {str(here.parent)!r}); "
+        f"import sys; sys.path[:0] = [{str(here.parent)!r}, {package_root!r}]; "
         f"from {here.stem} import lower_in_child; lower_in_child({str(requests)!r}, "
         f"{str(results)!r})"
     )
@@ -365,6 +369,7 @@ def _package_kernels() -> Iterator[tuple[str, str]]:
 
 
 def _of_package(lowerings: list[Lowering]) -> list[Lowering]:
+    """The package's lowerings, without this module's negative example."""
     return [lowering for lowering in lowerings if lowering.module.startswith("swiglu_train.")]
 
 
@@ -388,10 +393,12 @@ def test_every_boolean_constexpr_is_lowered_both_ways(lowerings: list[Lowering])
 
 
 def test_every_launch_lowers_for_sm90(lowered: dict[Lowering, str | None]) -> None:
+    """What the interpreter ran, the GPU compiles: each failure names the kernel, its argument
+    types and constexprs, and the front end's error."""
     failures = [
-        f"{lowering}:\n{error}"
-        for lowering, error in lowered.items()
-        if lowering.module.startswith("swiglu_train.") and error is not None
+        f"{lowering}:\n{lowered[lowering]}"
+        for lowering in _of_package(list(lowered))
+        if lowered[lowering] is not None
     ]
     assert not failures, f"{len(failures)} launch(es) do not compile for the GPU:\n\n" + (
         "\n\n".join(failures)
@@ -399,7 +406,7 @@ def test_every_launch_lowers_for_sm90(lowered: dict[Lowering, str | None]) -> No
 
 
 def test_a_tuple_of_dtypes_fails_to_lower(lowered: dict[Lowering, str | None]) -> None:
-    """The check can fail: the pattern of a1306b4, which the interpreter ran (the fixture
+    """The check can fail: the line a1306b4 took out, which the interpreter ran (the fixture
     launched it), is a CompilationError for the GPU."""
     (error,) = (e for lowering, e in lowered.items() if lowering.kernel == "_dtype_pair_kernel")
     assert error is not None

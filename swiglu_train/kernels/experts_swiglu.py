@@ -253,28 +253,32 @@ def _combine_kernel(
     out_ptr,
     D,
     K: tl.constexpr,
+    K_POW2: tl.constexpr,
     stride_rows,
     stride_out,
     WEIGHTED: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
-    """out[t] = Σ_j w[t, j] · rows[bags[t, j]] over BLOCK_D columns, accumulated in fp32."""
+    """out[t] = Σ_j w[t, j] · rows[bags[t, j]] over BLOCK_D columns, summed in fp32. The k
+    row indices (and weights) load as one vector and the k rows as one [K_POW2, BLOCK_D]
+    tile, so every row's load is in flight at once rather than one after another."""
     t = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
-    mask = cols < D
-    acc = tl.zeros([BLOCK_D], tl.float32)
-    for j in tl.static_range(K):
-        row = tl.load(bags_ptr + t * K + j).to(tl.int64)
-        v = tl.load(rows_ptr + row * stride_rows + cols, mask=mask, other=0.0).to(tl.float32)
-        if WEIGHTED:
-            v = v * tl.load(w_ptr + t * K + j).to(tl.float32)
-        acc += v
-    tl.store(out_ptr + t * stride_out + cols, acc.to(out_ptr.dtype.element_ty), mask=mask)
+    slots = tl.arange(0, K_POW2)
+    slot_ok = slots < K
+    row = tl.load(bags_ptr + t * K + slots, mask=slot_ok, other=0).to(tl.int64)
+    mask = slot_ok[:, None] & (cols[None, :] < D)
+    v = tl.load(rows_ptr + row[:, None] * stride_rows + cols[None, :], mask=mask, other=0.0)
+    v = v.to(tl.float32)
+    if WEIGHTED:
+        v = v * tl.load(w_ptr + t * K + slots, mask=slot_ok, other=0.0).to(tl.float32)[:, None]
+    out = tl.sum(v, axis=0)
+    tl.store(out_ptr + t * stride_out + cols, out.to(out_ptr.dtype.element_ty), mask=cols < D)
 
 
-# Columns per program of the combine: 8 bf16 elements a thread over 4 warps, the swiglu
-# forward's budget (a gather-and-sum is a copy with k reads a write).
-COMBINE_BLOCK = (1024, 4)
+# Columns per program of the combine: the k rows' tile holds up to 8192 elements over 4
+# warps (16 fp32 values a thread per row slot at k <= 8), the swiglu forward's budget.
+COMBINE_ELEMENTS, COMBINE_WARPS = 8192, 4
 
 
 def combine_rows(
@@ -292,11 +296,15 @@ def combine_rows(
     out = rows.new_empty(t, d)
     if t == 0 or d == 0:
         return out
-    block_d, warps = (min(16, d), 1) if INTERPRET else COMBINE_BLOCK
+    k_pow2 = triton.next_power_of_2(k)
+    if INTERPRET:
+        block_d, warps = min(16, d), 1
+    else:
+        block_d, warps = max(COMBINE_ELEMENTS // k_pow2, 128), COMBINE_WARPS
     block_d = min(block_d, triton.next_power_of_2(d))
     w = weights.contiguous() if weights is not None else bags
     _combine_kernel[(t, -(-d // block_d))](
-        rows, bags, w, out, d, k, rows.stride(0), out.stride(0),
+        rows, bags, w, out, d, k, k_pow2, rows.stride(0), out.stride(0),
         WEIGHTED=weights is not None, BLOCK_D=block_d, num_warps=warps,
     )  # fmt: skip
     return out
