@@ -46,6 +46,7 @@ from swiglu_train.ops.experts_routing import (
 from swiglu_train.ops.experts_steps import (
     activate,
     backward_rows,
+    grad_fc2_first,
     router_grad,
     save,
     saved_tensors,
@@ -127,12 +128,12 @@ class _ExpertsDropH(torch.autograd.Function):
         g = grouped_linear(grad_yg, fc2.transpose(1, 2), plan.offsets)  # unweighted grad_h
         w = plan.weight if on_output else None
         grad_preact, wh, grad_w_rows = backward_rows(saved, g, w, inplace)
+        pinned = inplace and grad_preact is saved[0]
         del saved, g
-        # grad_W2 first: kept to the end, the rows it needs would stand beside both weight
-        # gradients and grad_preact, which in place is the saved preactivation, held until
-        # backward returns (H100, Qwen3-30B-A3B, 8192 tokens: 1762 against 1666 MiB)
-        grad_fc2 = grouped_weight_grad(grad_yg, wh, plan.offsets)
-        del grad_yg, wh
+        fc2_first = grad_fc2_first(pinned, grad_yg.numel() + wh.numel(), *fc2.shape)
+        if fc2_first:
+            grad_fc2 = grouped_weight_grad(grad_yg, wh, plan.offsets)
+            grad_yg = wh = None
         grad_xg = grouped_linear(grad_preact, fc1.transpose(1, 2), plan.offsets)
         if not on_output:  # d(w x)/dw = x: the router's gradient from grad_xg before scaling
             xg = x.index_select(0, plan.token)
@@ -148,6 +149,8 @@ class _ExpertsDropH(torch.autograd.Function):
             grad_preact, x, plan.token, plan.offsets, scale, ctx.gathered_wgrad
         )
         del grad_preact
+        if not fc2_first:
+            grad_fc2 = grouped_weight_grad(grad_yg, wh, plan.offsets)
         grad_w = router_grad(grad_w_rows, plan, indices, weights)
         return grad_x, None, grad_w, grad_fc1, grad_fc2, None, None, None, None
 

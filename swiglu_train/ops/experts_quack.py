@@ -51,6 +51,7 @@ from swiglu_train.ops.experts_routing import Routing, gather_sum, live_weights, 
 from swiglu_train.ops.experts_steps import (
     activate,
     backward_rows,
+    grad_fc2_first,
     router_grad,
     save,
     saved_tensors,
@@ -195,13 +196,12 @@ class _ExpertsDropHQuack(torch.autograd.Function):
         w = plan.weight if on_output else None
         # g: (w ·) h now; an interleaved preact gives an interleaved grad_preact
         grad_preact, g, grad_w_rows = backward_rows(saved, g, w, inplace, ctx.interleaved)
+        pinned = inplace and grad_preact is saved[0]
         del saved
-        # grad_W2 first, so g is freed before grad_W1's buffer: in place, grad_preact is the
-        # saved preactivation, held until backward returns, so it stands beside grad_W1 in either
-        # order and g would only add to it (+96 MiB at Qwen3-30B-A3B on the H100: 1506 against
-        # 1411 MiB, moe_h100_peers.md against moe_h100_plan.md)
-        grad_fc2 = gemm(grad_y.T, g, cu_seqlens_k=cu, A_idx=token)
-        del g
+        fc2_first = grad_fc2_first(pinned, g.numel(), *fc2.shape)  # grad_y: gathered in-GEMM
+        if fc2_first:
+            grad_fc2 = gemm(grad_y.T, g, cu_seqlens_k=cu, A_idx=token)
+            g = None
         # the interleaved grad_preact meets the canonical fc1 inside the GEMM (concat_layout)
         concat = ("B",) if ctx.interleaved else None
         grad_xg = _row_gemm(grad_preact, fc1, cu, concat_layout=concat)
@@ -218,6 +218,8 @@ class _ExpertsDropHQuack(torch.autograd.Function):
             concat_layout=out_concat,
         )  # fmt: skip
         del grad_preact
+        if not fc2_first:
+            grad_fc2 = gemm(grad_y.T, g, cu_seqlens_k=cu, A_idx=token)
         grad_w = router_grad(grad_w_rows, plan, indices, weights)
         return grad_x, None, grad_w, grad_fc1, grad_fc2, None, None, None
 

@@ -1,0 +1,72 @@
+"""Which weight gradient drop_h's backward computes first: grad_W1's buffer makes the step's
+peak, and beside it stands grad_W2 (computed first) or what grad_W2 still needs. In place, the
+bf16 grad_preact is the saved preactivation, held until backward returns, so grad_W2 goes
+first; otherwise the smaller of the two stands there (``experts_steps.grad_fc2_first``)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_experts import inputs
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from swiglu_train.kernels.runtime import triton_runs_on
+from swiglu_train.ops.activation import use_backend
+from swiglu_train.ops.experts import experts_mlp
+from swiglu_train.ops.experts_steps import grad_fc2_first
+
+T, D, F, K = 40, 32, 24, 2  # R = 80 rows: no [R, .] tensor has a weight gradient's shape
+
+
+class _WeightGradOrder(TorchDispatchMode):
+    """The order in which tensors shaped like one expert's fc1 [2F, D] or fc2 [D, F] (whole or
+    per expert) are written, leaving out views of the weights themselves."""
+
+    def __init__(self, weights: tuple[torch.Tensor, ...]) -> None:
+        super().__init__()
+        self.weights = {w.untyped_storage().data_ptr() for w in weights}
+        self.order: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, tuple | list) else (out,):
+            if not isinstance(t, torch.Tensor) or t.dim() < 2:
+                continue
+            if t.untyped_storage().data_ptr() in self.weights:
+                continue
+            name = {(2 * F, D): "grad_W1", (D, F): "grad_W2"}.get(tuple(t.shape[-2:]))
+            if name and name not in self.order:
+                self.order.append(name)
+        return out
+
+
+def test_the_rule_keeps_grad_w2_first_where_grad_preact_is_pinned():
+    e = 128  # Qwen3-30B-A3B's experts: grad_W2 [E, D, F] against the rows grad_W2 waits on
+    assert grad_fc2_first(True, 1, e, 2048, 768)  # pinned: first whatever the sizes
+    assert not grad_fc2_first(False, 65536 * (2048 + 768), e, 2048, 768)  # rows smaller: last
+    assert grad_fc2_first(False, 262144 * (2048 + 768), e, 2048, 768)  # grad_W2 smaller: first
+
+
+@pytest.mark.skipif(not triton_runs_on(torch.device("cpu")), reason="needs TRITON_INTERPRET=1")
+@pytest.mark.parametrize(
+    ("saved_fp8", "inplace", "experts", "first"),
+    [
+        (False, True, 8, "grad_W2"),  # pinned: first although its rows are the smaller
+        (False, False, 8, "grad_W1"),  # out of place grad_preact is a copy, freed: by size
+        (True, True, 8, "grad_W1"),  # from the FP8 copy grad_preact is its own buffer
+        (True, True, 4, "grad_W2"),  # grad_W2 (4 D F) now smaller than its rows R (D + F)
+    ],
+)
+def test_drop_h_backward_computes_the_weight_gradients_in_the_rule_s_order(
+    saved_fp8, inplace, experts, first
+):
+    x, idx, w, fc1, fc2, grad_y = inputs(T, D, F, experts, K, torch.float32)
+    for leaf in (x, w, fc1, fc2):
+        leaf.requires_grad_()
+    assert grad_fc2_first(False, T * K * (D + F), experts, D, F) == (experts == 4)
+    with use_backend("triton"):
+        y = experts_mlp(x, idx, w, fc1, fc2, "drop_h", saved_fp8=saved_fp8, inplace=inplace)
+        with _WeightGradOrder((fc1, fc2)) as recorded:
+            y.backward(grad_y)
+    assert recorded.order[0] == first, recorded.order
+    assert sorted(recorded.order) == ["grad_W1", "grad_W2"]
