@@ -22,6 +22,7 @@ keep /tmp from an earlier session, whose results would ride along looking curren
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import re
 import shutil
@@ -240,6 +241,19 @@ def git_source(repo: str) -> str:
     return str(mirror) if mirror.is_dir() else f"https://github.com/{repo}.git"
 
 
+def require_wheel_builder() -> None:
+    """Refuse in one line, before any download, a Python whose setuptools cannot build a wheel
+    offline: bdist_wheel is setuptools' own from 70.1, else the wheel package's."""
+    try:
+        from setuptools.command.bdist_wheel import bdist_wheel  # noqa: F401
+    except ImportError:
+        if importlib.util.find_spec("wheel") is None:
+            sys.exit(
+                f"{sys.executable} cannot build wheels offline (setuptools < 70.1 and no wheel "
+                "package): run this with a Python that can, e.g. the project's venv"
+            )
+
+
 def git_wheel(source: str, commit: str, paths: list[str], folder: Path) -> Path:
     """The wheel of commit's paths (all where none) in folder, built offline by this
     environment's setuptools and dated at the commit: the same commit gives the same bytes."""
@@ -268,6 +282,7 @@ def git_wheel(source: str, commit: str, paths: list[str], folder: Path) -> Path:
 def build_sonic(folder: Path) -> None:
     """.whls: stage sonic's own site (its quack is not ours): the pinned wheels, cutlass-dsl
     re-packed, SonicMoE and its quack built from their commits, which SOURCE.txt names."""
+    require_wheel_builder()
     with tempfile.TemporaryDirectory() as tmp:
         pip_download(Path(tmp), WHEELS[".whls"][1])
         folder.mkdir()
