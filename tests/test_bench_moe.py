@@ -151,6 +151,9 @@ def test_a_tiny_run_checks_every_variant_against_the_loop(tmp_path):
             assert 0 <= row[f"{key}_rel_err"] < 2e-2, (name, key)
         assert row["full_ms"] > 0 and row["full_over_floor"] > 0
     assert rows["loop"]["y_max_abs_err"] == 0
+    # the size model's peak beside the measured one, for the drop_h impls only
+    assert rows["drop_h"]["peak_model_MiB"] > 0
+    assert not any("peak_model_MiB" in rows[name] for name in ("loop", "normal", "torchtitan"))
     skipped = {s["variant"]: s["reason"] for s in result["skipped"]}
     assert set(skipped) == {"drop_h_quack", "sonicmoe"}
     assert skipped["sonicmoe"].startswith("not installed")

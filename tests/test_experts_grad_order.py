@@ -1,7 +1,6 @@
-"""Which weight gradient drop_h's backward computes first: grad_W1's buffer makes the step's
-peak, and beside it stands grad_W2 (computed first) or what grad_W2 still needs. In place, the
-bf16 grad_preact is the saved preactivation, held until backward returns, so grad_W2 goes
-first; otherwise the smaller of the two stands there (``experts_steps.grad_fc2_first``)."""
+"""Which weight gradient drop_h's backward computes first: the order of the lower peak by the
+size model of ``ops.experts_peak`` (whose figures ``test_experts_peak.py`` checks against the
+GPU's), recorded here as the order in which backward writes the two gradients."""
 
 from __future__ import annotations
 
@@ -13,7 +12,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from swiglu_train.kernels.runtime import triton_runs_on
 from swiglu_train.ops.activation import use_backend
 from swiglu_train.ops.experts import experts_mlp
-from swiglu_train.ops.experts_steps import grad_fc2_first
+from swiglu_train.ops.experts_peak import grad_fc2_first
 
 T, D, F, K = 40, 32, 24, 2  # R = 80 rows: no [R, .] tensor has a weight gradient's shape
 
@@ -40,11 +39,22 @@ class _WeightGradOrder(TorchDispatchMode):
         return out
 
 
-def test_the_rule_keeps_grad_w2_first_where_grad_preact_is_pinned():
-    e = 128  # Qwen3-30B-A3B's experts: grad_W2 [E, D, F] against the rows grad_W2 waits on
-    assert grad_fc2_first(True, 1, e, 2048, 768)  # pinned: first whatever the sizes
-    assert not grad_fc2_first(False, 65536 * (2048 + 768), e, 2048, 768)  # rows smaller: last
-    assert grad_fc2_first(False, 262144 * (2048 + 768), e, 2048, 768)  # grad_W2 smaller: first
+def _torch_path_order(experts: int, pinned: bool) -> bool:
+    """The order drop_h's torch path takes at this module's shapes, gathering x first."""
+    rows = T * K
+    return grad_fc2_first(
+        grad_w2=experts * D * F,
+        grad_preact=rows * 2 * F,
+        waiting=rows * (D + F),
+        gathered=rows * D,
+        pinned=pinned,
+    )
+
+
+def test_pinned_grad_preact_puts_grad_w2_first_where_its_size_alone_would_not():
+    assert not _torch_path_order(8, pinned=False)  # grad_W2 the larger: its rows wait
+    assert _torch_path_order(8, pinned=True)  # grad_preact stays anyway: the rows only add
+    assert _torch_path_order(4, pinned=False)  # grad_W2 now the smaller
 
 
 @pytest.mark.skipif(not triton_runs_on(torch.device("cpu")), reason="needs TRITON_INTERPRET=1")
@@ -63,7 +73,6 @@ def test_drop_h_backward_computes_the_weight_gradients_in_the_rule_s_order(
     x, idx, w, fc1, fc2, grad_y = inputs(T, D, F, experts, K, torch.float32)
     for leaf in (x, w, fc1, fc2):
         leaf.requires_grad_()
-    assert grad_fc2_first(False, T * K * (D + F), experts, D, F) == (experts == 4)
     with use_backend("triton"):
         y = experts_mlp(x, idx, w, fc1, fc2, "drop_h", saved_fp8=saved_fp8, inplace=inplace)
         with _WeightGradOrder((fc1, fc2)) as recorded:

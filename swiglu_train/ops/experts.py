@@ -31,12 +31,14 @@ from __future__ import annotations
 import torch
 
 from swiglu_train.kernels.fp8_format import SCALE_DTYPE, saved_shapes
+from swiglu_train.ops.experts_peak import grad_fc2_first
 from swiglu_train.ops.experts_quack import drop_h_quack_experts
 from swiglu_train.ops.experts_routing import (
     check_routing,
     combine,
     gather_sum,
     gathered_weight_grad,
+    gathers_in_gemm,
     grouped_linear,
     grouped_weight_grad,
     live_weights,
@@ -46,7 +48,6 @@ from swiglu_train.ops.experts_routing import (
 from swiglu_train.ops.experts_steps import (
     activate,
     backward_rows,
-    grad_fc2_first,
     router_grad,
     save,
     saved_tensors,
@@ -130,7 +131,13 @@ class _ExpertsDropH(torch.autograd.Function):
         grad_preact, wh, grad_w_rows = backward_rows(saved, g, w, inplace)
         pinned = inplace and grad_preact is saved[0]
         del saved, g
-        fc2_first = grad_fc2_first(pinned, grad_yg.numel() + wh.numel(), *fc2.shape)
+        fc2_first = grad_fc2_first(
+            grad_w2=fc2.numel(),
+            grad_preact=grad_preact.numel(),
+            waiting=grad_yg.numel() + wh.numel(),
+            gathered=0 if gathers_in_gemm(ctx.gathered_wgrad, grad_preact) else grad_yg.numel(),
+            pinned=pinned,
+        )
         if fc2_first:
             grad_fc2 = grouped_weight_grad(grad_yg, wh, plan.offsets)
             grad_yg = wh = None

@@ -47,11 +47,11 @@ import functools
 
 import torch
 
+from swiglu_train.ops.experts_peak import grad_fc2_first
 from swiglu_train.ops.experts_routing import Routing, gather_sum, live_weights, route
 from swiglu_train.ops.experts_steps import (
     activate,
     backward_rows,
-    grad_fc2_first,
     router_grad,
     save,
     saved_tensors,
@@ -198,7 +198,13 @@ class _ExpertsDropHQuack(torch.autograd.Function):
         grad_preact, g, grad_w_rows = backward_rows(saved, g, w, inplace, ctx.interleaved)
         pinned = inplace and grad_preact is saved[0]
         del saved
-        fc2_first = grad_fc2_first(pinned, g.numel(), *fc2.shape)  # grad_y: gathered in-GEMM
+        fc2_first = grad_fc2_first(  # x's and grad_y's rows: gathered inside the GEMMs
+            grad_w2=fc2.numel(),
+            grad_preact=grad_preact.numel(),
+            waiting=g.numel(),
+            gathered=0,
+            pinned=pinned,
+        )
         if fc2_first:
             grad_fc2 = gemm(grad_y.T, g, cu_seqlens_k=cu, A_idx=token)
             g = None

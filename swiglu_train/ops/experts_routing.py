@@ -194,6 +194,11 @@ def grouped_weight_grad(
     return out
 
 
+def gathers_in_gemm(in_gemm: bool, grad_out: torch.Tensor) -> bool:
+    """Whether ``gathered_weight_grad`` reads the rows inside its GEMM (no [R, K] buffer)."""
+    return in_gemm and _gathered_wgrad is not None and triton_enabled(grad_out)
+
+
 @eager_op("swiglu_train::experts_gathered_weight_grad", mutates_args=())
 def gathered_weight_grad(
     grad_out: torch.Tensor,
@@ -207,7 +212,7 @@ def gathered_weight_grad(
     ``in_gemm`` where Triton runs, the GEMM reads inp's rows through ``token``
     (``kernels.experts_wgrad``), so the gathered [R, K] rows are never written; otherwise
     they are gathered here first, for torch's grouped GEMM."""
-    if in_gemm and _gathered_wgrad is not None and triton_enabled(grad_out):
+    if gathers_in_gemm(in_gemm, grad_out):
         return _gathered_wgrad(grad_out, inp, token, offsets, row_scale)
     rows = inp.index_select(0, token)
     if row_scale is not None:

@@ -134,16 +134,3 @@ def router_grad(
     back in slot order, 0 for a dropped slot."""
     grad = torch.empty(indices.numel(), device=rows.device).index_copy_(0, plan.slot, rows)
     return torch.where(indices >= 0, grad.view(indices.shape), 0.0).to(weights.dtype)
-
-
-def grad_fc2_first(pinned: bool, waiting: int, experts: int, hidden: int, ffn: int) -> bool:
-    """Whether backward computes grad_W2 [E, D, F] before grad_W1 [E, 2F, D], whose buffer
-    makes the step's peak. ``pinned``: grad_preact is the saved bf16 preactivation overwritten
-    in place, which autograd holds until backward returns, so it stands beside grad_W1 in
-    either order and the ``waiting`` elements grad_W2 still needs would only add: first.
-    Otherwise grad_preact is freed after grad_W1, and the smaller of grad_W2 and its waiting
-    rows stands beside it. On the H100 at Qwen3-30B-A3B (8192 tokens) this is the lower peak
-    at all four points measured: drop_h 1666 first against 1762 last, drop_h_quack 1411
-    against 1506; FP8-saved (not pinned; the rows are smaller), drop_h 1634 last against 1666
-    first, drop_h_quack 1314 last."""
-    return pinned or experts * hidden * ffn <= waiting

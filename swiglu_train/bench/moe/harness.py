@@ -25,7 +25,7 @@ import torch
 from swiglu_train.bench.moe.floor import floor_case
 from swiglu_train.bench.moe.routing import ROUTINGS, group_sizes, make_routing
 from swiglu_train.bench.moe.shapes import MoEShape
-from swiglu_train.bench.moe.variants import BUILDERS, REFERENCE
+from swiglu_train.bench.moe.variants import BUILDERS, OUR_OPTIONS, REFERENCE
 from swiglu_train.bench.moe.weights import ExpertWeights, Variant
 from swiglu_train.bench.results import DTYPES, environment
 from swiglu_train.bench.timing import (
@@ -40,6 +40,7 @@ from swiglu_train.bench.timing import (
     run_once,
     step_waits_on_gpu,
 )
+from swiglu_train.ops.experts_peak import backward_peak_bytes
 
 Progress = Callable[[str, int], Callable[[], None]]
 TOLERANCE = {"bf16": 2e-2, "fp16": 5e-3, "fp32": 1e-4}  # relative error (norm), each output
@@ -240,9 +241,24 @@ def measure_point(
     times = paired_samples([floor, *cases], cfg.samples, device, cfg.seed, tick)
     rows = [_row(point, "floor", times, (None, None), {}, floor.waits_on_gpu)]
     rows += [
-        _row(point, c.name, times, memory[c.name], checks[c.name], c.waits_on_gpu) for c in cases
+        _row(point, c.name, times, memory[c.name], checks[c.name], c.waits_on_gpu)
+        | peak_model(c.name, shape, cfg)
+        for c in cases
     ]
     return point, rows, skipped
+
+
+def peak_model(name: str, shape: MoEShape, cfg: MoEConfig) -> dict:
+    """``{"peak_model_MiB": ...}`` for a drop_h variant: the size model's backward peak
+    (``ops.experts_peak``) beside the measured one, which shows where the model stops holding."""
+    options = OUR_OPTIONS.get(name, {})
+    if options.get("impl") not in ("drop_h", "drop_h_quack"):
+        return {}
+    peak = backward_peak_bytes(
+        options["impl"], options.get("saved_fp8", False), options.get("gathered_wgrad", False),
+        True, cfg.tokens, shape.d, shape.f, shape.k, shape.e, DTYPES[cfg.dtype],
+    )  # fmt: skip
+    return {"peak_model_MiB": peak / 2**20}
 
 
 def _row(point: dict, name: str, times: dict, memory: tuple, check: dict, waits: bool) -> dict:

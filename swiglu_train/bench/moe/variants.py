@@ -29,14 +29,16 @@ def ours(impl: str, saved_fp8: bool = False, gathered_wgrad: bool = False) -> Bu
     return build
 
 
-OURS: dict[str, Builder] = {
-    "normal": ours("normal"),
-    "drop_h": ours("drop_h"),
-    "drop_h_quack": ours("drop_h_quack"),
-    "drop_h+fp8": ours("drop_h", saved_fp8=True),
-    "drop_h+gathered_wgrad": ours("drop_h", gathered_wgrad=True),
-    "drop_h_quack+fp8": ours("drop_h_quack", saved_fp8=True),
+# Each of ours by name: the ParExperts options it runs with (the peak model reads them too)
+OUR_OPTIONS: dict[str, dict] = {
+    "normal": {"impl": "normal"},
+    "drop_h": {"impl": "drop_h"},
+    "drop_h_quack": {"impl": "drop_h_quack"},
+    "drop_h+fp8": {"impl": "drop_h", "saved_fp8": True},
+    "drop_h+gathered_wgrad": {"impl": "drop_h", "gathered_wgrad": True},
+    "drop_h_quack+fp8": {"impl": "drop_h_quack", "saved_fp8": True},
 }
+OURS: dict[str, Builder] = {name: ours(**options) for name, options in OUR_OPTIONS.items()}
 PEERS: dict[str, Builder] = {
     "loop": loop,
     "torchtitan": torchtitan(compiled=False),
