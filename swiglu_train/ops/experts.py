@@ -131,11 +131,12 @@ class _ExpertsDropH(torch.autograd.Function):
         grad_preact, wh, grad_w_rows = backward_rows(saved, g, w, inplace)
         pinned = inplace and grad_preact is saved[0]
         del saved, g
+        in_gemm = gathers_in_gemm(ctx.gathered_wgrad, grad_preact)  # else grad_W1 gathers x
         fc2_first = grad_fc2_first(
             grad_w2=fc2.numel(),
             grad_preact=grad_preact.numel(),
             waiting=grad_yg.numel() + wh.numel(),
-            gathered=0 if gathers_in_gemm(ctx.gathered_wgrad, grad_preact) else grad_yg.numel(),
+            gathered=0 if in_gemm else plan.token.numel() * x.shape[-1],
             pinned=pinned,
         )
         if fc2_first:
