@@ -184,6 +184,34 @@ def test_a_tiny_run_checks_every_variant_against_the_loop(tmp_path):
     assert "| sonicmoe |" in merged_path.with_suffix(".md").read_text()
 
 
+def test_a_run_stopped_after_its_first_point_keeps_its_json_and_table(tmp_path, monkeypatch):
+    """A device call killed at its limit (here, the second point raises) returns what finished:
+    the JSON and the markdown are rewritten after every point, the plot only at the end."""
+    from swiglu_train.bench.moe import harness
+
+    real, calls = harness.measure_point, []
+
+    def stopping(*args, **kwargs):
+        calls.append(args[1].name)
+        if len(calls) == 2:
+            raise RuntimeError("killed at the call's time bound")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(harness, "measure_point", stopping)
+    out = tmp_path / "moe.json"
+    args = ["bench-moe", "--shapes", "32,16,4,2;16,8,2,1", "--tokens", "8", "--routing",
+            "balanced", "--samples", "1", "--warmup", "1", "--device", "cpu",
+            "--variants", "drop_h", "--out", str(out)]  # fmt: skip
+    stopped = runner.invoke(app, args)
+    assert isinstance(stopped.exception, RuntimeError)
+    assert calls == ["32x16-e4k2", "16x8-e2k1"]
+    kept = json.loads(out.read_text())
+    assert [(p["model"], p["routing"]) for p in kept["points"]] == [("32x16-e4k2", "balanced")]
+    table = out.with_suffix(".md").read_text()
+    assert "32x16-e4k2" in table and "| drop_h |" in table and "16x8-e2k1" not in table
+    assert not out.with_suffix(".png").exists()
+
+
 def _result(device: str = "NVIDIA H100 80GB HBM3") -> dict:
     point = {"model": "m", "routing": "balanced", "D": 4, "F": 2, "E": 2, "k": 1, "T": 8}
     point["rows_per_expert"] = {"min": 3, "max": 5, "mean": 4.0, "empty_experts": 0}

@@ -14,7 +14,7 @@ from rich.markup import escape
 from swiglu_train.cli.app import app, console, invocation, progress_bars, require_device
 from swiglu_train.cli.bench_results import check_results_path, write_results
 from swiglu_train.extras import require
-from swiglu_train.files import write_json_atomic
+from swiglu_train.files import atomic_write, write_json_atomic
 
 if TYPE_CHECKING:
     from swiglu_train.bench.moe.harness import MoEConfig
@@ -59,7 +59,7 @@ def bench_moe(
     commit: Annotated[str | None, typer.Option(help="commit to record if git is absent")] = None,
     out: Annotated[
         Path | None,
-        typer.Option(help="write the JSON here (after every point), the .md and .png beside it"),
+        typer.Option(help="write the JSON and .md here (after every point), the .png beside them"),
     ] = None,
     merge: Annotated[
         list[Path] | None,
@@ -119,8 +119,10 @@ def bench_moe(
 
 
 def _run(cfg: MoEConfig, out: Path | None) -> dict:
-    """The run with progress bars and a line per point; the JSON rewritten after each."""
+    """The run with progress bars and a line per point; the JSON and the markdown rewritten
+    after each."""
     from swiglu_train.bench.moe.harness import run_moe
+    from swiglu_train.bench.moe.report import to_markdown
 
     points, began = cfg.points(), time.perf_counter()
     done = 0
@@ -144,8 +146,10 @@ def _run(cfg: MoEConfig, out: Path | None) -> dict:
             + (f"step ÷ floor {ratios}" if ratios else "nothing measured (see the skips)"),
             markup=False,
         )
-        if out is not None:
+        if out is not None:  # a run cut at a device call's limit keeps its tables too
             write_json_atomic(out, result)
+            with atomic_write(out.with_suffix(".md")) as f:
+                f.write(to_markdown(result))
 
     with progress_bars() as progress:
         result = run_moe(cfg, progress, on_point)
