@@ -110,7 +110,7 @@ def test_an_hf_moe_config_s_sizes_are_its_experts(tmp_path):
     [
         ("drop_h_quack", "drop_h_quack", None),
         ("save_factors_quack", "drop_h_quack", "save_factors_quack has no routed-experts form"),
-        ("auto", "drop_h", "drop_h was the faster routed experts impl at the MoE shapes measured"),
+        ("auto", "drop_h", "drop_h runs wherever torch does (drop_h_quack, on quack and sm_90+"),
     ],
 )
 def test_each_mlp_impl_names_an_experts_impl_and_says_why_when_another(mlp_impl, chosen, why):

@@ -29,11 +29,12 @@ from swiglu_train.ops.experts import IMPLS
 _EXPERTS_IMPL = {
     "save_factors": ("drop_h", "save_factors has no routed-experts form"),
     "save_factors_quack": ("drop_h_quack", "save_factors_quack has no routed-experts form"),
-    # moe_h100.md: drop_h the faster at 11 of 12 points, 0-17 % (drop_h_quack keeps less)
+    # moe_h100_peers.md (a1306b4): drop_h_quack 2-10 % faster at the three fine-grained models;
+    # chosen at build time, before the device is known, so auto takes the impl that runs anywhere
     "auto": (
         "drop_h",
-        "auto's cost model is the dense MLP's; drop_h was the faster routed "
-        "experts impl at the MoE shapes measured",
+        "auto's cost model is the dense MLP's; drop_h runs wherever torch does "
+        "(drop_h_quack, on quack and sm_90+, ran 2-10 % faster at the MoE shapes measured)",
     ),
 }
 
