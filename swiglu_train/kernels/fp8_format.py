@@ -57,6 +57,12 @@ def saved_shapes(m: int, ffn: int) -> tuple[tuple[int, int], tuple[int, int]]:
     return (m, 2 * ffn), (m, 2 * n_blocks(ffn))
 
 
+def copy_bytes(m: int, ffn: int) -> int:
+    """Bytes of the FP8 copy of a [m, 2F] preactivation and its scales."""
+    values, scales = saved_shapes(m, ffn)
+    return values[0] * values[1] * FP8_DTYPE.itemsize + scales[0] * scales[1] * SCALE_DTYPE.itemsize
+
+
 # The paired format (drop_h_quack's): the copy keeps quack's column order, gate and up of each
 # feature side by side ([g0, u0, g1, u1, ...]), and one bf16 scale covers PAIRED_GROUP adjacent
 # columns, 64 features' gate and up values. quack's GEMM epilogue folds a max over adjacent

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import torch
 
-from swiglu_train.kernels.fp8_format import SCALE_DTYPE, saved_shapes
+from swiglu_train.kernels.fp8_format import copy_bytes
 from swiglu_train.ops.experts_peak import grad_fc2_first
 from swiglu_train.ops.experts_quack import drop_h_quack_experts
 from swiglu_train.ops.experts_routing import (
@@ -186,8 +186,7 @@ def saved_activation_bytes(
         return size * rows * ((gathered + outputs) * hidden + 3 * ffn)
     plan = routing_bytes(rows, experts)
     if saved_fp8:
-        (q_rows, q_cols), (s_rows, s_cols) = saved_shapes(rows, ffn)
-        return plan + q_rows * q_cols + s_rows * s_cols * SCALE_DTYPE.itemsize
+        return plan + copy_bytes(rows, ffn)
     return plan + size * rows * 2 * ffn
 
 

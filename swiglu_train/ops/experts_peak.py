@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from swiglu_train.kernels.fp8_format import SCALE_DTYPE, saved_shapes
+from swiglu_train.kernels.fp8_format import copy_bytes
 from swiglu_train.ops.experts_routing import routing_bytes
 
 
@@ -77,10 +77,6 @@ def backward_peak_bytes(
     held = experts * 2 * ffn * hidden * size + 2 * tokens * hidden * size  # grad_W1, grad_x, y
     held += routing_bytes(rows, experts)
     if not inplace:  # autograd's saved copy stays beside the one backward overwrites
-        if saved_fp8:
-            (q_rows, q_cols), (s_rows, s_cols) = saved_shapes(rows, ffn)
-            held += q_rows * q_cols + s_rows * s_cols * SCALE_DTYPE.itemsize
-        else:
-            held += sizes["grad_preact"]
+        held += copy_bytes(rows, ffn) if saved_fp8 else sizes["grad_preact"]
     order = grad_fc2_first(**sizes) if fc2_first is None else fc2_first
     return held + weight_grad_peak(order, **sizes)

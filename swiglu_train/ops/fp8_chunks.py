@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import functools
 
-from swiglu_train.kernels.fp8_format import FP8_DTYPE, SCALE_DTYPE, saved_shapes
+from swiglu_train.kernels.fp8_format import copy_bytes
 
 # Rows per chunk: a multiple of ROW_ALIGN (whole GEMM tiles), and at least
 # MIN_CHUNK_ROWS unless M is smaller, so the per-chunk GEMMs keep enough rows to fill the GPU.
@@ -92,12 +92,6 @@ def _row_chunk_peak(
     before, after = (left, left - rows) if freed else (m, m)
     at_kernel = copy_bytes(before, ffn) + held + (0 if first else grad_w1)
     return max(at_kernel, copy_bytes(after, ffn) + held + grad_w1)
-
-
-def copy_bytes(m: int, ffn: int) -> int:
-    """Bytes of the FP8 copy of a [m, 2F] preactivation and its scales."""
-    values, scales = saved_shapes(m, ffn)
-    return values[0] * values[1] * FP8_DTYPE.itemsize + scales[0] * scales[1] * SCALE_DTYPE.itemsize
 
 
 def rows_per_chunk(m: int, d: int, ffn: int, out: int, itemsize: int) -> int:
