@@ -166,6 +166,7 @@ def test_a_tiny_run_checks_every_variant_against_the_loop(tmp_path):
     assert {"torch", "transformers", "torchtitan"} <= set(meta["versions"])
     markdown = (tmp_path / "moe.md").read_text()
     assert "| drop_h |" in markdown and "sonicmoe: not installed" in markdown
+    assert f"| — (model {rows['drop_h']['peak_model_MiB']:.1f}) |" in markdown  # no CUDA peak
     assert (tmp_path / "moe.png").stat().st_size > 0
 
     # SonicMoE's run, in its own process, merged in: its rows added, its skip gone

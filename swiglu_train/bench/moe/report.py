@@ -66,7 +66,8 @@ def to_markdown(result: dict) -> str:
         "backward, with the gradients of x, the router weights and the expert weights) over "
         "the six grouped GEMMs alone in the same sample. `after-fwd` is what the step holds "
         "between forward and backward (with y), `peak` the most it holds during the step "
-        f"(CUDA only). `y err` is the largest absolute error of y against the {meta['reference']}"
+        "(CUDA only; `model`: what the drop_h impls' size model in ops/experts_peak gives). "
+        f"`y err` is the largest absolute error of y against the {meta['reference']}"
         "; `ok` means y and every gradient are within a relative error of "
         f"{_tolerances(meta)}.",
         "",
@@ -89,7 +90,7 @@ def to_markdown(result: dict) -> str:
                 f"| {r['variant']}{' †' if r.get('waits_on_gpu') else ''} "
                 f"| {r['full_ms']:.3f} | {r['full_over_floor']:.3f} "
                 f"| {r['fwd_ms']:.3f} | {r['bwd_ms']:.3f} | {_mib(r['after_forward_MiB'])} "
-                f"| {_mib(r['peak_MiB'])} | {_err(r.get('y_max_abs_err'))} "
+                f"| {_peak(r)} | {_err(r.get('y_max_abs_err'))} "
                 f"| {_err(_worst_grad(r))} | {_ok(r)} |"
             )
     if result["skipped"]:
@@ -125,6 +126,12 @@ def _worst_grad(row: dict) -> float | None:
 
 def _mib(value: float | None) -> str:
     return "—" if value is None else f"{value:.1f}"
+
+
+def _peak(row: dict) -> str:
+    """The measured peak, and the size model's beside it where the row has one."""
+    model = row.get("peak_model_MiB")
+    return _mib(row["peak_MiB"]) + ("" if model is None else f" (model {model:.1f})")
 
 
 def _err(value: float | None) -> str:
