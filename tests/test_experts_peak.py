@@ -12,7 +12,7 @@ import torch
 
 from swiglu_train.bench.moe.shapes import MODELS
 from swiglu_train.bench.moe.variants import OUR_OPTIONS
-from swiglu_train.ops.experts_peak import backward_peak_bytes, grad_fc2_first
+from swiglu_train.ops.experts_peak import MODELLED_IMPLS, backward_peak_bytes, grad_fc2_first
 
 RESULTS = Path(__file__).parents[1] / "benchmarks" / "results" / "moe"
 SHAPES = {m.name: m for m in MODELS}
@@ -32,7 +32,7 @@ def measured_points() -> list[tuple[str, dict, int]]:
         result = json.loads((RESULTS / name).read_text())
         for row in result["rows"]:
             impl = OUR_OPTIONS.get(row["variant"], {}).get("impl")
-            if impl in ("drop_h", "drop_h_quack") and row["peak_MiB"] is not None:
+            if impl in MODELLED_IMPLS and row["peak_MiB"] is not None:
                 points.append((name, row, result["meta"]["tokens"]))
     return points
 

@@ -22,6 +22,8 @@ import torch
 from swiglu_train.kernels.fp8_format import copy_bytes
 from swiglu_train.ops.experts_routing import routing_bytes
 
+MODELLED_IMPLS = ("drop_h", "drop_h_quack")  # the impls whose backward the model follows
+
 
 def weight_grad_peak(
     fc2_first: bool, *, grad_w2: int, grad_preact: int, waiting: int, gathered: int, pinned: bool
@@ -63,8 +65,8 @@ def backward_peak_bytes(
     its forward (x, the routing inputs, the weights and grad_y excluded; y, the gradients of x
     and of both weights included), as ``bench-moe`` measures it: in the order the impl takes,
     or in ``fc2_first``'s, to ask what the other order would cost."""
-    if impl not in ("drop_h", "drop_h_quack"):
-        raise ValueError(f"the peak model covers drop_h and drop_h_quack, not {impl!r}")
+    if impl not in MODELLED_IMPLS:
+        raise ValueError(f"the peak model covers {' and '.join(MODELLED_IMPLS)}, not {impl!r}")
     size, rows = torch.empty(0, dtype=dtype).element_size(), tokens * top_k
     gathers_in_gemm = impl == "drop_h_quack"
     sizes = dict(

@@ -40,7 +40,7 @@ from swiglu_train.bench.timing import (
     run_once,
     step_waits_on_gpu,
 )
-from swiglu_train.ops.experts_peak import backward_peak_bytes
+from swiglu_train.ops.experts_peak import MODELLED_IMPLS, backward_peak_bytes
 
 Progress = Callable[[str, int], Callable[[], None]]
 TOLERANCE = {"bf16": 2e-2, "fp16": 5e-3, "fp32": 1e-4}  # relative error (norm), each output
@@ -252,7 +252,7 @@ def peak_model(name: str, shape: MoEShape, cfg: MoEConfig) -> dict:
     """``{"peak_model_MiB": ...}`` for a drop_h variant: the size model's backward peak
     (``ops.experts_peak``) beside the measured one, which shows where the model stops holding."""
     options = OUR_OPTIONS.get(name, {})
-    if options.get("impl") not in ("drop_h", "drop_h_quack"):
+    if options.get("impl") not in MODELLED_IMPLS:
         return {}
     peak = backward_peak_bytes(
         options["impl"], options.get("saved_fp8", False), options.get("gathered_wgrad", False),
