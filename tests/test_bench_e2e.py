@@ -112,16 +112,23 @@ def test_a_planner_pick_off_the_grid_is_measured_in_as_many_rounds(tmp_path, mon
     [plan] = r["budgets"]
     pick = plan["planner"]
     assert pick["impl"] == "normal" and pick["checkpoint_layers"] in (1, 2), pick
-    n = pick["checkpoint_layers"]
-    added = [p for p in r["points"] if p["checkpoint_layers"] == n]
-    assert sorted(p["round"] for p in added) == [0, 1, 2] and all(p["planned"] for p in added)
-    assert not any(p.get("planned") for p in r["points"] if p["checkpoint_layers"] != n)
-    assert pick["best_per_impl"] == {"normal": n}
-    row = next(x for x in r["rows"] if x["checkpoint_layers"] == n)
-    assert row["rounds"] == 3 and row["peak_MiB"]["max"] <= budget_MiB
+    # The pick is the smallest peak within the planner's tie of its fastest, which may be
+    # another count than that fastest (its best_per_impl): both are measured, nothing else.
+    n, fastest = pick["checkpoint_layers"], pick["best_per_impl"]["normal"]
+    planned = {n, fastest}
+    assert planned <= {1, 2}
+    added = [p for p in r["points"] if p.get("planned")]
+    assert {p["checkpoint_layers"] for p in added} == planned
+    for count in planned:
+        mine = [p for p in added if p["checkpoint_layers"] == count]
+        assert sorted(p["round"] for p in mine) == [0, 1, 2]
+        row = next(x for x in r["rows"] if x["checkpoint_layers"] == count)
+        assert row["rounds"] == 3 and row["peak_MiB"]["max"] <= budget_MiB
     best = plan["best_per_impl"]["normal"]
-    assert best["checkpoint_layers"] == n  # the grid's 0 does not fit; the pick is measured
-    assert pick["pick_vs_best_in_grid"] == 1.0
+    assert best["checkpoint_layers"] in planned  # the grid's 0 does not fit; the plans do
+    medians = {x["checkpoint_layers"]: x["tokens_per_s"]["median"] for x in r["rows"]}
+    assert pick["pick_vs_best_in_grid"] == medians[n] / best["tokens_per_s"]
+    assert pick["pick_vs_best_in_grid"] <= 1.0
     assert len(built) == 4  # two grid calls, the planner, the pick's rounds: one model each
 
 
