@@ -13,6 +13,7 @@ from test_experts import NAMES, inputs, run
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from swiglu_train.kernels.runtime import triton_runs_on
+from swiglu_train.ops import experts_routing
 from swiglu_train.ops.activation import use_backend
 from swiglu_train.ops.experts import experts_mlp
 from swiglu_train.ops.experts_routing import gathered_weight_grad
@@ -89,25 +90,31 @@ def test_fp32_equals_gathering_first_to_rounding(device, backend, on):
 
 
 class _Gathers(TorchDispatchMode):
-    """Records the storage of every tensor whose rows ``index_select`` gathers."""
+    """Records the storage of every tensor whose rows ``index_select`` gathers, and how many."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.sources: list[int] = []
+        self.sources: list[tuple[int, int]] = []
+
+    def rows_of(self, t: torch.Tensor) -> list[int]:
+        return [n for ptr, n in self.sources if ptr == t.untyped_storage().data_ptr()]
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func is torch.ops.aten.index_select.default:
-            self.sources.append(args[0].untyped_storage().data_ptr())
+            self.sources.append((args[0].untyped_storage().data_ptr(), args[2].numel()))
         return func(*args, **(kwargs or {}))
 
 
 @pytest.mark.skipif(not triton_runs_on(torch.device("cpu")), reason="needs TRITON_INTERPRET=1")
 @pytest.mark.parametrize("on", ["output", "input"])
 @pytest.mark.parametrize("gathered", [True, False], ids=["gathered_wgrad", "gather_first"])
-def test_backward_gathers_x_only_where_its_rows_are_needed_written(on, gathered):
-    """With gathered_wgrad, grad_W1 reads x's rows inside its GEMM: x is gathered in backward only
-    where the router weight scales the input, for that weight's gradient (freed before
-    grad_W1). Gathering first, grad_W1's rows are one gather more."""
+def test_backward_gathers_x_only_where_its_rows_are_needed_written(on, gathered, monkeypatch):
+    """x's rows in backward. With gathered_wgrad, grad_W1 reads them inside its GEMM: x is
+    gathered only where the router weight scales the input, for that weight's gradient, a
+    DOT_CHUNK at a time, so no [R, D] copy is ever whole. Gathering first, one gather of all R
+    rows serves grad_W1 and, on the input side, the weight's gradient too (Llama-4 gathered
+    twice before)."""
+    monkeypatch.setattr(experts_routing, "DOT_CHUNK", 16 * 32)  # 16 rows of D = 32 a chunk
     x, idx, w, fc1, fc2, grad_y = inputs(40, 32, 24, 4, 2, torch.float32)
     for leaf in (x, w, fc1, fc2):
         leaf.requires_grad_()
@@ -115,9 +122,10 @@ def test_backward_gathers_x_only_where_its_rows_are_needed_written(on, gathered)
         y = experts_mlp(x, idx, w, fc1, fc2, "drop_h", weights_on=on, gathered_wgrad=gathered)
         with _Gathers() as gathers:
             y.backward(grad_y)
-    expected = (1 if on == "input" else 0) + (0 if gathered else 1)
-    assert gathers.sources.count(x.untyped_storage().data_ptr()) == expected, gathers.sources
-    assert gathers.sources.count(grad_y.untyped_storage().data_ptr()) == 1  # grad_y's rows
+    rows = 40 * 2
+    expected = {(True, "output"): [], (True, "input"): [16] * (rows // 16)}
+    assert gathers.rows_of(x) == expected.get((gathered, on), [rows]), gathers.sources
+    assert gathers.rows_of(grad_y) == [rows]  # grad_y's rows
     assert all(leaf.grad is not None for leaf in (x, w, fc1, fc2))
 
 

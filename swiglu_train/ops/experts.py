@@ -16,7 +16,8 @@ token's k rows are summed back by one deterministic gather-and-sum. R = T·k bel
             alone, or with ``saved_fp8`` its e4m3 copy (``kernels.fp8_format``). Backward
             re-gathers x and grad_y, recomputes h inside the kernel that writes grad_preact,
             takes the router weight's gradient from that kernel's row sums
-            (``kernels.experts_swiglu``): h and the expert outputs are never kept. With
+            (``kernels.experts_swiglu``; on the input side from one gather of x that grad_W1
+            reuses): h and the expert outputs are never kept. With
             ``gathered_wgrad`` grad_W1's Triton GEMM reads x's rows itself
             (``kernels.experts_wgrad``), so the gathered x [R, D] is not written either: a
             lower backward peak, opt-in until its speed is measured on a GPU.
@@ -37,6 +38,7 @@ from swiglu_train.ops.experts_routing import (
     check_routing,
     combine,
     gather_sum,
+    gathered_row_dots,
     gathered_weight_grad,
     gathers_in_gemm,
     grouped_linear,
@@ -44,6 +46,7 @@ from swiglu_train.ops.experts_routing import (
     live_weights,
     route,
     routing_bytes,
+    row_dots,
 )
 from swiglu_train.ops.experts_steps import (
     activate,
@@ -143,20 +146,27 @@ class _ExpertsDropH(torch.autograd.Function):
             grad_fc2 = grouped_weight_grad(grad_yg, wh, plan.offsets)
             grad_yg = wh = None
         grad_xg = grouped_linear(grad_preact, fc1.transpose(1, 2), plan.offsets)
+        xg = None  # x's rows, where grad_W1's GEMM needs them gathered
         if not on_output:  # d(w x)/dw = x: the router's gradient from grad_xg before scaling
-            xg = x.index_select(0, plan.token)
-            grad_w_rows = torch.bmm(grad_xg.unsqueeze(1), xg.unsqueeze(2)).view(-1).float()
-            del xg
+            if in_gemm:  # chunked: grad_W1's GEMM reads x's rows itself
+                grad_w_rows = gathered_row_dots(grad_xg, x, plan.token)
+            else:  # one gather serves this dot and grad_W1 (scaled in place there)
+                xg = x.index_select(0, plan.token)
+                grad_w_rows = row_dots(grad_xg, xg)
         # grad_x before grad_W1 is allocated: the step's peak then holds [T, D], not [R, D]
         grad_x = gather_sum(grad_xg, plan, None if on_output else live_weights(indices, weights))
         del grad_xg
         # beside both weight gradients, the step's peak: with gathered_wgrad, x's rows are
         # read inside the GEMM, not gathered to [R, D] first
-        scale = None if on_output else plan.weight
-        grad_fc1 = gathered_weight_grad(
-            grad_preact, x, plan.token, plan.offsets, scale, ctx.gathered_wgrad
-        )
-        del grad_preact
+        if xg is not None:
+            xg.mul_(plan.weight.to(xg.dtype)[:, None])
+            grad_fc1 = grouped_weight_grad(grad_preact, xg, plan.offsets)
+        else:
+            scale = None if on_output else plan.weight
+            grad_fc1 = gathered_weight_grad(
+                grad_preact, x, plan.token, plan.offsets, scale, ctx.gathered_wgrad
+            )
+        del grad_preact, xg
         if not fc2_first:
             grad_fc2 = grouped_weight_grad(grad_yg, wh, plan.offsets)
         grad_w = router_grad(grad_w_rows, plan, indices, weights)

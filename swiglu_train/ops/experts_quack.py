@@ -48,7 +48,13 @@ import functools
 import torch
 
 from swiglu_train.ops.experts_peak import grad_fc2_first
-from swiglu_train.ops.experts_routing import Routing, gather_sum, live_weights, route
+from swiglu_train.ops.experts_routing import (
+    Routing,
+    gather_sum,
+    gathered_row_dots,
+    live_weights,
+    route,
+)
 from swiglu_train.ops.experts_steps import (
     activate,
     backward_rows,
@@ -77,8 +83,6 @@ SECOND_BACKWARD_FREED_ERROR = (
     "tensors the first backward freed (it ran without retain_graph=True). Build the layer "
     "with inplace=False and pass retain_graph=True to every backward but the last."
 )
-# Elements of x gathered at once for the input-side router weight's gradient: 32 MiB of bf16.
-DOT_CHUNK = 1 << 24
 # The shallowest contraction at which the row GEMMs (varlen_m: fc1, fc2, grad_h, grad_xg) take
 # quack's cooperative 128 x 256 tile instead of its default, pingpong 128 x 192. Pingpong hides
 # each tile's epilogue under the other warpgroup's mainloop, which pays while K is short; the
@@ -147,18 +151,6 @@ def _varlen(plan: Routing) -> tuple[torch.Tensor, torch.Tensor]:
     return cu, plan.token.to(torch.int32)
 
 
-def _gathered_row_dots(rows: torch.Tensor, x: torch.Tensor, token: torch.Tensor) -> torch.Tensor:
-    """[R] fp32: ⟨rows[r], x[token[r]]⟩, x gathered DOT_CHUNK elements at a time, so the
-    gathered [R, D] is never whole (drop_h's bmm: fp32 sums, rounded to the dtype)."""
-    out = torch.empty(rows.shape[0], device=rows.device)
-    step = max(1, DOT_CHUNK // max(rows.shape[1], 1))
-    for start in range(0, rows.shape[0], step):
-        part = slice(start, start + step)
-        xg = x.index_select(0, token[part])
-        out[part] = torch.bmm(rows[part].unsqueeze(1), xg.unsqueeze(2)).view(-1)
-    return out
-
-
 class _ExpertsDropHQuack(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, indices, weights, fc1, fc2, weights_on: str, saved_fp8: bool, inplace):
@@ -212,7 +204,7 @@ class _ExpertsDropHQuack(torch.autograd.Function):
         concat = ("B",) if ctx.interleaved else None
         grad_xg = _row_gemm(grad_preact, fc1, cu, concat_layout=concat)
         if not on_output:  # d(w x)/dw = x; grad_W1 takes the weight on grad_preact's rows
-            grad_w_rows = _gathered_row_dots(grad_xg, x, plan.token)
+            grad_w_rows = gathered_row_dots(grad_xg, x, plan.token)
             grad_preact.mul_(plan.weight[:, None])
         # grad_x before grad_W1 is allocated: the step's peak then holds [T, D], not [R, D]
         grad_x = gather_sum(grad_xg, plan, None if on_output else live_weights(indices, weights))

@@ -29,6 +29,8 @@ try:
 except ImportError:  # no Triton on this platform: torch computes the same sums
     kernels = _gathered_wgrad = None
 
+# Elements of x gathered at once for an input-side router weight's gradient: 32 MiB of bf16.
+DOT_CHUNK = 1 << 24
 BAD_INDEX = "expert_indices must hold values in [0, num_experts) or -1 (slot dropped)"
 
 
@@ -197,6 +199,25 @@ def grouped_weight_grad(
 def gathers_in_gemm(in_gemm: bool, grad_out: torch.Tensor) -> bool:
     """Whether ``gathered_weight_grad`` reads the rows inside its GEMM (no [R, K] buffer)."""
     return in_gemm and _gathered_wgrad is not None and triton_enabled(grad_out)
+
+
+def gathered_row_dots(rows: torch.Tensor, x: torch.Tensor, token: torch.Tensor) -> torch.Tensor:
+    """[R] fp32: ⟨rows[r], x[token[r]]⟩, the gradient of an input-side router weight (d(w x)/dw
+    = x), x gathered DOT_CHUNK elements at a time, so the gathered [R, D] is never whole for
+    it: for the impls whose weight-gradient GEMM gathers x's rows itself. bmm's sums, as the
+    unchunked dot of ``row_dots``."""
+    out = torch.empty(rows.shape[0], device=rows.device)
+    step = max(1, DOT_CHUNK // max(rows.shape[1], 1))
+    for start in range(0, rows.shape[0], step):
+        part = slice(start, start + step)
+        xg = x.index_select(0, token[part])
+        out[part] = row_dots(rows[part], xg)
+    return out
+
+
+def row_dots(rows: torch.Tensor, gathered: torch.Tensor) -> torch.Tensor:
+    """[R] fp32: ⟨rows[r], gathered[r]⟩ (one bmm: the dtype's GEMM, rounded to it)."""
+    return torch.bmm(rows.unsqueeze(1), gathered.unsqueeze(2)).view(-1).float()
 
 
 @eager_op("swiglu_train::experts_gathered_weight_grad", mutates_args=())
