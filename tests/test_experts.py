@@ -195,6 +195,28 @@ def test_module_takes_batched_tokens_and_keeps_parameter_names():
     assert y.shape == (2, 3, 16) and torch.equal(y.view(6, 16), flat)
 
 
+@pytest.mark.parametrize("impl", ["normal", "drop_h", "drop_h_quack"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("on", ["output", "input"])
+def test_meta_tensors_give_shapes_as_parmlp_does(impl, dtype, on, monkeypatch):
+    """Deferred init and tracing run the layer on meta tensors: y and every gradient come back
+    with their shapes, whatever the dtype (torch's grouped GEMM has a meta kernel for bf16
+    alone), with no index checked by value and no kernel launched. drop_h_quack, built where
+    quack runs, traces drop_h's graph there, which keeps the same tensors."""
+    from swiglu_train.layers import experts as layer
+
+    monkeypatch.setattr(layer, "check_experts_quack_runs", lambda *_: None)  # as on a GPU
+    m = ParExperts(4, 16, 24, impl=impl, router_weights_on=on, device="meta", dtype=dtype)
+    x = torch.empty(2, 5, 16, device="meta", dtype=dtype, requires_grad=True)
+    idx = torch.empty(2, 5, 2, device="meta", dtype=torch.int64)
+    w = torch.empty(2, 5, 2, device="meta", requires_grad=True)
+    y = m(x, idx, w)
+    y.sum().backward()
+    assert y.is_meta and y.shape == (2, 5, 16) and y.dtype == dtype
+    assert x.grad.shape == x.shape and w.grad.shape == w.shape
+    assert m.fc1_weight.grad.shape == (4, 48, 16) and m.fc2_weight.grad.shape == (4, 16, 24)
+
+
 @pytest.mark.parametrize(
     ("change", "message"),
     [

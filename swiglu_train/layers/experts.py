@@ -32,7 +32,8 @@ class ParExperts(nn.Module):
     ``gathered_wgrad=True`` (drop_h) runs grad_W1 in a Triton GEMM that reads x's rows itself,
     so backward never writes the gathered x [T·k, D] beside both weight gradients (its peak):
     on the H100, 192-255 MiB off the peak for 4-9 % of the step (docs/moe.md).
-    Under autocast, x and the weights run in autocast's dtype and y comes back in it.
+    Under autocast, x and the weights run in autocast's dtype and y comes back in it. On meta
+    tensors (deferred init, tracing) y and the gradients come back as shapes alone.
     """
 
     def __init__(
@@ -103,6 +104,9 @@ class ParExperts(nn.Module):
         if autocast:  # as ParMLP: grouped GEMMs take one dtype, and autocast does not cast them
             dtype = torch.get_autocast_dtype(device_type)  # (bf16-mixed: fp32 weights and x)
             x, fc1, fc2 = x.to(dtype), fc1.to(dtype), fc2.to(dtype)
+        # meta: shapes only (deferred init, tracing), as ParMLP; no quack kernel runs there, and
+        # drop_h's graph keeps the same tensors
+        impl = "drop_h" if device_type == "meta" and self.impl == "drop_h_quack" else self.impl
         with torch.autocast(device_type, enabled=False) if autocast else contextlib.nullcontext():
             y = experts_mlp(
                 x.reshape(tokens, x.shape[-1]),
@@ -110,7 +114,7 @@ class ParExperts(nn.Module):
                 expert_weights.reshape(tokens, -1) if tokens else expert_weights.reshape(0, k),
                 fc1,
                 fc2,
-                impl=self.impl,
+                impl=impl,
                 saved_fp8=self.saved_fp8,
                 weights_on=self.router_weights_on,
                 inplace=self.inplace,

@@ -81,7 +81,7 @@ def check_routing(
             raise ValueError(f"{name} is on {t.device}, x on {x.device}")
     if indices.shape[1] == 0:
         raise ValueError("expert_indices must have k >= 1 choices per token, got k = 0")
-    if indices.numel() == 0:
+    if indices.numel() == 0 or indices.is_meta:  # meta: shapes only, no values to check
         return
     ok = (indices >= -1) & (indices < num_experts)
     if indices.is_cuda:
@@ -157,7 +157,8 @@ def _grouped_mm_runs(a: torch.Tensor, b: torch.Tensor) -> bool:
     product. Group sizes need no alignment: the kernel checks only the static dimensions."""
     if not hasattr(torch, "_grouped_mm") or a.dtype != b.dtype:
         return False
-    dtypes = (torch.bfloat16,) if a.is_cuda else (torch.bfloat16, torch.float32)
+    # meta follows CUDA's rule (its kernel checks as CUDA's does); other dtypes get shapes alone
+    dtypes = (torch.bfloat16,) if a.is_cuda or a.is_meta else (torch.bfloat16, torch.float32)
     aligned = all(
         t.data_ptr() % 16 == 0
         and all(s == 1 or (s * t.element_size()) % 16 == 0 for s in t.stride())
@@ -177,6 +178,8 @@ def grouped_linear(a: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor)
     if _grouped_mm_runs(a, weight):
         return torch._grouped_mm(a, weight.transpose(1, 2), offs=offsets)
     out = a.new_empty(a.shape[0], weight.shape[1])
+    if a.is_meta:  # shapes only: the loop would read the group sizes
+        return out
     for e, (start, end) in enumerate(_groups(offsets)):
         torch.mm(a[start:end], weight[e].t(), out=out[start:end])
     return out
@@ -190,6 +193,8 @@ def grouped_weight_grad(
     if _grouped_mm_runs(grad_out, inp):
         return torch._grouped_mm(grad_out.t(), inp, offs=offsets)
     out = inp.new_zeros(offsets.shape[0], grad_out.shape[1], inp.shape[1])
+    if inp.is_meta:  # shapes only
+        return out
     for e, (start, end) in enumerate(_groups(offsets)):
         if end > start:
             torch.mm(grad_out[start:end].t(), inp[start:end], out=out[e])
