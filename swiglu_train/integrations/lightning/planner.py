@@ -39,7 +39,6 @@ from swiglu_train.integrations.lightning.host_model import STOCK
 from swiglu_train.integrations.lightning.module import PretrainModule
 from swiglu_train.integrations.lightning.precision import resolve_precision
 from swiglu_train.layers.registry import (
-    FP8_LABEL,
     PORTABLE_IMPLS,
     QUACK_IMPLS,
     check_saved_fp8,
@@ -67,7 +66,6 @@ from swiglu_train.memory.saved import distinct_bytes
 from swiglu_train.ops.experts import IMPLS as EXPERTS_IMPLS
 
 MODES = ("manual", "auto")
-FP8 = FP8_LABEL  # a candidate "drop_h+fp8": drop_h with its FP8-saved preactivation
 
 
 @dataclass(frozen=True)
