@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 
+import numpy as np
 import pytest
 import torch
 
@@ -29,7 +30,10 @@ def test_paired_samples_keep_each_case_s_phases_in_phase_order():
     assert set(times) == {"short", "long"}
     assert list(times["long"]) == list(timing.PHASES)
     assert all(len(v) == 5 for v in times["long"].values())
-    assert (times["long"]["full"] > times["short"]["full"]).all()
+    # each sample in its own case: a 10 ms sleep never returns early, and a 1 ms one only
+    # rarely runs past it on a loaded machine (the median says which case took longer)
+    assert times["long"]["full"].min() >= 9.9
+    assert np.median(times["long"]["full"]) > np.median(times["short"]["full"])
 
 
 def test_the_hold_grows_to_twice_a_host_time_that_nears_it():
