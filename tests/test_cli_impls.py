@@ -56,3 +56,43 @@ def test_a_size_below_one_is_refused_naming_the_option(option):
     assert result.exit_code == 2
     assert f"Invalid value for '{option}'" in result.output
     assert "greater than or equal to" in result.output
+
+
+def test_experts_rows_give_each_impl_s_saved_mib_and_where_it_runs(monkeypatch):
+    """--experts lists the routed experts' impls with the bytes ops.experts claims (the figure
+    its memory tests assert) at Qwen3-30B-A3B's shape, 8192 tokens: drop_h keeps the
+    preactivation and the plan, its FP8 form the e4m3 copy, normal 4x as much and more."""
+    import swiglu_train.ops.experts_quack as experts_quack
+    from swiglu_train.cli.info import experts_rows
+    from swiglu_train.ops.experts import saved_activation_bytes
+
+    monkeypatch.setattr(experts_quack, "quack_unavailable_reason", lambda: None)  # as on Hopper
+    rows = {r["impl"]: r for r in experts_rows(128, 8, 2048, 768, 8192, "Triton kernels")}
+    assert list(rows) == ["normal", "drop_h", "drop_h+fp8", "drop_h_quack", "drop_h_quack+fp8"]
+    for label, r in rows.items():
+        impl, fp8 = label.removesuffix("+fp8"), label.endswith("+fp8")
+        size = saved_activation_bytes(impl, fp8, "output", 8192, 2048, 768, 8, 128, torch.bfloat16)
+        assert r["MiB"] == size / 2**20 and r["runs"] and r["why_not"] is None
+    assert rows["drop_h"]["MiB"] == pytest.approx(8192 * 8 * 2 * 768 * 2 / 2**20, rel=0.01)
+    assert rows["drop_h+fp8"]["MiB"] < 0.55 * rows["drop_h"]["MiB"]
+    assert rows["normal"]["MiB"] > 4 * rows["drop_h"]["MiB"]
+    assert rows["drop_h_quack"]["kernels"] == "quack"
+    odd = {r["impl"]: r for r in experts_rows(8, 2, 2048, 770, 64, "Triton kernels")}
+    assert not odd["drop_h_quack"]["runs"]  # rows TMA cannot take: said, as the layer says
+    assert odd["drop_h_quack"]["why_not"].startswith("hidden_size 2048 and ffn_hidden_size 770")
+
+
+def test_experts_without_a_shape_list_the_impls_and_auto_s_pick():
+    result = runner.invoke(app, ["impls", "--experts", "64", "--top-k", "6"])
+    assert result.exit_code == 0, result.output
+    assert "routed experts (ParExperts): E=64, k=6" in result.output
+    assert "experts auto -> drop_h (" in result.output
+    from swiglu_train.cli.info import experts_rows
+
+    assert all(r["MiB"] is None for r in experts_rows(64, 6, None, None, None, "torch"))
+
+
+def test_top_k_above_the_experts_is_refused():
+    result = runner.invoke(app, ["impls", "--experts", "4", "--top-k", "8"])
+    assert result.exit_code == 2
+    assert "Invalid value for '--top-k'" in result.output and "8 > --experts 4" in result.output

@@ -95,16 +95,22 @@ SECOND_BACKWARD_FREED_ERROR = (
 COOPERATIVE_MIN_DEPTH = 1280
 
 
-def check_experts_quack_runs(hidden_size: int, ffn_hidden_size: int) -> None:
-    """A one-line ValueError when ``ParExperts(impl='drop_h_quack')`` cannot run here: no
-    quack, no sm_90+ GPU, or sizes whose rows TMA cannot take. Checked when the layer is built,
-    as ParMLP checks its quack impls, not at its first step."""
+def experts_quack_unavailable_reason(hidden_size: int, ffn_hidden_size: int) -> str | None:
+    """Why ``ParExperts(impl='drop_h_quack')`` cannot run here (no quack, no sm_90+ GPU, or
+    sizes whose rows TMA cannot take), or None when it can."""
     reason = quack_unavailable_reason()
     if reason is None and not quack_sizes_ok(hidden_size, ffn_hidden_size):
         reason = (
             f"hidden_size {hidden_size} and ffn_hidden_size {ffn_hidden_size} must be "
             f"multiples of {ALIGN} (16-byte rows for TMA)"
         )
+    return reason
+
+
+def check_experts_quack_runs(hidden_size: int, ffn_hidden_size: int) -> None:
+    """A one-line ValueError when ``ParExperts(impl='drop_h_quack')`` cannot run here. Checked
+    when the layer is built, as ParMLP checks its quack impls, not at its first step."""
+    reason = experts_quack_unavailable_reason(hidden_size, ffn_hidden_size)
     if reason is not None:
         raise ValueError(f"ParExperts(impl={IMPL!r}) cannot run here: {reason}; use impl='drop_h'")
 
