@@ -456,6 +456,15 @@ stage_moe() {
     --out "$RES/moe/moe_${GPU}.json" 2>&1 | grep "^\[" | tail -20
 }
 
+## moe_llama4: bench-moe with the router weight on the expert input, as Llama-4 runs it: ours against transformers' Llama4TextExperts ($MOE_MODELS, default llama4-scout)
+stage_moe_llama4() {
+  mkdir -p "$RES/moe"
+  python3 -m swiglu_train bench-moe --models "${MOE_MODELS:-llama4-scout}" --router-weights-on input \
+    --routing "${MOE_ROUTING:-balanced}" --samples 30 \
+    --variants "normal,drop_h,drop_h+fp8,drop_h+gathered_wgrad,$(echo $QUACK | grep -q drop_h_quack && echo drop_h_quack,)hf_llama4" \
+    --out "$RES/moe/moe_llama4_${GPU}.json" 2>&1 | grep "^\[" | tail -20
+}
+
 ## moe_gemms: drop_h_quack's six varlen GEMMs, quack configs vs its default and torch's grouped GEMM ($MOE_MODELS, $MOE_ROUTING, $MOE_GEMM_CONFIGS)
 stage_moe_gemms() {
   # ~2.5 min on an H100 at the six default models, both routings (~5 if quack's compile pool

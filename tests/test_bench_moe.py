@@ -185,6 +185,32 @@ def test_a_tiny_run_checks_every_variant_against_the_loop(tmp_path):
     assert "| sonicmoe |" in merged_path.with_suffix(".md").read_text()
 
 
+def test_the_input_side_races_what_computes_it_against_its_own_loop(tmp_path):
+    """--router-weights-on input (Llama-4): ours and transformers' Llama-4 experts (every
+    expert on every token) are checked against the loop that scales each expert's input; a
+    peer that weights the output is not offered, and the peak model, which leaves out the
+    input side's buffers, gives no figure. Merging with an output-side run is refused."""
+    variants = "loop,normal,drop_h,drop_h+gathered_wgrad,hf_llama4,torchtitan"
+    result = _bench(tmp_path, "--variants", variants, "--router-weights-on", "input")
+    rows = {r["variant"]: r for r in result["rows"]}
+    assert list(rows) == ["floor", "loop", "normal", "drop_h", "drop_h+gathered_wgrad", "hf_llama4"]
+    for name in ("normal", "drop_h", "drop_h+gathered_wgrad", "hf_llama4"):
+        assert rows[name]["ok"], rows[name]
+        assert "peak_model_MiB" not in rows[name]
+    skipped = {s["variant"]: s["reason"] for s in result["skipped"]}
+    assert list(skipped) == ["torchtitan"]
+    assert skipped["torchtitan"].startswith(
+        "not offered: torchtitan applies the router weight to the expert output"
+    )
+    assert result["meta"]["router_weights_on"] == "input"
+    assert "scales each expert's input (as Llama-4's does)" in (tmp_path / "moe.md").read_text()
+    # on the output side, transformers' Llama-4 experts are not offered
+    output = _bench(tmp_path / "out", "--variants", "loop,hf_llama4")
+    assert output["skipped"][0]["reason"].startswith("not offered: hf_llama4 applies")
+    with pytest.raises(ValueError, match="router_weights_on 'input' and 'output'"):
+        merge_results([result, output])
+
+
 def test_a_run_stopped_after_its_first_point_keeps_its_json_and_table(tmp_path, monkeypatch):
     """A device call killed at its limit (here, the second point raises) returns what finished:
     the JSON and the markdown are rewritten after every point, the plot only at the end."""

@@ -66,6 +66,13 @@ def bench_moe(
         typer.Option(help="merge these results (same GPU, dtype, tokens) instead of running"),
     ] = None,
     list_models: Annotated[bool, typer.Option(help="print the model list and exit")] = False,
+    router_weights_on: Annotated[
+        str,
+        typer.Option(
+            help="output (Mixtral, Qwen, DeepSeek) or input (Llama-4): where the "
+            "router weight scales each expert; each side races the variants it offers"
+        ),
+    ] = "output",
 ) -> None:
     """Every ParExperts impl and peer, paired with the six grouped GEMMs of the step.
 
@@ -76,7 +83,7 @@ def bench_moe(
     from swiglu_train.bench.moe.report import merge_results, to_markdown
     from swiglu_train.bench.moe.routing import ROUTINGS
     from swiglu_train.bench.moe.shapes import MODELS, parse_shapes, select_models
-    from swiglu_train.bench.moe.variants import BUILDERS
+    from swiglu_train.bench.moe.variants import SIDES, VARIANTS
     from swiglu_train.bench.results import DTYPES
 
     if list_models:
@@ -105,13 +112,18 @@ def bench_moe(
         except ValueError as e:
             raise typer.BadParameter(str(e)) from e
         routings = _names(routing, "'--routing'", list(ROUTINGS))
-        names = _names(variants or ",".join(BUILDERS), "'--variants'", list(BUILDERS))
+        if router_weights_on not in SIDES:
+            hint = "'--router-weights-on'"
+            raise typer.BadParameter(f"choose from {list(SIDES)}", param_hint=hint)
+        side = SIDES[router_weights_on]
+        names = _names(variants or ",".join(side), "'--variants'", list(VARIANTS))
         require_device(device)
         if samples < 30:
             console.print(f"[yellow]{samples} samples: results are not claimable (need >= 30)")
         cfg = MoEConfig(
-            chosen, routings, tokens, names, samples, warmup, dtype, device, seed, timeline
-        )
+            chosen, routings, tokens, names, samples, warmup, dtype, device, seed, timeline,
+            router_weights_on=router_weights_on,
+        )  # fmt: skip
         cfg.extra = {"commit": commit, "command": invocation()}
         result = _run(cfg, out)
     siblings = (None, None) if out is None else (out.with_suffix(".md"), out.with_suffix(".png"))

@@ -25,8 +25,8 @@ import torch
 from swiglu_train.bench.moe.floor import floor_case
 from swiglu_train.bench.moe.routing import ROUTINGS, group_sizes, make_routing
 from swiglu_train.bench.moe.shapes import MoEShape
-from swiglu_train.bench.moe.variants import BUILDERS, OUR_OPTIONS, REFERENCE
-from swiglu_train.bench.moe.weights import ExpertWeights, Variant
+from swiglu_train.bench.moe.variants import OUR_OPTIONS, REFERENCE, SIDES, builder
+from swiglu_train.bench.moe.weights import ExpertWeights, NotOffered, Variant
 from swiglu_train.bench.results import DTYPES, environment
 from swiglu_train.bench.timing import (
     PEAK_DEFINITION,
@@ -62,7 +62,7 @@ class MoEConfig:
     shapes: Sequence[MoEShape]
     routings: Sequence[str] = ROUTINGS
     tokens: int = 8192
-    variants: Sequence[str] = tuple(BUILDERS)
+    variants: Sequence[str] = tuple(SIDES["output"])
     samples: int = 30
     warmup: int = 3
     dtype: str = "bf16"
@@ -70,6 +70,7 @@ class MoEConfig:
     seed: int = 0
     timeline: bool = False  # each variant's kernels and idle gaps, one step, in the point
     extra: dict = field(default_factory=dict)
+    router_weights_on: str = "output"  # or "input", as Llama-4 (variants.SIDES)
 
     def points(self) -> list[tuple[MoEShape, str]]:
         return [(shape, routing) for shape in self.shapes for routing in self.routings]
@@ -154,8 +155,11 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def _reason(e: BaseException) -> str:
-    """One line: "not installed" where a package itself is missing, else "failed" (a module
-    missing inside a package, as SonicMoE's from quack 0.6.5, is a version clash)."""
+    """One line: "not offered" where the variant computes the other side's function, "not
+    installed" where a package itself is missing, else "failed" (a module missing inside a
+    package, as SonicMoE's from quack 0.6.5, is a version clash)."""
+    if isinstance(e, NotOffered):
+        return f"not offered: {e}"
     missing = isinstance(e, ModuleNotFoundError) and "." not in (e.name or ".")
     kind = "not installed" if missing else "failed"
     return f"{kind}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}".rstrip(": ")
@@ -200,7 +204,8 @@ def measure_point(
         },
         "prepare_s": prepare_s,
     }
-    reference_variant = BUILDERS[REFERENCE](inputs.weights, shape.k)
+    side = cfg.router_weights_on
+    reference_variant = builder(REFERENCE, side)(inputs.weights, shape.k)
     reference = step_outputs(
         variant_case(REFERENCE, reference_variant, inputs), reference_variant, inputs
     )
@@ -209,7 +214,7 @@ def measure_point(
     for name in cfg.variants:
         began = time.perf_counter()
         try:
-            variant = BUILDERS[name](inputs.weights, shape.k)
+            variant = builder(name, side)(inputs.weights, shape.k)
             case = variant_case(name, variant, inputs)
             for _ in range(cfg.warmup):  # compiles, autotunes
                 run_once(case, Clock(device, queued=False))
@@ -252,7 +257,8 @@ def peak_model(name: str, shape: MoEShape, cfg: MoEConfig) -> dict:
     """``{"peak_model_MiB": ...}`` for a drop_h variant: the size model's backward peak
     (``ops.experts_peak``) beside the measured one, which shows where the model stops holding."""
     options = OUR_OPTIONS.get(name, {})
-    if options.get("impl") not in MODELLED_IMPLS:
+    # the input side's weight gradient adds buffers the model does not count
+    if options.get("impl") not in MODELLED_IMPLS or cfg.router_weights_on != "output":
         return {}
     peak = backward_peak_bytes(
         options["impl"], options.get("saved_fp8", False), options.get("gathered_wgrad", False),
@@ -317,7 +323,9 @@ def meta(cfg: MoEConfig, device: torch.device) -> dict:
         "reference": REFERENCE,
         "tolerance": {"+fp8": tolerance(cfg, "+fp8"), "others": tolerance(cfg, "")},
         "checked_experts": CHECKED_EXPERTS,
-        "router_weights": "fp32 [T, k], softmax of random logits, applied to the expert output",
+        "router_weights_on": cfg.router_weights_on,
+        "router_weights": "fp32 [T, k], softmax of random logits, applied to the expert "
+        + cfg.router_weights_on,
         "after_forward_definition": AFTER_FORWARD_DEFINITION,
         "peak_definition": PEAK_DEFINITION,
         "clock": TIMING_DEFINITION + "; a row's waits_on_gpu says which clock timed it",

@@ -24,9 +24,10 @@ def merge_results(results: Sequence[dict]) -> dict:
     merged["rows"], merged["skipped"] = [], []
     for other in results:
         meta = other["meta"]
-        for key in ("device_name", "dtype", "tokens"):
-            if meta[key] != first[key]:
-                raise ValueError(f"cannot merge runs with {key} {first[key]!r} and {meta[key]!r}")
+        for key in ("device_name", "dtype", "tokens", "router_weights_on"):
+            mine, theirs = _side(first, key), _side(meta, key)
+            if theirs != mine:
+                raise ValueError(f"cannot merge runs with {key} {mine!r} and {theirs!r}")
         base = len(first["runs"])  # a merged result brings its runs, its rows naming theirs
         first["runs"] += meta.get("runs") or [{key: meta.get(key) for key in PROVENANCE}]
         have, points = _measured(merged), {_point(p) for p in merged["points"]}
@@ -37,6 +38,11 @@ def merge_results(results: Sequence[dict]) -> dict:
     merged["skipped"] = [s for s in merged["skipped"] if _key(s) not in measured]
     first["variants"] = list(dict.fromkeys(v for run in first["runs"] for v in run["variants"]))
     return merged
+
+
+def _side(meta: dict, key: str):
+    """``meta[key]``; results from before the input side was offered put it on the output."""
+    return meta.get(key, "output") if key == "router_weights_on" else meta[key]
 
 
 def _run(entry: dict, base: int) -> dict:
@@ -60,7 +66,8 @@ def to_markdown(result: dict) -> str:
     lines = [
         f"Routed SwiGLU experts, one layer: T = {meta['tokens']} tokens, {meta['dtype']}, on "
         f"{meta['device_name']}, commit {meta['commit']}, {meta['samples']} paired samples per "
-        "point.",
+        f"point. The router weight scales each expert's {_side(meta, 'router_weights_on')}"
+        + (" (as Llama-4's does)." if _side(meta, "router_weights_on") == "input" else "."),
         "",
         "`step ÷ floor` is the median over paired samples of the training step (forward + "
         "backward, with the gradients of x, the router weights and the expert weights) over "

@@ -43,7 +43,7 @@ MODELS: tuple[MoEShape, ...] = (
         8192,
         16,
         1,
-        "Llama 4 scales the expert's input by the router weight; here, as for all, its output",
+        "Llama 4 scales the expert's input by the router weight: --router-weights-on input",
     ),
     MoEShape(
         "gpt-oss-20b",

@@ -56,3 +56,8 @@ def shared(run: Experts, w: ExpertWeights) -> Variant:
 
 
 Builder = Callable[[ExpertWeights, int], Variant]  # (weights, top-k) -> variant
+
+
+class NotOffered(ValueError):
+    """A variant that does not compute this run's function (its router weight on the other
+    side of the experts): recorded as not offered, not as failed."""
