@@ -195,6 +195,19 @@ def test_module_takes_batched_tokens_and_keeps_parameter_names():
     assert y.shape == (2, 3, 16) and torch.equal(y.view(6, 16), flat)
 
 
+def test_auto_builds_drop_h_and_says_why():
+    """As ParMLP's auto: the impl it chose, and auto_reason (None where the impl was named).
+    It is patch's and pretrain's choice for the experts too (resolve_experts_impl)."""
+    from swiglu_train.layers.experts import resolve_experts_impl
+
+    m = ParExperts(4, 16, 8, impl="auto")
+    assert m.impl == "drop_h" and m.auto_reason.startswith("auto's cost model is the dense MLP's")
+    assert resolve_experts_impl("auto", None)[0] == m.impl
+    assert ParExperts(4, 16, 8, impl="drop_h").auto_reason is None
+    with pytest.raises(ValueError, match=r"unknown experts impl 'save_factors'.*'auto'\)$"):
+        ParExperts(4, 16, 8, impl="save_factors")  # a dense impl: patch maps it, not the layer
+
+
 @pytest.mark.parametrize("impl", ["normal", "drop_h", "drop_h_quack"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("on", ["output", "input"])

@@ -116,7 +116,7 @@ def experts_rows(
 
 
 def _print_experts(experts, top_k, hidden, ffn, tokens, kernels) -> None:
-    from swiglu_train.integrations.patch.experts import resolve_experts_impl
+    from swiglu_train.layers.experts import resolve_experts_impl
 
     rows = experts_rows(experts, top_k, hidden, ffn, tokens, kernels)
     table = Table(title=f"routed experts (ParExperts): E={experts}, k={top_k}, R = T·k rows")

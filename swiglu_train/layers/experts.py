@@ -16,8 +16,36 @@ import math
 import torch
 from torch import nn
 
-from swiglu_train.ops.experts import WEIGHTS_ON, check_options, experts_mlp
+from swiglu_train.ops.experts import IMPLS, WEIGHTS_ON, check_options, experts_mlp
 from swiglu_train.ops.experts_quack import check_experts_quack_runs
+
+# What a dense impl name means for the routed experts, which have fewer impls, and why: both
+# get drop_h's saved set, the one the experts' kernels are built for.
+_EXPERTS_IMPL = {
+    "save_factors": ("drop_h", "save_factors has no routed-experts form"),
+    "save_factors_quack": ("drop_h_quack", "save_factors_quack has no routed-experts form"),
+    # moe_h100_peers.md (a1306b4): drop_h_quack 2-10 % faster at the three fine-grained models;
+    # chosen at build time, before the device is known, so auto takes the impl that runs anywhere
+    "auto": (
+        "drop_h",
+        "auto's cost model is the dense MLP's; drop_h runs wherever torch does "
+        "(drop_h_quack, on quack and sm_90+, ran 2-10 % faster at the MoE shapes measured)",
+    ),
+}
+
+
+def resolve_experts_impl(impl: str, requested: str | None) -> tuple[str, str | None]:
+    """(the experts' impl, why it is not ``impl``) for a model whose MLPs take ``impl`` (any
+    dense name, or ``auto``) and whose experts were asked for ``requested`` (None: follow
+    ``impl``). An experts impl not offered is refused in one line."""
+    if requested is not None:
+        if requested not in IMPLS:
+            raise ValueError(f"unknown experts impl {requested!r}; choose one of {IMPLS}")
+        return requested, None
+    if impl in IMPLS:
+        return impl, None
+    chosen, why = _EXPERTS_IMPL[impl]
+    return chosen, f"{why}, so {chosen}; experts_impl= names one"
 
 
 class ParExperts(nn.Module):
@@ -25,7 +53,8 @@ class ParExperts(nn.Module):
 
     ``impl``: "drop_h" (default: keeps x and the preactivation alone for backward) or
     "normal" (the reference; keeps the gathered input, preact, h and the expert outputs)
-    or "drop_h_quack" (drop_h on quack's gather GEMMs; sm_90+, D and F multiples of 8).
+    or "drop_h_quack" (drop_h on quack's gather GEMMs; sm_90+, D and F multiples of 8), or
+    "auto" (drop_h, which runs anywhere; ``auto_reason`` says why).
     ``saved_fp8`` keeps drop_h's preactivation in e4m3 (1x128 blocks, bf16 scales).
     ``router_weights_on``: "output" (Mixtral, Qwen, DeepSeek) or "input" (Llama-4).
     ``inplace=False`` keeps the saved tensors intact so a graph can be backpropagated twice.
@@ -61,6 +90,11 @@ class ParExperts(nn.Module):
             raise ValueError(
                 f"router_weights_on must be one of {WEIGHTS_ON}, got {router_weights_on!r}"
             )
+        if impl not in (*IMPLS, "auto"):
+            raise ValueError(f"unknown experts impl {impl!r}; choose one of {(*IMPLS, 'auto')}")
+        self.auto_reason = None  # why auto chose the impl; None when it was named
+        if impl == "auto":
+            impl, self.auto_reason = _EXPERTS_IMPL["auto"]
         check_options(impl, saved_fp8, router_weights_on, gathered_wgrad)
         if impl == "drop_h_quack":
             check_experts_quack_runs(hidden_size, ffn_hidden_size)
@@ -125,7 +159,8 @@ class ParExperts(nn.Module):
     def extra_repr(self) -> str:
         return (
             f"num_experts={self.num_experts}, hidden_size={self.hidden_size}, "
-            f"ffn_hidden_size={self.ffn_hidden_size}, impl={self.impl!r}, "
-            f"saved_fp8={self.saved_fp8}, router_weights_on={self.router_weights_on!r}"
+            f"ffn_hidden_size={self.ffn_hidden_size}, impl={self.impl!r}"
+            + (" (auto)" if self.auto_reason is not None else "")
+            + f", saved_fp8={self.saved_fp8}, router_weights_on={self.router_weights_on!r}"
             + (", gathered_wgrad=True" if self.gathered_wgrad else "")
         )

@@ -20,8 +20,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from swiglu_train.integrations.patch.experts import resolve_experts_impl
-from swiglu_train.layers.experts import ParExperts
+from swiglu_train.layers.experts import ParExperts, resolve_experts_impl
 from swiglu_train.layers.registry import check_impl_name
 
 

@@ -22,33 +22,6 @@ from swiglu_train.integrations.patch.spec import _hooks
 from swiglu_train.kernels.runtime import SUPPORTED_DTYPES
 from swiglu_train.layers.experts import ParExperts
 from swiglu_train.layers.layout import DTensor
-from swiglu_train.ops.experts import IMPLS
-
-# What a dense impl name means for the routed experts, which have fewer impls, and why: both
-# get drop_h's saved set, the one the experts' kernels are built for.
-_EXPERTS_IMPL = {
-    "save_factors": ("drop_h", "save_factors has no routed-experts form"),
-    "save_factors_quack": ("drop_h_quack", "save_factors_quack has no routed-experts form"),
-    # moe_h100_peers.md (a1306b4): drop_h_quack 2-10 % faster at the three fine-grained models;
-    # chosen at build time, before the device is known, so auto takes the impl that runs anywhere
-    "auto": (
-        "drop_h",
-        "auto's cost model is the dense MLP's; drop_h runs wherever torch does "
-        "(drop_h_quack, on quack and sm_90+, ran 2-10 % faster at the MoE shapes measured)",
-    ),
-}
-
-
-def resolve_experts_impl(impl: str, requested: str | None) -> tuple[str, str | None]:
-    """(the experts' impl, why it is not ``impl``) for ``patch(impl, experts_impl=requested)``."""
-    if requested is not None:
-        if requested not in IMPLS:
-            raise ValueError(f"unknown experts impl {requested!r}; choose one of {IMPLS}")
-        return requested, None
-    if impl in IMPLS:
-        return impl, None
-    chosen, why = _EXPERTS_IMPL[impl]
-    return chosen, f"{why}, so {chosen}; experts_impl= names one"
 
 
 class PatchedExperts(ParExperts):

@@ -17,17 +17,13 @@ from swiglu_train.integrations.patch import (
     torchtitan,
     torchtitan_experts,
 )
-from swiglu_train.integrations.patch.experts import (
-    ExpertsHost,
-    PatchedExperts,
-    resolve_experts_impl,
-)
+from swiglu_train.integrations.patch.experts import ExpertsHost, PatchedExperts
 from swiglu_train.integrations.patch.module import PatchedSwiGLU
 from swiglu_train.integrations.patch.report import Left, PatchReport, Replaced
 from swiglu_train.integrations.patch.spec import HostSpec
 from swiglu_train.integrations.patch.torchtitan_experts import PatchedRoutedExperts
 from swiglu_train.layers import ParMLP, check_impl_name
-from swiglu_train.layers.experts import ParExperts
+from swiglu_train.layers.experts import ParExperts, resolve_experts_impl
 
 logger = logging.getLogger("swiglu_train.patch")
 SPECS: tuple[HostSpec, ...] = (*hf.SPECS, *litgpt.SPECS, *torchtitan.SPECS)
