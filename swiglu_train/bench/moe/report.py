@@ -11,6 +11,7 @@ import copy
 from collections.abc import Sequence
 
 PROVENANCE = ("command", "commit", "date", "device_name", "versions", "variants")
+SAME_KEYS = ("device_name", "dtype", "tokens")  # what runs must share to merge
 
 
 def merge_results(results: Sequence[dict]) -> dict:
@@ -24,8 +25,9 @@ def merge_results(results: Sequence[dict]) -> dict:
     merged["rows"], merged["skipped"] = [], []
     for other in results:
         meta = other["meta"]
-        for key in ("device_name", "dtype", "tokens", "router_weights_on"):
-            mine, theirs = _side(first, key), _side(meta, key)
+        pairs = [(key, first[key], meta[key]) for key in SAME_KEYS]
+        pairs.append(("router_weights_on", weights_on(first), weights_on(meta)))
+        for key, mine, theirs in pairs:
             if theirs != mine:
                 raise ValueError(f"cannot merge runs with {key} {mine!r} and {theirs!r}")
         base = len(first["runs"])  # a merged result brings its runs, its rows naming theirs
@@ -40,9 +42,10 @@ def merge_results(results: Sequence[dict]) -> dict:
     return merged
 
 
-def _side(meta: dict, key: str):
-    """``meta[key]``; results from before the input side was offered put it on the output."""
-    return meta.get(key, "output") if key == "router_weights_on" else meta[key]
+def weights_on(meta: dict) -> str:
+    """Which side of the experts the run's router weight scales; results from before the
+    input side was offered put it on the output."""
+    return meta.get("router_weights_on", "output")
 
 
 def _run(entry: dict, base: int) -> dict:
@@ -66,8 +69,8 @@ def to_markdown(result: dict) -> str:
     lines = [
         f"Routed SwiGLU experts, one layer: T = {meta['tokens']} tokens, {meta['dtype']}, on "
         f"{meta['device_name']}, commit {meta['commit']}, {meta['samples']} paired samples per "
-        f"point. The router weight scales each expert's {_side(meta, 'router_weights_on')}"
-        + (" (as Llama-4's does)." if _side(meta, "router_weights_on") == "input" else "."),
+        f"point. The router weight scales each expert's {weights_on(meta)}"
+        + (" (as Llama-4's does)." if weights_on(meta) == "input" else "."),
         "",
         "`step ÷ floor` is the median over paired samples of the training step (forward + "
         "backward, with the gradients of x, the router weights and the expert weights) over "
