@@ -161,6 +161,10 @@ def test_a_tiny_run_checks_every_variant_against_the_loop(tmp_path):
     assert point["rows_per_expert"]["max"] >= 8  # the hot expert has half the first choices
     assert list(point["prepare_s"]) == variants.split(",")  # skipped ones too: failing costs
     assert all(seconds >= 0 for seconds in point["prepare_s"].values())
+    # the first step (compiles, autotuning) of each variant built, within its preparation
+    assert set(point["first_step_s"]) == set(rows) - {"floor"}
+    assert all(0 <= s <= point["prepare_s"][v] for v, s in point["first_step_s"].items())
+    assert point["reference_s"] >= 0
     meta = result["meta"]
     assert meta["variants"] == variants.split(",") and meta["reference"] == "loop"
     assert {"torch", "transformers", "torchtitan"} <= set(meta["versions"])

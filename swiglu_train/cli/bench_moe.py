@@ -149,11 +149,14 @@ def _run(cfg: MoEConfig, out: Path | None) -> dict:
             for r in result["rows"]
             if (r["model"], r["routing"]) == key and r["variant"] != "floor"
         )
-        prepared = [p["prepare_s"] for p in result["points"] if (p["model"], p["routing"]) == key]
-        slowest = max(prepared[0].items(), key=lambda item: item[1]) if prepared else None
+        point = next((p for p in result["points"] if (p["model"], p["routing"]) == key), None)
+        slowest = max(point["prepare_s"].items(), key=lambda item: item[1]) if point else None
+        first = point["first_step_s"].get(slowest[0]) if slowest else None
         console.print(
             f"[{done}/{len(points)}] {shape.name} {routing} ({time.perf_counter() - began:.0f} s"
             + (f"; slowest to prepare {slowest[0]}, {slowest[1]:.0f} s" if slowest else "")
+            + (f" ({first:.0f} s its first step)" if first is not None else "")
+            + (f"; reference {point['reference_s']:.0f} s" if point else "")
             + "): "
             + (f"step ÷ floor {ratios}" if ratios else "nothing measured (see the skips)"),
             markup=False,

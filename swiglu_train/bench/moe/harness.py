@@ -187,6 +187,7 @@ def measure_point(
     inputs = Inputs.build(cfg, shape, routing)
     sizes = group_sizes(inputs.indices, shape.e)
     prepare_s: dict[str, float] = {}  # each variant's build, warm-up and check: its compiles
+    first_step_s: dict[str, float] = {}  # of which its first step's (compiles, autotuning)
     point = {
         "model": shape.name,
         "repo": shape.repo,
@@ -203,12 +204,15 @@ def measure_point(
             "empty_experts": int((sizes == 0).sum()),
         },
         "prepare_s": prepare_s,
+        "first_step_s": first_step_s,
     }
     side = cfg.router_weights_on
+    began = time.perf_counter()
     reference_variant = builder(REFERENCE, side)(inputs.weights, shape.k)
     reference = step_outputs(
         variant_case(REFERENCE, reference_variant, inputs), reference_variant, inputs
     )
+    point["reference_s"] = round(time.perf_counter() - began, 2)  # the loop's step, checked once
     cases, checks, skipped = [], {}, {}
     tick = progress(f"{shape.name} {routing}: build, warm-up, check", len(cfg.variants))
     for name in cfg.variants:
@@ -216,8 +220,10 @@ def measure_point(
         try:
             variant = builder(name, side)(inputs.weights, shape.k)
             case = variant_case(name, variant, inputs)
-            for _ in range(cfg.warmup):  # compiles, autotunes
+            for step in range(cfg.warmup):  # the first compiles, autotunes
                 run_once(case, Clock(device, queued=False))
+                if step == 0:
+                    first_step_s[name] = round(time.perf_counter() - began, 2)
             checks[name] = errors(
                 step_outputs(case, variant, inputs), reference, tolerance(cfg, name)
             )
