@@ -85,18 +85,10 @@ def experts_rows(
     from swiglu_train.layers.registry import FP8_LABEL
     from swiglu_train.ops.experts import IMPLS, saved_activation_bytes
     from swiglu_train.ops.experts_quack import experts_quack_unavailable_reason
-    from swiglu_train.ops.quack_mlp import quack_unavailable_reason
 
     rows = []
     for impl in IMPLS:
-        why = None
-        if impl == "drop_h_quack":
-            sized = hidden is not None and ffn is not None
-            why = (
-                experts_quack_unavailable_reason(hidden, ffn)
-                if sized
-                else quack_unavailable_reason()
-            )
+        why = experts_quack_unavailable_reason(hidden, ffn) if impl == "drop_h_quack" else None
         for saved_fp8 in (False, True) if impl != "normal" else (False,):
             mib = None
             if None not in (hidden, ffn, tokens):

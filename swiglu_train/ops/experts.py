@@ -47,6 +47,7 @@ from swiglu_train.ops.experts_routing import (
     route,
     routing_bytes,
     row_dots,
+    rows_weight_grad,
 )
 from swiglu_train.ops.experts_steps import (
     activate,
@@ -158,11 +159,10 @@ class _ExpertsDropH(torch.autograd.Function):
         del grad_xg
         # beside both weight gradients, the step's peak: with gathered_wgrad, x's rows are
         # read inside the GEMM, not gathered to [R, D] first
+        scale = None if on_output else plan.weight
         if xg is not None:
-            xg.mul_(plan.weight.to(xg.dtype)[:, None])
-            grad_fc1 = grouped_weight_grad(grad_preact, xg, plan.offsets)
+            grad_fc1 = rows_weight_grad(grad_preact, xg, plan.offsets, scale)
         else:
-            scale = None if on_output else plan.weight
             grad_fc1 = gathered_weight_grad(
                 grad_preact, x, plan.token, plan.offsets, scale, ctx.gathered_wgrad
             )

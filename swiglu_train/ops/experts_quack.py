@@ -95,11 +95,14 @@ SECOND_BACKWARD_FREED_ERROR = (
 COOPERATIVE_MIN_DEPTH = 1280
 
 
-def experts_quack_unavailable_reason(hidden_size: int, ffn_hidden_size: int) -> str | None:
+def experts_quack_unavailable_reason(
+    hidden_size: int | None, ffn_hidden_size: int | None
+) -> str | None:
     """Why ``ParExperts(impl='drop_h_quack')`` cannot run here (no quack, no sm_90+ GPU, or
-    sizes whose rows TMA cannot take), or None when it can."""
+    sizes whose rows TMA cannot take; None sizes: not asked), or None when it can."""
     reason = quack_unavailable_reason()
-    if reason is None and not quack_sizes_ok(hidden_size, ffn_hidden_size):
+    sized = hidden_size is not None and ffn_hidden_size is not None
+    if reason is None and sized and not quack_sizes_ok(hidden_size, ffn_hidden_size):
         reason = (
             f"hidden_size {hidden_size} and ffn_hidden_size {ffn_hidden_size} must be "
             f"multiples of {ALIGN} (16-byte rows for TMA)"

@@ -220,6 +220,20 @@ def gathered_row_dots(rows: torch.Tensor, x: torch.Tensor, token: torch.Tensor) 
     return out
 
 
+def rows_weight_grad(
+    grad_out: torch.Tensor,
+    rows: torch.Tensor,
+    offsets: torch.Tensor,
+    row_scale: torch.Tensor | None,
+) -> torch.Tensor:
+    """``grouped_weight_grad`` on rows already gathered, scaled in place by ``row_scale`` (an
+    input-side router weight, rounded to the rows' dtype as the forward rounded w·x) if given:
+    the rows are the caller's scratch."""
+    if row_scale is not None:
+        rows.mul_(row_scale.to(rows.dtype)[:, None])
+    return grouped_weight_grad(grad_out, rows, offsets)
+
+
 def row_dots(rows: torch.Tensor, gathered: torch.Tensor) -> torch.Tensor:
     """[R] fp32: ⟨rows[r], gathered[r]⟩ (one bmm: the dtype's GEMM, rounded to it)."""
     return torch.bmm(rows.unsqueeze(1), gathered.unsqueeze(2)).view(-1).float()
@@ -240,10 +254,7 @@ def gathered_weight_grad(
     they are gathered here first, for torch's grouped GEMM."""
     if gathers_in_gemm(in_gemm, grad_out):
         return _gathered_wgrad(grad_out, inp, token, offsets, row_scale)
-    rows = inp.index_select(0, token)
-    if row_scale is not None:
-        rows.mul_(row_scale.to(rows.dtype)[:, None])
-    return grouped_weight_grad(grad_out, rows, offsets)
+    return rows_weight_grad(grad_out, inp.index_select(0, token), offsets, row_scale)
 
 
 @gathered_weight_grad.register_fake
