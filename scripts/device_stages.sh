@@ -444,7 +444,7 @@ stage_grid() {
     --plot "$RES/grid/grid_${GPU}_$tag.png" 2>&1 | grep -v "^ " | tail -60
 }
 
-## moe: swiglu-train bench-moe, every model and routing ($MOE_MODELS, $MOE_ROUTING, $MOE_VARIANTS)
+## moe: swiglu-train bench-moe, every model and routing, pre-warmed on $MOE_PREWARM (6) workers ($MOE_MODELS, $MOE_ROUTING, $MOE_VARIANTS)
 stage_moe() {
   # Liger and torchtitan columns where their wheels were carried (.whll, .whlmoe: `setup`
   # installs both); SonicMoE runs in a process of its own (stage sonic), merged with
@@ -452,6 +452,7 @@ stage_moe() {
   mkdir -p "$RES/moe"
   python3 -m swiglu_train bench-moe ${MOE_MODELS:+--models $MOE_MODELS} \
     --routing "${MOE_ROUTING:-balanced,skewed}" --samples 30 $([ "${MOE_TIMELINE:-1}" = 1 ] && echo --timeline) \
+    --prewarm-workers "${MOE_PREWARM:-6}" \
     --variants "${MOE_VARIANTS:-normal,drop_h,drop_h+fp8,drop_h+gathered_wgrad,$(echo $QUACK | grep -q drop_h_quack && echo drop_h_quack,drop_h_quack+fp8,)torchtitan,torchtitan_compile,hf_grouped_mm,liger}" \
     --out "$RES/moe/moe_${GPU}.json" 2>&1 | grep "^\[" | tail -20
 }

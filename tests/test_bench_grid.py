@@ -39,10 +39,10 @@ from swiglu_train.bench.grid.plan import (
     split_chunks,
 )
 from swiglu_train.bench.grid.plot import plot_grid
-from swiglu_train.bench.grid.prewarm import WORKER_START_S
 from swiglu_train.bench.grid.report import to_markdown
 from swiglu_train.bench.grid.run import merge_results, missing_points, run_grid
 from swiglu_train.bench.mlp.run import BenchConfig
+from swiglu_train.bench.prewarm import WORKER_START_S
 from swiglu_train.cli import app
 from swiglu_train.layers.auto import AutoModel, resolve
 from swiglu_train.layers.auto_fit import fit_auto_model

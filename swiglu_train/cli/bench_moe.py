@@ -56,6 +56,14 @@ def bench_moe(
         bool,
         typer.Option(help="record each variant's kernels and the GPU's idle gaps (CUDA only)"),
     ] = False,
+    prewarm_workers: Annotated[
+        int,
+        typer.Option(
+            min=0,
+            help="compile each model's variants in this many worker processes first, several "
+            "models at once, within the GPU's free memory (0: each in the timing pass)",
+        ),
+    ] = 0,
     commit: Annotated[str | None, typer.Option(help="commit to record if git is absent")] = None,
     out: Annotated[
         Path | None,
@@ -122,12 +130,26 @@ def bench_moe(
             console.print(f"[yellow]{samples} samples: results are not claimable (need >= 30)")
         cfg = MoEConfig(
             chosen, routings, tokens, names, samples, warmup, dtype, device, seed, timeline,
-            router_weights_on=router_weights_on,
+            prewarm_workers, router_weights_on=router_weights_on,
         )  # fmt: skip
         cfg.extra = {"commit": commit, "command": invocation()}
         result = _run(cfg, out)
     siblings = (None, None) if out is None else (out.with_suffix(".md"), out.with_suffix(".png"))
     write_results(result, to_markdown(result), out, *siblings, _figure)
+
+
+def _prewarm(cfg: MoEConfig) -> dict:
+    """The pre-warm, a line per model as its worker finishes; its record."""
+    from swiglu_train.bench.moe.prewarm import prewarm_moe
+
+    models, warmed = len(dict.fromkeys(shape for shape, _ in cfg.points())), 0
+
+    def on_point(outcome) -> None:
+        nonlocal warmed
+        warmed += 1
+        console.print(f"[pre-warm {warmed}/{models}] {outcome.describe()}", markup=False)
+
+    return prewarm_moe(cfg, on_point)
 
 
 def _run(cfg: MoEConfig, out: Path | None) -> dict:
@@ -138,6 +160,8 @@ def _run(cfg: MoEConfig, out: Path | None) -> dict:
 
     points, began = cfg.points(), time.perf_counter()
     done = 0
+    if cfg.prewarm_workers:
+        cfg.extra["prewarm"] = _prewarm(cfg)
 
     def on_point(result: dict) -> None:
         nonlocal done

@@ -11,8 +11,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from swiglu_train.bench.grid.models import GridShape
-from swiglu_train.bench.grid.prewarm import makespan_s
 from swiglu_train.bench.mlp.run import BenchConfig, one_layer_config
+from swiglu_train.bench.prewarm import makespan_s
 from swiglu_train.bench.timing import QUEUE_MS
 
 # Every impl and every peer (quack's mlp_func untuned, Liger in-place, torch.compile, FLA);

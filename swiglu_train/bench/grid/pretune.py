@@ -17,9 +17,10 @@ from collections.abc import Iterator, Sequence
 
 import torch
 
-from swiglu_train.bench.grid.prewarm import Warmed, warm_point
+from swiglu_train.bench.grid.prewarm import warm_point
 from swiglu_train.bench.mlp.run import BenchConfig
 from swiglu_train.bench.pretune import measure as pretune
+from swiglu_train.bench.prewarm import Warmed
 from swiglu_train.bench.results import DTYPES
 from swiglu_train.ops import gemm_choice
 from swiglu_train.ops.quack_mlp import quack_unavailable_reason

@@ -30,8 +30,9 @@ from swiglu_train.bench.grid.pretune import (
     warm_point_and_gemms,
     why_not,
 )
-from swiglu_train.bench.grid.prewarm import Warmed, prewarm, release, warm_point
+from swiglu_train.bench.grid.prewarm import grid_jobs, release, warm_point
 from swiglu_train.bench.mlp.run import measure_layer
+from swiglu_train.bench.prewarm import Warmed, prewarm
 from swiglu_train.bench.results import DTYPES, environment
 from swiglu_train.bench.timing import PEAK_DEFINITION
 from swiglu_train.layers.auto import find_model_file, gpu_family, resolve_auto
@@ -80,7 +81,7 @@ def _run(cfg: GridConfig, progress: Progress, on_point, on_prewarm) -> dict:
 
         configs = [cfg.bench_config(p) for p in points]
         task = warm_point_and_gemms if pretuning else warm_point
-        result["meta"]["prewarm"] |= prewarm(configs, cfg.prewarm_workers, warmed, task)
+        result["meta"]["prewarm"] |= prewarm(grid_jobs(configs), cfg.prewarm_workers, task, warmed)
         result["meta"]["elapsed_s"] = round(time.perf_counter() - start, 1)
         on_point(result)
     tick = progress("grid points", len(points))  # one bar: a point's own bars would pile up

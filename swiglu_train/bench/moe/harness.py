@@ -69,6 +69,7 @@ class MoEConfig:
     device: str = "cuda"
     seed: int = 0
     timeline: bool = False  # each variant's kernels and idle gaps, one step, in the point
+    prewarm_workers: int = 0  # processes that compile the models' variants before timing
     extra: dict = field(default_factory=dict)
     router_weights_on: str = "output"  # or "input", as Llama-4 (variants.SIDES)
 
@@ -154,7 +155,7 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
 
 
-def _reason(e: BaseException) -> str:
+def skip_reason(e: BaseException) -> str:
     """One line: "not offered" where the variant computes the other side's function, "not
     installed" where a package itself is missing, else "failed" (a module missing inside a
     package, as SonicMoE's from quack 0.6.5, is a version clash)."""
@@ -229,7 +230,7 @@ def measure_point(
             )
             cases.append(case)
         except Exception as e:  # a peer that cannot run is recorded, not allowed to sink the run
-            skipped[name] = _reason(e)
+            skipped[name] = skip_reason(e)
         if name in skipped:  # its tensors go back once the traceback holding them is gone
             variant = case = None
             free(device)
@@ -296,7 +297,7 @@ def run_moe(
         try:
             point, rows, skipped = measure_point(cfg, shape, routing, progress)
         except torch.OutOfMemoryError as e:
-            point, rows, skipped = None, [], {"*": _reason(e)}
+            point, rows, skipped = None, [], {"*": skip_reason(e)}
         release(device)
         if point is not None:
             result["points"].append(point)
@@ -329,6 +330,7 @@ def meta(cfg: MoEConfig, device: torch.device) -> dict:
         "reference": REFERENCE,
         "tolerance": {"+fp8": tolerance(cfg, "+fp8"), "others": tolerance(cfg, "")},
         "checked_experts": CHECKED_EXPERTS,
+        "prewarm": cfg.extra.get("prewarm"),  # the pre-warm's record, or None without one
         "router_weights_on": cfg.router_weights_on,
         "router_weights": "fp32 [T, k], softmax of random logits, applied to the expert "
         + cfg.router_weights_on,
