@@ -1,0 +1,92 @@
+"""``bench-moe --prewarm-workers``: one job per model, sized from its tensors; the pool's GPU
+budget keeping large points apart; a worker's task in process; and a real pre-warmed run on
+CPU, whose spawned workers warm each model before the timing pass measures it."""
+
+import json
+import os
+import time
+
+from typer.testing import CliRunner
+
+from swiglu_train.bench.moe.harness import MoEConfig
+from swiglu_train.bench.moe.prewarm import CONTEXT_BYTES, moe_jobs, point_bytes, warm_moe_point
+from swiglu_train.bench.moe.shapes import parse_shapes, select_models
+from swiglu_train.bench.prewarm import Job, Warmed, prewarm
+from swiglu_train.cli import app
+
+
+def test_a_model_is_one_job_at_its_first_routing_and_the_largest_comes_first():
+    shapes = select_models(["qwen3-30b-a3b", "deepseek-v2-lite", "qwen1.5-moe-a2.7b"])
+    cfg = MoEConfig(shapes, routings=("skewed", "balanced"))
+    jobs = moe_jobs(cfg)
+    assert [j.label for j in jobs] == [
+        "qwen3-30b-a3b skewed", "deepseek-v2-lite skewed", "qwen1.5-moe-a2.7b skewed"
+    ]  # fmt: skip
+    # DeepSeek-V2-Lite and Qwen1.5-MoE share quack's and Triton's kernels: one compile shape
+    assert [j.shape for j in jobs] == [(2048, 768), (2048, 1408), (2048, 1408)]
+    assert [j.size for j in jobs] == [s.e * s.d * s.f for s in shapes]
+    assert jobs[0].config == (cfg, shapes[0], "skewed")
+
+
+def test_a_point_s_bytes_cover_its_weights_their_grads_and_its_largest_activations():
+    (v3,) = select_models(["deepseek-v3"])
+    cfg = MoEConfig([v3])
+    weights = 3 * v3.e * v3.d * v3.f * 2  # bf16 fc1 and fc2: 22.5 GB
+    normal = 8192 * 8 * 2 * (2 * v3.d + 3 * v3.f)  # what normal saves, the most of any variant
+    tokens = 3 * 8192 * v3.d * 2  # x, its grad, grad_y
+    assert point_bytes(cfg, v3) == 2 * weights + tokens + 3 * normal + CONTEXT_BYTES
+    assert 45e9 < point_bytes(cfg, v3) < 60e9  # so two never share an 80 GB H100
+    fp32 = MoEConfig([v3], dtype="fp32")
+    assert point_bytes(fp32, v3) - CONTEXT_BYTES == 2 * (point_bytes(cfg, v3) - CONTEXT_BYTES)
+
+
+def _stamp(label: str) -> Warmed:
+    """A pool task that records when it ran, in its outcome."""
+    began = time.time()
+    time.sleep(1.0)
+    return Warmed(label, 0.0, os.getpid(), [f"{began}", f"{time.time()}"])
+
+
+def test_the_gpu_budget_keeps_two_large_points_apart_and_lets_a_small_one_in():
+    jobs = [
+        Job("big", "big", "a", 3.0, gpu_bytes=6),
+        Job("big2", "big2", "b", 2.0, gpu_bytes=6),
+        Job("small", "small", "c", 1.0, gpu_bytes=2),
+        Job("huge", "huge", "d", 0.5, gpu_bytes=20),  # over the budget alone: it runs alone
+    ]
+    seen: list[Warmed] = []
+    record = prewarm(jobs, 3, _stamp, seen.append, gpu_budget=8)
+    spans = {w.label: tuple(map(float, w.warmed)) for w in seen}
+    assert set(spans) == {"big", "big2", "small", "huge"} and not record["worker_errors"]
+
+    def overlap(a: str, b: str) -> bool:
+        return spans[a][0] < spans[b][1] and spans[b][0] < spans[a][1]
+
+    assert overlap("big", "small")  # 6 + 2 fits in 8
+    assert not overlap("big", "big2")  # 12 does not
+    assert not any(overlap("huge", other) for other in ("big", "big2", "small"))
+
+
+def test_a_worker_task_warms_each_variant_and_says_why_one_did_not():
+    cfg = MoEConfig(parse_shapes("32,16,4,2"), ("balanced",), 16, ("drop_h", "hf_llama4"),
+                    warmup=1, device="cpu")  # fmt: skip
+    outcome = warm_moe_point((cfg, cfg.shapes[0], "balanced"))
+    assert outcome.label == "32x16-e4k2 balanced" and outcome.pid == os.getpid()
+    assert outcome.warmed == ["drop_h"] and not outcome.error
+    assert outcome.not_warmed["hf_llama4"].startswith("not offered: hf_llama4 applies")
+
+
+def test_a_prewarmed_run_warms_each_model_in_a_worker_then_times_it(tmp_path):
+    out = tmp_path / "moe.json"
+    args = ["bench-moe", "--shapes", "32,16,4,2;48,24,4,2", "--tokens", "16", "--routing",
+            "balanced,skewed", "--samples", "1", "--warmup", "1", "--device", "cpu",
+            "--variants", "drop_h,loop", "--prewarm-workers", "2", "--out", str(out)]  # fmt: skip
+    done = CliRunner().invoke(app, args)
+    assert done.exit_code == 0, done.output
+    lines = [line for line in done.output.splitlines() if line.startswith("[pre-warm")]
+    assert len(lines) == 2 and all(" balanced: " in line for line in lines)
+    result = json.loads(out.read_text())
+    record = result["meta"]["prewarm"]
+    assert record["workers"] == 2 and record["points"] == 2 and record["worker_errors"] == []
+    assert record["elapsed_s"] > 0
+    assert len(result["points"]) == 4 and all(r["ok"] for r in result["rows"] if "ok" in r)
