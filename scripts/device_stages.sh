@@ -444,17 +444,28 @@ stage_grid() {
     --plot "$RES/grid/grid_${GPU}_$tag.png" 2>&1 | grep -v "^ " | tail -60
 }
 
-## moe: swiglu-train bench-moe, every model and routing, pre-warmed on $MOE_PREWARM (6) workers ($MOE_MODELS, $MOE_ROUTING, $MOE_VARIANTS)
+## moe: swiglu-train bench-moe, every model and routing, pre-warmed on $MOE_PREWARM (6) workers; Liger in a run of its own, merged ($MOE_MODELS, $MOE_ROUTING, $MOE_VARIANTS, $MOE_LIGER)
 stage_moe() {
-  # Liger and torchtitan columns where their wheels were carried (.whll, .whlmoe: `setup`
-  # installs both); SonicMoE runs in a process of its own (stage sonic), merged with
-  # bench-moe --merge.
+  # torchtitan's columns where .whlmoe was carried, Liger's where .whll was (`setup` installs
+  # both); SonicMoE runs in a process of its own (stage sonic), merged with bench-moe --merge.
+  # Liger autotunes ~150 Triton configs per shape, timing each on the GPU (over 7 min at
+  # Mixtral on the H100): no pre-warm can share that, so it runs after the rest, in a run of
+  # its own whose points a bound cannot cost the others, with its picks kept on disk for a
+  # later call on this machine (TRITON_CACHE_AUTOTUNING) and each autotune's seconds logged.
+  # Each run's whole output is kept in its log, also where the bound stops it.
   mkdir -p "$RES/moe"
-  python3 -m swiglu_train bench-moe ${MOE_MODELS:+--models $MOE_MODELS} \
-    --routing "${MOE_ROUTING:-balanced,skewed}" --samples 30 $([ "${MOE_TIMELINE:-1}" = 1 ] && echo --timeline) \
+  local args="${MOE_MODELS:+--models $MOE_MODELS} --routing ${MOE_ROUTING:-balanced,skewed} --samples 30"
+  local quack=$(echo $QUACK | grep -q drop_h_quack && echo drop_h_quack,drop_h_quack+fp8,)
+  python3 -m swiglu_train bench-moe $args $([ "${MOE_TIMELINE:-1}" = 1 ] && echo --timeline) \
     --prewarm-workers "${MOE_PREWARM:-6}" \
-    --variants "${MOE_VARIANTS:-normal,drop_h,drop_h+fp8,drop_h+gathered_wgrad,$(echo $QUACK | grep -q drop_h_quack && echo drop_h_quack,drop_h_quack+fp8,)torchtitan,torchtitan_compile,hf_grouped_mm,liger}" \
-    --out "$RES/moe/moe_${GPU}.json" 2>&1 | grep "^\[" | tail -20
+    --variants "${MOE_VARIANTS:-normal,drop_h,drop_h+fp8,drop_h+gathered_wgrad,${quack}torchtitan,torchtitan_compile,hf_grouped_mm}" \
+    --out "$RES/moe/moe_main_${GPU}.json" 2>&1 | tee "$RES/moe/moe_main_${GPU}.log" | grep "^\[" | tail -20
+  [ "${MOE_LIGER:-1}" = 1 ] || return 0
+  TRITON_CACHE_AUTOTUNING=1 TRITON_PRINT_AUTOTUNING=1 python3 -m swiglu_train bench-moe $args \
+    --variants liger --out "$RES/moe/moe_liger_${GPU}.json" 2>&1 \
+    | tee "$RES/moe/moe_liger_${GPU}.log" | grep "^\[\|autotuning for\|finished after" | tail -40
+  python3 -m swiglu_train bench-moe --merge "$RES/moe/moe_main_${GPU}.json" \
+    --merge "$RES/moe/moe_liger_${GPU}.json" --out "$RES/moe/moe_${GPU}.json" | tail -3
 }
 
 ## moe_llama4: bench-moe with the router weight on the expert input, as Llama-4 runs it: ours against transformers' Llama4TextExperts ($MOE_MODELS, default llama4-scout)

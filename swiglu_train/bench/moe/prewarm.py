@@ -31,6 +31,13 @@ from swiglu_train.bench.results import DTYPES
 from swiglu_train.bench.timing import Clock, run_once
 from swiglu_train.ops.experts import saved_activation_bytes
 
+# Variants whose preparation a pre-warm cannot share: they time candidates on the GPU, which
+# no on-disk cache carries to the timing pass (Triton's autotuner keeps its picks in memory),
+# and among the other workers they would time them slowly and on a crowded GPU
+NOT_PREWARMED = {
+    "liger": "Liger's fused MoE autotunes ~150 Triton configs per shape by timing them; the "
+    "timing pass does that itself",
+}
 CONTEXT_BYTES = 2**30  # a worker's CUDA context and allocator slack
 # Of the GPU's free memory, what the workers' points may hold together
 FREE_MEMORY_SHARE = 0.8
@@ -89,6 +96,9 @@ def warm_moe_point(job: tuple[MoEConfig, MoEShape, str]) -> Warmed:
         not_warmed["all"] = skip_reason(e)
         inputs = None
     for name in cfg.variants if inputs is not None else ():
+        if name in NOT_PREWARMED:
+            not_warmed[name] = NOT_PREWARMED[name]
+            continue
         case = None
         try:
             variant = builder(name, cfg.router_weights_on)(inputs.weights, shape.k)
