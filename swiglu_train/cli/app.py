@@ -6,6 +6,7 @@ import contextlib
 import os
 import shlex
 import sys
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -205,11 +206,26 @@ def invocation() -> str:
 
 @contextlib.contextmanager
 def progress_bars() -> Iterator[Callable[[str, int], Callable[[], None]]]:
-    """A rich progress bar factory: ``progress(label, total)`` returns the task's tick."""
+    """A rich progress bar factory: ``progress(label, total)`` returns the task's tick. Where
+    the console is no terminal (a log, a pipe), a bar draws nothing, so each task prints a
+    line as it starts and one as it ends: a run stopped midway shows where it was."""
     with Progress(console=console, transient=True) as bar:
 
         def progress(label: str, total: int) -> Callable[[], None]:
             task = bar.add_task(label, total=total)
-            return lambda: bar.advance(task)
+            if console.is_terminal:
+                return lambda: bar.advance(task)
+            began, done = time.perf_counter(), 0
+            console.print(f"{label}: started ({total})", markup=False)
+
+            def tick() -> None:
+                nonlocal done
+                done += 1
+                bar.advance(task)
+                if done == total:
+                    seconds = time.perf_counter() - began
+                    console.print(f"{label}: done in {seconds:.1f} s", markup=False)
+
+            return tick
 
         yield progress
