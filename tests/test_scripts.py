@@ -2,6 +2,7 @@
 
 import importlib.util
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -170,7 +171,28 @@ def test_a_device_session_s_commit_wins_over_the_copied_tree_s_head(tmp_path, mo
         "benchmarks/probe.py", [], 30, None, str(tmp_path / "out.json"), None, str,
         torch.device("cpu"),
     )["commit"]  # fmt: skip
-    assert head != "9e25753" and len(head) == 40  # this checkout's HEAD
+    assert head != "9e25753" and re.fullmatch(r"[0-9a-f]{40}(\+dirty)?", head)  # HEAD
+
+
+def test_a_tree_that_differs_from_its_head_is_recorded_dirty(tmp_path, monkeypatch):
+    """As the device box's copied tree does from its older .git; an untracked file is not."""
+    import subprocess
+
+    from swiglu_train.bench.results import git_commit
+
+    monkeypatch.delenv("SWIGLU_TRAIN_COMMIT", raising=False)
+    monkeypatch.chdir(tmp_path)
+    git = ["git", "-c", "user.name=t", "-c", "user.email=t@t"]
+    subprocess.run([*git, "init", "-q"], check=True)
+    (tmp_path / "a.py").write_text("x = 1\n")
+    subprocess.run([*git, "add", "a.py"], check=True)
+    subprocess.run([*git, "commit", "-qm", "a"], check=True)
+    head = subprocess.run([*git, "rev-parse", "HEAD"], capture_output=True, text=True).stdout
+    assert git_commit() == head.strip()
+    (tmp_path / "log").write_text("untracked\n")
+    assert git_commit() == head.strip()
+    (tmp_path / "a.py").write_text("x = 2\n")
+    assert git_commit() == head.strip() + "+dirty"
 
 
 def test_fp8_accuracy_script_measures_each_format_against_float64():

@@ -79,13 +79,16 @@ def write_result(
 
 def git_commit() -> str | None:
     """The commit measured: $SWIGLU_TRAIN_COMMIT where a device session names the tree it
-    copied (a copied tree's own .git may be another commit's), else git's HEAD."""
+    copied, else git's HEAD, with ``+dirty`` where tracked files differ from it. A copied
+    tree's own .git may be another commit's (the device box's was the session's first), and
+    a result must then say that its HEAD is not what ran."""
     if os.environ.get("SWIGLU_TRAIN_COMMIT"):
         return os.environ["SWIGLU_TRAIN_COMMIT"]
     try:
-        out = subprocess.run(
-            ["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True
+        head, changed = (
+            subprocess.run(["git", *args], capture_output=True, text=True, check=True).stdout
+            for args in (["rev-parse", "HEAD"], ["status", "--porcelain", "--untracked-files=no"])
         )
     except (OSError, subprocess.CalledProcessError):
         return None
-    return out.stdout.strip()
+    return head.strip() + ("+dirty" if changed.strip() else "")
