@@ -4,10 +4,10 @@ CPU, whose spawned workers warm each model before the timing pass measures it.""
 
 import json
 import os
-import time
 
 from typer.testing import CliRunner
 
+from swiglu_train.bench import prewarm as pool_module
 from swiglu_train.bench.moe.harness import MoEConfig
 from swiglu_train.bench.moe.prewarm import (
     CONTEXT_BYTES,
@@ -46,31 +46,41 @@ def test_a_point_s_bytes_cover_its_weights_their_grads_and_its_largest_activatio
     assert point_bytes(fp32, v3) - CONTEXT_BYTES == 2 * (point_bytes(cfg, v3) - CONTEXT_BYTES)
 
 
-def _stamp(label: str) -> Warmed:
-    """A pool task that records when it ran, in its outcome."""
-    began = time.time()
-    time.sleep(1.0)
-    return Warmed(label, 0.0, os.getpid(), [f"{began}", f"{time.time()}"])
+def _named(label: str) -> Warmed:
+    return Warmed(label, 0.0, os.getpid(), [label])
 
 
-def test_the_gpu_budget_keeps_two_large_points_apart_and_lets_a_small_one_in():
+def _schedule(monkeypatch, budget: int | None) -> list[tuple[str, str]]:
+    """The pool's submissions and completions, in the order the dispatcher made them (one
+    thread: deterministic, whatever the workers' timing)."""
+    events: list[tuple[str, str]] = []
+    submit = pool_module._submit
+
+    def recording(pool, workers, task, config):
+        events.append(("start", config))
+        return submit(pool, workers, task, config)
+
+    monkeypatch.setattr(pool_module, "_submit", recording)
     jobs = [
         Job("big", "big", "a", 3.0, gpu_bytes=6),
         Job("big2", "big2", "b", 2.0, gpu_bytes=6),
         Job("small", "small", "c", 1.0, gpu_bytes=2),
         Job("huge", "huge", "d", 0.5, gpu_bytes=20),  # over the budget alone: it runs alone
     ]
-    seen: list[Warmed] = []
-    record = prewarm(jobs, 3, _stamp, seen.append, gpu_budget=8)
-    spans = {w.label: tuple(map(float, w.warmed)) for w in seen}
-    assert set(spans) == {"big", "big2", "small", "huge"} and not record["worker_errors"]
+    record = prewarm(jobs, 3, _named, lambda w: events.append(("done", w.label)), budget)
+    assert not record["worker_errors"] and record["points"] == 4
+    return events
 
-    def overlap(a: str, b: str) -> bool:
-        return spans[a][0] < spans[b][1] and spans[b][0] < spans[a][1]
 
-    assert overlap("big", "small")  # 6 + 2 fits in 8
-    assert not overlap("big", "big2")  # 12 does not
-    assert not any(overlap("huge", other) for other in ("big", "big2", "small"))
+def test_the_gpu_budget_keeps_two_large_points_apart_and_lets_a_small_one_in(monkeypatch):
+    events = _schedule(monkeypatch, budget=8)
+    at = {event: i for i, event in enumerate(events)}
+    assert events[:2] == [("start", "big"), ("start", "small")]  # 6 + 2 fits in 8, 12 not
+    assert at[("done", "big")] < at[("start", "big2")]
+    last_done = max(at[("done", name)] for name in ("big", "big2", "small"))
+    assert at[("start", "huge")] > last_done  # 20 alone, once nothing else runs
+    unbounded = _schedule(monkeypatch, budget=None)
+    assert unbounded[:3] == [("start", "big"), ("start", "big2"), ("start", "small")]
 
 
 def test_a_worker_task_warms_each_variant_and_says_why_one_did_not():
