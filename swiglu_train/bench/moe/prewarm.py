@@ -72,9 +72,10 @@ def moe_jobs(cfg: MoEConfig) -> list[Job]:
 def gpu_budget(cfg: MoEConfig) -> int | None:
     """Bytes the workers' points may hold together: a share of the GPU's free memory now
     (None on the CPU, which has no such limit worth planning around)."""
-    if torch.device(cfg.device).type != "cuda":
+    device = torch.device(cfg.device)
+    if device.type != "cuda":
         return None
-    return int(FREE_MEMORY_SHARE * torch.cuda.mem_get_info()[0])
+    return int(FREE_MEMORY_SHARE * torch.cuda.mem_get_info(device)[0])
 
 
 def prewarm_moe(cfg: MoEConfig, on_point: Callable[[Warmed], None]) -> dict:
