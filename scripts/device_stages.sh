@@ -448,10 +448,12 @@ stage_grid() {
 stage_moe() {
   # torchtitan's columns where .whlmoe was carried, Liger's where .whll was (`setup` installs
   # both); SonicMoE runs in a process of its own (stage sonic), merged with bench-moe --merge.
-  # Liger autotunes ~150 Triton configs per shape, timing each on the GPU (over 7 min at
-  # Mixtral on the H100): no pre-warm can share that, so it runs after the rest, in a run of
-  # its own whose points a bound cannot cost the others, with its picks kept on disk for a
-  # later call on this machine (TRITON_CACHE_AUTOTUNING) and each autotune's seconds logged.
+  # Liger autotunes ~240 Triton configs per shape, timing each on the GPU (Mixtral's first
+  # point, Liger among its variants, did not finish in 480 s on the H100, and a traceback at
+  # 70 s was in Liger's autotuner): no pre-warm can share that, so it runs after the rest,
+  # in a run of its own whose points a bound cannot cost the others, with its picks kept on
+  # disk for a later call on this machine (TRITON_CACHE_AUTOTUNING) and each autotune's
+  # seconds logged.
   # Each run's whole output is kept in its log, also where the bound stops it.
   mkdir -p "$RES/moe"
   local args="${MOE_MODELS:+--models $MOE_MODELS} --routing ${MOE_ROUTING:-balanced,skewed} --samples 30"

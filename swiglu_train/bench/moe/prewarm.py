@@ -35,7 +35,7 @@ from swiglu_train.ops.experts import saved_activation_bytes
 # no on-disk cache carries to the timing pass (Triton's autotuner keeps its picks in memory),
 # and among the other workers they would time them slowly and on a crowded GPU
 NOT_PREWARMED = {
-    "liger": "Liger's fused MoE autotunes ~150 Triton configs per shape by timing them; the "
+    "liger": "Liger's fused MoE autotunes ~240 Triton configs per shape by timing them; the "
     "timing pass does that itself",
 }
 CONTEXT_BYTES = 2**30  # a worker's CUDA context and allocator slack
