@@ -476,7 +476,8 @@ stage_moe_llama4() {
   python3 -m swiglu_train bench-moe --models "${MOE_MODELS:-llama4-scout}" --router-weights-on input \
     --routing "${MOE_ROUTING:-balanced}" --samples 30 \
     --variants "normal,drop_h,drop_h+fp8,drop_h+gathered_wgrad,$(echo $QUACK | grep -q drop_h_quack && echo drop_h_quack,)hf_llama4" \
-    --out "$RES/moe/moe_llama4_${GPU}.json" 2>&1 | grep "^\[" | tail -20
+    --out "$RES/moe/moe_llama4_${GPU}.json" 2>&1 | tee "$RES/moe/moe_llama4_${GPU}.log" \
+    | grep "^\[" | tail -20
 }
 
 ## moe_gemms: drop_h_quack's six varlen GEMMs, quack configs vs its default and torch's grouped GEMM ($MOE_MODELS, $MOE_ROUTING, $MOE_GEMM_CONFIGS)
@@ -513,7 +514,8 @@ stage_sonic() {
   mkdir -p "$RES/moe"
   PYTHONPATH="$site:$site/nvidia_cutlass_dsl/python_packages:$PYTHONPATH" python3 -m swiglu_train \
     bench-moe --models "${MOE_MODELS:-qwen3-30b-a3b,olmoe-1b-7b}" --routing "${MOE_ROUTING:-balanced}" \
-    --samples 30 --variants drop_h,drop_h+fp8,sonicmoe --out "$RES/moe/moe_sonic_${GPU}.json" 2>&1 | tail -20
+    --samples 30 --variants drop_h,drop_h+fp8,sonicmoe --out "$RES/moe/moe_sonic_${GPU}.json" 2>&1 \
+    | tee "$RES/moe/moe_sonic_${GPU}.log" | tail -20
 }
 
 ## fp8_training: the FP8-GEMM GPU tests, then drop_h (and drop_h+fp8, its preact in FP8) on torchao's recipes against torchao's MLP, both compiled ($FP8_MODELS, $FP8_VARIANTS; carry .whla)
