@@ -444,7 +444,7 @@ stage_grid() {
     --plot "$RES/grid/grid_${GPU}_$tag.png" 2>&1 | grep -v "^ " | tail -60
 }
 
-## moe: swiglu-train bench-moe, every model and routing, pre-warmed on $MOE_PREWARM (6) workers; Liger in a run of its own, merged ($MOE_MODELS, $MOE_ROUTING, $MOE_VARIANTS, $MOE_LIGER)
+## moe: swiglu-train bench-moe, every model and routing, pre-warmed on $MOE_PREWARM (6) workers; Liger in a run of its own, merged ($MOE_MODELS, $MOE_ROUTING, $MOE_VARIANTS, $MOE_LIGER; $MOE_SHAPES, $MOE_TOKENS, $MOE_DEVICE for a CPU dry run)
 stage_moe() {
   # torchtitan's columns where .whlmoe was carried, Liger's where .whll was (`setup` installs
   # both); SonicMoE runs in a process of its own (stage sonic), merged with bench-moe --merge.
@@ -456,7 +456,9 @@ stage_moe() {
   # seconds logged.
   # Each run's whole output is kept in its log, also where the bound stops it.
   mkdir -p "$RES/moe"
-  local args="${MOE_MODELS:+--models $MOE_MODELS} --routing ${MOE_ROUTING:-balanced,skewed} --samples 30"
+  local args="${MOE_MODELS:+--models $MOE_MODELS} ${MOE_SHAPES:+--shapes $MOE_SHAPES}
+    ${MOE_TOKENS:+--tokens $MOE_TOKENS} ${MOE_DEVICE:+--device $MOE_DEVICE}
+    --routing ${MOE_ROUTING:-balanced,skewed} --samples 30"
   local quack=$(echo $QUACK | grep -q drop_h_quack && echo drop_h_quack,drop_h_quack+fp8,)
   python3 -m swiglu_train bench-moe $args $([ "${MOE_TIMELINE:-1}" = 1 ] && echo --timeline) \
     --prewarm-workers "${MOE_PREWARM:-6}" \

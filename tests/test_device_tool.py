@@ -3,8 +3,11 @@ the xz round trip of the cutlass libs (the GPU box has no network, so a broken c
 device call)."""
 
 import importlib.util
+import json
+import os
 import re
 import subprocess
+import sys
 import tarfile
 import zipfile
 from importlib import metadata
@@ -249,3 +252,31 @@ def test_carry_adds_the_tracked_tree_and_the_folders_in_blocks_and_says_whether_
     with pytest.raises(SystemExit):
         device.main(["carry", ".whlq_absent"])
     assert "no folder .whlq_absent here" in capsys.readouterr().err
+
+
+def test_stage_moe_runs_ours_then_liger_apart_and_merges_them(device, tmp_path, monkeypatch):
+    """The moe stage end to end on CPU, a device call's worth of bash checked before one is
+    spent: the pre-warmed main run, Liger's run of its own (it cannot run here, and says
+    why), their merge, and each run's whole output in its log."""
+    monkeypatch.setattr(device, "quack_impls", lambda env: "")
+    res = tmp_path / "gpu-results.xyz"
+    res.mkdir()
+    env = {
+        "OUT": tmp_path / "out", "RES": res, "SCRATCH": tmp_path, "GPU": "cpu",
+        "MOE_SHAPES": "32,16,4,2", "MOE_TOKENS": "16", "MOE_DEVICE": "cpu",
+        "MOE_ROUTING": "balanced", "MOE_VARIANTS": "normal", "MOE_PREWARM": "1",
+        "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",  # its python3
+    }  # fmt: skip
+    for name, value in env.items():
+        monkeypatch.setenv(name, str(value))
+    device.run_stages(["moe:300"])
+    moe = res / "moe"
+    main, liger, merged = (json.loads((moe / f"moe_{n}cpu.json").read_text())
+                           for n in ("main_", "liger_", ""))  # fmt: skip
+    assert main["meta"]["prewarm"]["points"] == 1 and main["meta"]["variants"] == ["normal"]
+    assert [r["variant"] for r in main["rows"]] == ["floor", "normal"]
+    assert [s["variant"] for s in liger["skipped"]] == ["liger"]  # no GPU here: its reason
+    assert [(r["variant"], r["run"]) for r in merged["rows"]] == [("floor", 0), ("normal", 0)]
+    assert [(s["variant"], s["run"]) for s in merged["skipped"]] == [("liger", 1)]
+    assert "[pre-warm 1/1]" in (moe / "moe_main_cpu.log").read_text()
+    assert "[1/1]" in (moe / "moe_liger_cpu.log").read_text()
