@@ -85,10 +85,13 @@ def git_commit() -> str | None:
     if os.environ.get("SWIGLU_TRAIN_COMMIT"):
         return os.environ["SWIGLU_TRAIN_COMMIT"]
     try:
-        head, changed = (
-            subprocess.run(["git", *args], capture_output=True, text=True, check=True).stdout
-            for args in (["rev-parse", "HEAD"], ["status", "--porcelain", "--untracked-files=no"])
-        )
+        head = _git("rev-parse", "HEAD")
+        changed = _git("status", "--porcelain", "--untracked-files=no")
     except (OSError, subprocess.CalledProcessError):
         return None
-    return head.strip() + ("+dirty" if changed.strip() else "")
+    return head + ("+dirty" if changed else "")
+
+
+def _git(*args: str) -> str:
+    run = subprocess.run(["git", *args], capture_output=True, text=True, check=True)
+    return run.stdout.strip()

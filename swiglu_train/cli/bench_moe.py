@@ -142,7 +142,7 @@ def _prewarm(cfg: MoEConfig) -> dict:
     """The pre-warm, a line per model as its worker finishes; its record."""
     from swiglu_train.bench.moe.prewarm import prewarm_moe
 
-    models, warmed = len(dict.fromkeys(shape for shape, _ in cfg.points())), 0
+    models, warmed = len(set(cfg.shapes)), 0
 
     def on_point(outcome) -> None:
         nonlocal warmed

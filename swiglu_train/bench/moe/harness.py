@@ -113,6 +113,22 @@ def variant_case(name: str, variant: Variant, inputs: Inputs) -> Case:
     )
 
 
+def built_case(cfg: MoEConfig, name: str, inputs: Inputs, shape: MoEShape) -> tuple[Variant, Case]:
+    """Variant ``name`` on the run's router side over the point's inputs, and its step."""
+    variant = builder(name, cfg.router_weights_on)(inputs.weights, shape.k)
+    return variant, variant_case(name, variant, inputs)
+
+
+def warm_up(case: Case, steps: int, device: torch.device) -> float:
+    """Run ``steps`` untimed steps (the first compiles and autotunes); when the first ended
+    (``time.perf_counter()``)."""
+    run_once(case, Clock(device, queued=False))
+    first_ended = time.perf_counter()
+    for _ in range(steps - 1):
+        run_once(case, Clock(device, queued=False))
+    return first_ended
+
+
 def checked_experts(experts: int) -> torch.Tensor:
     """The experts whose weight gradients are compared: the hot one (0) and evenly spaced."""
     return torch.linspace(0, experts - 1, min(experts, CHECKED_EXPERTS)).round().long()
@@ -207,24 +223,17 @@ def measure_point(
         "prepare_s": prepare_s,
         "first_step_s": first_step_s,
     }
-    side = cfg.router_weights_on
     began = time.perf_counter()
-    reference_variant = builder(REFERENCE, side)(inputs.weights, shape.k)
-    reference = step_outputs(
-        variant_case(REFERENCE, reference_variant, inputs), reference_variant, inputs
-    )
+    reference_variant, reference_case = built_case(cfg, REFERENCE, inputs, shape)
+    reference = step_outputs(reference_case, reference_variant, inputs)
     point["reference_s"] = round(time.perf_counter() - began, 2)  # the loop's step, checked once
     cases, checks, skipped = [], {}, {}
     tick = progress(f"{shape.name} {routing}: build, warm-up, check", len(cfg.variants))
     for name in cfg.variants:
         began = time.perf_counter()
         try:
-            variant = builder(name, side)(inputs.weights, shape.k)
-            case = variant_case(name, variant, inputs)
-            for step in range(cfg.warmup):  # the first compiles, autotunes
-                run_once(case, Clock(device, queued=False))
-                if step == 0:
-                    first_step_s[name] = round(time.perf_counter() - began, 2)
+            variant, case = built_case(cfg, name, inputs, shape)
+            first_step_s[name] = round(warm_up(case, cfg.warmup, device) - began, 2)
             checks[name] = errors(
                 step_outputs(case, variant, inputs), reference, tolerance(cfg, name)
             )

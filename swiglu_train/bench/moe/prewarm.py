@@ -19,16 +19,15 @@ import torch
 from swiglu_train.bench.moe.harness import (
     Inputs,
     MoEConfig,
+    built_case,
     free,
     release,
     skip_reason,
-    variant_case,
+    warm_up,
 )
 from swiglu_train.bench.moe.shapes import MoEShape
-from swiglu_train.bench.moe.variants import builder
 from swiglu_train.bench.prewarm import Job, Warmed, prewarm, worker_outcome
 from swiglu_train.bench.results import DTYPES
-from swiglu_train.bench.timing import Clock, run_once
 from swiglu_train.ops.experts import saved_activation_bytes
 
 # Variants whose preparation a pre-warm cannot share: they time candidates on the GPU, which
@@ -102,17 +101,15 @@ def warm_moe_point(job: tuple[MoEConfig, MoEShape, str]) -> Warmed:
             continue
         case = None
         try:
-            variant = builder(name, cfg.router_weights_on)(inputs.weights, shape.k)
-            case = variant_case(name, variant, inputs)
-            for _ in range(cfg.warmup):
-                run_once(case, Clock(device, queued=False))
+            _, case = built_case(cfg, name, inputs, shape)  # the case holds its variant
+            warm_up(case, cfg.warmup, device)
             warmed.append(name)
         except Exception as e:  # the timing pass meets it again and records it
             not_warmed[name] = skip_reason(e)
         finally:
             if case is not None:
                 case.reset()
-            variant = case = None
+            case = None
             free(device)
     inputs = None
     release(device)
