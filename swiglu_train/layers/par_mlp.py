@@ -35,6 +35,7 @@ from swiglu_train.layers.registry import (
     packed_chunk,
 )
 from swiglu_train.ops import reference
+from swiglu_train.ops.activation import triton_enabled
 from swiglu_train.ops.float8_mlp import Float8Gemms, drop_h_float8_mlp, is_torchao_float8
 from swiglu_train.ops.inference import (
     grad_needed,
@@ -55,7 +56,8 @@ UNCOMPILED_FLOAT8_WARNING = (
     "ParMLP trains FP8 GEMMs (torchao Float8Linear fc1/fc2) outside torch.compile: torchao's "
     "casts then run as separate eager kernels, and the step is slower than bf16 (2.4-3.8x the "
     "bf16 GEMMs on an H100, docs/fp8-training.md). Compile the model or its blocks "
-    "(torch.compile, nn.Module.compile; pretrain --float8 does) to fuse them."
+    "(torch.compile, nn.Module.compile; pretrain --float8 does) to fuse them, or use impl "
+    "'drop_h' where Triton runs, whose casts are fused kernels of its own."
 )
 STAMP_KEY = "_extra_state"  # a packed ParMLP's state_dict entry: {"fc1_layout": {...}}
 
@@ -221,6 +223,12 @@ class ParMLP(nn.Module, CheckedLoad):
     def ffn_hidden_size(self) -> int:
         return self.fc2.in_features
 
+    def _warn_unfused_casts(self, x: torch.Tensor) -> None:
+        """Uncompiled, torchao's casts are eager kernels apiece; drop_h fuses its own where
+        Triton runs (``kernels.float8_cast``)."""
+        if self._impl != FLOAT8_IMPL or not triton_enabled(x):
+            warnings.warn(UNCOMPILED_FLOAT8_WARNING, stacklevel=3)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Per-call host time is a small layer's step time (benchmarks/host_time.py): the
         # submodules and parameters are read once, and the checks pass over them once.
@@ -232,7 +240,7 @@ class ParMLP(nn.Module, CheckedLoad):
         device = x.device
         self._check_input(x, fc1.in_features, device, params, converted)
         if converted and uncompiled_float8_training(device.type) and is_torchao_float8(fc1):
-            warnings.warn(UNCOMPILED_FLOAT8_WARNING, stacklevel=2)
+            self._warn_unfused_casts(x)
         if converted and self._impl == FLOAT8_IMPL:  # torchao's recipes in drop_h's GEMMs
             return self._float8(x, fc1, fc2, params)
         if converted:  # impl normal: the converted forwards run the GEMMs (FP8 under torchao)

@@ -5,7 +5,9 @@ GEMM casts its two operands to float8 (e4m3 or e5m2, tensorwise or rowwise scale
 module's ``Float8LinearConfig`` says for that GEMM's role) and runs ``torch._scaled_mm``. Run one
 after the other, as ``normal`` does, the second keeps h in bf16 for its weight gradient. Here the
 six GEMMs are cast exactly as those two modules would cast them (torchao's own
-``hp_tensor_to_float8_dynamic`` and its float8 tensor's ``mm``), and backward keeps drop_h's set:
+``hp_tensor_to_float8_dynamic``, or outside torch.compile where Triton runs the same bytes from
+``kernels.float8_cast``'s two passes, in the layout ``_scaled_mm`` takes; then torchao's float8
+tensor's ``mm``), and backward keeps drop_h's set:
 x and the preactivation. fc2's forward operand, h in e4m3, comes straight from the
 preactivation where Triton runs (``kernels.swiglu_float8``: h is never written in bf16 there);
 in backward h is recomputed by the kernel that writes grad_preact, cast for grad_W2 and never
@@ -46,9 +48,10 @@ from swiglu_train.ops.mlp import (
 )
 
 try:
+    from swiglu_train.kernels import float8_cast as cast_kernels
     from swiglu_train.kernels import swiglu_float8 as kernels
-except ImportError:  # no Triton on this platform: fc2 casts the h torch computes
-    kernels = None
+except ImportError:  # no Triton on this platform: torchao casts, fc2 casts the h torch computes
+    cast_kernels = kernels = None
 
 # torchao's float8 training linear: the class its converter installs (float8/float8_linear.py).
 TORCHAO_FLOAT8_LINEAR = ("torchao.float8.float8_linear", "Float8Linear")
@@ -88,6 +91,8 @@ def _cast(t: torch.Tensor, cast_config, role: str, dim: int, gemms: Float8Gemms)
 
     if cast_config.scaling_type is ScalingType.DISABLED or tensor_already_casted_to_fp8(t):
         return t
+    if _fused_cast_runs(t):
+        return _fused_cast(t, cast_config, role, dim, gemms)
     return hp_tensor_to_float8_dynamic(
         t,
         cast_config.target_dtype,
@@ -97,6 +102,40 @@ def _cast(t: torch.Tensor, cast_config, role: str, dim: int, gemms: Float8Gemms)
         axiswise_dim=get_maybe_axiswise_dim(dim, cast_config.scaling_granularity),
         round_scales_to_power_of_2=gemms.config.round_scales_to_power_of_2,
     )
+
+
+def _fused_cast_runs(t: torch.Tensor) -> bool:
+    """Whether ``kernels.float8_cast`` casts ``t``: a plain non-empty 2D tensor (not a DTensor
+    or another subclass, whose cast torchao handles) where Triton runs, outside torch.compile
+    (whose inductor fuses torchao's cast itself)."""
+    return (
+        cast_kernels is not None
+        and type(t) is torch.Tensor
+        and t.dim() == 2
+        and t.numel() > 0
+        and not torch.compiler.is_compiling()
+        and triton_enabled(t)
+    )
+
+
+def _fused_cast(t: torch.Tensor, cast_config, role: str, dim: int, gemms: Float8Gemms):
+    """torchao's dynamic cast of ``t`` in two Triton passes with torchao's scale between them,
+    the bytes laid out as ``torch._scaled_mm`` takes them (``dim``, the contraction, contiguous),
+    so torchao's mm copies nothing."""
+    from torchao.float8.config import ScalingGranularity
+    from torchao.float8.float8_scaling_utils import get_maybe_axiswise_dim
+    from torchao.float8.float8_training_tensor import Float8TrainingTensor, GemmInputRole
+    from torchao.float8.float8_utils import amax_to_scale
+
+    granularity = cast_config.scaling_granularity
+    rowwise = granularity is ScalingGranularity.AXISWISE
+    dtype = cast_config.target_dtype
+    amax = cast_kernels.amax(t, dim, rowwise)
+    scale = amax_to_scale(amax, dtype, gemms.config.round_scales_to_power_of_2)
+    data = cast_kernels.cast(t, scale, dim, dtype)
+    axiswise_dim = get_maybe_axiswise_dim(dim, granularity)
+    role = getattr(GemmInputRole, role)
+    return Float8TrainingTensor(data, scale, t.dtype, gemms.mm_config, role, axiswise_dim)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, gemms: Float8Gemms | None) -> torch.Tensor:

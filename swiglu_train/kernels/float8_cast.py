@@ -1,0 +1,168 @@
+"""torchao's dynamic float8 cast of a GEMM operand in two Triton passes, for FP8 GEMMs that run
+outside torch.compile.
+
+torchao casts an operand as: amax = max |t| (over the whole tensor, or per row or column along
+the GEMM's contraction dim), scale = ``amax_to_scale(amax)``, bytes = ``fp32(t) · scale``
+clamped to the format's max and rounded to nearest-even. Eager, that is six full-size kernels
+(abs, amax, upcast, multiply, clamp, convert), and then ``torch._scaled_mm``'s layout (the
+contraction dim contiguous in both operands) costs a copy for three of the six operands of an
+MLP's step. Here one pass writes the amax and one writes the bytes, already in that layout; the
+scale between them is torchao's own (``ops.float8_mlp``). The bytes are torchao's, bit for bit.
+
+**amax.** Programs split the contraction dim when the other has too few tiles to fill the GPU,
+and combine with an atomic max on the fp32 bits: |v|'s bits order as int32 for non-negative
+floats, and NaN's (sign cleared) sort above inf's, so a NaN anywhere makes the amax NaN, as
+``torch.amax`` does.
+
+**Bytes.** On CUDA the hardware's conversion (round to nearest-even, after a clamp to the
+format's max that keeps NaN). The interpreter's conversion truncates and maps NaN to a finite
+code, so under it (only: constexpr ``INTERPRET``) values are rounded onto the fp8 grid first and
+NaN's code is set by hand, as ``swiglu_fp8.e4m3_code`` does for e4m3.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+from swiglu_train.kernels.runtime import INTERPRET
+from swiglu_train.kernels.swiglu_fp8 import e4m3_code
+
+E5M2_MAX: tl.constexpr = tl.constexpr(57344.0)
+_NAN_CODE: tl.constexpr = tl.constexpr(0x7F)
+ABS_BITS: tl.constexpr = tl.constexpr(0x7FFFFFFF)  # an fp32's bits without the sign: |v|
+TILE_ELEMENTS = 4096  # per program: a tile of [BLOCK_O, BLOCK_K]
+TRANSPOSE_TILE = 64  # square tiles where the input's contiguous dim is not the contraction dim
+PROGRAMS_PER_SM = 8  # amax programs to aim for: several waves, so no SM idles at the tail
+INTERPRET_TILE = 16
+FLOAT8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+@triton.jit
+def _round_e5m2(v):
+    """v (|v| <= 57344 or NaN) rounded to nearest-even on the e5m2 grid, in fp32: 2 mantissa
+    bits for |v| >= 2**-14, multiples of 2**-16 below (e5m2's subnormals)."""
+    bits = v.to(tl.int32, bitcast=True)
+    normal = (bits + 0xFFFFF + ((bits >> 21) & 1)) & -2097152  # clear the low 21 bits
+    mag = tl.abs(v)
+    sub = ((mag + 192.0) - 192.0).to(tl.int32, bitcast=True)  # ulp 2**-16 at 1.5 * 2**7
+    sub = sub | (bits & -2147483648)  # the sign bit, for -0 too
+    rounded = tl.where(mag < 6.103515625e-05, sub, normal).to(tl.float32, bitcast=True)
+    return tl.where(v != v, v, rounded)
+
+
+@triton.jit
+def _fp8_code(q, E5M2: tl.constexpr, INTERPRET: tl.constexpr):
+    """The fp8 byte of each fp32 q: saturated, NaN kept, rounded to nearest-even."""
+    if not E5M2:
+        return e4m3_code(q, INTERPRET)
+    q = tl.maximum(q, -E5M2_MAX, propagate_nan=tl.PropagateNan.ALL)
+    q = tl.minimum(q, E5M2_MAX, propagate_nan=tl.PropagateNan.ALL)
+    if INTERPRET:
+        q = _round_e5m2(q)
+    code = q.to(tl.float8e5, fp_downcast_rounding="rtne").to(tl.uint8, bitcast=True)
+    if INTERPRET:
+        code = tl.where(q != q, _NAN_CODE, code).to(tl.uint8)
+    return code
+
+
+@triton.jit
+def _amax_kernel(
+    t_ptr, amax_ptr, OUTER, K, stride_o, stride_k, k_per_program,
+    ROWWISE: tl.constexpr, BLOCK_O: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    """amax[o] (ROWWISE) or amax[0] = max |t[o, k]| as int32 bits, over this program's rows
+    and its share of K, combined with the other programs' by an atomic max."""
+    o = (tl.program_id(0) * BLOCK_O + tl.arange(0, BLOCK_O)).to(tl.int64)
+    k_lo = tl.program_id(1) * k_per_program
+    k_hi = tl.minimum(k_lo + k_per_program, K)
+    best = tl.zeros((BLOCK_O,), tl.int32)
+    for start in range(k_lo, k_hi, BLOCK_K):
+        k = (start + tl.arange(0, BLOCK_K)).to(tl.int64)
+        mask = (o[:, None] < OUTER) & (k[None, :] < k_hi)
+        v = tl.load(t_ptr + o[:, None] * stride_o + k[None, :] * stride_k, mask=mask, other=0.0)
+        bits = v.to(tl.float32).to(tl.int32, bitcast=True) & ABS_BITS
+        best = tl.maximum(best, tl.max(bits, axis=1))
+    if ROWWISE:
+        tl.atomic_max(amax_ptr + o, best, mask=o < OUTER)
+    else:
+        tl.atomic_max(amax_ptr, tl.max(best, axis=0))
+
+
+@triton.jit
+def _cast_kernel(
+    t_ptr, scale_ptr, out_ptr, OUTER, K, stride_o, stride_k,
+    ROWWISE: tl.constexpr, E5M2: tl.constexpr, INTERPRET: tl.constexpr,
+    BLOCK_O: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    """out[o, k] (k contiguous) = fp8(fp32(t[o, k]) · scale[o or 0])."""
+    tiles_k = tl.cdiv(K, BLOCK_K)
+    o = ((tl.program_id(0) // tiles_k) * BLOCK_O + tl.arange(0, BLOCK_O)).to(tl.int64)[:, None]
+    k = ((tl.program_id(0) % tiles_k) * BLOCK_K + tl.arange(0, BLOCK_K)).to(tl.int64)[None, :]
+    mask = (o < OUTER) & (k < K)
+    v = tl.load(t_ptr + o * stride_o + k * stride_k, mask=mask, other=0.0).to(tl.float32)
+    scale = tl.load(scale_ptr + o, mask=o < OUTER, other=1.0) if ROWWISE else tl.load(scale_ptr)
+    tl.store(out_ptr + o * K + k, _fp8_code(v * scale, E5M2, INTERPRET), mask=mask)
+
+
+@functools.lru_cache(maxsize=1024)
+def _tile(outer: int, k: int, k_contiguous: bool, interpret: bool = INTERPRET) -> tuple[int, int]:
+    """(BLOCK_O, BLOCK_K): long along the input's contiguous dim, so loads coalesce; square
+    where the bytes are written across it (a transpose through shared memory)."""
+    if interpret:
+        return INTERPRET_TILE, INTERPRET_TILE
+    if not k_contiguous:
+        return TRANSPOSE_TILE, TRANSPOSE_TILE
+    block_k = min(triton.next_power_of_2(k), 1024)
+    return max(1, TILE_ELEMENTS // block_k), block_k
+
+
+@functools.lru_cache(maxsize=16)
+def _sm_count(device: torch.device) -> int:
+    return (
+        torch.cuda.get_device_properties(device).multi_processor_count
+        if device.type == "cuda"
+        else 4
+    )
+
+
+def _as_outer_k(t: torch.Tensor, dim: int) -> tuple[int, int, int, int]:
+    """(OUTER, K, stride_o, stride_k) of a 2D ``t`` contracted over ``dim``."""
+    dim = dim % 2
+    return t.shape[1 - dim], t.shape[dim], t.stride(1 - dim), t.stride(dim)
+
+
+def amax(t: torch.Tensor, dim: int, rowwise: bool) -> torch.Tensor:
+    """fp32 max |t| of a non-empty 2D ``t``: along ``dim`` (keepdim, as ``torch.amax``) when
+    ``rowwise``, else over all of it (0-dim, as ``torch.max``)."""
+    outer, k, stride_o, stride_k = _as_outer_k(t, dim)
+    block_o, block_k = _tile(outer, k, stride_k == 1)
+    tiles_o, tiles_k = triton.cdiv(outer, block_o), triton.cdiv(k, block_k)
+    splits = max(1, min(tiles_k, triton.cdiv(PROGRAMS_PER_SM * _sm_count(t.device), tiles_o)))
+    k_per_program = triton.cdiv(tiles_k, splits) * block_k
+    bits = torch.zeros(outer if rowwise else 1, device=t.device, dtype=torch.int32)
+    grid = (tiles_o, triton.cdiv(k, k_per_program))
+    _amax_kernel[grid](
+        t, bits, outer, k, stride_o, stride_k, k_per_program,
+        ROWWISE=rowwise, BLOCK_O=block_o, BLOCK_K=block_k,
+    )  # fmt: skip
+    found = bits.view(torch.float32)
+    return found.unsqueeze(dim % 2) if rowwise else found.reshape(())
+
+
+def cast(t: torch.Tensor, scale: torch.Tensor, dim: int, dtype: torch.dtype) -> torch.Tensor:
+    """``t`` (2D) scaled and cast to ``dtype`` as torchao casts it, shaped as ``t`` with ``dim``
+    contiguous: ``scale`` is fp32, 0-dim (tensorwise) or one per index of the other dim."""
+    outer, k, stride_o, stride_k = _as_outer_k(t, dim)
+    data = torch.empty(outer, k, device=t.device, dtype=dtype)
+    block_o, block_k = _tile(outer, k, stride_k == 1)
+    grid = (triton.cdiv(outer, block_o) * triton.cdiv(k, block_k),)
+    _cast_kernel[grid](
+        t, scale.contiguous(), data.view(torch.uint8), outer, k, stride_o, stride_k,
+        ROWWISE=scale.numel() != 1, E5M2=dtype == torch.float8_e5m2, INTERPRET=INTERPRET,
+        BLOCK_O=block_o, BLOCK_K=block_k, num_warps=4,
+    )  # fmt: skip
+    return data if dim % 2 == 1 else data.t()

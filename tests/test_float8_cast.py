@@ -1,0 +1,171 @@
+"""drop_h's own float8 casts (``kernels.float8_cast``): torchao's dynamic cast of each GEMM
+operand in two Triton passes, used outside torch.compile. The bytes, scales and roles must be
+torchao's ``hp_tensor_to_float8_dynamic``'s to the bit, laid out so that torchao's mm copies
+nothing, and the GEMMs they feed must give torchao's results exactly."""
+
+import warnings
+
+import pytest
+import torch
+from conftest import device_backends
+from torch import nn
+from torchao import float8
+from torchao.float8.config import ScalingGranularity
+from torchao.float8.float8_scaling_utils import get_maybe_axiswise_dim, hp_tensor_to_float8_dynamic
+from torchao.float8.float8_training_tensor import GemmInputRole, LinearMMConfig
+from torchao.float8.float8_utils import is_row_major
+
+from swiglu_train import ParMLP
+from swiglu_train.kernels import float8_cast
+from swiglu_train.ops import float8_mlp, use_backend
+
+TRITON_DEVICES = [
+    pytest.param(p.values[0], marks=p.marks, id=p.values[0])
+    for p in device_backends()
+    if p.values[1] == "triton"
+]
+TRITON_PARAMS = [p for p in device_backends() if p.values[1] == "triton"]
+
+
+def spread(rows: int, cols: int, dtype: torch.dtype, device: str) -> torch.Tensor:
+    """Values over 11 decades across columns, so some scale into fp8's subnormals."""
+    t = torch.randn(rows, cols) * torch.logspace(-8, 3, cols)
+    t[1, 2], t[2, 3] = 1e-30, -0.0
+    return t.to(device=device, dtype=dtype)
+
+
+def torchao_cast(t, dtype, granularity, dim, round_pow2=False):
+    config = float8.Float8LinearConfig(round_scales_to_power_of_2=round_pow2)
+    return hp_tensor_to_float8_dynamic(
+        t, dtype, LinearMMConfig(), gemm_input_role=GemmInputRole.WEIGHT,
+        scaling_granularity=granularity, axiswise_dim=get_maybe_axiswise_dim(dim, granularity),
+        round_scales_to_power_of_2=config.round_scales_to_power_of_2,
+    )  # fmt: skip
+
+
+def fused_cast(t, dtype, granularity, dim, round_pow2=False):
+    config = float8.Float8LinearConfig(round_scales_to_power_of_2=round_pow2)
+    cast_config = float8.CastConfig(scaling_granularity=granularity, target_dtype=dtype)
+    gemms = float8_mlp.Float8Gemms(config, LinearMMConfig())
+    assert float8_mlp._fused_cast_runs(t)
+    return float8_mlp._fused_cast(t, cast_config, "WEIGHT", dim, gemms)
+
+
+def assert_same_float8(ours, theirs, dim: int) -> None:
+    """Equal bytes (NaN where theirs is NaN), scales, roles and axis; ours with ``dim``
+    contiguous."""
+    assert ours.shape == theirs.shape and ours._data.stride(dim) == 1
+    assert ours._scale.shape == theirs._scale.shape
+    torch.testing.assert_close(ours._scale, theirs._scale, rtol=0, atol=0, equal_nan=True)
+    assert (ours._axiswise_dim, ours._orig_dtype) == (theirs._axiswise_dim, theirs._orig_dtype)
+    assert ours._gemm_input_role == theirs._gemm_input_role
+    ours_nan, theirs_nan = ours._data.float().isnan(), theirs._data.float().isnan()
+    assert torch.equal(ours_nan, theirs_nan)
+    bits, their_bits = ours._data.view(torch.uint8), theirs._data.view(torch.uint8)
+    assert torch.equal(bits[~ours_nan], their_bits[~theirs_nan])
+
+
+@pytest.mark.parametrize("transposed", [False, True], ids=["row-major", "col-major"])
+@pytest.mark.parametrize("dim", [0, -1])
+@pytest.mark.parametrize("granularity", list(ScalingGranularity), ids=lambda g: g.value)
+@pytest.mark.parametrize("dtype", float8_cast.FLOAT8_DTYPES, ids=str)
+@pytest.mark.parametrize("device", TRITON_DEVICES)
+def test_the_cast_is_torchao_s_to_the_bit(device, dtype, granularity, dim, transposed):
+    """Every layout of the input against every contraction dim: the same bytes (subnormals and
+    saturation included), scales of the same shape and the same Float8TrainingTensor."""
+    for in_dtype in (torch.bfloat16, torch.float32):
+        t = spread(37, 203, in_dtype, device)  # 203 columns: the amax splits K over programs
+        if transposed:
+            t = t.t().contiguous().t()
+        ours = fused_cast(t, dtype, granularity, dim)
+        assert_same_float8(ours, torchao_cast(t, dtype, granularity, dim), dim)
+
+
+@pytest.mark.parametrize("device", TRITON_DEVICES)
+def test_scales_rounded_to_a_power_of_two_are_torchao_s(device):
+    t = spread(40, 72, torch.bfloat16, device)
+    for granularity in ScalingGranularity:
+        ours = fused_cast(t, torch.float8_e4m3fn, granularity, -1, round_pow2=True)
+        theirs = torchao_cast(t, torch.float8_e4m3fn, granularity, -1, round_pow2=True)
+        assert_same_float8(ours, theirs, -1)
+        assert torch.equal(ours._scale.log2(), ours._scale.log2().round())
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), -float("inf")])
+@pytest.mark.parametrize("device", TRITON_DEVICES)
+def test_a_non_finite_value_spoils_its_scale_as_torchao_s_does(device, value):
+    """NaN gives a NaN amax; inf an infinite one, a zero scale and NaN at inf itself (0 · inf):
+    the same NaN places and finite bytes as torchao's, tensorwise (all of it) or rowwise
+    (that row alone)."""
+    t = spread(24, 40, torch.bfloat16, device)
+    t[5, 7] = value
+    for granularity in ScalingGranularity:
+        ours = fused_cast(t, torch.float8_e5m2, granularity, -1)
+        assert_same_float8(ours, torchao_cast(t, torch.float8_e5m2, granularity, -1), -1)
+        assert ours._data[5, 7].float().isnan()
+
+
+def converted_gemms(recipe: str) -> float8_mlp.Float8Gemms:
+    linear = float8.convert_to_float8_training(
+        nn.Sequential(nn.Linear(32, 32)), config=float8.Float8LinearConfig.from_recipe_name(recipe)
+    )[0]
+    return float8_mlp.Float8Gemms.of(linear)
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+@pytest.mark.parametrize("device", TRITON_DEVICES)
+def test_the_three_gemms_give_torchao_s_results_with_no_layout_copy(device, recipe, monkeypatch):
+    """linear, grad_input and grad_weight on the fused casts equal the same GEMMs on torchao's
+    casts exactly, and each first operand reaches torch._scaled_mm row-major and each second
+    column-major, as torchao's mm takes them without a copy."""
+    gemms = converted_gemms(recipe)
+    x, w = spread(48, 64, torch.bfloat16, device), spread(80, 64, torch.bfloat16, device)
+    grad = spread(48, 80, torch.bfloat16, device)
+    seen = []
+    real_cast = float8_mlp._fused_cast
+
+    def recording_cast(*args):
+        seen.append(real_cast(*args))
+        return seen[-1]
+
+    monkeypatch.setattr(float8_mlp, "_fused_cast", recording_cast)
+    cases = [
+        (float8_mlp.linear, (x, w), lambda a, b: (a, b)),
+        (float8_mlp.grad_input, (grad, w), lambda a, b: (a, b.t())),
+        (float8_mlp.grad_weight, (grad, x), lambda a, b: (a.t(), b)),
+    ]
+    for gemm, args, as_operands in cases:
+        seen.clear()
+        with use_backend("triton"):
+            ours = gemm(*args, gemms)
+        with use_backend("torch"):
+            theirs = gemm(*args, gemms)
+        assert torch.equal(ours, theirs), gemm.__name__
+        first, second = as_operands(*seen)
+        assert is_row_major(first._data.stride()), gemm.__name__
+        assert not is_row_major(second._data.stride()), gemm.__name__
+
+
+@pytest.mark.parametrize("device", TRITON_DEVICES)
+def test_what_torchao_casts_itself(device):
+    """An empty tensor (torchao raises on its amax, as before) and a tensor torch.compile traces
+    are torchao's to cast; a plain 2D tensor where Triton runs is ours."""
+    assert float8_mlp._fused_cast_runs(torch.ones(4, 4, device=device))
+    assert not float8_mlp._fused_cast_runs(torch.ones(0, 4, device=device))
+    assert not float8_mlp._fused_cast_runs(torch.ones(2, 4, 4, device=device))
+    with use_backend("torch"):
+        assert not float8_mlp._fused_cast_runs(torch.ones(4, 4, device=device))
+
+
+@pytest.mark.parametrize(("device", "backend"), TRITON_PARAMS)
+def test_drop_h_on_its_fused_casts_does_not_warn_uncompiled(device, backend, monkeypatch):
+    """The warning is about torchao's unfused eager casts: drop_h with Triton runs its own."""
+    from swiglu_train.layers import par_mlp
+
+    mlp = float8.convert_to_float8_training(nn.Sequential(ParMLP(64, 96, impl="drop_h")))
+    mlp = mlp.to(device)
+    monkeypatch.setattr(par_mlp, "uncompiled_float8_training", lambda device_type: True)
+    with use_backend(backend), warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        mlp(torch.randn(32, 64, device=device)).sum().backward()
+    assert [str(w.message) for w in seen if "FP8" in str(w.message)] == []
