@@ -28,6 +28,8 @@ from functools import partial
 import torch
 from torch import nn
 
+from swiglu_train.kernels.fp8_format import MIN_CAPABILITY
+from swiglu_train.kernels.runtime import device_capability
 from swiglu_train.ops.activation import swiglu_fwd, triton_enabled
 from swiglu_train.ops.fp8_saved import (
     SECOND_BACKWARD_ERROR_FP8,
@@ -104,6 +106,12 @@ def _cast(t: torch.Tensor, cast_config, role: str, dim: int, gemms: Float8Gemms)
     )
 
 
+def _fp8_kernels_run(t: torch.Tensor) -> bool:
+    """Whether Triton's fp8 conversions compile for ``t``'s device (sm_89+, or the CPU's
+    interpreter): below that, torchao's ``emulate`` recipes still cast in torch."""
+    return not t.is_cuda or device_capability(t.get_device()) >= MIN_CAPABILITY
+
+
 def _fused_cast_runs(t: torch.Tensor) -> bool:
     """Whether ``kernels.float8_cast`` casts ``t``: a plain non-empty 2D tensor (not a DTensor
     or another subclass, whose cast torchao handles) where Triton runs, outside torch.compile
@@ -115,6 +123,7 @@ def _fused_cast_runs(t: torch.Tensor) -> bool:
         and t.numel() > 0
         and not torch.compiler.is_compiling()
         and triton_enabled(t)
+        and _fp8_kernels_run(t)
     )
 
 
@@ -173,6 +182,8 @@ def fc2_input(preact: torch.Tensor, gemms: Float8Gemms | None):
     or per row) and Triton runs, h in e4m3 made from the preactivation without writing h,
     as torchao's ``Float8TrainingTensor`` with torchao's own scale of the same amax."""
     if gemms is None or kernels is None or preact.shape[0] == 0 or not triton_enabled(preact):
+        return swiglu_fwd(preact)
+    if not _fp8_kernels_run(preact):
         return swiglu_fwd(preact)
     from torchao.float8.config import ScalingGranularity, ScalingType
     from torchao.float8.float8_training_tensor import Float8TrainingTensor, GemmInputRole
