@@ -81,6 +81,20 @@ def test_the_cast_is_torchao_s_to_the_bit(device, dtype, granularity, dim, trans
         assert_same_float8(ours, torchao_cast(t, dtype, granularity, dim), dim)
 
 
+@pytest.mark.parametrize("granularity", list(ScalingGranularity), ids=lambda g: g.value)
+@pytest.mark.parametrize("device", TRITON_DEVICES)
+def test_more_row_tiles_than_programs_walk_theirs_in_turn(device, granularity):
+    """Row tiles past the amax's program count (a few per SM) are walked by the programs in
+    turn: every row's amax is still found, the last tile's too."""
+    block_rows = float8_cast._tile(1, 24, True)[0]
+    programs = float8_cast.PROGRAMS_PER_SM * float8_cast._sm_count(torch.device(device))
+    rows = block_rows * programs + 40
+    t = spread(rows, 24, torch.bfloat16, device)
+    t[rows - 1, 3] = 1e4  # the largest, in the last tile
+    ours = fused_cast(t, torch.float8_e4m3fn, granularity, -1)
+    assert_same_float8(ours, torchao_cast(t, torch.float8_e4m3fn, granularity, -1), -1)
+
+
 @pytest.mark.parametrize("device", TRITON_DEVICES)
 def test_scales_rounded_to_a_power_of_two_are_torchao_s(device):
     t = spread(40, 72, torch.bfloat16, device)

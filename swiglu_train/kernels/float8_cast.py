@@ -9,8 +9,9 @@ contraction dim contiguous in both operands) costs a copy for three of the six o
 MLP's step. Here one pass writes the amax and one writes the bytes, already in that layout; the
 scale between them is torchao's own (``ops.float8_mlp``). The bytes are torchao's, bit for bit.
 
-**amax.** Programs split the contraction dim when the other has too few tiles to fill the GPU,
-and combine with an atomic max on the fp32 bits: |v|'s bits order as int32 for non-negative
+**amax.** A fixed number of programs (a few waves of the GPU's SMs) walk the row tiles, split
+the contraction dim when the rows are too few to fill them, and combine with an atomic max on
+the fp32 bits: |v|'s bits order as int32 for non-negative
 floats, and NaN's (sign cleared) sort above inf's, so a NaN anywhere makes the amax NaN, as
 ``torch.amax`` does.
 
@@ -74,22 +75,27 @@ def _amax_kernel(
     t_ptr, amax_ptr, OUTER, K, stride_o, stride_k, k_per_program,
     ROWWISE: tl.constexpr, BLOCK_O: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
-    """amax[o] (ROWWISE) or amax[0] = max |t[o, k]| as int32 bits, over this program's rows
-    and its share of K, combined with the other programs' by an atomic max."""
-    o = (tl.program_id(0) * BLOCK_O + tl.arange(0, BLOCK_O)).to(tl.int64)
+    """amax[o] (ROWWISE) or amax[0] = max |t[o, k]| as int32 bits: a program walks row tiles
+    pid, pid + programs, ... over its share of K, and combines with the other programs by an
+    atomic max (one per row tile, or one in all where tensorwise: few on one address)."""
     k_lo = tl.program_id(1) * k_per_program
     k_hi = tl.minimum(k_lo + k_per_program, K)
-    best = tl.zeros((BLOCK_O,), tl.int32)
-    for start in range(k_lo, k_hi, BLOCK_K):
-        k = (start + tl.arange(0, BLOCK_K)).to(tl.int64)
-        mask = (o[:, None] < OUTER) & (k[None, :] < k_hi)
-        v = tl.load(t_ptr + o[:, None] * stride_o + k[None, :] * stride_k, mask=mask, other=0.0)
-        bits = v.to(tl.float32).to(tl.int32, bitcast=True) & ABS_BITS
-        best = tl.maximum(best, tl.max(bits, axis=1))
-    if ROWWISE:
-        tl.atomic_max(amax_ptr + o, best, mask=o < OUTER)
-    else:
-        tl.atomic_max(amax_ptr, tl.max(best, axis=0))
+    overall = tl.zeros((BLOCK_O,), tl.int32)
+    for tile_o in range(tl.program_id(0), tl.cdiv(OUTER, BLOCK_O), tl.num_programs(0)):
+        o = (tile_o * BLOCK_O + tl.arange(0, BLOCK_O)).to(tl.int64)
+        best = tl.zeros((BLOCK_O,), tl.int32)
+        for start in range(k_lo, k_hi, BLOCK_K):
+            k = (start + tl.arange(0, BLOCK_K)).to(tl.int64)
+            mask = (o[:, None] < OUTER) & (k[None, :] < k_hi)
+            ptrs = t_ptr + o[:, None] * stride_o + k[None, :] * stride_k
+            v = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
+            best = tl.maximum(best, tl.max(v.to(tl.int32, bitcast=True) & ABS_BITS, axis=1))
+        if ROWWISE:
+            tl.atomic_max(amax_ptr + o, best, mask=o < OUTER)
+        else:
+            overall = tl.maximum(overall, best)
+    if not ROWWISE:
+        tl.atomic_max(amax_ptr, tl.max(overall, axis=0))
 
 
 @triton.jit
@@ -141,10 +147,11 @@ def amax(t: torch.Tensor, dim: int, rowwise: bool) -> torch.Tensor:
     outer, k, stride_o, stride_k = _as_outer_k(t, dim)
     block_o, block_k = _tile(outer, k, stride_k == 1)
     tiles_o, tiles_k = triton.cdiv(outer, block_o), triton.cdiv(k, block_k)
-    splits = max(1, min(tiles_k, triton.cdiv(PROGRAMS_PER_SM * _sm_count(t.device), tiles_o)))
+    programs = PROGRAMS_PER_SM * _sm_count(t.device)
+    splits = max(1, min(tiles_k, triton.cdiv(programs, tiles_o)))  # K split where rows are few
     k_per_program = triton.cdiv(tiles_k, splits) * block_k
     bits = torch.zeros(outer if rowwise else 1, device=t.device, dtype=torch.int32)
-    grid = (tiles_o, triton.cdiv(k, k_per_program))
+    grid = (min(tiles_o, programs), triton.cdiv(k, k_per_program))
     _amax_kernel[grid](
         t, bits, outer, k, stride_o, stride_k, k_per_program,
         ROWWISE=rowwise, BLOCK_O=block_o, BLOCK_K=block_k,
