@@ -17,7 +17,7 @@ from torchao.float8.float8_utils import is_row_major
 
 from swiglu_train import ParMLP
 from swiglu_train.kernels import float8_cast
-from swiglu_train.ops import float8_mlp, use_backend
+from swiglu_train.ops import float8_casts, float8_mlp, use_backend
 
 TRITON_DEVICES = [
     pytest.param(p.values[0], marks=p.marks, id=p.values[0])
@@ -46,9 +46,9 @@ def torchao_cast(t, dtype, granularity, dim, round_pow2=False):
 def fused_cast(t, dtype, granularity, dim, round_pow2=False):
     config = float8.Float8LinearConfig(round_scales_to_power_of_2=round_pow2)
     cast_config = float8.CastConfig(scaling_granularity=granularity, target_dtype=dtype)
-    gemms = float8_mlp.Float8Gemms(config, LinearMMConfig())
-    assert float8_mlp._fused_cast_runs(t)
-    return float8_mlp._fused_cast(t, cast_config, "WEIGHT", dim, gemms)
+    gemms = float8_casts.Float8Gemms(config, LinearMMConfig())
+    assert float8_casts.fused_cast_runs(t)
+    return float8_casts.cast_operand(t, cast_config, "WEIGHT", dim, gemms)
 
 
 def assert_same_float8(ours, theirs, dim: int) -> None:
@@ -119,11 +119,11 @@ def test_a_non_finite_value_spoils_its_scale_as_torchao_s_does(device, value):
         assert ours._data[5, 7].float().isnan()
 
 
-def converted_gemms(recipe: str) -> float8_mlp.Float8Gemms:
+def converted_gemms(recipe: str) -> float8_casts.Float8Gemms:
     linear = float8.convert_to_float8_training(
         nn.Sequential(nn.Linear(32, 32)), config=float8.Float8LinearConfig.from_recipe_name(recipe)
     )[0]
-    return float8_mlp.Float8Gemms.of(linear)
+    return float8_casts.Float8Gemms.of(linear)
 
 
 @pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
@@ -136,13 +136,13 @@ def test_the_three_gemms_give_torchao_s_results_with_no_layout_copy(device, reci
     x, w = spread(48, 64, torch.bfloat16, device), spread(80, 64, torch.bfloat16, device)
     grad = spread(48, 80, torch.bfloat16, device)
     seen = []
-    real_cast = float8_mlp._fused_cast
+    real_cast = float8_mlp.cast_operand
 
     def recording_cast(*args):
         seen.append(real_cast(*args))
         return seen[-1]
 
-    monkeypatch.setattr(float8_mlp, "_fused_cast", recording_cast)
+    monkeypatch.setattr(float8_mlp, "cast_operand", recording_cast)
     cases = [
         (float8_mlp.linear, (x, w), lambda a, b: (a, b)),
         (float8_mlp.grad_input, (grad, w), lambda a, b: (a, b.t())),
@@ -152,10 +152,11 @@ def test_the_three_gemms_give_torchao_s_results_with_no_layout_copy(device, reci
         seen.clear()
         with use_backend("triton"):
             ours = gemm(*args, gemms)
+        operands = list(seen)
         with use_backend("torch"):
             theirs = gemm(*args, gemms)
         assert torch.equal(ours, theirs), gemm.__name__
-        first, second = as_operands(*seen)
+        first, second = as_operands(*operands)
         assert is_row_major(first._data.stride()), gemm.__name__
         assert not is_row_major(second._data.stride()), gemm.__name__
 
@@ -164,11 +165,11 @@ def test_the_three_gemms_give_torchao_s_results_with_no_layout_copy(device, reci
 def test_what_torchao_casts_itself(device):
     """An empty tensor (torchao raises on its amax, as before) and a tensor torch.compile traces
     are torchao's to cast; a plain 2D tensor where Triton runs is ours."""
-    assert float8_mlp._fused_cast_runs(torch.ones(4, 4, device=device))
-    assert not float8_mlp._fused_cast_runs(torch.ones(0, 4, device=device))
-    assert not float8_mlp._fused_cast_runs(torch.ones(2, 4, 4, device=device))
+    assert float8_casts.fused_cast_runs(torch.ones(4, 4, device=device))
+    assert not float8_casts.fused_cast_runs(torch.ones(0, 4, device=device))
+    assert not float8_casts.fused_cast_runs(torch.ones(2, 4, 4, device=device))
     with use_backend("torch"):
-        assert not float8_mlp._fused_cast_runs(torch.ones(4, 4, device=device))
+        assert not float8_casts.fused_cast_runs(torch.ones(4, 4, device=device))
 
 
 @pytest.mark.parametrize(("device", "backend"), TRITON_PARAMS)
@@ -183,3 +184,43 @@ def test_drop_h_on_its_fused_casts_does_not_warn_uncompiled(device, backend, mon
         warnings.simplefilter("always")
         mlp(torch.randn(32, 64, device=device)).sum().backward()
     assert [str(w.message) for w in seen if "FP8" in str(w.message)] == []
+
+
+def drop_h_step(recipe: str, device: str) -> dict[str, torch.Tensor]:
+    torch.manual_seed(0)
+    mlp = ParMLP(64, 96, impl="drop_h", device=device, dtype=torch.bfloat16)
+    mlp = float8.convert_to_float8_training(
+        nn.Sequential(mlp), config=float8.Float8LinearConfig.from_recipe_name(recipe)
+    )
+    x = torch.randn(48, 64, device=device, dtype=torch.bfloat16, requires_grad=True)
+    y = mlp(x)
+    y.backward(torch.randn_like(y))
+    return {
+        "y": y,
+        "grad_x": x.grad,
+        "grad_W1": mlp[0].fc1.weight.grad,
+        "grad_W2": mlp[0].fc2.weight.grad,
+    }
+
+
+@pytest.mark.parametrize(("recipe", "amax_passes"), [("tensorwise", 6), ("rowwise", 11)])
+@pytest.mark.parametrize("device", TRITON_DEVICES)
+def test_a_tensorwise_step_finds_each_amax_once(device, recipe, amax_passes, monkeypatch):
+    """x, W1, W2, grad_y and grad_preact are each cast for two GEMMs: tensorwise, one amax pass
+    serves both (6 passes in a step, h's for grad_W2 among them, against 11), and the step's
+    y and gradients are the bytes of finding each amax anew."""
+    calls = []
+    real_amax = float8_cast.amax
+
+    def counted_amax(*args, **kwargs):
+        calls.append(args[0].shape)
+        return real_amax(*args, **kwargs)
+
+    with use_backend("triton"):
+        monkeypatch.setattr(float8_cast, "amax", counted_amax)
+        shared = drop_h_step(recipe, device)
+        assert len(calls) == amax_passes
+        monkeypatch.setattr(float8_mlp, "shared_amax", lambda *args: None)
+        anew = drop_h_step(recipe, device)
+    for name, value in shared.items():
+        assert torch.equal(value, anew[name]), name

@@ -36,7 +36,8 @@ from swiglu_train.layers.registry import (
 )
 from swiglu_train.ops import reference
 from swiglu_train.ops.activation import triton_enabled
-from swiglu_train.ops.float8_mlp import Float8Gemms, drop_h_float8_mlp, is_torchao_float8
+from swiglu_train.ops.float8_casts import Float8Gemms, is_torchao_float8
+from swiglu_train.ops.float8_mlp import drop_h_float8_mlp
 from swiglu_train.ops.inference import (
     grad_needed,
     swiglu_mlp_inference,

@@ -22,15 +22,17 @@ A linear given as None (left in bf16 by the conversion) runs its GEMMs in the we
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from functools import partial
 
 import torch
-from torch import nn
 
-from swiglu_train.kernels.fp8_format import MIN_CAPABILITY
-from swiglu_train.kernels.runtime import device_capability
 from swiglu_train.ops.activation import swiglu_fwd, triton_enabled
+from swiglu_train.ops.float8_casts import (
+    Float8Gemms,
+    cast_operand,
+    fp8_kernels_run,
+    shared_amax,
+)
 from swiglu_train.ops.fp8_saved import (
     SECOND_BACKWARD_ERROR_FP8,
     SECOND_BACKWARD_FREED_ERROR_FP8,
@@ -50,130 +52,53 @@ from swiglu_train.ops.mlp import (
 )
 
 try:
-    from swiglu_train.kernels import float8_cast as cast_kernels
     from swiglu_train.kernels import swiglu_float8 as kernels
-except ImportError:  # no Triton on this platform: torchao casts, fc2 casts the h torch computes
-    cast_kernels = kernels = None
+except ImportError:  # no Triton on this platform: fc2 casts the h torch computes
+    kernels = None
 
-# torchao's float8 training linear: the class its converter installs (float8/float8_linear.py).
-TORCHAO_FLOAT8_LINEAR = ("torchao.float8.float8_linear", "Float8Linear")
-
-
-@dataclass(frozen=True)
-class Float8Gemms:
-    """One linear's FP8 recipe: torchao's ``Float8LinearConfig`` and the ``LinearMMConfig`` its
-    ``Float8Linear`` built from it (fast accumulation and padding per GEMM)."""
-
-    config: object
-    mm_config: object
-
-    @classmethod
-    def of(cls, linear: nn.Module) -> Float8Gemms | None:
-        """The recipe of a torchao ``Float8Linear``, or None for any other linear."""
-        kind = type(linear)
-        if (kind.__module__, kind.__qualname__) != TORCHAO_FLOAT8_LINEAR:
-            return None
-        return cls(linear.config, linear.linear_mm_config)
+Amaxes = tuple[torch.Tensor | None, torch.Tensor | None]  # the two operands' shared amaxes
+NO_AMAXES: Amaxes = (None, None)
+# Each operand cast twice per step, by the two casts that may share its amax (``shared_amax``)
+INPUT_CASTS = ("cast_config_input", "cast_config_input_for_grad_weight")
+WEIGHT_CASTS = ("cast_config_weight", "cast_config_weight_for_grad_input")
+GRAD_CASTS = ("cast_config_grad_output", "cast_config_grad_output_for_grad_weight")
 
 
-def is_torchao_float8(linear: nn.Module) -> bool:
-    return Float8Gemms.of(linear) is not None
-
-
-def _cast(t: torch.Tensor, cast_config, role: str, dim: int, gemms: Float8Gemms):
-    """``t`` as the float8 operand of one GEMM, or itself where the recipe leaves it unscaled
-    or it arrives cast already (FSDP2's float8 all-gather of the weights)."""
-    from torchao.float8.config import ScalingType
-    from torchao.float8.distributed_utils import tensor_already_casted_to_fp8
-    from torchao.float8.float8_scaling_utils import (
-        get_maybe_axiswise_dim,
-        hp_tensor_to_float8_dynamic,
-    )
-    from torchao.float8.float8_training_tensor import GemmInputRole
-
-    if cast_config.scaling_type is ScalingType.DISABLED or tensor_already_casted_to_fp8(t):
-        return t
-    if _fused_cast_runs(t):
-        return _fused_cast(t, cast_config, role, dim, gemms)
-    return hp_tensor_to_float8_dynamic(
-        t,
-        cast_config.target_dtype,
-        gemms.mm_config,
-        gemm_input_role=getattr(GemmInputRole, role),
-        scaling_granularity=cast_config.scaling_granularity,
-        axiswise_dim=get_maybe_axiswise_dim(dim, cast_config.scaling_granularity),
-        round_scales_to_power_of_2=gemms.config.round_scales_to_power_of_2,
-    )
-
-
-def _fp8_kernels_run(t: torch.Tensor) -> bool:
-    """Whether Triton's fp8 conversions compile for ``t``'s device (sm_89+, or the CPU's
-    interpreter): below that, torchao's ``emulate`` recipes still cast in torch."""
-    return not t.is_cuda or device_capability(t.get_device()) >= MIN_CAPABILITY
-
-
-def _fused_cast_runs(t: torch.Tensor) -> bool:
-    """Whether ``kernels.float8_cast`` casts ``t``: a plain non-empty 2D tensor (not a DTensor
-    or another subclass, whose cast torchao handles) where Triton runs, outside torch.compile
-    (whose inductor fuses torchao's cast itself)."""
-    return (
-        cast_kernels is not None
-        and type(t) is torch.Tensor
-        and t.dim() == 2
-        and t.numel() > 0
-        and not torch.compiler.is_compiling()
-        and triton_enabled(t)
-        and _fp8_kernels_run(t)
-    )
-
-
-def _fused_cast(t: torch.Tensor, cast_config, role: str, dim: int, gemms: Float8Gemms):
-    """torchao's dynamic cast of ``t`` in two Triton passes with torchao's scale between them,
-    the bytes laid out as ``torch._scaled_mm`` takes them (``dim``, the contraction, contiguous),
-    so torchao's mm copies nothing."""
-    from torchao.float8.config import ScalingGranularity
-    from torchao.float8.float8_scaling_utils import get_maybe_axiswise_dim
-    from torchao.float8.float8_training_tensor import Float8TrainingTensor, GemmInputRole
-    from torchao.float8.float8_utils import amax_to_scale
-
-    granularity = cast_config.scaling_granularity
-    rowwise = granularity is ScalingGranularity.AXISWISE
-    dtype = cast_config.target_dtype
-    amax = cast_kernels.amax(t, dim, rowwise)
-    scale = amax_to_scale(amax, dtype, gemms.config.round_scales_to_power_of_2)
-    data = cast_kernels.cast(t, scale, dim, dtype)
-    axiswise_dim = get_maybe_axiswise_dim(dim, granularity)
-    role = getattr(GemmInputRole, role)
-    return Float8TrainingTensor(data, scale, t.dtype, gemms.mm_config, role, axiswise_dim)
-
-
-def linear(x: torch.Tensor, weight: torch.Tensor, gemms: Float8Gemms | None) -> torch.Tensor:
+def linear(
+    x: torch.Tensor, weight: torch.Tensor, gemms: Float8Gemms | None, amaxes: Amaxes = NO_AMAXES
+) -> torch.Tensor:
     """x [M, K] @ weight [N, K]ᵀ, in FP8 as the recipe casts a forward GEMM."""
     if gemms is None:
         return x @ weight.t()
     c = gemms.config
-    a = _cast(x, c.cast_config_input, "INPUT", -1, gemms)
-    b = _cast(weight.t(), c.cast_config_weight, "WEIGHT", 0, gemms)
+    a = cast_operand(x, c.cast_config_input, "INPUT", -1, gemms, amaxes[0])
+    b = cast_operand(weight.t(), c.cast_config_weight, "WEIGHT", 0, gemms, amaxes[1])
     return torch.mm(a, b)
 
 
-def grad_input(grad: torch.Tensor, weight: torch.Tensor, gemms: Float8Gemms | None):
+def grad_input(
+    grad: torch.Tensor, weight: torch.Tensor, gemms: Float8Gemms | None, amaxes: Amaxes = NO_AMAXES
+) -> torch.Tensor:
     """grad [M, N] @ weight [N, K], in FP8 as the recipe casts the input-gradient GEMM."""
     if gemms is None:
         return grad @ weight
     c = gemms.config
-    a = _cast(grad, c.cast_config_grad_output, "GRAD_OUTPUT", -1, gemms)
-    b = _cast(weight.t(), c.cast_config_weight_for_grad_input, "WEIGHT", -1, gemms)
+    a = cast_operand(grad, c.cast_config_grad_output, "GRAD_OUTPUT", -1, gemms, amaxes[0])
+    w_cast = c.cast_config_weight_for_grad_input
+    b = cast_operand(weight.t(), w_cast, "WEIGHT", -1, gemms, amaxes[1])
     return torch.mm(a, b.t())
 
 
-def grad_weight(grad: torch.Tensor, x: torch.Tensor, gemms: Float8Gemms | None):
+def grad_weight(
+    grad: torch.Tensor, x: torch.Tensor, gemms: Float8Gemms | None, amaxes: Amaxes = NO_AMAXES
+) -> torch.Tensor:
     """grad [M, N]ᵀ @ x [M, K], in FP8 as the recipe casts the weight-gradient GEMM."""
     if gemms is None:
         return grad.t() @ x
     c = gemms.config
-    a = _cast(grad, c.cast_config_grad_output_for_grad_weight, "GRAD_OUTPUT", 0, gemms)
-    b = _cast(x, c.cast_config_input_for_grad_weight, "INPUT", 0, gemms)
+    g_cast = c.cast_config_grad_output_for_grad_weight
+    a = cast_operand(grad, g_cast, "GRAD_OUTPUT", 0, gemms, amaxes[0])
+    b = cast_operand(x, c.cast_config_input_for_grad_weight, "INPUT", 0, gemms, amaxes[1])
     return torch.mm(a.t(), b)
 
 
@@ -183,7 +108,7 @@ def fc2_input(preact: torch.Tensor, gemms: Float8Gemms | None):
     as torchao's ``Float8TrainingTensor`` with torchao's own scale of the same amax."""
     if gemms is None or kernels is None or preact.shape[0] == 0 or not triton_enabled(preact):
         return swiglu_fwd(preact)
-    if not _fp8_kernels_run(preact):
+    if not fp8_kernels_run(preact):
         return swiglu_fwd(preact)
     from torchao.float8.config import ScalingGranularity, ScalingType
     from torchao.float8.float8_training_tensor import Float8TrainingTensor, GemmInputRole
@@ -234,11 +159,16 @@ class _DropHFloat8(torch.autograd.Function):
         ctx, x, fc1_weight, fc1_bias, fc2_weight, fc2_bias, fc1_gemms, fc2_gemms, inplace,
         saved_fp8,
     ):  # fmt: skip
-        preact = _bias(linear(x, fc1_weight, fc1_gemms), fc1_bias)
+        amaxes = (
+            shared_amax(x, fc1_gemms, *INPUT_CASTS),
+            shared_amax(fc1_weight, fc1_gemms, *WEIGHT_CASTS),
+            shared_amax(fc2_weight, fc2_gemms, *WEIGHT_CASTS),
+        )
+        preact = _bias(linear(x, fc1_weight, fc1_gemms, amaxes[:2]), fc1_bias)
         fc2_in, saved = _fc2_operand_and_saved(preact, fc2_gemms, saved_fp8)
         del preact  # with saved_fp8, freed before fc2's GEMM
-        y = _bias(linear(fc2_in, fc2_weight, fc2_gemms), fc2_bias)
-        ctx.save_for_backward(x, fc1_weight, fc2_weight, *saved)
+        y = _bias(linear(fc2_in, fc2_weight, fc2_gemms, (None, amaxes[2])), fc2_bias)
+        ctx.save_for_backward(x, fc1_weight, fc2_weight, *amaxes, *saved)
         ctx.gemms, ctx.inplace, ctx.backward_ran = (fc1_gemms, fc2_gemms), inplace, False
         ctx.has_bias = (fc1_bias is not None, fc2_bias is not None)
         ctx.saved_fp8 = saved_fp8
@@ -251,17 +181,22 @@ class _DropHFloat8(torch.autograd.Function):
         if not ctx.saved_fp8:
             errors = (SECOND_BACKWARD_ERROR, SECOND_BACKWARD_FREED_ERROR)
         inplace = claim_inplace_backward(ctx, *errors)
-        x, fc1_weight, fc2_weight, *saved = ctx.saved_tensors
+        x, fc1_weight, fc2_weight, x_amax, w1_amax, w2_amax, *saved = ctx.saved_tensors
         fc1_gemms, fc2_gemms = ctx.gemms
         grad_y = grad_y.contiguous()
-        grad_h = grad_input(grad_y, fc2_weight, fc2_gemms)
+        grad_y_amax = shared_amax(grad_y, fc2_gemms, *GRAD_CASTS)
+        grad_h = grad_input(grad_y, fc2_weight, fc2_gemms, (grad_y_amax, w2_amax))
         h, grad_preact = _h_and_grad_preact(saved, grad_h, inplace)
-        grad_w2 = grad_weight(grad_y, h, fc2_gemms) if ctx.needs_input_grad[3] else None
+        if ctx.needs_input_grad[3]:
+            grad_w2 = grad_weight(grad_y, h, fc2_gemms, (grad_y_amax, None))
+        else:
+            grad_w2 = None
         del h, grad_h
+        grad_preact_amax = shared_amax(grad_preact, fc1_gemms, *GRAD_CASTS)
         grads = drop_h_grads(
             ctx, x, fc1_weight, grad_preact, grad_y, grad_w2,
-            input_grad=partial(grad_input, gemms=fc1_gemms),
-            weight_grad=partial(grad_weight, gemms=fc1_gemms),
+            input_grad=partial(grad_input, gemms=fc1_gemms, amaxes=(grad_preact_amax, w1_amax)),
+            weight_grad=partial(grad_weight, gemms=fc1_gemms, amaxes=(grad_preact_amax, x_amax)),
         )  # fmt: skip
         return *grads, None, None, None, None
 

@@ -1,0 +1,147 @@
+"""The float8 operands of drop_h's FP8 GEMMs, cast as a torchao ``Float8Linear``'s recipe says.
+
+Each GEMM casts its two operands (e4m3 or e5m2, tensorwise or rowwise scales, as the linear's
+``Float8LinearConfig`` says for that GEMM's role). The bytes are always torchao's:
+
+- **Where Triton runs, outside torch.compile,** two passes of ``kernels.float8_cast`` (the amax,
+  then the bytes in the layout ``torch._scaled_mm`` takes) with torchao's ``amax_to_scale``
+  between them. torchao's eager cast is six full-size kernels and, for half the operands, a
+  copy into that layout.
+- **Elsewhere** torchao's own ``hp_tensor_to_float8_dynamic`` (inductor fuses it under
+  torch.compile; DTensors and other subclasses are torchao's to handle).
+
+**One amax for two casts.** A step casts x, both weights, grad_y and grad_preact twice each,
+for two GEMMs that contract different dims. Where both casts scale tensorwise, their amax is
+the same number: ``shared_amax`` finds it once (in forward for x and the weights, kept for
+backward as a 0-dim fp32 tensor), and each cast takes it, so the second skips its full read.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from swiglu_train.kernels.fp8_format import MIN_CAPABILITY
+from swiglu_train.kernels.runtime import device_capability
+from swiglu_train.ops.activation import triton_enabled
+
+try:
+    from swiglu_train.kernels import float8_cast as cast_kernels
+except ImportError:  # no Triton on this platform: torchao casts
+    cast_kernels = None
+
+PLAIN_TENSORS = (torch.Tensor, nn.Parameter)  # no subclass whose ops reroute
+# torchao's float8 training linear: the class its converter installs (float8/float8_linear.py).
+TORCHAO_FLOAT8_LINEAR = ("torchao.float8.float8_linear", "Float8Linear")
+
+
+@dataclass(frozen=True)
+class Float8Gemms:
+    """One linear's FP8 recipe: torchao's ``Float8LinearConfig`` and the ``LinearMMConfig`` its
+    ``Float8Linear`` built from it (fast accumulation and padding per GEMM)."""
+
+    config: object
+    mm_config: object
+
+    @classmethod
+    def of(cls, linear: nn.Module) -> Float8Gemms | None:
+        """The recipe of a torchao ``Float8Linear``, or None for any other linear."""
+        kind = type(linear)
+        if (kind.__module__, kind.__qualname__) != TORCHAO_FLOAT8_LINEAR:
+            return None
+        return cls(linear.config, linear.linear_mm_config)
+
+
+def is_torchao_float8(linear: nn.Module) -> bool:
+    return Float8Gemms.of(linear) is not None
+
+
+def fp8_kernels_run(t: torch.Tensor) -> bool:
+    """Whether Triton's fp8 conversions compile for ``t``'s device (sm_89+, or the CPU's
+    interpreter): below that, torchao's ``emulate`` recipes still cast in torch."""
+    return not t.is_cuda or device_capability(t.get_device()) >= MIN_CAPABILITY
+
+
+def fused_cast_runs(t: torch.Tensor) -> bool:
+    """Whether ``kernels.float8_cast`` casts ``t``: a plain non-empty 2D tensor or parameter
+    (not a DTensor or another subclass, whose cast torchao handles) where Triton runs, outside torch.compile
+    (whose inductor fuses torchao's cast itself)."""
+    return (
+        cast_kernels is not None
+        and type(t) in PLAIN_TENSORS
+        and t.dim() == 2
+        and t.numel() > 0
+        and not torch.compiler.is_compiling()
+        and triton_enabled(t)
+        and fp8_kernels_run(t)
+    )
+
+
+def _dynamic_tensorwise(cast_config) -> bool:
+    from torchao.float8.config import ScalingGranularity, ScalingType
+
+    tensorwise = cast_config.scaling_granularity is ScalingGranularity.TENSORWISE
+    return cast_config.scaling_type is ScalingType.DYNAMIC and tensorwise
+
+
+def shared_amax(t: torch.Tensor, gemms: Float8Gemms | None, *casts: str) -> torch.Tensor | None:
+    """``t``'s amax over all of it, found once for the casts named (``Float8LinearConfig``
+    attributes, such as ``cast_config_input``) where each scales ``t`` dynamically tensorwise;
+    None otherwise (each cast then finds its own)."""
+    from torchao.float8.distributed_utils import tensor_already_casted_to_fp8
+    from torchao.float8.float8_utils import tensor_to_amax
+
+    if gemms is None or t.numel() == 0 or tensor_already_casted_to_fp8(t):
+        return None
+    if not all(_dynamic_tensorwise(getattr(gemms.config, cast)) for cast in casts):
+        return None
+    if fused_cast_runs(t):
+        return cast_kernels.amax(t, -1, rowwise=False)
+    return tensor_to_amax(t).float()  # fp32 as the kernel's: 4 bytes each kept for backward
+
+
+def cast_operand(
+    t: torch.Tensor,
+    cast_config,
+    role: str,
+    dim: int,
+    gemms: Float8Gemms,
+    amax: torch.Tensor | None = None,
+):
+    """``t`` as the float8 operand of one GEMM contracting its ``dim``, or itself where the
+    recipe leaves it unscaled or it arrives cast already (FSDP2's float8 all-gather of the
+    weights). ``amax``: its tensorwise amax, found already by ``shared_amax``."""
+    from torchao.float8.config import ScalingGranularity, ScalingType
+    from torchao.float8.distributed_utils import tensor_already_casted_to_fp8
+    from torchao.float8.float8_scaling_utils import (
+        get_maybe_axiswise_dim,
+        hp_tensor_to_float8_dynamic,
+    )
+    from torchao.float8.float8_training_tensor import (
+        Float8TrainingTensor,
+        GemmInputRole,
+        hp_tensor_and_scale_to_float8,
+    )
+    from torchao.float8.float8_utils import amax_to_scale
+
+    if cast_config.scaling_type is ScalingType.DISABLED or tensor_already_casted_to_fp8(t):
+        return t
+    granularity, dtype = cast_config.scaling_granularity, cast_config.target_dtype
+    axiswise_dim = get_maybe_axiswise_dim(dim, granularity)
+    round_pow2 = gemms.config.round_scales_to_power_of_2
+    role = getattr(GemmInputRole, role)
+    fused = fused_cast_runs(t)
+    if amax is None and not fused:
+        return hp_tensor_to_float8_dynamic(
+            t, dtype, gemms.mm_config, gemm_input_role=role, scaling_granularity=granularity,
+            axiswise_dim=axiswise_dim, round_scales_to_power_of_2=round_pow2,
+        )  # fmt: skip
+    if amax is None:
+        amax = cast_kernels.amax(t, dim, granularity is ScalingGranularity.AXISWISE)
+    scale = amax_to_scale(amax, dtype, round_pow2)
+    if not fused:
+        return hp_tensor_and_scale_to_float8(t, scale, dtype, gemms.mm_config, role, axiswise_dim)
+    data = cast_kernels.cast(t, scale, dim, dtype)
+    return Float8TrainingTensor(data, scale, t.dtype, gemms.mm_config, role, axiswise_dim)
