@@ -15,10 +15,8 @@ the fp32 bits: |v|'s bits order as int32 for non-negative
 floats, and NaN's (sign cleared) sort above inf's, so a NaN anywhere makes the amax NaN, as
 ``torch.amax`` does.
 
-**Bytes.** On CUDA the hardware's conversion (round to nearest-even, after a clamp to the
-format's max that keeps NaN). The interpreter's conversion truncates and maps NaN to a finite
-code, so under it (only: constexpr ``INTERPRET``) values are rounded onto the fp8 grid first and
-NaN's code is set by hand, as ``swiglu_fp8.e4m3_code`` does for e4m3.
+**Bytes.** ``swiglu_fp8.fp8_code``: on CUDA the hardware's conversion (round to nearest-even,
+saturating), by hand under the interpreter, whose own conversion is exact on the grid only.
 """
 
 from __future__ import annotations
@@ -30,44 +28,14 @@ import triton
 import triton.language as tl
 
 from swiglu_train.kernels.runtime import INTERPRET
-from swiglu_train.kernels.swiglu_fp8 import e4m3_code
+from swiglu_train.kernels.swiglu_fp8 import fp8_code
 
-E5M2_MAX: tl.constexpr = tl.constexpr(57344.0)
-_NAN_CODE: tl.constexpr = tl.constexpr(0x7F)
 ABS_BITS: tl.constexpr = tl.constexpr(0x7FFFFFFF)  # an fp32's bits without the sign: |v|
 TILE_ELEMENTS = 4096  # per program: a tile of [BLOCK_O, BLOCK_K]
 TRANSPOSE_TILE = 64  # square tiles where the input's contiguous dim is not the contraction dim
 PROGRAMS_PER_SM = 8  # amax programs to aim for: several waves, so no SM idles at the tail
 INTERPRET_TILE = 16
 FLOAT8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
-
-
-@triton.jit
-def _round_e5m2(v):
-    """v (|v| <= 57344 or NaN) rounded to nearest-even on the e5m2 grid, in fp32: 2 mantissa
-    bits for |v| >= 2**-14, multiples of 2**-16 below (e5m2's subnormals)."""
-    bits = v.to(tl.int32, bitcast=True)
-    normal = (bits + 0xFFFFF + ((bits >> 21) & 1)) & -2097152  # clear the low 21 bits
-    mag = tl.abs(v)
-    sub = ((mag + 192.0) - 192.0).to(tl.int32, bitcast=True)  # ulp 2**-16 at 1.5 * 2**7
-    sub = sub | (bits & -2147483648)  # the sign bit, for -0 too
-    rounded = tl.where(mag < 6.103515625e-05, sub, normal).to(tl.float32, bitcast=True)
-    return tl.where(v != v, v, rounded)
-
-
-@triton.jit
-def _fp8_code(q, E5M2: tl.constexpr, INTERPRET: tl.constexpr):
-    """The fp8 byte of each fp32 q: saturated, NaN kept, rounded to nearest-even."""
-    if not E5M2:
-        return e4m3_code(q, INTERPRET)
-    q = tl.maximum(q, -E5M2_MAX, propagate_nan=tl.PropagateNan.ALL)
-    q = tl.minimum(q, E5M2_MAX, propagate_nan=tl.PropagateNan.ALL)
-    if INTERPRET:
-        q = _round_e5m2(q)
-    code = q.to(tl.float8e5, fp_downcast_rounding="rtne").to(tl.uint8, bitcast=True)
-    if INTERPRET:
-        code = tl.where(q != q, _NAN_CODE, code).to(tl.uint8)
-    return code
 
 
 @triton.jit
@@ -111,7 +79,7 @@ def _cast_kernel(
     mask = (o < OUTER) & (k < K)
     v = tl.load(t_ptr + o * stride_o + k * stride_k, mask=mask, other=0.0).to(tl.float32)
     scale = tl.load(scale_ptr + o, mask=o < OUTER, other=1.0) if ROWWISE else tl.load(scale_ptr)
-    tl.store(out_ptr + o * K + k, _fp8_code(v * scale, E5M2, INTERPRET), mask=mask)
+    tl.store(out_ptr + o * K + k, fp8_code(v * scale, E5M2, INTERPRET), mask=mask)
 
 
 @functools.lru_cache(maxsize=1024)

@@ -55,7 +55,8 @@ _BLOCK: tl.constexpr = tl.constexpr(BLOCK)
 _MAX: tl.constexpr = tl.constexpr(E4M3_MAX)
 _MIN_AMAX: tl.constexpr = tl.constexpr(MIN_AMAX)
 _FP32_MAX: tl.constexpr = tl.constexpr(FP32_MAX)
-_NAN_CODE: tl.constexpr = tl.constexpr(0x7F)  # e4m3fn's NaN, either sign bit
+_NAN_CODE: tl.constexpr = tl.constexpr(0x7F)  # e4m3fn's and e5m2's NaN, either sign bit
+_E5M2_MAX: tl.constexpr = tl.constexpr(57344.0)
 
 
 @triton.jit
@@ -64,16 +65,25 @@ def _max_keep_nan(a, b):
 
 
 @triton.jit
-def _round_e4m3(v):
-    """v (|v| <= 448 or NaN) rounded to nearest-even on the e4m3 grid, in fp32: 3 mantissa
-    bits for |v| >= 2**-6, multiples of 2**-9 below (e4m3's subnormals)."""
+def round_to_fp8_grid(v, LOW_BITS: tl.constexpr, SUB_MAGIC: tl.constexpr, MIN_NORMAL: tl.constexpr):
+    """v (within the format's max, or NaN) rounded to nearest-even on an fp8 grid, in fp32:
+    fp32's low LOW_BITS mantissa bits cleared for |v| >= MIN_NORMAL; below, multiples of the
+    subnormal step, which is fp32's ulp at SUB_MAGIC (1.5 · 2**k), so adding and subtracting it
+    rounds there."""
     bits = v.to(tl.int32, bitcast=True)
-    normal = (bits + 0x7FFFF + ((bits >> 20) & 1)) & -1048576  # clear the low 20 bits
+    half: tl.constexpr = (1 << (LOW_BITS - 1)) - 1
+    normal = (bits + half + ((bits >> LOW_BITS) & 1)) & -(1 << LOW_BITS)
     mag = tl.abs(v)
-    sub = ((mag + 24576.0) - 24576.0).to(tl.int32, bitcast=True)  # ulp 2**-9 at 1.5 * 2**14
+    sub = ((mag + SUB_MAGIC) - SUB_MAGIC).to(tl.int32, bitcast=True)
     sub = sub | (bits & -2147483648)  # the sign bit, for -0 too
-    rounded = tl.where(mag < 0.015625, sub, normal).to(tl.float32, bitcast=True)
+    rounded = tl.where(mag < MIN_NORMAL, sub, normal).to(tl.float32, bitcast=True)
     return tl.where(v != v, v, rounded)
+
+
+@triton.jit
+def _round_e4m3(v):
+    """e4m3: 3 mantissa bits for |v| >= 2**-6, multiples of 2**-9 below (its subnormals)."""
+    return round_to_fp8_grid(v, 20, 24576.0, 0.015625)
 
 
 @triton.jit
@@ -93,17 +103,32 @@ def _block_tile(pid, M, F, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
-def e4m3_code(q, INTERPRET: tl.constexpr):
-    """The e4m3 byte of each fp32 q: saturated to ±448, NaN kept, rounded to nearest-even (on
-    CUDA the conversion does all three; the interpreter's is done by hand)."""
-    if INTERPRET:
-        q = tl.maximum(q, -_MAX, propagate_nan=tl.PropagateNan.ALL)
-        q = tl.minimum(q, _MAX, propagate_nan=tl.PropagateNan.ALL)
-        q = _round_e4m3(q)
-    code = q.to(tl.float8e4nv, fp_downcast_rounding="rtne").to(tl.uint8, bitcast=True)
+def fp8_code(q, E5M2: tl.constexpr, INTERPRET: tl.constexpr):
+    """The e4m3 (or E5M2: e5m2) byte of each fp32 q: saturated to the format's max, NaN kept,
+    rounded to nearest-even. On CUDA the conversion does all three for e4m3 (``satfinite``);
+    e5m2 is clamped first. The interpreter's conversion is exact on the grid only, and maps NaN
+    to a finite code, so there the rounding and NaN's code are done by hand."""
+    if E5M2:
+        q = tl.maximum(q, -_E5M2_MAX, propagate_nan=tl.PropagateNan.ALL)
+        q = tl.minimum(q, _E5M2_MAX, propagate_nan=tl.PropagateNan.ALL)
+        if INTERPRET:
+            q = round_to_fp8_grid(q, 21, 192.0, 6.103515625e-05)  # 2**-16 steps below 2**-14
+        code = q.to(tl.float8e5, fp_downcast_rounding="rtne").to(tl.uint8, bitcast=True)
+    else:
+        if INTERPRET:
+            q = tl.maximum(q, -_MAX, propagate_nan=tl.PropagateNan.ALL)
+            q = tl.minimum(q, _MAX, propagate_nan=tl.PropagateNan.ALL)
+            q = _round_e4m3(q)
+        code = q.to(tl.float8e4nv, fp_downcast_rounding="rtne").to(tl.uint8, bitcast=True)
     if INTERPRET:
         code = tl.where(q != q, _NAN_CODE, code).to(tl.uint8)
     return code
+
+
+@triton.jit
+def e4m3_code(q, INTERPRET: tl.constexpr):
+    """The e4m3 byte of each fp32 q (``fp8_code``)."""
+    return fp8_code(q, False, INTERPRET)
 
 
 @triton.jit

@@ -66,8 +66,8 @@ def fp8_kernels_run(t: torch.Tensor) -> bool:
 
 def fused_cast_runs(t: torch.Tensor) -> bool:
     """Whether ``kernels.float8_cast`` casts ``t``: a plain non-empty 2D tensor or parameter
-    (not a DTensor or another subclass, whose cast torchao handles) where Triton runs, outside torch.compile
-    (whose inductor fuses torchao's cast itself)."""
+    (not a DTensor or another subclass, whose cast torchao handles) where Triton runs, outside
+    torch.compile (whose inductor fuses torchao's cast itself)."""
     return (
         cast_kernels is not None
         and type(t) in PLAIN_TENSORS
