@@ -45,6 +45,7 @@ import swiglu_train.kernels  # noqa: E402
 from swiglu_train.kernels import (  # noqa: E402
     experts_swiglu,
     experts_wgrad,
+    float8_cast,
     fused_mlp,
     gated_gemm,
     swiglu,
@@ -159,6 +160,15 @@ def _drive_float8(dtype: torch.dtype) -> None:
     swiglu_float8.swiglu_cast_e4m3(preact, 448.0 / amax[:, None])
 
 
+def _drive_float8_cast(dtype: torch.dtype) -> None:
+    t = _randn(24, 40, dtype=dtype)
+    for dim in (0, -1):  # the contraction along rows (a transposing cast) and along columns
+        for rowwise in (False, True):
+            amax = float8_cast.amax(t, dim, rowwise)
+            for fp8 in float8_cast.FLOAT8_DTYPES:
+                float8_cast.cast(t, 448.0 / amax, dim, fp8)
+
+
 def _drive_fp8_saved(dtype: torch.dtype) -> None:
     m, f = 3, 130  # a partial second scale block
     q, scales = _fp8_copy(m, f)
@@ -245,6 +255,7 @@ def _drive_gated_gemm(dtype: torch.dtype) -> None:
 DRIVERS = (
     _drive_swiglu,
     _drive_float8,
+    _drive_float8_cast,
     _drive_fp8_saved,
     _drive_experts,
     _drive_experts_wgrad,
