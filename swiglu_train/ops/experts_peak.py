@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 
 from swiglu_train.kernels.fp8_format import copy_bytes
-from swiglu_train.ops.experts_routing import routing_bytes
+from swiglu_train.ops.experts_routing import restored_bytes, routing_bytes
 
 MODELLED_IMPLS = ("drop_h", "drop_h_quack")  # the impls whose backward the model follows
 
@@ -77,7 +77,7 @@ def backward_peak_bytes(
         pinned=inplace and not saved_fp8,
     )
     held = experts * 2 * ffn * hidden * size + 2 * tokens * hidden * size  # grad_W1, grad_x, y
-    held += routing_bytes(rows, experts)
+    held += routing_bytes(rows, experts) + restored_bytes(rows)
     if not inplace:  # autograd's saved copy stays beside the one backward overwrites
         held += copy_bytes(rows, ffn) if saved_fp8 else sizes["grad_preact"]
     order = grad_fc2_first(**sizes) if fc2_first is None else fc2_first

@@ -39,15 +39,41 @@ class Routing(NamedTuple):
 
     token: torch.Tensor  # [R] int64: the token of each sorted slot
     slot: torch.Tensor  # [R] int64: its flat index t * k + j into [T, k]
-    bags: torch.Tensor  # [T, k] int64: the sorted row of each slot (the inverse of slot)
+    bags: torch.Tensor  # [T, k] int64 (int32 restored): the sorted row of each slot
     offsets: torch.Tensor  # [E] int32: cumulative ends of each expert's rows
     weight: torch.Tensor  # [R] fp32: each sorted slot's router weight, 0 if dropped
 
 
+def saved_plan(plan: Routing) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """What the drop_h impls keep of a plan for backward, which then sorts nothing again: each
+    sorted row's slot (int32 where R fits it) and router weight, and the offsets, 8 bytes a
+    slot. The token (slot // k) and the bags (slot's inverse) are rebuilt in backward, by an
+    elementwise pass and a scatter over R, rather than kept: 20 bytes a slot less."""
+    slot = plan.slot
+    if slot.numel() <= torch.iinfo(torch.int32).max:
+        slot = slot.to(torch.int32)
+    return slot, plan.offsets, plan.weight
+
+
+def restored_plan(
+    slot: torch.Tensor, offsets: torch.Tensor, weight: torch.Tensor, top_k: int
+) -> Routing:
+    """The plan backward reads, from ``saved_plan``'s tensors; the bags in int32, which every
+    reader takes (the combine kernel widens each index before it scales it)."""
+    slot = slot.long()  # index_copy_ takes int64 indices only
+    rows = torch.arange(slot.numel(), device=slot.device, dtype=torch.int32)
+    bags = torch.empty_like(rows).index_copy_(0, slot, rows).view(-1, top_k)
+    return Routing(slot // top_k, slot, bags, offsets, weight)
+
+
 def routing_bytes(rows: int, experts: int) -> int:
-    """What a plan holds: three int64 and one fp32 vector over the R slots, E int32 offsets.
-    The drop_h impls keep it for backward, which then sorts nothing again."""
-    return rows * (3 * 8 + 4) + experts * 4
+    """What ``saved_plan`` keeps: an int32 slot and an fp32 weight a row, E int32 offsets."""
+    return rows * (4 + 4) + experts * 4
+
+
+def restored_bytes(rows: int) -> int:
+    """What ``restored_plan`` adds while backward runs: slot and token in int64, bags in int32."""
+    return rows * (8 + 8 + 4)
 
 
 def sort_key_dtype(num_experts: int) -> torch.dtype:

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from swiglu_train.ops.activation import swiglu_fwd, triton_enabled
 from swiglu_train.ops.eager import eager_op
-from swiglu_train.ops.experts_routing import Routing
+from swiglu_train.ops.experts_routing import Routing, restored_plan, saved_plan
 from swiglu_train.ops.fp8_saved import copy_buffers, dequantize, free_copy, swiglu_fwd_fp8_
 from swiglu_train.ops.mlp import claim_inplace_backward, refuse_double_backward
 from swiglu_train.ops.reference import swiglu_grad
@@ -34,10 +34,11 @@ def activate(preact: torch.Tensor, saved_fp8: bool) -> tuple[torch.Tensor, tuple
 
 
 def save(ctx, x, indices, weights, fc1, fc2, plan: Routing, saved: tuple, weights_on, inplace):
-    """What every drop_h experts backward reads: x, the routing inputs and their sorted plan
-    (O(R) integers, so backward neither sorts nor searches again), both weights and the
-    preactivation (or its copy); h and the expert outputs are never kept."""
-    ctx.save_for_backward(x, indices, weights, fc1, fc2, *plan, *saved)
+    """What every drop_h experts backward reads: x, the routing inputs and what it needs of
+    their sorted plan (``saved_plan``: 8 bytes a slot, so backward neither sorts nor searches
+    again), both weights and the preactivation (or its copy); h and the expert outputs are
+    never kept."""
+    ctx.save_for_backward(x, indices, weights, fc1, fc2, *saved_plan(plan), *saved)
     ctx.weights_on, ctx.inplace, ctx.backward_ran = weights_on, inplace, False
 
 
@@ -47,9 +48,8 @@ def saved_tensors(ctx, errors: tuple[str, str]) -> tuple[bool, tuple, Routing, l
     overwrite."""
     refuse_double_backward()
     inplace = claim_inplace_backward(ctx, *errors)
-    x, indices, weights, fc1, fc2, *rest = ctx.saved_tensors
-    fields = len(Routing._fields)
-    plan, saved = Routing(*rest[:fields]), rest[fields:]
+    x, indices, weights, fc1, fc2, slot, offsets, weight, *saved = ctx.saved_tensors
+    plan = restored_plan(slot, offsets, weight, indices.shape[1])
     if not inplace and len(saved) == 1:
         saved = [saved[0].clone()]
     return inplace, (x, indices, weights, fc1, fc2), plan, saved
