@@ -460,6 +460,9 @@ stage_moe() {
     ${MOE_TOKENS:+--tokens $MOE_TOKENS} ${MOE_DEVICE:+--device $MOE_DEVICE}
     --routing ${MOE_ROUTING:-balanced,skewed} --samples 30"
   local quack=$(echo $QUACK | grep -q drop_h_quack && echo drop_h_quack,drop_h_quack+fp8,)
+  # expandable segments: the DeepSeek-V3 layer (22.5 GiB of weights, as many of gradients)
+  # ran out of memory after two models in one process, 15.9 GiB reserved but in pieces (0f1b069)
+  PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True \
   python3 -m swiglu_train bench-moe $args $([ "${MOE_TIMELINE:-1}" = 1 ] && echo --timeline) \
     --prewarm-workers "${MOE_PREWARM:-6}" \
     --variants "${MOE_VARIANTS:-normal,drop_h,drop_h+fp8,drop_h+gathered_wgrad,${quack}torchtitan,torchtitan_compile,hf_grouped_mm}" \
