@@ -19,6 +19,7 @@ backward as a 0-dim fp32 tensor), and each cast takes it, so the second skips it
 from __future__ import annotations
 
 from dataclasses import dataclass
+from types import SimpleNamespace
 
 import torch
 from torch import nn
@@ -79,27 +80,50 @@ def fused_cast_runs(t: torch.Tensor) -> bool:
     )
 
 
-def _dynamic_tensorwise(cast_config) -> bool:
-    from torchao.float8.config import ScalingGranularity, ScalingType
+_TORCHAO: SimpleNamespace | None = None
 
-    tensorwise = cast_config.scaling_granularity is ScalingGranularity.TENSORWISE
-    return cast_config.scaling_type is ScalingType.DYNAMIC and tensorwise
+
+def _torchao() -> SimpleNamespace:
+    """torchao's float8 names, imported on the first FP8 GEMM (torchao is the ``fp8`` extra, and
+    slow to import) and kept: a step casts a dozen operands, each asking for them."""
+    global _TORCHAO
+    if _TORCHAO is None:
+        from torchao.float8 import config, float8_scaling_utils, float8_training_tensor
+        from torchao.float8.distributed_utils import tensor_already_casted_to_fp8
+        from torchao.float8.float8_utils import amax_to_scale, tensor_to_amax
+
+        _TORCHAO = SimpleNamespace(
+            ScalingGranularity=config.ScalingGranularity,
+            ScalingType=config.ScalingType,
+            get_maybe_axiswise_dim=float8_scaling_utils.get_maybe_axiswise_dim,
+            hp_tensor_to_float8_dynamic=float8_scaling_utils.hp_tensor_to_float8_dynamic,
+            Float8TrainingTensor=float8_training_tensor.Float8TrainingTensor,
+            GemmInputRole=float8_training_tensor.GemmInputRole,
+            hp_tensor_and_scale_to_float8=float8_training_tensor.hp_tensor_and_scale_to_float8,
+            tensor_already_casted_to_fp8=tensor_already_casted_to_fp8,
+            amax_to_scale=amax_to_scale,
+            tensor_to_amax=tensor_to_amax,
+        )
+    return _TORCHAO
+
+
+def _dynamic_tensorwise(cast_config) -> bool:
+    ao = _torchao()
+    tensorwise = cast_config.scaling_granularity is ao.ScalingGranularity.TENSORWISE
+    return cast_config.scaling_type is ao.ScalingType.DYNAMIC and tensorwise
 
 
 def shared_amax(t: torch.Tensor, gemms: Float8Gemms | None, *casts: str) -> torch.Tensor | None:
     """``t``'s amax over all of it, found once for the casts named (``Float8LinearConfig``
     attributes, such as ``cast_config_input``) where each scales ``t`` dynamically tensorwise;
     None otherwise (each cast then finds its own)."""
-    from torchao.float8.distributed_utils import tensor_already_casted_to_fp8
-    from torchao.float8.float8_utils import tensor_to_amax
-
-    if gemms is None or t.numel() == 0 or tensor_already_casted_to_fp8(t):
+    if gemms is None or t.numel() == 0 or _torchao().tensor_already_casted_to_fp8(t):
         return None
     if not all(_dynamic_tensorwise(getattr(gemms.config, cast)) for cast in casts):
         return None
     if fused_cast_runs(t):
         return cast_kernels.amax(t, -1, rowwise=False)
-    return tensor_to_amax(t).float()  # fp32 as the kernel's: 4 bytes each kept for backward
+    return _torchao().tensor_to_amax(t).float()  # fp32 as the kernel's: 4 bytes kept each
 
 
 def cast_operand(
@@ -113,35 +137,25 @@ def cast_operand(
     """``t`` as the float8 operand of one GEMM contracting its ``dim``, or itself where the
     recipe leaves it unscaled or it arrives cast already (FSDP2's float8 all-gather of the
     weights). ``amax``: its tensorwise amax, found already by ``shared_amax``."""
-    from torchao.float8.config import ScalingGranularity, ScalingType
-    from torchao.float8.distributed_utils import tensor_already_casted_to_fp8
-    from torchao.float8.float8_scaling_utils import (
-        get_maybe_axiswise_dim,
-        hp_tensor_to_float8_dynamic,
-    )
-    from torchao.float8.float8_training_tensor import (
-        Float8TrainingTensor,
-        GemmInputRole,
-        hp_tensor_and_scale_to_float8,
-    )
-    from torchao.float8.float8_utils import amax_to_scale
-
-    if cast_config.scaling_type is ScalingType.DISABLED or tensor_already_casted_to_fp8(t):
+    ao = _torchao()
+    if cast_config.scaling_type is ao.ScalingType.DISABLED or ao.tensor_already_casted_to_fp8(t):
         return t
     granularity, dtype = cast_config.scaling_granularity, cast_config.target_dtype
-    axiswise_dim = get_maybe_axiswise_dim(dim, granularity)
+    axiswise_dim = ao.get_maybe_axiswise_dim(dim, granularity)
     round_pow2 = gemms.config.round_scales_to_power_of_2
-    role = getattr(GemmInputRole, role)
+    role = getattr(ao.GemmInputRole, role)
     fused = fused_cast_runs(t)
     if amax is None and not fused:
-        return hp_tensor_to_float8_dynamic(
+        return ao.hp_tensor_to_float8_dynamic(
             t, dtype, gemms.mm_config, gemm_input_role=role, scaling_granularity=granularity,
             axiswise_dim=axiswise_dim, round_scales_to_power_of_2=round_pow2,
         )  # fmt: skip
     if amax is None:
-        amax = cast_kernels.amax(t, dim, granularity is ScalingGranularity.AXISWISE)
-    scale = amax_to_scale(amax, dtype, round_pow2)
+        amax = cast_kernels.amax(t, dim, granularity is ao.ScalingGranularity.AXISWISE)
+    scale = ao.amax_to_scale(amax, dtype, round_pow2)
     if not fused:
-        return hp_tensor_and_scale_to_float8(t, scale, dtype, gemms.mm_config, role, axiswise_dim)
+        return ao.hp_tensor_and_scale_to_float8(
+            t, scale, dtype, gemms.mm_config, role, axiswise_dim
+        )
     data = cast_kernels.cast(t, scale, dim, dtype)
-    return Float8TrainingTensor(data, scale, t.dtype, gemms.mm_config, role, axiswise_dim)
+    return ao.Float8TrainingTensor(data, scale, t.dtype, gemms.mm_config, role, axiswise_dim)

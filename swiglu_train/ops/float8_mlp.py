@@ -106,9 +106,8 @@ def fc2_input(preact: torch.Tensor, gemms: Float8Gemms | None):
     """fc2's forward operand: h, or where the recipe casts it dynamically to e4m3 (tensorwise
     or per row) and Triton runs, h in e4m3 made from the preactivation without writing h,
     as torchao's ``Float8TrainingTensor`` with torchao's own scale of the same amax."""
-    if gemms is None or kernels is None or preact.shape[0] == 0 or not triton_enabled(preact):
-        return swiglu_fwd(preact)
-    if not fp8_kernels_run(preact):
+    runs = kernels is not None and preact.shape[0] and triton_enabled(preact)
+    if gemms is None or not runs or not fp8_kernels_run(preact):
         return swiglu_fwd(preact)
     from torchao.float8.config import ScalingGranularity, ScalingType
     from torchao.float8.float8_training_tensor import Float8TrainingTensor, GemmInputRole
