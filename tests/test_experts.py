@@ -12,6 +12,7 @@ from swiglu_train.layers.experts import ParExperts
 from swiglu_train.ops import reference
 from swiglu_train.ops.activation import use_backend
 from swiglu_train.ops.experts import experts_mlp
+from swiglu_train.ops.experts_quack import experts_quack_unavailable_reason
 
 IMPLS = [("normal", False), ("drop_h", False), ("drop_h", True)]
 # ... and with drop_h's grad_W1 gathering x inside its GEMM (tests/test_experts_wgrad.py)
@@ -165,7 +166,7 @@ def test_drop_h_keeps_less_than_normal_by_h_gathered_x_and_outputs():
     normal = saved_activation_bytes("normal", False, "output", t, d, f, k, 128, torch.bfloat16)
     drop_h = saved_activation_bytes("drop_h", False, "output", t, d, f, k, 128, torch.bfloat16)
     r = t * k
-    plan = r * (4 + 4) + 128 * 4  # of the sorted plan: an int32 slot and an fp32 weight, E
+    plan = r * 4 + 128 * 4  # of the sorted plan: an int32 slot a row, E int32 offsets
     assert normal - drop_h == 2 * (r * d + r * f + r * d) - plan
 
 
@@ -195,17 +196,38 @@ def test_module_takes_batched_tokens_and_keeps_parameter_names():
     assert y.shape == (2, 3, 16) and torch.equal(y.view(6, 16), flat)
 
 
-def test_auto_builds_drop_h_and_says_why():
+def test_auto_builds_drop_h_off_hopper_and_says_why():
     """As ParMLP's auto: the impl it chose, and auto_reason (None where the impl was named).
-    It is patch's and pretrain's choice for the experts too (resolve_experts_impl)."""
+    Without a CUDA GPU drop_h_quack cannot run, so auto builds drop_h and names why; patch and
+    pretrain hand auto to ParExperts (resolve_experts_impl), which resolves it so."""
     from swiglu_train.layers.experts import resolve_experts_impl
 
-    m = ParExperts(4, 16, 8, impl="auto")
-    assert m.impl == "drop_h" and m.auto_reason.startswith("auto's cost model is the dense MLP's")
-    assert resolve_experts_impl("auto", None)[0] == m.impl
+    m = ParExperts(4, 16, 8, impl="auto", gathered_wgrad=True)
+    assert m.impl == "drop_h" and m.gathered_wgrad
+    assert m.auto_reason == "drop_h: drop_h_quack cannot run here (no CUDA GPU)"
+    assert resolve_experts_impl("auto", None) == ("auto", None)
+    assert resolve_experts_impl("drop_h", "auto") == ("auto", None)
     assert ParExperts(4, 16, 8, impl="drop_h").auto_reason is None
-    with pytest.raises(ValueError, match=r"unknown experts impl 'save_factors'.*'auto'\)$"):
-        ParExperts(4, 16, 8, impl="save_factors")  # a dense impl: patch maps it, not the layer
+    on_input = ParExperts(4, 16, 8, impl="auto", router_weights_on="input")
+    assert on_input.impl == "drop_h" and "router weights on the input" in on_input.auto_reason
+
+
+def test_auto_rule_takes_drop_h_quack_only_where_it_runs_and_the_weight_scales_the_output():
+    """The rule on a device's facts (experts_auto): quack's reason, the sizes, the weight's side."""
+    from swiglu_train.layers.experts import experts_auto
+
+    assert experts_auto(4096, 14336, "input")[0] == "drop_h"
+    impl, why = experts_auto(4096, 14336, "output")
+    if torch.cuda.is_available() and experts_quack_unavailable_reason(4096, 14336) is None:
+        assert impl == "drop_h_quack" and "faster than drop_h" in why
+        assert experts_auto(4096, 14340, "output") == (
+            "drop_h",
+            "drop_h: drop_h_quack cannot run here (hidden_size 4096 and ffn_hidden_size 14340 "
+            "must be multiples of 8 (16-byte rows for TMA))",
+        )
+    else:
+        reason = experts_quack_unavailable_reason(4096, 14336)
+        assert (impl, why) == ("drop_h", f"drop_h: drop_h_quack cannot run here ({reason})")
 
 
 @pytest.mark.parametrize("impl", ["normal", "drop_h", "drop_h_quack"])

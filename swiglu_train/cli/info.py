@@ -108,7 +108,7 @@ def experts_rows(
 
 
 def _print_experts(experts, top_k, hidden, ffn, tokens, kernels) -> None:
-    from swiglu_train.layers.experts import resolve_experts_impl
+    from swiglu_train.layers.experts import experts_auto
 
     rows = experts_rows(experts, top_k, hidden, ffn, tokens, kernels)
     table = Table(title=f"routed experts (ParExperts): E={experts}, k={top_k}, R = T·k rows")
@@ -123,5 +123,5 @@ def _print_experts(experts, top_k, hidden, ffn, tokens, kernels) -> None:
     console.print(table)
     if not shown:
         console.print("--hidden-size, --ffn-hidden-size and --tokens show the MiB each keeps")
-    impl, why = resolve_experts_impl("auto", None)
+    impl, why = experts_auto(hidden, ffn, "output")
     console.print(f"experts auto -> [bold]{impl}[/] ({escape(why)})")

@@ -81,7 +81,7 @@ def _gathered_wgrad_kernel(
         live = rows < end
         a_ptrs = a_ptr + rows[:, None] * stride_a_row + ms[None, :] * stride_a_col
         a = tl.load(a_ptrs, mask=live[:, None] & m_ok[None, :], other=0.0)
-        token = tl.load(token_ptr + rows, mask=live, other=0)
+        token = tl.load(token_ptr + rows, mask=live, other=0).to(tl.int64)
         b_ptrs = b_ptr + token[:, None] * stride_b_row + ns[None, :] * stride_b_col
         b = tl.load(b_ptrs, mask=live[:, None] & n_ok[None, :], other=0.0)
         if SCALED:  # w·x rounded to x's dtype, as the forward computed it
@@ -105,7 +105,7 @@ def gathered_weight_grad(
     scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """[E, N, K] in a's dtype: Σ over expert e's rows r of a[r]ᵀ (scale[r] ·) b[token[r]], for
-    a [R, N] sorted by expert, b [T, K], token [R] int64 into b's rows, offsets [E] int32
+    a [R, N] sorted by expert, b [T, K], token [R] int32 or int64 into b's rows, offsets [E] int32
     (cumulative row ends) and scale [R] or None."""
     if a.dim() != 2 or b.dim() != 2 or a.dtype != b.dtype or a.device != b.device:
         raise ValueError(
@@ -115,8 +115,10 @@ def gathered_weight_grad(
     if a.dtype not in SUPPORTED_DTYPES:
         raise TypeError(f"a dtype must be one of {SUPPORTED_DTYPES}, got {a.dtype}")
     rows, experts = a.shape[0], offsets.shape[0]
-    if tuple(token.shape) != (rows,) or token.dtype != torch.int64:
-        raise ValueError(f"token must be int64 [{rows}], got {token.dtype} {tuple(token.shape)}")
+    if tuple(token.shape) != (rows,) or token.dtype not in (torch.int32, torch.int64):
+        raise ValueError(
+            f"token must be int32 or int64 [{rows}], got {token.dtype} {tuple(token.shape)}"
+        )
     if offsets.dim() != 1 or offsets.dtype != torch.int32 or experts == 0:
         raise ValueError(f"offsets must be int32 [E >= 1], got {offsets.dtype} {offsets.shape}")
     if scale is not None and tuple(scale.shape) != (rows,):

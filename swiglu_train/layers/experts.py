@@ -17,32 +17,57 @@ import torch
 from torch import nn
 
 from swiglu_train.ops.experts import IMPLS, WEIGHTS_ON, check_options, experts_mlp
-from swiglu_train.ops.experts_quack import check_experts_quack_runs
+from swiglu_train.ops.experts_quack import (
+    check_experts_quack_runs,
+    experts_quack_unavailable_reason,
+)
 
 # What a dense impl name means for the routed experts, which have fewer impls, and why: both
 # get drop_h's saved set, the one the experts' kernels are built for.
 _EXPERTS_IMPL = {
     "save_factors": ("drop_h", "save_factors has no routed-experts form"),
     "save_factors_quack": ("drop_h_quack", "save_factors_quack has no routed-experts form"),
-    # moe_h100_peers.md (a1306b4): drop_h_quack 2-10 % faster at the three fine-grained models;
-    # chosen at build time, before the device is known, so auto takes the impl that runs anywhere
-    "auto": (
-        "drop_h",
-        "auto's cost model is the dense MLP's; drop_h runs wherever torch does "
-        "(drop_h_quack, on quack and sm_90+, ran 2-10 % faster at the MoE shapes measured)",
-    ),
 }
+
+
+def experts_auto(
+    hidden_size: int | None, ffn_hidden_size: int | None, router_weights_on: str
+) -> tuple[str, str]:
+    """(auto's experts impl on the current device, why). The rule, from the H100's MoE runs:
+    drop_h_quack wherever it runs (sm_90, quack, D and F multiples of 8) with the router weight
+    on the output, where its gather GEMMs ran 1-10 % faster than drop_h at the five models
+    measured (moe_h100_peers.md, moe_wide_h100.md) with a lower backward peak (x's and grad_y's
+    rows are never written); otherwise drop_h, which runs wherever torch does, and was faster
+    with the weight on the input (Llama-4 Scout: 1.118x the floor against 1.183x,
+    moe_llama4_h100.md), where quack's gated epilogue cannot scale the preactivation. Both keep
+    the same parameters and saved bytes, so the choice never changes a checkpoint."""
+    if router_weights_on == "input":
+        return "drop_h", (
+            "router weights on the input: drop_h (drop_h_quack's gated epilogue cannot scale "
+            "the preactivation; 1.183x the floor against drop_h's 1.118x at Llama-4 Scout, H100)"
+        )
+    reason = experts_quack_unavailable_reason(hidden_size, ffn_hidden_size)
+    if reason is not None:
+        return "drop_h", f"drop_h: drop_h_quack cannot run here ({reason})"
+    return "drop_h_quack", (
+        "drop_h_quack: quack's gather GEMMs ran 1-10 % faster than drop_h at five MoE models "
+        "on the H100, with a lower backward peak"
+    )
 
 
 def resolve_experts_impl(impl: str, requested: str | None) -> tuple[str, str | None]:
     """(the experts' impl, why it is not ``impl``) for a model whose MLPs take ``impl`` (any
     dense name, or ``auto``) and whose experts were asked for ``requested`` (None: follow
-    ``impl``). An experts impl not offered is refused in one line."""
+    ``impl``). ``auto`` stays auto: each ParExperts resolves it on its own sizes and device
+    (``experts_auto``) and says why in ``auto_reason``. An experts impl not offered is refused
+    in one line."""
     if requested is not None:
-        if requested not in IMPLS:
-            raise ValueError(f"unknown experts impl {requested!r}; choose one of {IMPLS}")
+        if requested not in (*IMPLS, "auto"):
+            raise ValueError(
+                f"unknown experts impl {requested!r}; choose one of {(*IMPLS, 'auto')}"
+            )
         return requested, None
-    if impl in IMPLS:
+    if impl in (*IMPLS, "auto"):
         return impl, None
     chosen, why = _EXPERTS_IMPL[impl]
     return chosen, f"{why}, so {chosen}; experts_impl= names one"
@@ -54,7 +79,8 @@ class ParExperts(nn.Module):
     ``impl``: "drop_h" (default: keeps x and the preactivation alone for backward) or
     "normal" (the reference; keeps the gathered input, preact, h and the expert outputs)
     or "drop_h_quack" (drop_h on quack's gather GEMMs; sm_90+, D and F multiples of 8), or
-    "auto" (drop_h, which runs anywhere; ``auto_reason`` says why).
+    "auto" (``experts_auto``: drop_h_quack where it runs on the current device with the router
+    weight on the output, else drop_h; ``auto_reason`` says why).
     ``saved_fp8`` keeps drop_h's preactivation in e4m3 (1x128 blocks, bf16 scales).
     ``router_weights_on``: "output" (Mixtral, Qwen, DeepSeek) or "input" (Llama-4).
     ``inplace=False`` keeps the saved tensors intact so a graph can be backpropagated twice.
@@ -94,7 +120,10 @@ class ParExperts(nn.Module):
             raise ValueError(f"unknown experts impl {impl!r}; choose one of {(*IMPLS, 'auto')}")
         self.auto_reason = None  # why auto chose the impl; None when it was named
         if impl == "auto":
-            impl, self.auto_reason = _EXPERTS_IMPL["auto"]
+            impl, self.auto_reason = experts_auto(hidden_size, ffn_hidden_size, router_weights_on)
+            if gathered_wgrad and impl == "drop_h_quack":  # its GEMMs gather x's rows already
+                gathered_wgrad = False
+                self.auto_reason += " (gathered_wgrad is drop_h's: these GEMMs gather inside)"
         check_options(impl, saved_fp8, router_weights_on, gathered_wgrad)
         if impl == "drop_h_quack":
             check_experts_quack_runs(hidden_size, ffn_hidden_size)

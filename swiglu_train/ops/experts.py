@@ -119,7 +119,9 @@ class _ExpertsDropH(torch.autograd.Function):
         del preact
         out = grouped_linear(h, fc2, plan.offsets)
         del h
-        y = gather_sum(out, plan, None if weights_on == "input" else live_weights(indices, weights))
+        y = gather_sum(
+            out, plan.bags, None if weights_on == "input" else live_weights(indices, weights)
+        )
         save(ctx, x, indices, weights, fc1, fc2, plan, saved, weights_on, inplace)
         ctx.gathered_wgrad = gathered
         return y
@@ -128,48 +130,52 @@ class _ExpertsDropH(torch.autograd.Function):
     def backward(ctx, grad_y: torch.Tensor):
         errors = (SECOND_BACKWARD_ERROR, SECOND_BACKWARD_FREED_ERROR)
         inplace, (x, indices, weights, fc1, fc2), plan, saved = saved_tensors(ctx, errors)
+        # the plan's parts, each dropped once read for the last time: the peak keeps the token
+        token, bags, offsets, weight = plan.token, plan.bags, plan.offsets, plan.weight
+        del plan
         on_output = ctx.weights_on == "output"
-        grad_yg = grad_y.contiguous().index_select(0, plan.token)
-        g = grouped_linear(grad_yg, fc2.transpose(1, 2), plan.offsets)  # unweighted grad_h
-        w = plan.weight if on_output else None
+        grad_yg = grad_y.contiguous().index_select(0, token)
+        g = grouped_linear(grad_yg, fc2.transpose(1, 2), offsets)  # unweighted grad_h
+        w = weight if on_output else None
         grad_preact, wh, grad_w_rows = backward_rows(saved, g, w, inplace)
+        scale = None if on_output else weight  # an input-side weight scales grad_W1's x rows
         pinned = inplace and grad_preact is saved[0]
-        del saved, g
+        del saved, g, w, weight
         in_gemm = gathers_in_gemm(ctx.gathered_wgrad, grad_preact)  # else grad_W1 gathers x
         fc2_first = grad_fc2_first(
             grad_w2=fc2.numel(),
             grad_preact=grad_preact.numel(),
             waiting=grad_yg.numel() + wh.numel(),
-            gathered=0 if in_gemm else plan.token.numel() * x.shape[-1],
+            gathered=0 if in_gemm else token.numel() * x.shape[-1],
             pinned=pinned,
         )
         if fc2_first:
-            grad_fc2 = grouped_weight_grad(grad_yg, wh, plan.offsets)
+            grad_fc2 = grouped_weight_grad(grad_yg, wh, offsets)
             grad_yg = wh = None
-        grad_xg = grouped_linear(grad_preact, fc1.transpose(1, 2), plan.offsets)
+        grad_xg = grouped_linear(grad_preact, fc1.transpose(1, 2), offsets)
         xg = None  # x's rows, where grad_W1's GEMM needs them gathered
         if not on_output:  # d(w x)/dw = x: the router's gradient from grad_xg before scaling
             if in_gemm:  # chunked: grad_W1's GEMM reads x's rows itself
-                grad_w_rows = gathered_row_dots(grad_xg, x, plan.token)
+                grad_w_rows = gathered_row_dots(grad_xg, x, token)
             else:  # one gather serves this dot and grad_W1 (scaled in place there)
-                xg = x.index_select(0, plan.token)
+                xg = x.index_select(0, token)
                 grad_w_rows = row_dots(grad_xg, xg)
+        grad_w = router_grad(grad_w_rows, bags, indices, weights)
         # grad_x before grad_W1 is allocated: the step's peak then holds [T, D], not [R, D]
-        grad_x = gather_sum(grad_xg, plan, None if on_output else live_weights(indices, weights))
-        del grad_xg
+        grad_x = gather_sum(grad_xg, bags, None if on_output else live_weights(indices, weights))
+        del grad_xg, grad_w_rows, bags
         # beside both weight gradients, the step's peak: with gathered_wgrad, x's rows are
-        # read inside the GEMM, not gathered to [R, D] first
-        scale = None if on_output else plan.weight
-        if xg is not None:
-            grad_fc1 = rows_weight_grad(grad_preact, xg, plan.offsets, scale)
+        # read inside the GEMM, not gathered to [R, D] first; gathered first, the token is
+        # read for the last time here
+        if in_gemm:
+            grad_fc1 = gathered_weight_grad(grad_preact, x, token, offsets, scale, True)
         else:
-            grad_fc1 = gathered_weight_grad(
-                grad_preact, x, plan.token, plan.offsets, scale, ctx.gathered_wgrad
-            )
+            xg = x.index_select(0, token) if xg is None else xg
+            del token
+            grad_fc1 = rows_weight_grad(grad_preact, xg, offsets, scale)
         del grad_preact, xg
         if not fc2_first:
-            grad_fc2 = grouped_weight_grad(grad_yg, wh, plan.offsets)
-        grad_w = router_grad(grad_w_rows, plan, indices, weights)
+            grad_fc2 = grouped_weight_grad(grad_yg, wh, offsets)
         return grad_x, None, grad_w, grad_fc1, grad_fc2, None, None, None, None
 
 

@@ -2,15 +2,16 @@
 
 grad_W1's buffer [E, 2F, D] is the largest a drop_h backward allocates, so its peak comes at
 the weight gradients. Beside grad_W1 stand what every order holds (grad_x [T, D], y, the
-routing plan), its operand grad_preact [R, 2F], x's rows [R, D] where its GEMM cannot gather
-them (torch's grouped GEMM without ``gathered_wgrad``), and either grad_W2 [E, D, F], when it
+saved slot, the router weights' gradient, and the token where grad_W1's GEMM gathers), its
+operand grad_preact [R, 2F], x's rows [R, D] where its GEMM cannot gather them (torch's
+grouped GEMM without ``gathered_wgrad``), and either grad_W2 [E, D, F], when it
 is computed first, or the rows grad_W2 still needs, when it is computed last: (w·)h [R, F],
 and grad_y's rows [R, D] where its GEMM cannot gather them. Computed last, grad_W2's own GEMM
 then holds grad_W1, grad_W2 and those rows, and grad_preact too if it is *pinned*: in place,
 the bf16 grad_preact is the saved preactivation, which autograd holds until backward returns.
 
 This model gives every backward peak that ``bench-moe`` measured for drop_h and drop_h_quack
-on the H100 (four commits, both orders, bf16 and FP8-saved, three models) to within 1.1 MiB
+on the H100 (six commits, both orders, bf16 and FP8-saved, five models) to within 1 MiB
 (tests/test_experts_peak.py), and ``grad_fc2_first`` takes the order whose peak is lower.
 Router weights on the input (Llama-4) add buffers it does not count.
 """
@@ -77,7 +78,7 @@ def backward_peak_bytes(
         pinned=inplace and not saved_fp8,
     )
     held = experts * 2 * ffn * hidden * size + 2 * tokens * hidden * size  # grad_W1, grad_x, y
-    held += routing_bytes(rows, experts) + restored_bytes(rows)
+    held += routing_bytes(rows, experts) + restored_bytes(rows, gathers_in_gemm or gathered_wgrad)
     if not inplace:  # autograd's saved copy stays beside the one backward overwrites
         held += copy_bytes(rows, ffn) if saved_fp8 else sizes["grad_preact"]
     order = grad_fc2_first(**sizes) if fc2_first is None else fc2_first

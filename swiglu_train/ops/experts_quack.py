@@ -154,8 +154,9 @@ def _row_gemm(a: torch.Tensor, b: torch.Tensor, cu: torch.Tensor, **options) -> 
 
 
 def _varlen(plan: Routing) -> tuple[torch.Tensor, torch.Tensor]:
-    """(cu_seqlens [E + 1], A_idx [R]), int32 and freshly allocated: quack's varlen operands,
-    which its kernels assume 16-byte aligned."""
+    """(cu_seqlens [E + 1], A_idx [R]), int32 and each allocated whole (the plan's token
+    is already int32 where R fits it): quack's varlen operands, which its kernels assume
+    16-byte aligned."""
     cu = torch.cat([plan.offsets.new_zeros(1), plan.offsets])
     return cu, plan.token.to(torch.int32)
 
@@ -180,7 +181,9 @@ class _ExpertsDropHQuack(torch.autograd.Function):
         del preact
         out = _row_gemm(h, fc2.mT, cu)
         del h
-        y = gather_sum(out, plan, None if weights_on == "input" else live_weights(indices, weights))
+        y = gather_sum(
+            out, plan.bags, None if weights_on == "input" else live_weights(indices, weights)
+        )
         save(ctx, x, indices, weights, fc1, fc2, plan, saved, weights_on, inplace)
         ctx.interleaved = interleaved
         return y
@@ -191,14 +194,17 @@ class _ExpertsDropHQuack(torch.autograd.Function):
         inplace, (x, indices, weights, fc1, fc2), plan, saved = saved_tensors(ctx, errors)
         gemm = quack_gemm()  # the weight-gradient (varlen_k) GEMMs: quack's default config
         cu, token = _varlen(plan)
+        # the plan's parts, each dropped once read for the last time: the peak keeps the token
+        bags, weight = plan.bags, plan.weight
+        del plan
         on_output = ctx.weights_on == "output"
         grad_y = grad_y.contiguous()
         g = _row_gemm(grad_y, fc2, cu, A_idx=token)  # unweighted grad_h
-        w = plan.weight if on_output else None
+        w = weight if on_output else None
         # g: (w ·) h now; an interleaved preact gives an interleaved grad_preact
         grad_preact, g, grad_w_rows = backward_rows(saved, g, w, inplace, ctx.interleaved)
         pinned = inplace and grad_preact is saved[0]
-        del saved
+        del saved, w
         fc2_first = grad_fc2_first(  # x's and grad_y's rows: gathered inside the GEMMs
             grad_w2=fc2.numel(),
             grad_preact=grad_preact.numel(),
@@ -213,11 +219,13 @@ class _ExpertsDropHQuack(torch.autograd.Function):
         concat = ("B",) if ctx.interleaved else None
         grad_xg = _row_gemm(grad_preact, fc1, cu, concat_layout=concat)
         if not on_output:  # d(w x)/dw = x; grad_W1 takes the weight on grad_preact's rows
-            grad_w_rows = gathered_row_dots(grad_xg, x, plan.token)
-            grad_preact.mul_(plan.weight[:, None])
+            grad_w_rows = gathered_row_dots(grad_xg, x, token)
+            grad_preact.mul_(weight[:, None])
+        del weight
+        grad_w = router_grad(grad_w_rows, bags, indices, weights)
         # grad_x before grad_W1 is allocated: the step's peak then holds [T, D], not [R, D]
-        grad_x = gather_sum(grad_xg, plan, None if on_output else live_weights(indices, weights))
-        del grad_xg
+        grad_x = gather_sum(grad_xg, bags, None if on_output else live_weights(indices, weights))
+        del grad_xg, grad_w_rows, bags
         grad_fc1 = fc1.new_empty(fc1.shape)
         out_concat = ("out",) if ctx.interleaved else None
         gemm(
@@ -227,7 +235,6 @@ class _ExpertsDropHQuack(torch.autograd.Function):
         del grad_preact
         if not fc2_first:
             grad_fc2 = gemm(grad_y.T, g, cu_seqlens_k=cu, A_idx=token)
-        grad_w = router_grad(grad_w_rows, plan, indices, weights)
         return grad_x, None, grad_w, grad_fc1, grad_fc2, None, None, None
 
 

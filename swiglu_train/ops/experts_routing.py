@@ -35,45 +35,62 @@ BAD_INDEX = "expert_indices must hold values in [0, num_experts) or -1 (slot dro
 
 
 class Routing(NamedTuple):
-    """Where each sorted slot comes from and goes: every tensor is on the input's device."""
+    """Where each sorted slot comes from and goes: every tensor is on the input's device, the
+    integers in ``index_dtype``."""
 
-    token: torch.Tensor  # [R] int64: the token of each sorted slot
-    slot: torch.Tensor  # [R] int64: its flat index t * k + j into [T, k]
-    bags: torch.Tensor  # [T, k] int64 (int32 restored): the sorted row of each slot
+    token: torch.Tensor  # [R]: the token of each sorted slot
+    slot: torch.Tensor  # [R]: its flat index t * k + j into [T, k]
+    bags: torch.Tensor  # [T, k]: the sorted row of each slot
     offsets: torch.Tensor  # [E] int32: cumulative ends of each expert's rows
     weight: torch.Tensor  # [R] fp32: each sorted slot's router weight, 0 if dropped
 
 
-def saved_plan(plan: Routing) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def index_dtype(rows: int) -> torch.dtype:
+    """int32 where R rows fit it (every reader widens before it scales an index), else int64."""
+    return torch.int32 if rows <= torch.iinfo(torch.int32).max else torch.int64
+
+
+def saved_plan(plan: Routing) -> tuple[torch.Tensor, torch.Tensor]:
     """What the drop_h impls keep of a plan for backward, which then sorts nothing again: each
-    sorted row's slot (int32 where R fits it) and router weight, and the offsets, 8 bytes a
-    slot. The token (slot // k) and the bags (slot's inverse) are rebuilt in backward, by an
-    elementwise pass and a scatter over R, rather than kept: 20 bytes a slot less."""
-    slot = plan.slot
-    if slot.numel() <= torch.iinfo(torch.int32).max:
-        slot = slot.to(torch.int32)
-    return slot, plan.offsets, plan.weight
+    sorted row's slot and the offsets, 4 bytes a slot. The token (slot // k), the bags (the
+    slot's inverse) and the router weights (the caller's, which backward keeps anyway, read
+    through the slot) are rebuilt in backward rather than kept."""
+    return plan.slot.to(index_dtype(plan.slot.numel())), plan.offsets
 
 
 def restored_plan(
-    slot: torch.Tensor, offsets: torch.Tensor, weight: torch.Tensor, top_k: int
+    slot: torch.Tensor, offsets: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor
 ) -> Routing:
-    """The plan backward reads, from ``saved_plan``'s tensors; the bags in int32, which every
-    reader takes (the combine kernel widens each index before it scales it)."""
-    slot = slot.long()  # index_copy_ takes int64 indices only
-    rows = torch.arange(slot.numel(), device=slot.device, dtype=torch.int32)
-    bags = torch.empty_like(rows).index_copy_(0, slot, rows).view(-1, top_k)
-    return Routing(slot // top_k, slot, bags, offsets, weight)
+    """The plan backward reads, from ``saved_plan``'s tensors and the routing inputs."""
+    wide = slot.long()  # index_copy_ takes int64 indices only: a moment's [R], freed here
+    bags = torch.empty_like(slot).index_copy_(0, wide, _row_numbers(slot.numel(), slot))
+    del wide
+    weight = sorted_weights(indices, weights, slot)
+    return Routing(slot // indices.shape[1], slot, bags.view(indices.shape), offsets, weight)
 
 
 def routing_bytes(rows: int, experts: int) -> int:
-    """What ``saved_plan`` keeps: an int32 slot and an fp32 weight a row, E int32 offsets."""
-    return rows * (4 + 4) + experts * 4
+    """What ``saved_plan`` keeps: a slot a row (int32 where it fits), E int32 offsets."""
+    return rows * index_dtype(rows).itemsize + experts * 4
 
 
-def restored_bytes(rows: int) -> int:
-    """What ``restored_plan`` adds while backward runs: slot and token in int64, bags in int32."""
-    return rows * (8 + 8 + 4)
+def restored_bytes(rows: int, token_held: bool) -> int:
+    """What a drop_h backward holds beside the saved plan at its peak, the weight gradients:
+    the router weights' gradient (fp32, as routers give their weights), and each row's token
+    where grad_W1's GEMM reads x's rows through it (``token_held``; gathered first, the token
+    is freed once x's rows are). The bags and, with the weight on the output, the sorted router
+    weights are freed before."""
+    return rows * (4 + (index_dtype(rows).itemsize if token_held else 0))
+
+
+def sorted_weights(indices: torch.Tensor, weights: torch.Tensor, slot: torch.Tensor):
+    """[R] fp32: each sorted slot's router weight, 0 for a dropped slot (no autograd)."""
+    live = torch.where(indices >= 0, weights.detach(), 0).reshape(-1).float()
+    return live.index_select(0, slot)
+
+
+def _row_numbers(rows: int, like: torch.Tensor) -> torch.Tensor:
+    return torch.arange(rows, device=like.device, dtype=index_dtype(rows))
 
 
 def sort_key_dtype(num_experts: int) -> torch.dtype:
@@ -125,9 +142,10 @@ def route(indices: torch.Tensor, weights: torch.Tensor, num_experts: int) -> Rou
     sorted_expert, slot = torch.sort(keys, stable=True)
     bounds = torch.arange(num_experts, device=flat.device, dtype=sorted_expert.dtype)
     offsets = torch.searchsorted(sorted_expert, bounds, right=True).to(torch.int32)
-    rows = torch.arange(slot.numel(), device=slot.device)
-    bags = torch.empty_like(slot).index_copy_(0, slot, rows).view(indices.shape)
-    weight = torch.where(live, weights.detach().reshape(-1).float(), 0.0).index_select(0, slot)
+    rows = _row_numbers(slot.numel(), slot)
+    bags = torch.empty_like(rows).index_copy_(0, slot, rows).view(indices.shape)
+    weight = sorted_weights(indices, weights, slot)
+    slot = slot.to(rows.dtype)
     return Routing(slot // indices.shape[1], slot, bags, offsets, weight)
 
 
@@ -145,12 +163,13 @@ def combine(rows: torch.Tensor, plan: Routing, slot_weights: torch.Tensor | None
 
 
 def gather_sum(
-    rows: torch.Tensor, plan: Routing, slot_weights: torch.Tensor | None
+    rows: torch.Tensor, bags: torch.Tensor, slot_weights: torch.Tensor | None
 ) -> torch.Tensor:
-    """``combine`` outside autograd (the impls' own Functions): with the router weights kept
-    in fp32 until the sum, which is rounded once. Triton where it runs, else in fp32 torch."""
+    """``combine`` outside autograd (the impls' own Functions), by a plan's ``bags``: with the
+    router weights kept in fp32 until the sum, which is rounded once. Triton where it runs,
+    else in fp32 torch."""
     weights = None if slot_weights is None else slot_weights.float()
-    return combine_rows(rows, plan.bags, weights)
+    return combine_rows(rows, bags, weights)
 
 
 @eager_op("swiglu_train::experts_combine_rows", mutates_args=())

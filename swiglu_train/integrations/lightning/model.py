@@ -64,7 +64,8 @@ class ModelConfig:
     checkpoint_layers: int = 0
     # Mixture of experts (moe.py): with num_experts > 0 each block's MLP is a router over that
     # many routed SwiGLU experts of ffn_hidden_size each, moe_top_k of them per token, run by
-    # ParExperts in mlp_impl (save_factors and auto map to drop_h, as patch() maps them)
+    # ParExperts in mlp_impl (save_factors maps to drop_h, as patch() maps it; auto to
+    # ParExperts' auto: drop_h_quack where it runs, else drop_h)
     num_experts: int = 0
     moe_top_k: int = 2
     moe_renormalize: bool = True  # rescale each token's top-k weights to sum to 1 (Mixtral)
@@ -138,7 +139,9 @@ def check_moe(cfg: ModelConfig) -> None:
 
 def runs_impl(cfg: ModelConfig) -> str:
     """The impl the model's MLPs run: the experts' for --mlp-impl in an MoE model."""
-    return experts_impl(cfg.mlp_impl)[0] if cfg.num_experts and cfg.source is None else cfg.mlp_impl
+    if cfg.num_experts and cfg.source is None:
+        return experts_impl(cfg.mlp_impl, cfg.hidden_size, cfg.ffn_hidden_size)[0]
+    return cfg.mlp_impl
 
 
 def check_checkpoint_layers(cfg: ModelConfig) -> None:

@@ -20,16 +20,20 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from swiglu_train.layers.experts import ParExperts, resolve_experts_impl
+from swiglu_train.layers.experts import ParExperts, experts_auto, resolve_experts_impl
 from swiglu_train.layers.registry import check_impl_name
 
 
-def experts_impl(mlp_impl: str) -> tuple[str, str | None]:
+def experts_impl(mlp_impl: str, hidden_size: int, ffn_hidden_size: int) -> tuple[str, str | None]:
     """(the experts' impl for ``--mlp-impl``, why it is another one): the routed experts have
-    normal, drop_h and drop_h_quack; save_factors (and its quack form) and auto map to the
-    drop_h impls, as ``patch()`` maps them. An unknown name is refused, listing the valid ones."""
+    normal, drop_h and drop_h_quack; save_factors (and its quack form) map to the drop_h impls,
+    as ``patch()`` maps them, and auto to what ParExperts' auto picks for these sizes on the
+    current device (``experts_auto``). An unknown name is refused, listing the valid ones."""
     check_impl_name(mlp_impl)
-    return resolve_experts_impl(mlp_impl, None)
+    impl, why = resolve_experts_impl(mlp_impl, None)
+    if impl == "auto":
+        return experts_auto(hidden_size, ffn_hidden_size, "output")
+    return impl, why
 
 
 def load_balancing_loss(probs: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
@@ -58,7 +62,8 @@ class MoE(nn.Module):
         saved_fp8: bool,
     ) -> None:
         super().__init__()
-        impl, self.impl_note = experts_impl(mlp_impl)
+        check_impl_name(mlp_impl)
+        impl, self.impl_note = resolve_experts_impl(mlp_impl, None)  # auto: ParExperts says why
         self.top_k, self.renormalize = top_k, renormalize
         self.router = nn.Linear(hidden_size, num_experts, bias=False)
         self.experts = ParExperts(

@@ -141,7 +141,11 @@ def run_pretrain(
     pl.seed_everything(cfg.train.seed, workers=True)
     stock = cfg.model.mlp_impl == STOCK
     module = PretrainModule(cfg.model, cfg.optim, cfg.train.max_steps)
-    experts_note = stock_note(module.model) if stock else experts_impl(cfg.model.mlp_impl)[1]
+    experts_note = (
+        stock_note(module.model)
+        if stock
+        else experts_impl(cfg.model.mlp_impl, cfg.model.hidden_size, cfg.model.ffn_hidden_size)[1]
+    )
     if cfg.model.num_experts and experts_note:
         rank_zero_info(f"routed experts: {experts_note}")
     if cfg.train.accelerator != "cpu":

@@ -100,8 +100,8 @@ def patch(
         if isinstance(host, ExpertsHost):
             replacement = host.install(shell, module)
             shape = (shell.hidden_size, shell.ffn_hidden_size, shell.hidden_size)
-            entry = Replaced(name, type(module).__qualname__, host.library, shell.impl, None,
-                             shape, shell.num_experts, note)  # fmt: skip
+            entry = Replaced(name, type(module).__qualname__, host.library, shell.impl,
+                             shell.auto_reason, shape, shell.num_experts, note)  # fmt: skip
         else:
             replacement = shell.fill_from(module)
             shape = (shell.hidden_size, shell.ffn_hidden_size, shell.fc2.out_features)
