@@ -1,5 +1,7 @@
 """The Triton kernels themselves, through their launchers (CPU interpreter or CUDA)."""
 
+import re
+
 import pytest
 import torch
 from helpers import rel_err
@@ -63,6 +65,50 @@ def test_backward_modes(device, dtype, mode):
     assert rel_err(grad_preact, expected_grad) < (1e-6 if dtype == torch.float32 else 8e-3)
     if h is not None:  # the recomputed h is bit-identical to the forward's
         assert torch.equal(h, expected_h)
+
+
+def bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return torch.equal(a.float().view(torch.int32), b.float().view(torch.int32))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("inplace", [False, True], ids=["out_of_place", "inplace"])
+@pytest.mark.parametrize("value", [None, float("nan"), float("inf")], ids=["finite", "nan", "inf"])
+def test_backward_finds_the_amaxes_of_what_it_writes(device, dtype, inplace, value):
+    """With tensor_amax and row_amax, the backward kernel's amaxes are torch.amax's of the
+    grad_preact and h it wrote, bit for bit: over every tile (45 x 70: rows and columns past a
+    tile's edge, masked lanes left out), with a non-finite value spoiling its row and the whole
+    tensor as torch.amax's does; and the outputs are those of the plain launch."""
+    m, f = 45, 70
+    preact = torch.randn(m, 2 * f, device=device, dtype=dtype) * 3
+    if value is not None:
+        preact[7, f + 3] = value  # up: grad_gate and grad_up of row 7 become non-finite
+    grad_h = torch.randn(m, f, device=device, dtype=dtype)
+    plain_grad, plain_h = torch.empty_like(preact), torch.empty_like(grad_h)
+    kernels.swiglu_backward(preact, grad_h, plain_grad, plain_h)
+    if inplace:
+        grad_preact, h = preact.clone(), grad_h.clone()
+        pair, rows = kernels.swiglu_backward(grad_preact, h, grad_preact, h, True, True)
+    else:
+        grad_preact, h = torch.empty_like(preact), torch.empty_like(grad_h)
+        pair, rows = kernels.swiglu_backward(preact, grad_h, grad_preact, h, True, True)
+    assert torch.equal(grad_preact.nan_to_num(), plain_grad.nan_to_num())
+    assert torch.equal(h.nan_to_num(), plain_h.nan_to_num())
+    assert pair.dtype == rows.dtype == torch.float32 and rows.shape == (m, 1)
+    assert bits_equal(pair[0], grad_preact.abs().amax()) and bits_equal(pair[1], h.abs().amax())
+    assert bits_equal(rows, grad_preact.abs().amax(1, keepdim=True))
+    if value is not None:
+        assert not rows[7].isfinite().all() and rows[8].isfinite().all()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_the_tensor_amax_needs_h_and_an_empty_batch_finds_none(device):
+    preact, grad_h = torch.randn(4, 6, device=device), torch.randn(4, 3, device=device)
+    with pytest.raises(ValueError, match=re.escape("tensor_amax finds max |h| too")):
+        kernels.swiglu_backward(preact, grad_h, torch.empty_like(preact), None, True)
+    empty, empty_h = torch.empty(0, 6, device=device), torch.empty(0, 3, device=device)
+    assert kernels.swiglu_backward(empty, empty_h, empty, empty_h, True, True) == (None, None)
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -149,6 +149,9 @@ def _drive_swiglu(dtype: torch.dtype) -> None:
     swiglu.swiglu_backward(preact, grad_h, torch.empty_like(preact), torch.empty_like(grad_h))
     inplace_preact, inplace_grad_h = preact.clone(), grad_h.clone()
     swiglu.swiglu_backward(inplace_preact, inplace_grad_h, inplace_preact, inplace_grad_h)
+    for tensor_amax, row_amax in ((True, False), (False, True), (True, True)):  # FP8's amaxes
+        h = torch.empty_like(grad_h)
+        swiglu.swiglu_backward(preact, grad_h, torch.empty_like(preact), h, tensor_amax, row_amax)
     for chunk in (f, 8):
         swiglu.swiglu_factors_(preact.clone(), torch.empty(m, f, dtype=dtype), chunk)
 

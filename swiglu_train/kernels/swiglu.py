@@ -27,6 +27,7 @@ from swiglu_train.kernels.runtime import INTERPRET, SUPPORTED_DTYPES
 # (activation_bandwidth_autotuned_h200.json). 16 elements per thread is as fast out of place
 # but not in place: drop_h's in-place backward ran 1.33x slower at 4096 elements on 8 warps and
 # at 2048 on 4, and at copy speed at 2048 on 8 (probe_inplace_backward_h200.json, 3 shapes).
+ABS_BITS: tl.constexpr = tl.constexpr(0x7FFFFFFF)  # an fp32's bits without the sign: |v|
 FWD_TILE = (1024, 4)  # (elements per program, warps)
 BWD_TILE = (2048, 8)
 INTERPRET_TILE = (16, 32)  # (BLOCK_M, BLOCK_N): small, so CPU tests cross tile edges
@@ -88,11 +89,20 @@ def _swiglu_fwd_kernel(
 
 
 @triton.jit
+def _abs_bits(v, mask):
+    """|v|'s fp32 bits as int32 (0 where masked): they order as the values do, and NaN's sort
+    above inf's, so a max over them is torch.amax's, NaN included (``kernels.float8_cast``)."""
+    return tl.where(mask, v.to(tl.float32).to(tl.int32, bitcast=True) & ABS_BITS, 0)
+
+
+@triton.jit
 def _swiglu_bwd_kernel(
     preact_ptr,
     grad_h_ptr,
     grad_preact_ptr,
     h_ptr,
+    tensor_amax_ptr,
+    row_amax_ptr,
     M,
     F,
     stride_preact,
@@ -101,6 +111,8 @@ def _swiglu_bwd_kernel(
     stride_h,
     WRITE_H: tl.constexpr,
     INPLACE: tl.constexpr,
+    TENSOR_AMAX: tl.constexpr,
+    ROW_AMAX: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
@@ -108,8 +120,13 @@ def _swiglu_bwd_kernel(
 
     INPLACE stores through the load pointers themselves (grad_preact over preact, h over
     grad_h), so the compiler sees one address per element and keeps each load before its store.
+    TENSOR_AMAX (with WRITE_H) writes this program's max |grad_preact| and max |h| as stored, as
+    fp32 bits, to slots pid and programs + pid; ROW_AMAX each row's max |grad_preact| over this
+    program's columns to [row, column tile]: plain stores, which the caller reduces, where
+    atomics from every program would queue on a few addresses.
     """
-    rows, cols, mask = _tile(tl.program_id(0), M, F, BLOCK_M, BLOCK_N)
+    pid = tl.program_id(0)
+    rows, cols, mask = _tile(pid, M, F, BLOCK_M, BLOCK_N)
     gate_ptrs = preact_ptr + rows * stride_preact + cols
     grad_h_ptrs = grad_h_ptr + rows * stride_grad_h + cols
     gate = tl.load(gate_ptrs, mask=mask).to(tl.float32)
@@ -128,10 +145,23 @@ def _swiglu_bwd_kernel(
         h_ptrs = h_ptr + rows * stride_h + cols
     out_dtype = grad_preact_ptr.dtype.element_ty
     if WRITE_H:
-        h = _silu_times_up(gate, up, h_ptr.dtype.element_ty)
-        tl.store(h_ptrs, h.to(h_ptr.dtype.element_ty), mask=mask)
-    tl.store(out_ptrs, grad_gate.to(out_dtype), mask=mask)
-    tl.store(out_ptrs + F, grad_up.to(out_dtype), mask=mask)
+        h = _silu_times_up(gate, up, h_ptr.dtype.element_ty).to(h_ptr.dtype.element_ty)
+        tl.store(h_ptrs, h, mask=mask)
+        if TENSOR_AMAX:
+            h_bits = tl.max(tl.max(_abs_bits(h, mask), axis=1), axis=0)
+            tl.store(tensor_amax_ptr + tl.num_programs(0) + pid, h_bits)
+    grad_gate = grad_gate.to(out_dtype)
+    grad_up = grad_up.to(out_dtype)
+    tl.store(out_ptrs, grad_gate, mask=mask)
+    tl.store(out_ptrs + F, grad_up, mask=mask)
+    if TENSOR_AMAX or ROW_AMAX:
+        grad_bits = tl.maximum(_abs_bits(grad_gate, mask), _abs_bits(grad_up, mask))
+        if TENSOR_AMAX:
+            tl.store(tensor_amax_ptr + pid, tl.max(tl.max(grad_bits, axis=1), axis=0))
+        if ROW_AMAX:
+            tiles_n = tl.cdiv(F, BLOCK_N)
+            row_bits = tl.max(grad_bits, axis=1, keep_dims=True)
+            tl.store(row_amax_ptr + rows * tiles_n + pid % tiles_n, row_bits, mask=rows < M)
 
 
 @triton.jit
@@ -209,19 +239,27 @@ def swiglu_backward(
     grad_h: torch.Tensor,
     grad_preact: torch.Tensor,
     h: torch.Tensor | None,
-) -> None:
+    tensor_amax: bool = False,
+    row_amax: bool = False,
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """Write grad_preact and, when h is given, the recomputed h.
 
     Passing grad_preact=preact and h=grad_h runs in place: each element is read before it is
     overwritten, through the same pointer.
+
+    Returns the fp32 amaxes of what it wrote that an FP8 recipe scales its casts by, found in
+    the same pass instead of a read of each after: with ``tensor_amax`` (h given) [2], max
+    |grad_preact| and max |h|; with ``row_amax`` [M, 1], each row's max |grad_preact|.
     """
     M, F = _check_preact(preact)
     _check_like("grad_h", grad_h, preact, (M, F))
     _check_like("grad_preact", grad_preact, preact, (M, 2 * F))
     if h is not None:
         _check_like("h", h, preact, (M, F))
+    if tensor_amax and h is None:
+        raise ValueError("tensor_amax finds max |h| too: pass the h buffer")
     if M == 0:  # before the aliasing checks: empty tensors all have data_ptr 0
-        return
+        return None, None
     inplace = grad_preact.data_ptr() == preact.data_ptr()
     if h is not None and inplace != (h.data_ptr() == grad_h.data_ptr()):
         raise ValueError("in-place backward must overwrite both preact and grad_h")
@@ -229,12 +267,20 @@ def swiglu_backward(
         raise ValueError("in-place backward is only defined together with h over grad_h")
     write_h = h is not None
     h_arg = h if write_h else grad_h  # unused pointer when WRITE_H is False
-    _launch(
-        _swiglu_bwd_kernel, M, F, BWD_TILE,
-        preact, grad_h, grad_preact, h_arg, M, F,
-        preact.stride(0), grad_h.stride(0), grad_preact.stride(0), h_arg.stride(0),
-        WRITE_H=write_h, INPLACE=inplace,
+    grid, block_m, block_n, warps = launch_config(M, F, BWD_TILE)
+    bits = functools.partial(torch.empty, device=preact.device, dtype=torch.int32)
+    per_program = bits(2, grid[0]) if tensor_amax else None
+    per_row = bits(M, -(-F // block_n)) if row_amax else None
+    _swiglu_bwd_kernel[grid](
+        preact, grad_h, grad_preact, h_arg,
+        per_program if tensor_amax else preact, per_row if row_amax else preact,
+        M, F, preact.stride(0), grad_h.stride(0), grad_preact.stride(0), h_arg.stride(0),
+        WRITE_H=write_h, INPLACE=inplace, TENSOR_AMAX=tensor_amax, ROW_AMAX=row_amax,
+        BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps,
     )  # fmt: skip
+    pair = per_program.amax(1).view(torch.float32) if tensor_amax else None
+    rows = per_row.amax(1, keepdim=True).view(torch.float32) if row_amax else None
+    return pair, rows
 
 
 def swiglu_factors_(preact: torch.Tensor, h: torch.Tensor, chunk: int) -> None:

@@ -113,3 +113,56 @@ def swiglu_bwd_recompute_(preact: torch.Tensor, grad_h: torch.Tensor) -> None:
 @swiglu_bwd_recompute_.register_fake
 def _(preact: torch.Tensor, grad_h: torch.Tensor) -> None:
     return None
+
+
+def _torch_amaxes(
+    grad_preact: torch.Tensor, h: torch.Tensor, rowwise: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The amaxes of ``swiglu_bwd_recompute_amax_`` in torch, where Triton does not run."""
+    pair = torch.stack([grad_preact.abs().amax(), h.abs().amax()]).float()
+    rows = grad_preact.abs().amax(1, keepdim=True) if rowwise else grad_preact.new_empty(0, 1)
+    return pair, rows.float()
+
+
+@eager_op("swiglu_train::swiglu_bwd_recompute_amax_", mutates_args=("preact", "grad_h"))
+def swiglu_bwd_recompute_amax_(
+    preact: torch.Tensor, grad_h: torch.Tensor, rowwise: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``swiglu_bwd_recompute_`` (preact becomes grad_preact, grad_h becomes h) and the amaxes
+    an FP8 recipe scales them by, found as they are written: ([2] fp32: max |grad_preact| and
+    max |h|; [M, 1] fp32: each row's max |grad_preact| where ``rowwise``, else [0, 1]). M > 0."""
+    if not triton_enabled(preact):
+        swiglu_bwd_recompute_(preact, grad_h)
+        return _torch_amaxes(preact, grad_h, rowwise)
+    pair, rows = kernels.swiglu_backward(preact, grad_h, preact, grad_h, True, rowwise)
+    return pair, rows if rowwise else preact.new_empty(0, 1, dtype=torch.float32)
+
+
+@swiglu_bwd_recompute_amax_.register_fake
+def _(preact: torch.Tensor, grad_h: torch.Tensor, rowwise: bool):
+    rows = preact.shape[0] if rowwise else 0
+    return preact.new_empty(2, dtype=torch.float32), preact.new_empty(rows, 1, dtype=torch.float32)
+
+
+@eager_op("swiglu_train::swiglu_bwd_recompute_amax", mutates_args=())
+def swiglu_bwd_recompute_amax(
+    preact: torch.Tensor, grad_h: torch.Tensor, rowwise: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(h, grad_preact, and the amaxes of ``swiglu_bwd_recompute_amax_``) in fresh buffers."""
+    if not triton_enabled(preact):
+        h, grad_preact = swiglu_bwd_recompute(preact, grad_h)
+        return h, grad_preact, *_torch_amaxes(grad_preact, h, rowwise)
+    h, grad_preact = torch.empty_like(grad_h), torch.empty_like(preact)
+    pair, rows = kernels.swiglu_backward(preact, grad_h, grad_preact, h, True, rowwise)
+    return h, grad_preact, pair, rows if rowwise else preact.new_empty(0, 1, dtype=torch.float32)
+
+
+@swiglu_bwd_recompute_amax.register_fake
+def _(preact: torch.Tensor, grad_h: torch.Tensor, rowwise: bool):
+    rows = preact.shape[0] if rowwise else 0
+    return (
+        torch.empty_like(grad_h),
+        torch.empty_like(preact),
+        preact.new_empty(2, dtype=torch.float32),
+        preact.new_empty(rows, 1, dtype=torch.float32),
+    )

@@ -83,7 +83,7 @@ def fused_cast_runs(t: torch.Tensor) -> bool:
 _TORCHAO: SimpleNamespace | None = None
 
 
-def _torchao() -> SimpleNamespace:
+def torchao_float8() -> SimpleNamespace:
     """torchao's float8 names, imported on the first FP8 GEMM (torchao is the ``fp8`` extra, and
     slow to import) and kept: a step casts a dozen operands, each asking for them."""
     global _TORCHAO
@@ -107,23 +107,34 @@ def _torchao() -> SimpleNamespace:
     return _TORCHAO
 
 
-def _dynamic_tensorwise(cast_config) -> bool:
-    ao = _torchao()
-    tensorwise = cast_config.scaling_granularity is ao.ScalingGranularity.TENSORWISE
-    return cast_config.scaling_type is ao.ScalingType.DYNAMIC and tensorwise
+def dynamic_granularity(gemms: Float8Gemms | None, *casts: str) -> str | None:
+    """ "tensorwise" or "axiswise" where every cast named (``Float8LinearConfig`` attributes,
+    such as ``cast_config_input``) scales dynamically at that one granularity; else None."""
+    if gemms is None:
+        return None
+    ao = torchao_float8()
+    found = set()
+    for name in casts:
+        cast = getattr(gemms.config, name)
+        if cast.scaling_type is not ao.ScalingType.DYNAMIC:
+            return None
+        found.add(cast.scaling_granularity)
+    if len(found) != 1:
+        return None
+    return "axiswise" if found.pop() is ao.ScalingGranularity.AXISWISE else "tensorwise"
 
 
 def shared_amax(t: torch.Tensor, gemms: Float8Gemms | None, *casts: str) -> torch.Tensor | None:
     """``t``'s amax over all of it, found once for the casts named (``Float8LinearConfig``
     attributes, such as ``cast_config_input``) where each scales ``t`` dynamically tensorwise;
     None otherwise (each cast then finds its own)."""
-    if gemms is None or t.numel() == 0 or _torchao().tensor_already_casted_to_fp8(t):
+    if gemms is None or t.numel() == 0 or torchao_float8().tensor_already_casted_to_fp8(t):
         return None
-    if not all(_dynamic_tensorwise(getattr(gemms.config, cast)) for cast in casts):
+    if dynamic_granularity(gemms, *casts) != "tensorwise":
         return None
     if fused_cast_runs(t):
         return cast_kernels.amax(t, -1, rowwise=False)
-    return _torchao().tensor_to_amax(t).float()  # fp32 as the kernel's: 4 bytes kept each
+    return torchao_float8().tensor_to_amax(t).float()  # fp32 as the kernel's: 4 bytes kept each
 
 
 def cast_operand(
@@ -136,8 +147,9 @@ def cast_operand(
 ):
     """``t`` as the float8 operand of one GEMM contracting its ``dim``, or itself where the
     recipe leaves it unscaled or it arrives cast already (FSDP2's float8 all-gather of the
-    weights). ``amax``: its tensorwise amax, found already by ``shared_amax``."""
-    ao = _torchao()
+    weights). ``amax``: its amax, found already (by ``shared_amax``, or by the kernel that wrote
+    ``t``), tensorwise or, for an axiswise cast, along ``dim`` with keepdim."""
+    ao = torchao_float8()
     if cast_config.scaling_type is ao.ScalingType.DISABLED or ao.tensor_already_casted_to_fp8(t):
         return t
     granularity, dtype = cast_config.scaling_granularity, cast_config.target_dtype

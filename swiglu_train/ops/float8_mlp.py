@@ -11,7 +11,8 @@ tensor's ``mm``), and backward keeps drop_h's set:
 x and the preactivation. fc2's forward operand, h in e4m3, comes straight from the
 preactivation where Triton runs (``kernels.swiglu_float8``: h is never written in bf16 there);
 in backward h is recomputed by the kernel that writes grad_preact, cast for grad_W2 and never
-saved.
+saved; that kernel finds the tensorwise amaxes of both, and grad_preact's per row, as it writes
+them, so their casts do not read them for it.
 With ``saved_fp8`` the preactivation is kept as drop_h's FP8 copy (``ops.fp8_saved``: e4m3, a
 bf16 scale per row per 128 columns of each half), made in one pass with the h that fc2 casts,
 and backward recomputes h and grad_preact from it. It runs unchunked: a chunk's tensorwise
@@ -23,15 +24,23 @@ A linear given as None (left in bf16 by the conversion) runs its GEMMs in the we
 from __future__ import annotations
 
 from functools import partial
+from typing import NamedTuple
 
 import torch
 
-from swiglu_train.ops.activation import swiglu_fwd, triton_enabled
+from swiglu_train.ops.activation import (
+    swiglu_bwd_recompute_amax,
+    swiglu_bwd_recompute_amax_,
+    swiglu_fwd,
+    triton_enabled,
+)
 from swiglu_train.ops.float8_casts import (
     Float8Gemms,
     cast_operand,
+    dynamic_granularity,
     fp8_kernels_run,
     shared_amax,
+    torchao_float8,
 )
 from swiglu_train.ops.fp8_saved import (
     SECOND_BACKWARD_ERROR_FP8,
@@ -109,21 +118,18 @@ def fc2_input(preact: torch.Tensor, gemms: Float8Gemms | None):
     runs = kernels is not None and preact.shape[0] and triton_enabled(preact)
     if gemms is None or not runs or not fp8_kernels_run(preact):
         return swiglu_fwd(preact)
-    from torchao.float8.config import ScalingGranularity, ScalingType
-    from torchao.float8.float8_training_tensor import Float8TrainingTensor, GemmInputRole
-    from torchao.float8.float8_utils import amax_to_scale
-
     cast = gemms.config.cast_config_input
-    if cast.scaling_type is not ScalingType.DYNAMIC or cast.target_dtype != torch.float8_e4m3fn:
+    granularity = dynamic_granularity(gemms, "cast_config_input")
+    if granularity is None or cast.target_dtype != torch.float8_e4m3fn:
         return swiglu_fwd(preact)
-    rowwise = cast.scaling_granularity is ScalingGranularity.AXISWISE
+    ao, rowwise = torchao_float8(), granularity == "axiswise"
     amax = kernels.swiglu_row_amax(preact)
     amax = amax[:, None] if rowwise else amax.max()
-    scale = amax_to_scale(amax, cast.target_dtype, gemms.config.round_scales_to_power_of_2)
+    scale = ao.amax_to_scale(amax, cast.target_dtype, gemms.config.round_scales_to_power_of_2)
     data = kernels.swiglu_cast_e4m3(preact, scale)
-    return Float8TrainingTensor(
-        data, scale, preact.dtype, gemms.mm_config, GemmInputRole.INPUT, -1 if rowwise else None
-    )
+    role = ao.GemmInputRole.INPUT
+    axiswise_dim = -1 if rowwise else None
+    return ao.Float8TrainingTensor(data, scale, preact.dtype, gemms.mm_config, role, axiswise_dim)
 
 
 def _bias(out: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -141,15 +147,43 @@ def _fc2_operand_and_saved(preact: torch.Tensor, gemms: Float8Gemms | None, save
     return h, copy
 
 
-def _h_and_grad_preact(saved: list[torch.Tensor], grad_h: torch.Tensor, inplace: bool):
-    """(h, grad_preact) from the kept preact (over it and grad_h when ``inplace``) or from the
-    FP8 copy (h over grad_h; the copy freed once read when ``inplace``)."""
-    if len(saved) == 1:
-        return recompute_h(saved[0], grad_h, inplace)
-    grad_preact = grad_h.new_empty(grad_h.shape[0], 2 * grad_h.shape[1])
-    swiglu_bwd_fp8_(*saved, grad_h, grad_preact)
-    free_copy(inplace, *saved)
-    return grad_h, grad_preact
+class FoundAmaxes(NamedTuple):
+    """The amaxes backward's SwiGLU kernel found as it wrote grad_preact and h (None: not found
+    there, or not of the granularity the recipe casts by), each saving a full read."""
+
+    grad_preact: torch.Tensor | None = None  # tensorwise, for both of grad_preact's casts
+    grad_preact_rows: torch.Tensor | None = None  # [M, 1], for grad_x's (contracting 2F)
+    h: torch.Tensor | None = None  # tensorwise, for grad_W2's cast of h
+
+
+def _h_and_grad_preact(saved, grad_h, inplace: bool, fc1_gemms, fc2_gemms):
+    """(h, grad_preact, FoundAmaxes) from the kept preact (over it and grad_h when ``inplace``)
+    or from the FP8 copy (h over grad_h; the copy freed once read when ``inplace``). From the
+    bf16 preact, the kernel also finds the amaxes the recipe's dynamic casts of grad_preact and
+    h scale by: tensorwise (both of grad_preact's casts; grad_W2's of h) and grad_preact's per
+    row (grad_x's). The per-column amaxes grad_W1 and grad_W2 take under rowwise recipes are
+    reductions over M, which each cast still reads for."""
+    if len(saved) == 2:
+        grad_preact = grad_h.new_empty(grad_h.shape[0], 2 * grad_h.shape[1])
+        swiglu_bwd_fp8_(*saved, grad_h, grad_preact)
+        free_copy(inplace, *saved)
+        return grad_h, grad_preact, FoundAmaxes()
+    grad_tensorwise = dynamic_granularity(fc1_gemms, *GRAD_CASTS) == "tensorwise"
+    rowwise = dynamic_granularity(fc1_gemms, "cast_config_grad_output") == "axiswise"
+    h_tensorwise = dynamic_granularity(fc2_gemms, "cast_config_input_for_grad_weight")
+    h_tensorwise = h_tensorwise == "tensorwise"
+    if not (grad_tensorwise or rowwise or h_tensorwise) or grad_h.shape[0] == 0:
+        return *recompute_h(saved[0], grad_h, inplace), FoundAmaxes()
+    if inplace:
+        pair, rows = swiglu_bwd_recompute_amax_(saved[0], grad_h, rowwise)
+        h, grad_preact = grad_h, saved[0]
+    else:
+        h, grad_preact, pair, rows = swiglu_bwd_recompute_amax(saved[0], grad_h, rowwise)
+    found = FoundAmaxes(
+        pair[0] if grad_tensorwise else None, rows if rowwise else None,
+        pair[1] if h_tensorwise else None,
+    )  # fmt: skip
+    return h, grad_preact, found
 
 
 class _DropHFloat8(torch.autograd.Function):
@@ -185,16 +219,20 @@ class _DropHFloat8(torch.autograd.Function):
         grad_y = grad_y.contiguous()
         grad_y_amax = shared_amax(grad_y, fc2_gemms, *GRAD_CASTS)
         grad_h = grad_input(grad_y, fc2_weight, fc2_gemms, (grad_y_amax, w2_amax))
-        h, grad_preact = _h_and_grad_preact(saved, grad_h, inplace)
+        h, grad_preact, found = _h_and_grad_preact(saved, grad_h, inplace, fc1_gemms, fc2_gemms)
         if ctx.needs_input_grad[3]:
-            grad_w2 = grad_weight(grad_y, h, fc2_gemms, (grad_y_amax, None))
+            grad_w2 = grad_weight(grad_y, h, fc2_gemms, (grad_y_amax, found.h))
         else:
             grad_w2 = None
         del h, grad_h
-        grad_preact_amax = shared_amax(grad_preact, fc1_gemms, *GRAD_CASTS)
+        grad_preact_amax = found.grad_preact
+        if grad_preact_amax is None:
+            grad_preact_amax = shared_amax(grad_preact, fc1_gemms, *GRAD_CASTS)
+        rows = found.grad_preact_rows
+        input_amax = grad_preact_amax if rows is None else rows
         grads = drop_h_grads(
             ctx, x, fc1_weight, grad_preact, grad_y, grad_w2,
-            input_grad=partial(grad_input, gemms=fc1_gemms, amaxes=(grad_preact_amax, w1_amax)),
+            input_grad=partial(grad_input, gemms=fc1_gemms, amaxes=(input_amax, w1_amax)),
             weight_grad=partial(grad_weight, gemms=fc1_gemms, amaxes=(grad_preact_amax, x_amax)),
         )  # fmt: skip
         return *grads, None, None, None, None
