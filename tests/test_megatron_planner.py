@@ -16,9 +16,10 @@ from megatron_support import (
     spawn,
 )
 from test_megatron_recipe import TINY, run_recipe
+from test_megatron_recipe_moe import MOE
 
 from swiglu_train.integrations.megatron.pretrain.args import parse_args
-from swiglu_train.integrations.megatron.pretrain.plan import Steps, measurer, plan_run
+from swiglu_train.integrations.megatron.pretrain.plan import Steps, candidates, measurer, plan_run
 from swiglu_train.memory.budget import ESTIMATE
 from swiglu_train.memory.plan import NoPlanFits
 from swiglu_train.ops.activation import use_backend
@@ -93,6 +94,37 @@ def _planner_worker(rank: int, world_size: int, rendezvous: str) -> None:
 @pytest.mark.slow
 def test_the_plan_measures_the_recipe_s_model_and_sets_its_impl_and_recompute() -> None:
     spawn(_planner_worker, 1)
+
+
+def _moe_planner_worker(rank: int, world_size: int, rendezvous: str) -> None:
+    with megatron_parallel(rank, world_size, rendezvous), use_backend("torch"):
+        argv = [*TINY, *MOE, *AUTO[:2], "--memory-budget-gb", "1", "--max-steps", "2"]
+        args = parse_args(argv)
+        shim_cuda_only_calls(args.seed)
+        assert candidates(args) == ["normal", "drop_h"]  # the routed experts' (no quack here)
+        assert candidates(parse_args([*argv, "--saved-fp8"])) == ["drop_h+fp8"]
+        measure = measurer(args, ONE)
+        normal = {n: measure("normal", n) for n in (0, 1)}
+        drop_h = measure("drop_h", 0)
+        # drop_h's experts keep no h, no gathered input and no expert outputs
+        assert drop_h.after_forward_MiB < normal[0].after_forward_MiB
+        assert drop_h.peak_MiB < normal[0].peak_MiB and normal[1].peak_MiB < normal[0].peak_MiB
+        budget = (normal[0].peak_MiB + max(drop_h.peak_MiB, normal[1].peak_MiB)) / 2
+        args.memory_budget_gb = budget / 1024
+        record = plan_run(args, ONE)
+        fits = {(p["impl"], p["checkpoint_layers"]): p["peak_MiB"] <= budget
+                for p in record["profiles"]}  # fmt: skip
+        assert fits[("normal", 0)] is False and fits[("drop_h", 0)] is True
+        assert record["impl"] in ("normal", "drop_h") and args.mlp_impl == record["impl"]
+        assert fits[(record["impl"], record["checkpoint_layers"])]
+
+
+@pytest.mark.slow
+def test_an_moe_model_is_planned_over_the_routed_experts_impls() -> None:
+    """--num-experts with --activation-checkpointing auto: the candidates are the experts'
+    impls, each measured as its MoE model under Megatron's block recompute; drop_h's experts
+    keep less than normal's, and the plan takes what fits."""
+    spawn(_moe_planner_worker, 1)
 
 
 def _distributed_optimizer_worker(rank: int, world_size: int, rendezvous: str) -> None:
@@ -234,6 +266,11 @@ def test_the_recipe_trains_with_its_plan_at_the_micro_batch_it_chose_and_records
         (["--memory-budget-gb", "0"], "--memory-budget-gb must be positive, got 0.0"),
         (["--memory-budget-gb", "1", "--plan-impls", "normal+fp8"], "'normal+fp8' is not one"),
         (["--memory-budget-gb", "1", "--plan-impls", ","], "--plan-impls is empty"),
+        (
+            ["--memory-budget-gb", "1", *MOE, "--plan-impls", "save_factors"],
+            "'save_factors' is not one this recipe runs (normal, drop_h, drop_h_quack, stock",
+        ),
+        (["--memory-budget-gb", "1", *MOE, "--ep", "2"], "plan with --ep 1 at the run's"),
     ],
 )
 def test_what_auto_cannot_plan_is_refused_before_any_work(capsys, extra, message) -> None:

@@ -335,7 +335,8 @@ def check_auto(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
                 "peak is an estimate (model state + saved-for-backward bytes)")  # fmt: skip
     if args.memory_budget_gb is not None and not args.memory_budget_gb > 0:
         p.error(f"--memory-budget-gb must be positive, got {args.memory_budget_gb}")
-    runnable = [*SUPPORTED_IMPLS, *MEGATRON_MLP]
+    # an MoE model's MLPs are its routed experts, which run fewer impls (check_moe)
+    runnable = [*EXPERTS_IMPLS, *STOCK] if args.num_experts else [*SUPPORTED_IMPLS, *MEGATRON_MLP]
     for name in args.plan_impls if args.plan_impls is not None else []:
         impl, fp8 = split_candidate(name)
         if impl not in runnable or (fp8 and impl not in SAVED_FP8_IMPLS):
@@ -406,9 +407,10 @@ def check_moe(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     if args.mlp_impl not in runnable:
         p.error(f"--num-experts: --mlp-impl {args.mlp_impl} does not run routed experts; choose "
                 f"one of {', '.join(runnable)}")  # fmt: skip
-    if args.activation_checkpointing is not None or args.plan is not None:
-        p.error("--num-experts: the planner (--plan, --activation-checkpointing auto) measures "
-                "dense MLPs; set the impl and recompute by hand")  # fmt: skip
+    if args.activation_checkpointing == AUTO and args.ep != 1:
+        p.error("--activation-checkpointing auto measures one process: plan with --ep 1 at the "
+                "run's per-rank experts (--num-experts / ep), then pass its --mlp-impl and "
+                "recompute to the expert-parallel run")  # fmt: skip
     if args.tp > 1 and not args.sequence_parallel:
         p.error("--num-experts with --tp > 1 needs --sequence-parallel (Megatron's MoELayer "
                 "refuses to train with TP otherwise)")  # fmt: skip

@@ -14,9 +14,13 @@ the peak is estimated as the model state (parameters, Megatron's main_grad buffe
 state; their storages counted once) plus the bytes saved for backward (exact, from the
 profiler), a lower bound, so a CPU plan needs an explicit budget.
 
-One process only (``--tp 1 --pp 1``, one rank): the ranks of a parallel run would have to
-agree on every measurement and on every out-of-memory step. Plan on one GPU at the run's
+One process only (``--tp 1 --pp 1 --ep 1``, one rank): the ranks of a parallel run would have
+to agree on every measurement and on every out-of-memory step. Plan on one GPU at the run's
 shape per rank, then pass the plan's ``--mlp-impl`` and recompute to the parallel run.
+
+An MoE model (``--num-experts``) is planned as any other: its candidates are the routed
+experts' impls, each measured with its MoE layers' router, dispatcher and experts under the same
+block recompute, and the memory profiler counts the experts' saved bytes.
 """
 
 from __future__ import annotations
@@ -54,6 +58,7 @@ from swiglu_train.memory.plan import (
 )
 from swiglu_train.memory.profiler import MiB
 from swiglu_train.memory.saved import distinct_bytes
+from swiglu_train.ops.experts import IMPLS as EXPERTS_IMPLS
 
 
 @dataclass(frozen=True)
@@ -67,14 +72,22 @@ class Steps:
 
 def candidates(args: argparse.Namespace) -> list[str]:
     """--plan-impls, else every impl of ours that runs here (the quack ones with quack on an
-    sm_90+ GPU); with --saved-fp8, the impls that save in FP8 (drop_h_quack+fp8 with quack)."""
+    sm_90+ GPU; in an MoE model, the routed experts' impls, drop_h_quack where its sizes suit
+    quack too); with --saved-fp8, the impls that save in FP8 (drop_h_quack+fp8 with quack)."""
+    from swiglu_train.ops.experts_quack import experts_quack_unavailable_reason
     from swiglu_train.ops.quack_mlp import quack_available
 
     if args.plan_impls is not None:
         return args.plan_impls
+    quack = quack_available()
+    ours = SUPPORTED_IMPLS
+    if args.num_experts:
+        ours = EXPERTS_IMPLS
+        ffn = args.moe_ffn_hidden_size
+        quack = experts_quack_unavailable_reason(args.hidden_size, ffn) is None
     if args.saved_fp8:
-        return saved_fp8_labels(quack_available())
-    return [i for i in SUPPORTED_IMPLS if i not in QUACK_IMPLS or quack_available()]
+        return saved_fp8_labels(quack)
+    return [i for i in ours if i not in QUACK_IMPLS or quack]
 
 
 def plan_run(args: argparse.Namespace, steps: Steps = Steps()) -> dict:
