@@ -203,21 +203,26 @@ def drop_h_step(recipe: str, device: str) -> dict[str, torch.Tensor]:
     }
 
 
-@pytest.mark.parametrize(("recipe", "amax_passes"), [("tensorwise", 4), ("rowwise", 10)])
+@pytest.mark.parametrize(("recipe", "amax_passes"), [("tensorwise", 4), ("rowwise", 6)])
 @pytest.mark.parametrize("device", TRITON_DEVICES)
 def test_a_step_reads_for_each_amax_once_at_most(device, recipe, amax_passes, monkeypatch):
-    """x, W1, W2, grad_y and grad_preact are each cast for two GEMMs, and h for grad_W2.
-    Tensorwise, one amax pass serves both casts of an operand, and backward's SwiGLU kernel
-    finds grad_preact's and h's as it writes them: 4 passes in a step (x, W1, W2, grad_y),
-    against 11. Rowwise, each cast finds its own (11: x, W1, W2 and grad_y twice each, h once,
-    grad_preact twice) but grad_x's of grad_preact, whose per-row amax that kernel finds: 10.
-    The step's y and gradients are the bytes of finding each amax anew."""
+    """x, W1, W2, grad_y and grad_preact are each cast for two GEMMs, and h for grad_W2: 11
+    amaxes, each a full read of its operand where each cast finds its own. One read serves both
+    casts of an operand: tensorwise, their amax is one number; rowwise, one read finds the
+    per-row amaxes of one and the per-column ones of the other (``amax_both``). Tensorwise,
+    backward's SwiGLU kernel also finds grad_preact's and h's as it writes them: 4 reads in a
+    step (x, W1, W2, grad_y). Rowwise: 6 (those four and grad_preact's pair, and h's per
+    column). The step's y and gradients are the bytes of finding each amax anew."""
     calls = []
-    real_amax = float8_cast.amax
+    real_amax, real_both = float8_cast.amax, float8_cast.amax_both
 
     def counted_amax(*args, **kwargs):
         calls.append(args[0].shape)
         return real_amax(*args, **kwargs)
+
+    def counted_both(t):
+        calls.append(t.shape)
+        return real_both(t)
 
     real_backward = float8_mlp._h_and_grad_preact
 
@@ -226,6 +231,7 @@ def test_a_step_reads_for_each_amax_once_at_most(device, recipe, amax_passes, mo
 
     with use_backend("triton"):
         monkeypatch.setattr(float8_cast, "amax", counted_amax)
+        monkeypatch.setattr(float8_cast, "amax_both", counted_both)
         shared = drop_h_step(recipe, device)
         assert len(calls) == amax_passes, calls
         monkeypatch.setattr(float8_mlp, "shared_amax", lambda *args: None)
@@ -259,3 +265,25 @@ def test_the_backward_ops_amaxes_are_torch_s_on_every_backend(device, backend, r
             assert torch.equal(found_rows, grad_preact.abs().amax(1, keepdim=True).float())
         else:
             assert found_rows.shape == (0, 1)
+
+
+@pytest.mark.parametrize("layout", ["row-major", "col-major", "strided"])
+@pytest.mark.parametrize("device", TRITON_DEVICES)
+def test_one_read_finds_both_rowwise_amaxes(device, layout):
+    """amax_both: torch.amax's of |t| per row and per column, over more rows than its programs
+    take in one tile each and columns past a tile's edge, for every layout; a NaN spoils its
+    row and column only, as torch.amax's does."""
+    t = spread(3 * float8_cast.PROGRAMS_PER_SM * 16 + 5, 203, torch.bfloat16, device)
+    t[9, 17] = float("nan")
+    if layout == "col-major":
+        t = t.t().contiguous().t()
+    elif layout == "strided":  # the same values, every other column of a wider buffer
+        wide = torch.zeros(t.shape[0], 2 * t.shape[1], device=device, dtype=t.dtype)
+        wide[:, ::2] = t
+        t = wide[:, ::2]
+    rows, cols = float8_cast.amax_both(t)
+    assert rows.shape == (t.shape[0], 1) and cols.shape == (1, t.shape[1])
+    for found, dim in ((rows, 1), (cols, 0)):
+        expected = t.abs().amax(dim, keepdim=True).float()
+        assert torch.equal(found.nan_to_num(-1.0), expected.nan_to_num(-1.0))
+    assert rows[9].isnan().all() and cols[0, 17].isnan() and rows[10].isfinite().all()

@@ -67,6 +67,32 @@ def _amax_kernel(
 
 
 @triton.jit
+def _amax_both_kernel(
+    t_ptr, rows_ptr, cols_ptr, R, C, stride_r, stride_c, rows_per_program, col_tiles,
+    BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+):  # fmt: skip
+    """A program takes column tile pid % col_tiles over its group of rows (pid // col_tiles):
+    each row tile's maxima go to rows[r, column tile], and its columns' maxima over all its
+    rows to cols[group, c], as int32 bits; plain stores (each slot has one writer), which the
+    caller reduces."""
+    pid = tl.program_id(0)
+    tile_c, group = pid % col_tiles, pid // col_tiles
+    c = (tile_c * BLOCK_C + tl.arange(0, BLOCK_C)).to(tl.int64)
+    r_lo = group * rows_per_program
+    r_hi = tl.minimum(r_lo + rows_per_program, R)
+    col_best = tl.zeros((BLOCK_C,), tl.int32)
+    for start in range(r_lo, r_hi, BLOCK_R):
+        r = (start + tl.arange(0, BLOCK_R)).to(tl.int64)
+        mask = (r[:, None] < r_hi) & (c[None, :] < C)
+        ptrs = t_ptr + r[:, None] * stride_r + c[None, :] * stride_c
+        v = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
+        bits = v.to(tl.int32, bitcast=True) & ABS_BITS
+        tl.store(rows_ptr + r * col_tiles + tile_c, tl.max(bits, axis=1), mask=r < r_hi)
+        col_best = tl.maximum(col_best, tl.max(bits, axis=0))
+    tl.store(cols_ptr + group * C + c, col_best, mask=c < C)
+
+
+@triton.jit
 def _cast_kernel(
     t_ptr, scale_ptr, out_ptr, OUTER, K, stride_o, stride_k,
     ROWWISE: tl.constexpr, E5M2: tl.constexpr, INTERPRET: tl.constexpr,
@@ -126,6 +152,42 @@ def amax(t: torch.Tensor, dim: int, rowwise: bool) -> torch.Tensor:
     )  # fmt: skip
     found = bits.view(torch.float32)
     return found.unsqueeze(dim % 2) if rowwise else found.reshape(())
+
+
+def amax_both(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(fp32 max |t| per row [R, 1], per column [1, C]) of a non-empty 2D ``t`` in one read: the
+    amaxes of its two rowwise casts, contracting its columns and its rows, as ``amax`` gives
+    each. The tile runs along the contiguous dim; a program walks a group of rows, so its
+    column maxima are one store per group, not per row tile."""
+    if t.stride(0) == 1 and t.stride(1) != 1:  # column-major: the rows of its transpose
+        per_column, per_row = _amax_both(t.t())
+        return per_row.t(), per_column.t()
+    return _amax_both(t)
+
+
+def _amax_both(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    rows, cols = t.shape
+    block_r, block_c = (INTERPRET_TILE, INTERPRET_TILE) if INTERPRET else _both_tile(cols)
+    col_tiles = triton.cdiv(cols, block_c)
+    programs = PROGRAMS_PER_SM * _sm_count(t.device)
+    groups = max(1, min(triton.cdiv(rows, block_r), triton.cdiv(programs, col_tiles)))
+    rows_per_program = triton.cdiv(triton.cdiv(rows, groups), block_r) * block_r
+    groups = triton.cdiv(rows, rows_per_program)
+    row_bits = torch.empty(rows, col_tiles, device=t.device, dtype=torch.int32)
+    col_bits = torch.empty(groups, cols, device=t.device, dtype=torch.int32)
+    _amax_both_kernel[(groups * col_tiles,)](
+        t, row_bits, col_bits, rows, cols, t.stride(0), t.stride(1), rows_per_program, col_tiles,
+        BLOCK_R=block_r, BLOCK_C=block_c,
+    )  # fmt: skip
+    per_row = row_bits.amax(1, keepdim=True).view(torch.float32)
+    return per_row, col_bits.amax(0, keepdim=True).view(torch.float32)
+
+
+@functools.lru_cache(maxsize=1024)
+def _both_tile(cols: int) -> tuple[int, int]:
+    """(BLOCK_R, BLOCK_C): up to 256 columns a row (coalesced loads), TILE_ELEMENTS a tile."""
+    block_c = min(triton.next_power_of_2(cols), 256)
+    return max(1, TILE_ELEMENTS // block_c), block_c
 
 
 def cast(t: torch.Tensor, scale: torch.Tensor, dim: int, dtype: torch.dtype) -> torch.Tensor:

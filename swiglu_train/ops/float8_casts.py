@@ -10,10 +10,13 @@ Each GEMM casts its two operands (e4m3 or e5m2, tensorwise or rowwise scales, as
 - **Elsewhere** torchao's own ``hp_tensor_to_float8_dynamic`` (inductor fuses it under
   torch.compile; DTensors and other subclasses are torchao's to handle).
 
-**One amax for two casts.** A step casts x, both weights, grad_y and grad_preact twice each,
+**One read for two casts.** A step casts x, both weights, grad_y and grad_preact twice each,
 for two GEMMs that contract different dims. Where both casts scale tensorwise, their amax is
 the same number: ``shared_amax`` finds it once (in forward for x and the weights, kept for
 backward as a 0-dim fp32 tensor), and each cast takes it, so the second skips its full read.
+Where both scale rowwise, one read finds the per-row amaxes of one cast and the per-column
+amaxes of the other (``kernels.float8_cast.amax_both``); forward keeps backward's share (a
+vector of D or F floats each) for backward.
 """
 
 from __future__ import annotations
@@ -124,17 +127,35 @@ def dynamic_granularity(gemms: Float8Gemms | None, *casts: str) -> str | None:
     return "axiswise" if found.pop() is ao.ScalingGranularity.AXISWISE else "tensorwise"
 
 
-def shared_amax(t: torch.Tensor, gemms: Float8Gemms | None, *casts: str) -> torch.Tensor | None:
-    """``t``'s amax over all of it, found once for the casts named (``Float8LinearConfig``
-    attributes, such as ``cast_config_input``) where each scales ``t`` dynamically tensorwise;
-    None otherwise (each cast then finds its own)."""
+Amax = torch.Tensor | tuple[torch.Tensor, torch.Tensor] | None
+
+
+def shared_amax(t: torch.Tensor, gemms: Float8Gemms | None, *casts: str) -> Amax:
+    """``t``'s amaxes for the two casts named (``Float8LinearConfig`` attributes of two GEMMs
+    that contract ``t``'s two dims, as a linear's casts of x, weightᵀ and the gradient do),
+    found in one read: where both scale dynamically tensorwise, the amax over all
+    of ``t``, which both take; where both scale per row or column (rowwise) and the fused
+    kernels run, (per row [R, 1], per column [1, C]), one for each (``along``). None otherwise:
+    each cast then finds its own."""
     if gemms is None or t.numel() == 0 or torchao_float8().tensor_already_casted_to_fp8(t):
         return None
-    if dynamic_granularity(gemms, *casts) != "tensorwise":
+    granularity = dynamic_granularity(gemms, *casts)
+    if granularity == "axiswise" and fused_cast_runs(t):
+        return cast_kernels.amax_both(t)
+    if granularity != "tensorwise":
         return None
     if fused_cast_runs(t):
         return cast_kernels.amax(t, -1, rowwise=False)
     return torchao_float8().tensor_to_amax(t).float()  # fp32 as the kernel's: 4 bytes kept each
+
+
+def along(amax: Amax, dim: int) -> torch.Tensor | None:
+    """What of ``shared_amax``'s result the cast contracting ``dim`` takes: the tensorwise amax
+    itself, or of a (per row, per column) pair the per-row amaxes for the last dim and the
+    per-column ones for the first."""
+    if isinstance(amax, tuple):
+        return amax[1] if dim % 2 == 0 else amax[0]
+    return amax
 
 
 def cast_operand(

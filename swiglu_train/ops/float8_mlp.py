@@ -36,6 +36,7 @@ from swiglu_train.ops.activation import (
 )
 from swiglu_train.ops.float8_casts import (
     Float8Gemms,
+    along,
     cast_operand,
     dynamic_granularity,
     fp8_kernels_run,
@@ -192,16 +193,17 @@ class _DropHFloat8(torch.autograd.Function):
         ctx, x, fc1_weight, fc1_bias, fc2_weight, fc2_bias, fc1_gemms, fc2_gemms, inplace,
         saved_fp8,
     ):  # fmt: skip
-        amaxes = (
-            shared_amax(x, fc1_gemms, *INPUT_CASTS),
-            shared_amax(fc1_weight, fc1_gemms, *WEIGHT_CASTS),
-            shared_amax(fc2_weight, fc2_gemms, *WEIGHT_CASTS),
-        )
-        preact = _bias(linear(x, fc1_weight, fc1_gemms, amaxes[:2]), fc1_bias)
+        x_amax = shared_amax(x, fc1_gemms, *INPUT_CASTS)
+        w1_amax = shared_amax(fc1_weight.t(), fc1_gemms, *WEIGHT_CASTS)
+        w2_amax = shared_amax(fc2_weight.t(), fc2_gemms, *WEIGHT_CASTS)
+        fc1_amaxes = (along(x_amax, -1), along(w1_amax, 0))
+        preact = _bias(linear(x, fc1_weight, fc1_gemms, fc1_amaxes), fc1_bias)
         fc2_in, saved = _fc2_operand_and_saved(preact, fc2_gemms, saved_fp8)
         del preact  # with saved_fp8, freed before fc2's GEMM
-        y = _bias(linear(fc2_in, fc2_weight, fc2_gemms, (None, amaxes[2])), fc2_bias)
-        ctx.save_for_backward(x, fc1_weight, fc2_weight, *amaxes, *saved)
+        y = _bias(linear(fc2_in, fc2_weight, fc2_gemms, (None, along(w2_amax, 0))), fc2_bias)
+        # backward's share: grad_W1's of x, grad_x's of W1ᵀ and grad_h's of W2ᵀ
+        kept = (along(x_amax, 0), along(w1_amax, -1), along(w2_amax, -1))
+        ctx.save_for_backward(x, fc1_weight, fc2_weight, *kept, *saved)
         ctx.gemms, ctx.inplace, ctx.backward_ran = (fc1_gemms, fc2_gemms), inplace, False
         ctx.has_bias = (fc1_bias is not None, fc2_bias is not None)
         ctx.saved_fp8 = saved_fp8
@@ -218,22 +220,24 @@ class _DropHFloat8(torch.autograd.Function):
         fc1_gemms, fc2_gemms = ctx.gemms
         grad_y = grad_y.contiguous()
         grad_y_amax = shared_amax(grad_y, fc2_gemms, *GRAD_CASTS)
-        grad_h = grad_input(grad_y, fc2_weight, fc2_gemms, (grad_y_amax, w2_amax))
+        grad_h_amaxes = (along(grad_y_amax, -1), w2_amax)
+        grad_h = grad_input(grad_y, fc2_weight, fc2_gemms, grad_h_amaxes)
         h, grad_preact, found = _h_and_grad_preact(saved, grad_h, inplace, fc1_gemms, fc2_gemms)
         if ctx.needs_input_grad[3]:
-            grad_w2 = grad_weight(grad_y, h, fc2_gemms, (grad_y_amax, found.h))
+            grad_w2 = grad_weight(grad_y, h, fc2_gemms, (along(grad_y_amax, 0), found.h))
         else:
             grad_w2 = None
         del h, grad_h
-        grad_preact_amax = found.grad_preact
+        grad_preact_amax = found.grad_preact  # else one read for both casts, if they share
         if grad_preact_amax is None:
             grad_preact_amax = shared_amax(grad_preact, fc1_gemms, *GRAD_CASTS)
         rows = found.grad_preact_rows
-        input_amax = grad_preact_amax if rows is None else rows
+        input_amax = along(grad_preact_amax, -1) if rows is None else rows
+        weight_amax = along(grad_preact_amax, 0)
         grads = drop_h_grads(
             ctx, x, fc1_weight, grad_preact, grad_y, grad_w2,
             input_grad=partial(grad_input, gemms=fc1_gemms, amaxes=(input_amax, w1_amax)),
-            weight_grad=partial(grad_weight, gemms=fc1_gemms, amaxes=(grad_preact_amax, x_amax)),
+            weight_grad=partial(grad_weight, gemms=fc1_gemms, amaxes=(weight_amax, x_amax)),
         )  # fmt: skip
         return *grads, None, None, None, None
 
