@@ -212,6 +212,25 @@ def test_auto_builds_drop_h_off_hopper_and_says_why():
     assert on_input.impl == "drop_h" and "router weights on the input" in on_input.auto_reason
 
 
+def test_auto_s_drop_h_quack_runs_drop_h_on_inputs_quack_cannot_take():
+    """Where auto chose drop_h_quack (on a Hopper GPU), a call on the CPU or in fp32 runs drop_h,
+    which has the same parameters and saved tensors, as ParMLP's auto falls back; a
+    drop_h_quack the user named is refused there in one line instead."""
+    torch.manual_seed(0)
+    chosen = ParExperts(4, 16, 8, impl="auto")
+    chosen.impl = "drop_h_quack"  # as auto picks it where quack runs (the impl attribute)
+    named = ParExperts(4, 16, 8, impl="auto")
+    named.impl, named.auto_reason = "drop_h_quack", None
+    drop_h = ParExperts(4, 16, 8, impl="drop_h")
+    for m in (chosen, named):
+        m.load_state_dict(drop_h.state_dict())
+    x = torch.randn(6, 16)
+    idx, w = torch.randint(0, 4, (6, 2)), torch.rand(6, 2)
+    assert torch.equal(chosen(x, idx, w), drop_h(x, idx, w))
+    with pytest.raises(ValueError, match="drop_h_quack"):
+        named(x, idx, w)
+
+
 def test_auto_rule_takes_drop_h_quack_only_where_it_runs_and_the_weight_scales_the_output():
     """The rule on a device's facts (experts_auto): quack's reason, the sizes, the weight's side."""
     from swiglu_train.layers.experts import experts_auto

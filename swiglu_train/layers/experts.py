@@ -21,6 +21,7 @@ from swiglu_train.ops.experts_quack import (
     check_experts_quack_runs,
     experts_quack_unavailable_reason,
 )
+from swiglu_train.ops.quack_mlp import QUACK_DTYPES
 
 # What a dense impl name means for the routed experts, which have fewer impls, and why: both
 # get drop_h's saved set, the one the experts' kernels are built for.
@@ -167,9 +168,7 @@ class ParExperts(nn.Module):
         if autocast:  # as ParMLP: grouped GEMMs take one dtype, and autocast does not cast them
             dtype = torch.get_autocast_dtype(device_type)  # (bf16-mixed: fp32 weights and x)
             x, fc1, fc2 = x.to(dtype), fc1.to(dtype), fc2.to(dtype)
-        # meta: shapes only (deferred init, tracing), as ParMLP; no quack kernel runs there, and
-        # drop_h's graph keeps the same tensors
-        impl = "drop_h" if device_type == "meta" and self.impl == "drop_h_quack" else self.impl
+        impl = self._impl_for(x.dtype, device_type)
         with torch.autocast(device_type, enabled=False) if autocast else contextlib.nullcontext():
             y = experts_mlp(
                 x.reshape(tokens, x.shape[-1]),
@@ -184,6 +183,20 @@ class ParExperts(nn.Module):
                 gathered_wgrad=self.gathered_wgrad,
             )
         return y.view(*lead, self.hidden_size)
+
+    def _impl_for(self, dtype: torch.dtype, device_type: str) -> str:
+        """The impl this call runs: drop_h for drop_h_quack on meta tensors (shapes only:
+        deferred init, tracing; no quack kernel runs there), and where auto chose drop_h_quack,
+        on a dtype or device quack's kernels cannot take, as ParMLP's auto does; drop_h keeps
+        the same parameters and saved tensors, so a call may switch."""
+        if self.impl != "drop_h_quack":
+            return self.impl
+        if device_type == "meta":
+            return "drop_h"
+        chosen_by_auto = self.auto_reason is not None
+        if chosen_by_auto and (device_type != "cuda" or dtype not in QUACK_DTYPES):
+            return "drop_h"
+        return self.impl
 
     def extra_repr(self) -> str:
         return (
