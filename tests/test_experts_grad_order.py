@@ -61,7 +61,7 @@ def test_pinned_grad_preact_puts_grad_w2_first_where_its_size_alone_would_not():
 @pytest.mark.parametrize(
     ("saved_fp8", "inplace", "experts", "first"),
     [
-        (False, True, 8, "grad_W2"),  # pinned: first although its rows are the smaller
+        (False, True, 8, "grad_W1"),  # in place the saved preact is freed after grad_W1: by size
         (False, False, 8, "grad_W1"),  # out of place grad_preact is a copy, freed: by size
         (True, True, 8, "grad_W1"),  # from the FP8 copy grad_preact is its own buffer
         (True, True, 4, "grad_W2"),  # grad_W2 (4 D F) now smaller than its rows R (D + F)
@@ -79,3 +79,39 @@ def test_drop_h_backward_computes_the_weight_gradients_in_the_rule_s_order(
             y.backward(grad_y)
     assert recorded.order[0] == first, recorded.order
     assert sorted(recorded.order) == ["grad_W1", "grad_W2"]
+
+
+@pytest.mark.skipif(not triton_runs_on(torch.device("cpu")), reason="needs TRITON_INTERPRET=1")
+@pytest.mark.parametrize("inplace", [True, False])
+def test_in_place_the_saved_preact_is_freed_before_grad_w2_is_written(inplace):
+    """In place grad_preact is the saved preactivation, which autograd's slot would hold until
+    backward returns: backward frees its storage once grad_W1 has read it, so grad_W2, computed
+    last, never stands beside it. Out of place the saved preact stays whole (a second backward
+    reads it)."""
+    x, idx, w, fc1, fc2, grad_y = inputs(T, D, F, 8, K, torch.float32)
+    for leaf in (x, w, fc1, fc2):
+        leaf.requires_grad_()
+    saved = []
+
+    def pack(t):
+        if tuple(t.shape) == (T * K, 2 * F):
+            saved.append(t)
+        return t
+
+    with use_backend("triton"), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        y = experts_mlp(x, idx, w, fc1, fc2, "drop_h", inplace=inplace)
+    (preact,) = saved
+    seen = {}
+
+    class _PreactAtWeightGrads(_WeightGradOrder):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = super().__torch_dispatch__(func, types, args, kwargs)
+            for name in self.order:
+                seen.setdefault(name, preact.untyped_storage().nbytes())
+            return out
+
+    with use_backend("triton"), _PreactAtWeightGrads((fc1, fc2)) as recorded:
+        y.backward(grad_y, retain_graph=not inplace)
+    assert recorded.order == ["grad_W1", "grad_W2"]
+    whole = T * K * 2 * F * 4
+    assert seen == {"grad_W1": whole, "grad_W2": 0 if inplace else whole}

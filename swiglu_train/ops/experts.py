@@ -52,6 +52,7 @@ from swiglu_train.ops.experts_routing import (
 from swiglu_train.ops.experts_steps import (
     activate,
     backward_rows,
+    release_preact,
     router_grad,
     save,
     saved_tensors,
@@ -139,7 +140,7 @@ class _ExpertsDropH(torch.autograd.Function):
         w = weight if on_output else None
         grad_preact, wh, grad_w_rows = backward_rows(saved, g, w, inplace)
         scale = None if on_output else weight  # an input-side weight scales grad_W1's x rows
-        pinned = inplace and grad_preact is saved[0]
+        pinned = inplace and grad_preact is saved[0]  # released once grad_W1 has read it
         del saved, g, w, weight
         in_gemm = gathers_in_gemm(ctx.gathered_wgrad, grad_preact)  # else grad_W1 gathers x
         fc2_first = grad_fc2_first(
@@ -147,7 +148,6 @@ class _ExpertsDropH(torch.autograd.Function):
             grad_preact=grad_preact.numel(),
             waiting=grad_yg.numel() + wh.numel(),
             gathered=0 if in_gemm else token.numel() * x.shape[-1],
-            pinned=pinned,
         )
         if fc2_first:
             grad_fc2 = grouped_weight_grad(grad_yg, wh, offsets)
@@ -173,6 +173,7 @@ class _ExpertsDropH(torch.autograd.Function):
             xg = x.index_select(0, token) if xg is None else xg
             del token
             grad_fc1 = rows_weight_grad(grad_preact, xg, offsets, scale)
+        release_preact(grad_preact, pinned)
         del grad_preact, xg
         if not fc2_first:
             grad_fc2 = grouped_weight_grad(grad_yg, wh, offsets)

@@ -8,7 +8,9 @@ grouped GEMM without ``gathered_wgrad``), and either grad_W2 [E, D, F], when it
 is computed first, or the rows grad_W2 still needs, when it is computed last: (w·)h [R, F],
 and grad_y's rows [R, D] where its GEMM cannot gather them. Computed last, grad_W2's own GEMM
 then holds grad_W1, grad_W2 and those rows, and grad_preact too if it is *pinned*: in place,
-the bf16 grad_preact is the saved preactivation, which autograd holds until backward returns.
+the bf16 grad_preact is the saved preactivation, which autograd holds until backward returns,
+unless backward frees its storage once grad_W1 has read it, as it now does
+(``experts_steps.release_preact``); the commits measured below held it.
 
 This model gives every backward peak that ``bench-moe`` measured for drop_h and drop_h_quack
 on the H100 (six commits, both orders, bf16 and FP8-saved, five models) to within 1 MiB
@@ -27,7 +29,13 @@ MODELLED_IMPLS = ("drop_h", "drop_h_quack")  # the impls whose backward the mode
 
 
 def weight_grad_peak(
-    fc2_first: bool, *, grad_w2: int, grad_preact: int, waiting: int, gathered: int, pinned: bool
+    fc2_first: bool,
+    *,
+    grad_w2: int,
+    grad_preact: int,
+    waiting: int,
+    gathered: int,
+    pinned: bool = False,
 ) -> int:
     """What stands beside grad_W1 (beyond what every order holds) at the weight gradients'
     peak, in the units of its arguments: ``waiting`` is what grad_W2 needs until it is
@@ -39,7 +47,7 @@ def weight_grad_peak(
 
 
 def grad_fc2_first(
-    *, grad_w2: int, grad_preact: int, waiting: int, gathered: int, pinned: bool
+    *, grad_w2: int, grad_preact: int, waiting: int, gathered: int, pinned: bool = False
 ) -> bool:
     """Whether backward computes grad_W2 before grad_W1: the order of the lower peak (ties
     first, which frees grad_W2's rows soonest)."""
@@ -61,11 +69,13 @@ def backward_peak_bytes(
     experts: int,
     dtype: torch.dtype,
     fc2_first: bool | None = None,
+    pinned: bool = False,
 ) -> int:
     """Bytes a drop_h impl's step holds at its backward peak beyond what was allocated before
     its forward (x, the routing inputs, the weights and grad_y excluded; y, the gradients of x
     and of both weights included), as ``bench-moe`` measures it: in the order the impl takes,
-    or in ``fc2_first``'s, to ask what the other order would cost."""
+    or in ``fc2_first``'s, to ask what the other order would cost. ``pinned``: grad_preact
+    held until backward returns in place (bf16), as every commit before ``release_preact``."""
     if impl not in MODELLED_IMPLS:
         raise ValueError(f"the peak model covers {' and '.join(MODELLED_IMPLS)}, not {impl!r}")
     size, rows = torch.empty(0, dtype=dtype).element_size(), tokens * top_k
@@ -75,7 +85,7 @@ def backward_peak_bytes(
         grad_preact=rows * 2 * ffn * size,
         waiting=rows * (ffn + (0 if gathers_in_gemm else hidden)) * size,
         gathered=0 if gathers_in_gemm or gathered_wgrad else rows * hidden * size,
-        pinned=inplace and not saved_fp8,
+        pinned=pinned and inplace and not saved_fp8,
     )
     held = experts * 2 * ffn * hidden * size + 2 * tokens * hidden * size  # grad_W1, grad_x, y
     held += routing_bytes(rows, experts) + restored_bytes(rows, gathers_in_gemm or gathered_wgrad)

@@ -58,6 +58,7 @@ from swiglu_train.ops.experts_routing import (
 from swiglu_train.ops.experts_steps import (
     activate,
     backward_rows,
+    release_preact,
     router_grad,
     save,
     saved_tensors,
@@ -203,14 +204,13 @@ class _ExpertsDropHQuack(torch.autograd.Function):
         w = weight if on_output else None
         # g: (w ·) h now; an interleaved preact gives an interleaved grad_preact
         grad_preact, g, grad_w_rows = backward_rows(saved, g, w, inplace, ctx.interleaved)
-        pinned = inplace and grad_preact is saved[0]
+        pinned = inplace and grad_preact is saved[0]  # released once grad_W1 has read it
         del saved, w
         fc2_first = grad_fc2_first(  # x's and grad_y's rows: gathered inside the GEMMs
             grad_w2=fc2.numel(),
             grad_preact=grad_preact.numel(),
             waiting=g.numel(),
             gathered=0,
-            pinned=pinned,
         )
         if fc2_first:
             grad_fc2 = gemm(grad_y.T, g, cu_seqlens_k=cu, A_idx=token)
@@ -232,6 +232,7 @@ class _ExpertsDropHQuack(torch.autograd.Function):
             x.T, grad_preact, out=grad_fc1.mT, cu_seqlens_k=cu, A_idx=token,
             concat_layout=out_concat,
         )  # fmt: skip
+        release_preact(grad_preact, pinned)
         del grad_preact
         if not fc2_first:
             grad_fc2 = gemm(grad_y.T, g, cu_seqlens_k=cu, A_idx=token)

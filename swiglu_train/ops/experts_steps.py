@@ -90,6 +90,15 @@ def backward_rows(
     return grad_preact, wh, grad_w
 
 
+def release_preact(grad_preact: torch.Tensor, pinned: bool) -> None:
+    """Once grad_W1 has read grad_preact for the last time. ``pinned``: in place, it is the
+    saved preactivation, whose storage autograd's saved slot would hold until backward returns;
+    its memory goes back now, so grad_W2's GEMM, computed after, never stands beside it. A
+    second backward is refused before it reads the slot (``saved_tensors``)."""
+    if pinned:
+        grad_preact.untyped_storage().resize_(0)
+
+
 # The Triton backward passes as ops torch.compile keeps opaque (``ops.eager``), as the dense
 # layer's kernels are: a compiled model (torchtitan compiles each block) never traces a launch.
 @eager_op("swiglu_train::experts_backward_", mutates_args=("preact", "g", "grad_w"))
