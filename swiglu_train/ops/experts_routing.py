@@ -83,13 +83,16 @@ def restored_bytes(rows: int, token_held: bool) -> int:
     return rows * (4 + (index_dtype(rows).itemsize if token_held else 0))
 
 
-def sorted_weights(indices: torch.Tensor, weights: torch.Tensor, slot: torch.Tensor):
+def sorted_weights(
+    indices: torch.Tensor, weights: torch.Tensor, slot: torch.Tensor
+) -> torch.Tensor:
     """[R] fp32: each sorted slot's router weight, 0 for a dropped slot (no autograd)."""
     live = torch.where(indices >= 0, weights.detach(), 0).reshape(-1).float()
     return live.index_select(0, slot)
 
 
 def _row_numbers(rows: int, like: torch.Tensor) -> torch.Tensor:
+    """0 .. rows - 1 in ``index_dtype``, on ``like``'s device: each sorted row's number."""
     return torch.arange(rows, device=like.device, dtype=index_dtype(rows))
 
 
