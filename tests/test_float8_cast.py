@@ -186,9 +186,9 @@ def test_drop_h_on_its_fused_casts_does_not_warn_uncompiled(device, backend, mon
     assert [str(w.message) for w in seen if "FP8" in str(w.message)] == []
 
 
-def drop_h_step(recipe: str, device: str) -> dict[str, torch.Tensor]:
+def drop_h_step(recipe: str, device: str, saved_fp8: bool = False) -> dict[str, torch.Tensor]:
     torch.manual_seed(0)
-    mlp = ParMLP(64, 96, impl="drop_h", device=device, dtype=torch.bfloat16)
+    mlp = ParMLP(64, 96, impl="drop_h", saved_fp8=saved_fp8, device=device, dtype=torch.bfloat16)
     mlp = float8.convert_to_float8_training(
         nn.Sequential(mlp), config=float8.Float8LinearConfig.from_recipe_name(recipe)
     )
@@ -203,16 +203,28 @@ def drop_h_step(recipe: str, device: str) -> dict[str, torch.Tensor]:
     }
 
 
-@pytest.mark.parametrize(("recipe", "amax_passes"), [("tensorwise", 4), ("rowwise", 6)])
+@pytest.mark.parametrize(
+    ("recipe", "saved_fp8", "amax_passes"),
+    [
+        ("tensorwise", False, 4),
+        ("rowwise", False, 6),
+        ("tensorwise", True, 5),
+        ("rowwise", True, 7),
+    ],
+)
 @pytest.mark.parametrize("device", TRITON_DEVICES)
-def test_a_step_reads_for_each_amax_once_at_most(device, recipe, amax_passes, monkeypatch):
+def test_a_step_reads_for_each_amax_once_at_most(
+    device, recipe, amax_passes, saved_fp8, monkeypatch
+):
     """x, W1, W2, grad_y and grad_preact are each cast for two GEMMs, and h for grad_W2: 11
     amaxes, each a full read of its operand where each cast finds its own. One read serves both
     casts of an operand: tensorwise, their amax is one number; rowwise, one read finds the
     per-row amaxes of one and the per-column ones of the other (``amax_both``). Tensorwise,
     backward's SwiGLU kernel also finds grad_preact's and h's as it writes them: 4 reads in a
     step (x, W1, W2, grad_y). Rowwise: 6 (those four and grad_preact's pair, and h's per
-    column). The step's y and gradients are the bytes of finding each amax anew."""
+    column). From the saved preactivation's FP8 copy, whose backward kernel finds the same, one
+    more: fc2's forward operand is then h in bf16 (written beside the copy), cast as torchao
+    casts it. The step's y and gradients are the bytes of finding each amax anew."""
     calls = []
     real_amax, real_both = float8_cast.amax, float8_cast.amax_both
 
@@ -232,11 +244,11 @@ def test_a_step_reads_for_each_amax_once_at_most(device, recipe, amax_passes, mo
     with use_backend("triton"):
         monkeypatch.setattr(float8_cast, "amax", counted_amax)
         monkeypatch.setattr(float8_cast, "amax_both", counted_both)
-        shared = drop_h_step(recipe, device)
+        shared = drop_h_step(recipe, device, saved_fp8)
         assert len(calls) == amax_passes, calls
         monkeypatch.setattr(float8_mlp, "shared_amax", lambda *args: None)
         monkeypatch.setattr(float8_mlp, "_h_and_grad_preact", found_nothing)
-        anew = drop_h_step(recipe, device)
+        anew = drop_h_step(recipe, device, saved_fp8)
     for name, value in shared.items():
         assert torch.equal(value, anew[name]), name
 

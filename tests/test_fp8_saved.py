@@ -226,6 +226,35 @@ def test_backward_kernel_matches_the_torch_path(device, dtype):
     torch.testing.assert_close(grad_preact, expected_grad, rtol=tol, atol=tol)
 
 
+@pytest.mark.parametrize(("device", "backend"), device_backends())
+@pytest.mark.parametrize("rowwise", [False, True], ids=["tensorwise", "rowwise"])
+def test_backward_from_the_copy_finds_the_amaxes_of_what_it_writes(device, backend, rowwise):
+    """swiglu_bwd_fp8_amax_, FP8 training's backward from the copy: the h and grad_preact of
+    swiglu_bwd_fp8_, and torch.amax's of them, bit for bit (over row tiles and scale blocks
+    past their edges, a non-finite value spoiling its row alone); [0, 1] rows if not rowwise."""
+    from swiglu_train.ops.fp8_saved import swiglu_bwd_fp8_amax_
+
+    preact = awkward_preact(19, 200, torch.bfloat16, device)
+    _, q, scales = fp8_pass(preact, "triton" if backend == "triton" else "torch")
+    grad_h = torch.randn(19, 200, device=device).to(torch.bfloat16)
+    grad_h[4, 9] = float("inf")
+    h, grad_preact = grad_h.clone(), grad_h.new_empty(19, 400)
+    found_h, found_grad = grad_h.clone(), grad_h.new_empty(19, 400)
+    with use_backend(backend):
+        swiglu_bwd_fp8_(q, scales, h, grad_preact)
+        pair, rows = swiglu_bwd_fp8_amax_(q, scales, found_h, found_grad, rowwise)
+    assert torch.equal(found_h.nan_to_num(), h.nan_to_num())
+    assert torch.equal(found_grad.nan_to_num(), grad_preact.nan_to_num())
+    expected = torch.stack([grad_preact.abs().amax(), h.abs().amax()]).float()
+    assert torch.equal(pair.nan_to_num(-1.0), expected.nan_to_num(-1.0))
+    if not rowwise:
+        assert rows.shape == (0, 1)
+        return
+    per_row = grad_preact.abs().amax(1, keepdim=True).float()
+    assert torch.equal(rows.nan_to_num(-1.0), per_row.nan_to_num(-1.0))
+    assert not rows[4].isfinite().all() and rows[5].isfinite().all()
+
+
 def test_custom_ops_pass_opcheck():
     """Schema, fake kernels and mutation, as torch.compile relies on. The schema test is left
     out: it compares inputs by arithmetic torch lacks for float8 on CPU."""

@@ -179,9 +179,9 @@ def _drive_fp8_saved(dtype: torch.dtype) -> None:
     swiglu_fp8.swiglu_forward_fp8(
         _randn(m, 2 * f, dtype=dtype), torch.empty(m, f, dtype=dtype), q, scales
     )
-    swiglu_fp8.swiglu_backward_fp8(
-        q, scales, _randn(m, f, dtype=dtype), torch.empty(m, 2 * f, dtype=dtype)
-    )
+    for tensor_amax, row_amax in ((False, False), (True, False), (False, True)):  # FP8's
+        grad_h, grad_preact = _randn(m, f, dtype=dtype), torch.empty(m, 2 * f, dtype=dtype)
+        swiglu_fp8.swiglu_backward_fp8(q, scales, grad_h, grad_preact, tensor_amax, row_amax)
     m, f = 3, 64
     swiglu_fp8_paired.swiglu_backward_fp8_paired(
         *_fp8_copy(m, f, paired_saved_shapes),

@@ -10,6 +10,7 @@ the h recomputed in backward is bit-identical to the forward's.
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import torch
 import triton
@@ -148,18 +149,37 @@ def _swiglu_bwd_kernel(
         h = _silu_times_up(gate, up, h_ptr.dtype.element_ty).to(h_ptr.dtype.element_ty)
         tl.store(h_ptrs, h, mask=mask)
         if TENSOR_AMAX:
-            h_bits = tl.max(tl.max(_abs_bits(h, mask), axis=1), axis=0)
-            tl.store(tensor_amax_ptr + tl.num_programs(0) + pid, h_bits)
+            store_h_amax(h, mask, tensor_amax_ptr)
     grad_gate = grad_gate.to(out_dtype)
     grad_up = grad_up.to(out_dtype)
     tl.store(out_ptrs, grad_gate, mask=mask)
     tl.store(out_ptrs + F, grad_up, mask=mask)
+    store_grad_amaxes(
+        grad_gate, grad_up, mask, rows, M, tl.cdiv(F, BLOCK_N), tensor_amax_ptr, row_amax_ptr,
+        TENSOR_AMAX, ROW_AMAX,
+    )  # fmt: skip
+
+
+@triton.jit
+def store_h_amax(h, mask, tensor_amax_ptr):
+    """This program's max |h| (as stored) to slot programs + pid of the per-program maxima."""
+    h_bits = tl.max(tl.max(_abs_bits(h, mask), axis=1), axis=0)
+    tl.store(tensor_amax_ptr + tl.num_programs(0) + tl.program_id(0), h_bits)
+
+
+@triton.jit
+def store_grad_amaxes(
+    grad_gate, grad_up, mask, rows, M, tiles_n, tensor_amax_ptr, row_amax_ptr,
+    TENSOR_AMAX: tl.constexpr, ROW_AMAX: tl.constexpr,
+):  # fmt: skip
+    """This program's max |grad_preact| (both halves, as stored) to slot pid (TENSOR_AMAX), and
+    each of its rows' to [row, pid's column tile] (ROW_AMAX), for the caller to reduce."""
     if TENSOR_AMAX or ROW_AMAX:
+        pid = tl.program_id(0)
         grad_bits = tl.maximum(_abs_bits(grad_gate, mask), _abs_bits(grad_up, mask))
         if TENSOR_AMAX:
             tl.store(tensor_amax_ptr + pid, tl.max(tl.max(grad_bits, axis=1), axis=0))
         if ROW_AMAX:
-            tiles_n = tl.cdiv(F, BLOCK_N)
             row_bits = tl.max(grad_bits, axis=1, keep_dims=True)
             tl.store(row_amax_ptr + rows * tiles_n + pid % tiles_n, row_bits, mask=rows < M)
 
@@ -268,19 +288,45 @@ def swiglu_backward(
     write_h = h is not None
     h_arg = h if write_h else grad_h  # unused pointer when WRITE_H is False
     grid, block_m, block_n, warps = launch_config(M, F, BWD_TILE)
-    bits = functools.partial(torch.empty, device=preact.device, dtype=torch.int32)
-    per_program = bits(2, grid[0]) if tensor_amax else None
-    per_row = bits(M, -(-F // block_n)) if row_amax else None
+    partials = AmaxPartials.for_launch(
+        grad_preact, grid[0], -(-F // block_n), tensor_amax, row_amax
+    )
     _swiglu_bwd_kernel[grid](
-        preact, grad_h, grad_preact, h_arg,
-        per_program if tensor_amax else preact, per_row if row_amax else preact,
+        preact, grad_h, grad_preact, h_arg, *partials.pointers(preact),
         M, F, preact.stride(0), grad_h.stride(0), grad_preact.stride(0), h_arg.stride(0),
         WRITE_H=write_h, INPLACE=inplace, TENSOR_AMAX=tensor_amax, ROW_AMAX=row_amax,
         BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps,
     )  # fmt: skip
-    pair = per_program.amax(1).view(torch.float32) if tensor_amax else None
-    rows = per_row.amax(1, keepdim=True).view(torch.float32) if row_amax else None
-    return pair, rows
+    return partials.reduced()
+
+
+class AmaxPartials(NamedTuple):
+    """The per-program maxima a backward kernel stores (``store_h_amax``,
+    ``store_grad_amaxes``), as int32 bits: [2, programs] (grad_preact's, h's) and [M, column
+    tiles] (grad_preact's per row); None where not asked for."""
+
+    per_program: torch.Tensor | None
+    per_row: torch.Tensor | None
+
+    @classmethod
+    def for_launch(
+        cls, like: torch.Tensor, programs: int, tiles_n: int, tensor_amax: bool, row_amax: bool
+    ) -> AmaxPartials:
+        bits = functools.partial(torch.empty, device=like.device, dtype=torch.int32)
+        return cls(
+            bits(2, programs) if tensor_amax else None,
+            bits(like.shape[0], tiles_n) if row_amax else None,
+        )
+
+    def pointers(self, unused: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The two buffers for the kernel, ``unused`` where one is not asked for."""
+        return tuple(unused if t is None else t for t in self)
+
+    def reduced(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """([2] fp32: max |grad_preact|, max |h|; [M, 1] fp32: per row), or None each."""
+        pair = None if self.per_program is None else self.per_program.amax(1)
+        rows = None if self.per_row is None else self.per_row.amax(1, keepdim=True)
+        return tuple(None if t is None else t.view(torch.float32) for t in (pair, rows))
 
 
 def swiglu_factors_(preact: torch.Tensor, h: torch.Tensor, chunk: int) -> None:

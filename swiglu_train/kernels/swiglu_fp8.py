@@ -45,9 +45,12 @@ from swiglu_train.kernels.fp8_format import (
 from swiglu_train.kernels.runtime import INTERPRET, SUPPORTED_DTYPES
 from swiglu_train.kernels.swiglu import (
     BWD_TILE,
+    AmaxPartials,
     _check_like,
     _check_preact,
     _silu_times_up,
+    store_grad_amaxes,
+    store_h_amax,
     tile,
 )
 
@@ -193,6 +196,8 @@ def _swiglu_bwd_fp8_kernel(
     scale_ptr,
     grad_h_ptr,
     grad_preact_ptr,
+    tensor_amax_ptr,
+    row_amax_ptr,
     M,
     F,
     stride_q,
@@ -202,9 +207,12 @@ def _swiglu_bwd_fp8_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     INTERPRET: tl.constexpr,
+    TENSOR_AMAX: tl.constexpr,
+    ROW_AMAX: tl.constexpr,
 ):
     """grad_preact = [grad_h*up*silu'(gate) | grad_h*silu(gate)] from the dequantized preact,
-    and h over grad_h, stored through the pointers grad_h was loaded from."""
+    and h over grad_h, stored through the pointers grad_h was loaded from; and the amaxes of
+    what it stored, as ``swiglu._swiglu_bwd_kernel`` finds them (TENSOR_AMAX, ROW_AMAX)."""
     rows, cols, mask, blocks, scale_mask, nb = _block_tile(tl.program_id(0), M, F, BLOCK_M, BLOCK_N)
     q_ptrs = q_ptr + rows * stride_q + cols
     scale_ptrs = scale_ptr + rows * stride_scale + blocks
@@ -212,23 +220,35 @@ def _swiglu_bwd_fp8_kernel(
     up = _dequantize(q_ptrs + F, scale_ptrs + nb, mask, scale_mask, INTERPRET)
     grad_h_ptrs = grad_h_ptr + rows * stride_grad_h + cols
     out_ptrs = grad_preact_ptr + rows * stride_grad_preact + cols
-    recompute_store(gate, up, grad_h_ptrs, out_ptrs, F, mask)
+    grad_gate, grad_up, h = recompute_store(gate, up, grad_h_ptrs, out_ptrs, F, mask)
+    if TENSOR_AMAX or ROW_AMAX:  # on [BLOCK_M, BLOCK_N] views of the [BLOCK_M, S, 128] tile
+        mask2 = tl.reshape(mask, (BLOCK_M, BLOCK_N))
+        if TENSOR_AMAX:
+            store_h_amax(tl.reshape(h, (BLOCK_M, BLOCK_N)), mask2, tensor_amax_ptr)
+        store_grad_amaxes(
+            tl.reshape(grad_gate, (BLOCK_M, BLOCK_N)), tl.reshape(grad_up, (BLOCK_M, BLOCK_N)),
+            mask2, tl.reshape(rows, (BLOCK_M, 1)), M, tl.cdiv(F, BLOCK_N), tensor_amax_ptr,
+            row_amax_ptr, TENSOR_AMAX, ROW_AMAX,
+        )  # fmt: skip
 
 
 @triton.jit
 def recompute_store(gate, up, grad_h_ptrs, out_ptrs, F, mask):
     """From the restored gate and up: grad_preact's gate half at out_ptrs and its up half F
-    further, and h over grad_h (read from and stored through grad_h_ptrs)."""
+    further, and h over grad_h (read from and stored through grad_h_ptrs); returns the three
+    as stored (gate half, up half, h)."""
     grad_h = tl.load(grad_h_ptrs, mask=mask).to(tl.float32)
     sig = 1.0 / (1.0 + tl.exp(-gate))
     grad_up = grad_h * gate * sig
     grad_gate = grad_h * up * sig * (1.0 + gate * (1.0 - sig))
     dtype = grad_h_ptrs.dtype.element_ty
-    h = _silu_times_up(gate, up, dtype)
-    tl.store(grad_h_ptrs, h.to(dtype), mask=mask)
+    h = _silu_times_up(gate, up, dtype).to(dtype)
+    tl.store(grad_h_ptrs, h, mask=mask)
     out_dtype = out_ptrs.dtype.element_ty
-    tl.store(out_ptrs, grad_gate.to(out_dtype), mask=mask)
-    tl.store(out_ptrs + F, grad_up.to(out_dtype), mask=mask)
+    grad_gate, grad_up = grad_gate.to(out_dtype), grad_up.to(out_dtype)
+    tl.store(out_ptrs, grad_gate, mask=mask)
+    tl.store(out_ptrs + F, grad_up, mask=mask)
+    return grad_gate, grad_up, h
 
 
 def check_saved(
@@ -307,9 +327,15 @@ def swiglu_forward_fp8(
 
 
 def swiglu_backward_fp8(
-    q: torch.Tensor, scales: torch.Tensor, grad_h: torch.Tensor, grad_preact: torch.Tensor
-) -> None:
-    """Write grad_preact [M, 2F] (a buffer of grad_h's dtype) and h over grad_h [M, F]."""
+    q: torch.Tensor,
+    scales: torch.Tensor,
+    grad_h: torch.Tensor,
+    grad_preact: torch.Tensor,
+    tensor_amax: bool = False,
+    row_amax: bool = False,
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """Write grad_preact [M, 2F] (a buffer of grad_h's dtype) and h over grad_h [M, F]; returns
+    the amaxes of what it wrote, as ``swiglu.swiglu_backward`` does (None where not asked)."""
     if grad_h.dim() != 2 or grad_h.stride(1) != 1:
         raise ValueError(f"grad_h must be row-major [M, F], got {tuple(grad_h.shape)}")
     if grad_h.dtype not in SUPPORTED_DTYPES:
@@ -318,9 +344,16 @@ def swiglu_backward_fp8(
     _check_like("grad_preact", grad_preact, grad_h, (m, 2 * ffn))
     check_saved(q, scales, grad_h, m, ffn)
     if m == 0:
-        return
+        return None, None
     code, scale_bits = q.view(torch.uint8), scales.view(torch.int16)
-    _launch(
-        _swiglu_bwd_fp8_kernel, m, ffn, BWD_TILE, code, scale_bits, grad_h, grad_preact, m, ffn,
+    block_m, block_n, warps = fp8_tile(m, ffn, BWD_TILE)
+    tiles_n = -(-ffn // block_n)
+    programs = -(-m // block_m) * tiles_n
+    partials = AmaxPartials.for_launch(grad_preact, programs, tiles_n, tensor_amax, row_amax)
+    _swiglu_bwd_fp8_kernel[(programs,)](
+        code, scale_bits, grad_h, grad_preact, *partials.pointers(grad_h), m, ffn,
         code.stride(0), scale_bits.stride(0), grad_h.stride(0), grad_preact.stride(0),
+        BLOCK_M=block_m, BLOCK_N=block_n, INTERPRET=INTERPRET, TENSOR_AMAX=tensor_amax,
+        ROW_AMAX=row_amax, num_warps=warps,
     )  # fmt: skip
+    return partials.reduced()

@@ -115,10 +115,11 @@ def _(preact: torch.Tensor, grad_h: torch.Tensor) -> None:
     return None
 
 
-def _torch_amaxes(
+def torch_amaxes(
     grad_preact: torch.Tensor, h: torch.Tensor, rowwise: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The amaxes of ``swiglu_bwd_recompute_amax_`` in torch, where Triton does not run."""
+    """The amaxes of ``swiglu_bwd_recompute_amax_`` (and its FP8-copy twin) in torch, where
+    Triton does not run: max |grad_preact| and max |h|, and grad_preact's per row."""
     pair = torch.stack([grad_preact.abs().amax(), h.abs().amax()]).float()
     rows = grad_preact.abs().amax(1, keepdim=True) if rowwise else grad_preact.new_empty(0, 1)
     return pair, rows.float()
@@ -133,7 +134,7 @@ def swiglu_bwd_recompute_amax_(
     max |h|; [M, 1] fp32: each row's max |grad_preact| where ``rowwise``, else [0, 1]). M > 0."""
     if not triton_enabled(preact):
         swiglu_bwd_recompute_(preact, grad_h)
-        return _torch_amaxes(preact, grad_h, rowwise)
+        return torch_amaxes(preact, grad_h, rowwise)
     pair, rows = kernels.swiglu_backward(preact, grad_h, preact, grad_h, True, rowwise)
     return pair, rows if rowwise else preact.new_empty(0, 1, dtype=torch.float32)
 
@@ -151,7 +152,7 @@ def swiglu_bwd_recompute_amax(
     """(h, grad_preact, and the amaxes of ``swiglu_bwd_recompute_amax_``) in fresh buffers."""
     if not triton_enabled(preact):
         h, grad_preact = swiglu_bwd_recompute(preact, grad_h)
-        return h, grad_preact, *_torch_amaxes(grad_preact, h, rowwise)
+        return h, grad_preact, *torch_amaxes(grad_preact, h, rowwise)
     h, grad_preact = torch.empty_like(grad_h), torch.empty_like(preact)
     pair, rows = kernels.swiglu_backward(preact, grad_h, grad_preact, h, True, rowwise)
     return h, grad_preact, pair, rows if rowwise else preact.new_empty(0, 1, dtype=torch.float32)

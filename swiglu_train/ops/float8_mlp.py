@@ -50,6 +50,7 @@ from swiglu_train.ops.fp8_saved import (
     copy_buffers,
     free_copy,
     swiglu_bwd_fp8_,
+    swiglu_bwd_fp8_amax_,
     swiglu_fwd_fp8_,
 )
 from swiglu_train.ops.mlp import (
@@ -159,30 +160,34 @@ class FoundAmaxes(NamedTuple):
 
 def _h_and_grad_preact(saved, grad_h, inplace: bool, fc1_gemms, fc2_gemms):
     """(h, grad_preact, FoundAmaxes) from the kept preact (over it and grad_h when ``inplace``)
-    or from the FP8 copy (h over grad_h; the copy freed once read when ``inplace``). From the
-    bf16 preact, the kernel also finds the amaxes the recipe's dynamic casts of grad_preact and
-    h scale by: tensorwise (both of grad_preact's casts; grad_W2's of h) and grad_preact's per
-    row (grad_x's). The per-column amaxes grad_W1 and grad_W2 take under rowwise recipes are
-    reductions over M, which each cast still reads for."""
-    if len(saved) == 2:
+    or from the FP8 copy (h over grad_h; the copy freed once read when ``inplace``). The kernel
+    that writes them also finds the amaxes the recipe's dynamic casts of grad_preact and h scale
+    by: tensorwise (both of grad_preact's casts; grad_W2's of h) and grad_preact's per row
+    (grad_x's). The per-column amaxes grad_W1 and grad_W2 take under rowwise recipes are
+    reductions over M, which a cast's read finds (``shared_amax``)."""
+    grad_tensorwise = dynamic_granularity(fc1_gemms, *GRAD_CASTS) == "tensorwise"
+    rowwise = dynamic_granularity(fc1_gemms, "cast_config_grad_output") == "axiswise"
+    h_cast = dynamic_granularity(fc2_gemms, "cast_config_input_for_grad_weight")
+    wanted = grad_tensorwise or rowwise or h_cast == "tensorwise"
+    if not wanted or grad_h.shape[0] == 0:
+        if len(saved) == 1:
+            return *recompute_h(saved[0], grad_h, inplace), FoundAmaxes()
         grad_preact = grad_h.new_empty(grad_h.shape[0], 2 * grad_h.shape[1])
         swiglu_bwd_fp8_(*saved, grad_h, grad_preact)
         free_copy(inplace, *saved)
         return grad_h, grad_preact, FoundAmaxes()
-    grad_tensorwise = dynamic_granularity(fc1_gemms, *GRAD_CASTS) == "tensorwise"
-    rowwise = dynamic_granularity(fc1_gemms, "cast_config_grad_output") == "axiswise"
-    h_tensorwise = dynamic_granularity(fc2_gemms, "cast_config_input_for_grad_weight")
-    h_tensorwise = h_tensorwise == "tensorwise"
-    if not (grad_tensorwise or rowwise or h_tensorwise) or grad_h.shape[0] == 0:
-        return *recompute_h(saved[0], grad_h, inplace), FoundAmaxes()
-    if inplace:
+    if len(saved) == 2:
+        h, grad_preact = grad_h, grad_h.new_empty(grad_h.shape[0], 2 * grad_h.shape[1])
+        pair, rows = swiglu_bwd_fp8_amax_(*saved, grad_h, grad_preact, rowwise)
+        free_copy(inplace, *saved)
+    elif inplace:
         pair, rows = swiglu_bwd_recompute_amax_(saved[0], grad_h, rowwise)
         h, grad_preact = grad_h, saved[0]
     else:
         h, grad_preact, pair, rows = swiglu_bwd_recompute_amax(saved[0], grad_h, rowwise)
     found = FoundAmaxes(
         pair[0] if grad_tensorwise else None, rows if rowwise else None,
-        pair[1] if h_tensorwise else None,
+        pair[1] if h_cast == "tensorwise" else None,
     )  # fmt: skip
     return h, grad_preact, found
 

@@ -77,7 +77,7 @@ from swiglu_train.kernels.fp8_format import (
 )
 from swiglu_train.kernels.runtime import device_capability
 from swiglu_train.ops import reference
-from swiglu_train.ops.activation import triton_enabled
+from swiglu_train.ops.activation import torch_amaxes, triton_enabled
 from swiglu_train.ops.eager import eager_op
 from swiglu_train.ops.fc2_node import Fc2Handoff, fc2_grad_y, fc2_or_h, with_fc2_node
 from swiglu_train.ops.fp8_chunks import (
@@ -197,6 +197,29 @@ def swiglu_bwd_fp8_(
 @swiglu_bwd_fp8_.register_fake
 def _(q: torch.Tensor, scales: torch.Tensor, grad_h: torch.Tensor, grad_preact: torch.Tensor):
     return None
+
+
+@eager_op("swiglu_train::swiglu_bwd_fp8_amax_", mutates_args=("grad_h", "grad_preact"))
+def swiglu_bwd_fp8_amax_(
+    q: torch.Tensor,
+    scales: torch.Tensor,
+    grad_h: torch.Tensor,
+    grad_preact: torch.Tensor,
+    rowwise: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``swiglu_bwd_fp8_`` and the amaxes an FP8 recipe scales grad_preact and h by, found as
+    they are written (``activation.swiglu_bwd_recompute_amax_``'s: [2] and [M, 1] or [0, 1])."""
+    if not triton_enabled(grad_h):
+        swiglu_bwd_fp8_(q, scales, grad_h, grad_preact)
+        return torch_amaxes(grad_preact, grad_h, rowwise)
+    pair, rows = kernels.swiglu_backward_fp8(q, scales, grad_h, grad_preact, True, rowwise)
+    return pair, rows if rowwise else grad_h.new_empty(0, 1, dtype=torch.float32)
+
+
+@swiglu_bwd_fp8_amax_.register_fake
+def _(q, scales, grad_h, grad_preact, rowwise: bool):
+    rows = grad_h.shape[0] if rowwise else 0
+    return grad_h.new_empty(2, dtype=torch.float32), grad_h.new_empty(rows, 1, dtype=torch.float32)
 
 
 class _DropHFP8(torch.autograd.Function):
