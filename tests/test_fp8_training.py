@@ -6,6 +6,8 @@ on the CPU (torch's CPU ``_scaled_mm``), so the numerics are checked here too; t
 the GPU test (H100/H200: real FP8 GEMMs)."""
 
 import math
+import subprocess
+import sys
 import warnings
 
 import pytest
@@ -408,3 +410,62 @@ def test_a_dense_weight_that_a_conversion_wrapped_is_refused_and_plain_ones_pass
     del plain.fc1.weight
     plain.fc1.weight = weight  # a plain tensor attribute, as functional_call sets
     assert torch.equal(plain(x), expected)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_compiled_drop_h_keeps_what_eager_keeps_and_no_fp8_copy_of_x(recipe):
+    """Under torch.compile the partitioner moved grad_W1's cast of x into forward and kept its
+    fp8 bytes across the step (M·D bytes a layer, beside the bf16 x that lives anyway): that
+    cast now runs in backward, from x. A compiled step saves what the eager one saves (the
+    preactivation and at most a few fp32 scalars more) and gives its y and gradients bit for
+    bit."""
+    from swiglu_train.memory import SavedTensorCounter
+
+    results = {}
+    for compiled in (False, True):
+        torch.manual_seed(0)
+        mlp = ParMLP(D, FFN, impl="drop_h", dtype=torch.bfloat16)
+        model = convert(nn.Sequential(mlp), recipe)
+        model = torch.compile(model) if compiled else model
+        x = torch.randn(M, D, dtype=torch.bfloat16, requires_grad=True)
+        with use_backend("torch"), SavedTensorCounter(exclude=[*model.parameters(), x]) as c:
+            y = model(x)
+        y.backward(torch.ones_like(y))
+        grads = (x.grad, mlp.fc1.weight.grad, mlp.fc2.weight.grad)
+        results[compiled] = (c.bytes, y.detach(), *grads)
+    (eager_bytes, *eager), (compiled_bytes, *compiled) = results[False], results[True]
+    preact = M * 2 * FFN * 2
+    assert eager_bytes >= preact and 0 <= compiled_bytes - eager_bytes <= 4 * 4
+    assert compiled_bytes - preact < M * D  # no fp8 copy of x
+    for ours, theirs in zip(compiled, eager, strict=True):
+        assert torch.equal(ours, theirs)
+
+
+COLD_COMPILE = """
+import torch
+import torch._dynamo.utils
+from torch import nn
+from torchao import float8
+from swiglu_train import ParMLP
+from swiglu_train.ops import use_backend
+
+mlp = ParMLP(64, 96, impl="drop_h", dtype=torch.bfloat16)
+model = torch.compile(float8.convert_to_float8_training(nn.Sequential(mlp)))
+x = torch.randn(48, 64, dtype=torch.bfloat16, requires_grad=True)
+with use_backend("torch"):
+    model(x).sum().backward()
+print("graph breaks:", sum(torch._dynamo.utils.counters["graph_break"].values()))
+"""
+
+
+@pytest.mark.slow
+def test_a_cold_compile_traces_the_fp8_mlp_whole():
+    """In a fresh process, the first FP8 GEMM loads torchao's names inside the compiled block:
+    that must not break the graph (a SimpleNamespace did, and the FP8 MLP then ran uncompiled
+    in every compiled step after)."""
+    run = subprocess.run(
+        [sys.executable, "-c", COLD_COMPILE], capture_output=True, text=True, timeout=600
+    )
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert "graph breaks: 0" in run.stdout, run.stdout + run.stderr[-2000:]

@@ -21,8 +21,9 @@ vector of D or F floats each) for backward.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from types import SimpleNamespace
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -30,6 +31,7 @@ from torch import nn
 from swiglu_train.kernels.fp8_format import MIN_CAPABILITY
 from swiglu_train.kernels.runtime import device_capability
 from swiglu_train.ops.activation import triton_enabled
+from swiglu_train.ops.eager import eager_op
 
 try:
     from swiglu_train.kernels import float8_cast as cast_kernels
@@ -83,29 +85,48 @@ def fused_cast_runs(t: torch.Tensor) -> bool:
     )
 
 
-_TORCHAO: SimpleNamespace | None = None
+class TorchaoFloat8(NamedTuple):
+    """torchao's float8 names that the casts use, imported once (``torchao_float8``)."""
+
+    ScalingGranularity: type
+    ScalingType: type
+    GemmInputRole: type
+    Float8TrainingTensor: type
+    get_maybe_axiswise_dim: Callable
+    hp_tensor_to_float8_dynamic: Callable
+    hp_tensor_and_scale_to_float8: Callable
+    tensor_already_casted_to_fp8: Callable
+    amax_to_scale: Callable
+    tensor_to_amax: Callable
+    to_fp8_saturated: Callable
 
 
-def torchao_float8() -> SimpleNamespace:
+_TORCHAO: TorchaoFloat8 | None = None
+
+
+def torchao_float8() -> TorchaoFloat8:
     """torchao's float8 names, imported on the first FP8 GEMM (torchao is the ``fp8`` extra, and
-    slow to import) and kept: a step casts a dozen operands, each asking for them."""
+    slow to import) and kept: a step casts a dozen operands, each asking for them. A NamedTuple,
+    which torch.compile traces: the first call may come inside a compiled block, where building
+    a SimpleNamespace broke the graph, and the FP8 MLP then ran uncompiled in it."""
     global _TORCHAO
     if _TORCHAO is None:
         from torchao.float8 import config, float8_scaling_utils, float8_training_tensor
         from torchao.float8.distributed_utils import tensor_already_casted_to_fp8
-        from torchao.float8.float8_utils import amax_to_scale, tensor_to_amax
+        from torchao.float8.float8_utils import amax_to_scale, tensor_to_amax, to_fp8_saturated
 
-        _TORCHAO = SimpleNamespace(
-            ScalingGranularity=config.ScalingGranularity,
-            ScalingType=config.ScalingType,
-            get_maybe_axiswise_dim=float8_scaling_utils.get_maybe_axiswise_dim,
-            hp_tensor_to_float8_dynamic=float8_scaling_utils.hp_tensor_to_float8_dynamic,
-            Float8TrainingTensor=float8_training_tensor.Float8TrainingTensor,
-            GemmInputRole=float8_training_tensor.GemmInputRole,
-            hp_tensor_and_scale_to_float8=float8_training_tensor.hp_tensor_and_scale_to_float8,
-            tensor_already_casted_to_fp8=tensor_already_casted_to_fp8,
-            amax_to_scale=amax_to_scale,
-            tensor_to_amax=tensor_to_amax,
+        _TORCHAO = TorchaoFloat8(
+            config.ScalingGranularity,
+            config.ScalingType,
+            float8_training_tensor.GemmInputRole,
+            float8_training_tensor.Float8TrainingTensor,
+            float8_scaling_utils.get_maybe_axiswise_dim,
+            float8_scaling_utils.hp_tensor_to_float8_dynamic,
+            float8_training_tensor.hp_tensor_and_scale_to_float8,
+            tensor_already_casted_to_fp8,
+            amax_to_scale,
+            tensor_to_amax,
+            to_fp8_saturated,
         )
     return _TORCHAO
 
@@ -165,11 +186,18 @@ def cast_operand(
     dim: int,
     gemms: Float8Gemms,
     amax: torch.Tensor | None = None,
+    after: torch.Tensor | None = None,
 ):
     """``t`` as the float8 operand of one GEMM contracting its ``dim``, or itself where the
     recipe leaves it unscaled or it arrives cast already (FSDP2's float8 all-gather of the
     weights). ``amax``: its amax, found already (by ``shared_amax``, or by the kernel that wrote
-    ``t``), tensorwise or, for an axiswise cast, along ``dim`` with keepdim."""
+    ``t``), tensorwise or, for an axiswise cast, along ``dim`` with keepdim.
+
+    ``after``: for a backward cast of a tensor that is alive anyway (x, for grad_W1), a tensor
+    of backward's (grad_preact). Under torch.compile the partitioner moved that cast into
+    forward, whose inputs it has, and kept its fp8 bytes for backward (M·D bytes a layer, 32 MiB
+    at Llama-3-8B's M = 8000) beside the bf16 x: cast in an opaque op that also takes ``after``,
+    it can only run in backward, from x."""
     ao = torchao_float8()
     if cast_config.scaling_type is ao.ScalingType.DISABLED or ao.tensor_already_casted_to_fp8(t):
         return t
@@ -178,17 +206,45 @@ def cast_operand(
     round_pow2 = gemms.config.round_scales_to_power_of_2
     role = getattr(ao.GemmInputRole, role)
     fused = fused_cast_runs(t)
-    if amax is None and not fused:
+    opaque = after is not None and torch.compiler.is_compiling()
+    if amax is None and not (fused or opaque):
         return ao.hp_tensor_to_float8_dynamic(
             t, dtype, gemms.mm_config, gemm_input_role=role, scaling_granularity=granularity,
             axiswise_dim=axiswise_dim, round_scales_to_power_of_2=round_pow2,
         )  # fmt: skip
-    if amax is None:
+    if amax is None and fused:
         amax = cast_kernels.amax(t, dim, granularity is ao.ScalingGranularity.AXISWISE)
+    elif amax is None:  # torchao's own amax, as hp_tensor_to_float8_dynamic finds it
+        amax = ao.tensor_to_amax(t, scaling_granularity=granularity, axiswise_dim=axiswise_dim)
     scale = ao.amax_to_scale(amax, dtype, round_pow2)
-    if not fused:
+    if not (fused or opaque):
         return ao.hp_tensor_and_scale_to_float8(
             t, scale, dtype, gemms.mm_config, role, axiswise_dim
         )
-    data = cast_kernels.cast(t, scale, dim, dtype)
+    data = float8_cast_bytes(t, scale, dim, dtype, after)
     return ao.Float8TrainingTensor(data, scale, t.dtype, gemms.mm_config, role, axiswise_dim)
+
+
+@eager_op("swiglu_train::float8_cast_bytes", mutates_args=())
+def float8_cast_bytes(
+    t: torch.Tensor,
+    scale: torch.Tensor,
+    dim: int,
+    dtype: torch.dtype,
+    after: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``t`` (2D) scaled and cast to ``dtype`` as torchao casts it, laid out with ``dim``
+    contiguous, as ``_scaled_mm`` takes it: ``kernels.float8_cast.cast`` where it runs, else
+    torchao's own arithmetic. An op torch.compile keeps opaque; ``after`` is read by nothing
+    but orders it after that tensor (``cast_operand``)."""
+    if fused_cast_runs(t):
+        return cast_kernels.cast(t, scale, dim, dtype)
+    data = torchao_float8().to_fp8_saturated(t.float() * scale, dtype)
+    return data.contiguous() if dim % 2 == 1 else data.t().contiguous().t()
+
+
+@float8_cast_bytes.register_fake
+def _(t, scale, dim: int, dtype: torch.dtype, after=None) -> torch.Tensor:
+    if dim % 2 == 1:
+        return t.new_empty(t.shape, dtype=dtype)
+    return t.new_empty(t.shape[::-1], dtype=dtype).t()

@@ -109,7 +109,8 @@ def grad_weight(
     c = gemms.config
     g_cast = c.cast_config_grad_output_for_grad_weight
     a = cast_operand(grad, g_cast, "GRAD_OUTPUT", 0, gemms, amaxes[0])
-    b = cast_operand(x, c.cast_config_input_for_grad_weight, "INPUT", 0, gemms, amaxes[1])
+    x_cast = c.cast_config_input_for_grad_weight  # recast from x in backward, not kept
+    b = cast_operand(x, x_cast, "INPUT", 0, gemms, amaxes[1], after=grad)
     return torch.mm(a.t(), b)
 
 
