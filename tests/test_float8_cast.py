@@ -138,8 +138,8 @@ def test_the_three_gemms_give_torchao_s_results_with_no_layout_copy(device, reci
     seen = []
     real_cast = float8_mlp.cast_operand
 
-    def recording_cast(*args):
-        seen.append(real_cast(*args))
+    def recording_cast(*args, **kwargs):
+        seen.append(real_cast(*args, **kwargs))
         return seen[-1]
 
     monkeypatch.setattr(float8_mlp, "cast_operand", recording_cast)
