@@ -256,22 +256,25 @@ def test_a_step_reads_for_each_amax_once_at_most(
 @pytest.mark.parametrize(("device", "backend"), device_backends())
 @pytest.mark.parametrize("rowwise", [False, True], ids=["tensorwise", "rowwise"])
 def test_the_backward_ops_amaxes_are_torch_s_on_every_backend(device, backend, rowwise):
-    """The ops FP8 drop_h's backward calls (Triton, or torch where it does not run): the
-    in-place and fresh-buffer forms write the same grad_preact and h as the plain ops, and
-    amaxes equal to torch.amax's of them; [0, 1] rows where not rowwise."""
+    """The ops FP8 drop_h's backward calls (Triton, or torch where it does not run): in place,
+    and out of place with h over grad_h (grad_preact in its own buffer, the preact intact), they
+    write the plain op's grad_preact and h, and amaxes equal to torch.amax's of them; [0, 1]
+    rows where not rowwise."""
     from swiglu_train.ops import activation
 
     preact = spread(19, 2 * 40, torch.bfloat16, device)
     grad_h = spread(19, 40, torch.bfloat16, device)
     with use_backend(backend):
         h, grad_preact = activation.swiglu_bwd_recompute(preact, grad_h)
-        fresh = activation.swiglu_bwd_recompute_amax(preact, grad_h, rowwise)
+        kept, fresh_h = preact.clone(), grad_h.clone()
+        fresh = activation.swiglu_bwd_h_over_grad_h_amax_(kept, fresh_h, rowwise)
         over, over_h = preact.clone(), grad_h.clone()
         pair, rows = activation.swiglu_bwd_recompute_amax_(over, over_h, rowwise)
-    assert torch.equal(fresh[0], h) and torch.equal(fresh[1], grad_preact)
+    assert torch.equal(kept, preact) and torch.equal(fresh_h, h)
+    assert torch.equal(fresh[0], grad_preact)
     assert torch.equal(over_h, h) and torch.equal(over, grad_preact)
     expected = torch.stack([grad_preact.abs().amax(), h.abs().amax()]).float()
-    for found_pair, found_rows in ((fresh[2], fresh[3]), (pair, rows)):
+    for found_pair, found_rows in ((fresh[1], fresh[2]), (pair, rows)):
         assert torch.equal(found_pair, expected)
         if rowwise:
             assert torch.equal(found_rows, grad_preact.abs().amax(1, keepdim=True).float())

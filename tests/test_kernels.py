@@ -73,13 +73,14 @@ def bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("inplace", [False, True], ids=["out_of_place", "inplace"])
+@pytest.mark.parametrize("mode", ["out_of_place", "h_over_grad_h", "inplace"])
 @pytest.mark.parametrize("value", [None, float("nan"), float("inf")], ids=["finite", "nan", "inf"])
-def test_backward_finds_the_amaxes_of_what_it_writes(device, dtype, inplace, value):
+def test_backward_finds_the_amaxes_of_what_it_writes(device, dtype, mode, value):
     """With tensor_amax and row_amax, the backward kernel's amaxes are torch.amax's of the
     grad_preact and h it wrote, bit for bit: over every tile (45 x 70: rows and columns past a
     tile's edge, masked lanes left out), with a non-finite value spoiling its row and the whole
-    tensor as torch.amax's does; and the outputs are those of the plain launch."""
+    tensor as torch.amax's does; and the outputs are those of the plain launch, in place, out
+    of place, and with h over grad_h alone (the preact left whole)."""
     m, f = 45, 70
     preact = torch.randn(m, 2 * f, device=device, dtype=dtype) * 3
     if value is not None:
@@ -87,9 +88,13 @@ def test_backward_finds_the_amaxes_of_what_it_writes(device, dtype, inplace, val
     grad_h = torch.randn(m, f, device=device, dtype=dtype)
     plain_grad, plain_h = torch.empty_like(preact), torch.empty_like(grad_h)
     kernels.swiglu_backward(preact, grad_h, plain_grad, plain_h)
-    if inplace:
+    if mode == "inplace":
         grad_preact, h = preact.clone(), grad_h.clone()
         pair, rows = kernels.swiglu_backward(grad_preact, h, grad_preact, h, True, True)
+    elif mode == "h_over_grad_h":  # the preact kept whole, grad_preact in a buffer of its own
+        kept, grad_preact, h = preact.clone(), torch.empty_like(preact), grad_h.clone()
+        pair, rows = kernels.swiglu_backward(kept, h, grad_preact, h, True, True)
+        assert torch.equal(kept.nan_to_num(), preact.nan_to_num())
     else:
         grad_preact, h = torch.empty_like(preact), torch.empty_like(grad_h)
         pair, rows = kernels.swiglu_backward(preact, grad_h, grad_preact, h, True, True)

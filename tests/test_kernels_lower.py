@@ -152,6 +152,8 @@ def _drive_swiglu(dtype: torch.dtype) -> None:
     for tensor_amax, row_amax in ((True, False), (False, True), (True, True)):  # FP8's amaxes
         h = torch.empty_like(grad_h)
         swiglu.swiglu_backward(preact, grad_h, torch.empty_like(preact), h, tensor_amax, row_amax)
+    over_grad_h = grad_h.clone()  # h over grad_h alone, grad_preact in its own buffer
+    swiglu.swiglu_backward(preact, over_grad_h, torch.empty_like(preact), over_grad_h, True)
     for chunk in (f, 8):
         swiglu.swiglu_factors_(preact.clone(), torch.empty(m, f, dtype=dtype), chunk)
 

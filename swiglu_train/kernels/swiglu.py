@@ -112,6 +112,7 @@ def _swiglu_bwd_kernel(
     stride_h,
     WRITE_H: tl.constexpr,
     INPLACE: tl.constexpr,
+    H_OVER_GRAD_H: tl.constexpr,
     TENSOR_AMAX: tl.constexpr,
     ROW_AMAX: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -119,8 +120,9 @@ def _swiglu_bwd_kernel(
 ):
     """grad_preact = [grad_h*up*silu'(gate) | grad_h*silu(gate)], and h when WRITE_H.
 
-    INPLACE stores through the load pointers themselves (grad_preact over preact, h over
-    grad_h), so the compiler sees one address per element and keeps each load before its store.
+    INPLACE (grad_preact over preact) and H_OVER_GRAD_H store through the load pointers
+    themselves, so the compiler sees one address per element and keeps each load before its
+    store.
     TENSOR_AMAX (with WRITE_H) writes this program's max |grad_preact| and max |h| as stored, as
     fp32 bits, to slots pid and programs + pid; ROW_AMAX each row's max |grad_preact| over this
     program's columns to [row, column tile]: plain stores, which the caller reduces, where
@@ -138,12 +140,8 @@ def _swiglu_bwd_kernel(
     grad_up = grad_h * gate * sig
     grad_gate = grad_h * up * sig * (1.0 + gate * (1.0 - sig))
 
-    if INPLACE:
-        out_ptrs = gate_ptrs
-        h_ptrs = grad_h_ptrs
-    else:
-        out_ptrs = grad_preact_ptr + rows * stride_grad_preact + cols
-        h_ptrs = h_ptr + rows * stride_h + cols
+    out_ptrs = gate_ptrs if INPLACE else grad_preact_ptr + rows * stride_grad_preact + cols
+    h_ptrs = grad_h_ptrs if H_OVER_GRAD_H else h_ptr + rows * stride_h + cols
     out_dtype = grad_preact_ptr.dtype.element_ty
     if WRITE_H:
         h = _silu_times_up(gate, up, h_ptr.dtype.element_ty).to(h_ptr.dtype.element_ty)
@@ -265,7 +263,8 @@ def swiglu_backward(
     """Write grad_preact and, when h is given, the recomputed h.
 
     Passing grad_preact=preact and h=grad_h runs in place: each element is read before it is
-    overwritten, through the same pointer.
+    overwritten, through the same pointer. h=grad_h alone writes h over grad_h and grad_preact
+    into its own buffer (backward out of place, or under torch.compile: no new [M, F] buffer).
 
     Returns the fp32 amaxes of what it wrote that an FP8 recipe scales its casts by, found in
     the same pass instead of a read of each after: with ``tensor_amax`` (h given) [2], max
@@ -281,10 +280,11 @@ def swiglu_backward(
     if M == 0:  # before the aliasing checks: empty tensors all have data_ptr 0
         return None, None
     inplace = grad_preact.data_ptr() == preact.data_ptr()
-    if h is not None and inplace != (h.data_ptr() == grad_h.data_ptr()):
-        raise ValueError("in-place backward must overwrite both preact and grad_h")
+    h_over_grad_h = h is not None and h.data_ptr() == grad_h.data_ptr()
     if h is None and inplace:
         raise ValueError("in-place backward is only defined together with h over grad_h")
+    if inplace and not h_over_grad_h:
+        raise ValueError("in-place backward must overwrite both preact and grad_h")
     write_h = h is not None
     h_arg = h if write_h else grad_h  # unused pointer when WRITE_H is False
     grid, block_m, block_n, warps = launch_config(M, F, BWD_TILE)
@@ -294,7 +294,8 @@ def swiglu_backward(
     _swiglu_bwd_kernel[grid](
         preact, grad_h, grad_preact, h_arg, *partials.pointers(preact),
         M, F, preact.stride(0), grad_h.stride(0), grad_preact.stride(0), h_arg.stride(0),
-        WRITE_H=write_h, INPLACE=inplace, TENSOR_AMAX=tensor_amax, ROW_AMAX=row_amax,
+        WRITE_H=write_h, INPLACE=inplace, H_OVER_GRAD_H=h_over_grad_h,
+        TENSOR_AMAX=tensor_amax, ROW_AMAX=row_amax,
         BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps,
     )  # fmt: skip
     return partials.reduced()

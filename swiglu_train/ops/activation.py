@@ -145,24 +145,27 @@ def _(preact: torch.Tensor, grad_h: torch.Tensor, rowwise: bool):
     return preact.new_empty(2, dtype=torch.float32), preact.new_empty(rows, 1, dtype=torch.float32)
 
 
-@eager_op("swiglu_train::swiglu_bwd_recompute_amax", mutates_args=())
-def swiglu_bwd_recompute_amax(
+@eager_op("swiglu_train::swiglu_bwd_h_over_grad_h_amax_", mutates_args=("grad_h",))
+def swiglu_bwd_h_over_grad_h_amax_(
     preact: torch.Tensor, grad_h: torch.Tensor, rowwise: bool
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(h, grad_preact, and the amaxes of ``swiglu_bwd_recompute_amax_``) in fresh buffers."""
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(grad_preact in a fresh buffer, and the amaxes of ``swiglu_bwd_recompute_amax_``), h
+    over grad_h: out of place, where preact must stay intact (a retained graph, or under
+    torch.compile, whose functionalization copies a mutated saved tensor) but grad_h, read once,
+    need not, so backward holds no new [M, F] buffer for h."""
     if not triton_enabled(preact):
         h, grad_preact = swiglu_bwd_recompute(preact, grad_h)
-        return h, grad_preact, *torch_amaxes(grad_preact, h, rowwise)
-    h, grad_preact = torch.empty_like(grad_h), torch.empty_like(preact)
-    pair, rows = kernels.swiglu_backward(preact, grad_h, grad_preact, h, True, rowwise)
-    return h, grad_preact, pair, rows if rowwise else preact.new_empty(0, 1, dtype=torch.float32)
+        grad_h.copy_(h)
+        return grad_preact, *torch_amaxes(grad_preact, grad_h, rowwise)
+    grad_preact = torch.empty_like(preact)
+    pair, rows = kernels.swiglu_backward(preact, grad_h, grad_preact, grad_h, True, rowwise)
+    return grad_preact, pair, rows if rowwise else preact.new_empty(0, 1, dtype=torch.float32)
 
 
-@swiglu_bwd_recompute_amax.register_fake
+@swiglu_bwd_h_over_grad_h_amax_.register_fake
 def _(preact: torch.Tensor, grad_h: torch.Tensor, rowwise: bool):
     rows = preact.shape[0] if rowwise else 0
     return (
-        torch.empty_like(grad_h),
         torch.empty_like(preact),
         preact.new_empty(2, dtype=torch.float32),
         preact.new_empty(rows, 1, dtype=torch.float32),

@@ -29,7 +29,7 @@ from typing import NamedTuple
 import torch
 
 from swiglu_train.ops.activation import (
-    swiglu_bwd_recompute_amax,
+    swiglu_bwd_h_over_grad_h_amax_,
     swiglu_bwd_recompute_amax_,
     swiglu_fwd,
     triton_enabled,
@@ -184,8 +184,9 @@ def _h_and_grad_preact(saved, grad_h, inplace: bool, fc1_gemms, fc2_gemms):
     elif inplace:
         pair, rows = swiglu_bwd_recompute_amax_(saved[0], grad_h, rowwise)
         h, grad_preact = grad_h, saved[0]
-    else:
-        h, grad_preact, pair, rows = swiglu_bwd_recompute_amax(saved[0], grad_h, rowwise)
+    else:  # the saved preact stays whole; h over grad_h, which nothing reads after
+        grad_preact, pair, rows = swiglu_bwd_h_over_grad_h_amax_(saved[0], grad_h, rowwise)
+        h = grad_h
     found = FoundAmaxes(
         pair[0] if grad_tensorwise else None, rows if rowwise else None,
         pair[1] if h_cast == "tensorwise" else None,
