@@ -169,24 +169,26 @@ def _h_and_grad_preact(saved, grad_h, inplace: bool, fc1_gemms, fc2_gemms):
     grad_tensorwise = dynamic_granularity(fc1_gemms, *GRAD_CASTS) == "tensorwise"
     rowwise = dynamic_granularity(fc1_gemms, "cast_config_grad_output") == "axiswise"
     h_cast = dynamic_granularity(fc2_gemms, "cast_config_input_for_grad_weight")
-    wanted = grad_tensorwise or rowwise or h_cast == "tensorwise"
-    if not wanted or grad_h.shape[0] == 0:
-        if len(saved) == 1:
-            return *recompute_h(saved[0], grad_h, inplace), FoundAmaxes()
-        grad_preact = grad_h.new_empty(grad_h.shape[0], 2 * grad_h.shape[1])
-        swiglu_bwd_fp8_(*saved, grad_h, grad_preact)
-        free_copy(inplace, *saved)
-        return grad_h, grad_preact, FoundAmaxes()
-    if len(saved) == 2:
+    wanted = (grad_tensorwise or rowwise or h_cast == "tensorwise") and grad_h.shape[0] > 0
+    amaxes = None  # (tensorwise pair, rows) where the kernel finds them
+    if len(saved) == 2:  # from the copy: h over grad_h, grad_preact in a buffer of its own
         h, grad_preact = grad_h, grad_h.new_empty(grad_h.shape[0], 2 * grad_h.shape[1])
-        pair, rows = swiglu_bwd_fp8_amax_(*saved, grad_h, grad_preact, rowwise)
+        if wanted:
+            amaxes = swiglu_bwd_fp8_amax_(*saved, grad_h, grad_preact, rowwise)
+        else:
+            swiglu_bwd_fp8_(*saved, grad_h, grad_preact)
         free_copy(inplace, *saved)
+    elif not wanted:
+        h, grad_preact = recompute_h(saved[0], grad_h, inplace)
     elif inplace:
-        pair, rows = swiglu_bwd_recompute_amax_(saved[0], grad_h, rowwise)
+        amaxes = swiglu_bwd_recompute_amax_(saved[0], grad_h, rowwise)
         h, grad_preact = grad_h, saved[0]
     else:  # the saved preact stays whole; h over grad_h, which nothing reads after
-        grad_preact, pair, rows = swiglu_bwd_h_over_grad_h_amax_(saved[0], grad_h, rowwise)
+        grad_preact, *amaxes = swiglu_bwd_h_over_grad_h_amax_(saved[0], grad_h, rowwise)
         h = grad_h
+    if amaxes is None:
+        return h, grad_preact, FoundAmaxes()
+    pair, rows = amaxes
     found = FoundAmaxes(
         pair[0] if grad_tensorwise else None, rows if rowwise else None,
         pair[1] if h_cast == "tensorwise" else None,
