@@ -61,8 +61,10 @@ from swiglu_train.integrations.megatron import (
     ParSharedExpertMLP,
     get_gpt_layer_spec,
     moe_spec,
+    shared_experts,
 )
 from swiglu_train.integrations.megatron.experts import router_runs_without_te
+from swiglu_train.integrations.megatron.pretrain.build import auto_choices
 from swiglu_train.integrations.megatron.specs import _with_our_experts
 from swiglu_train.ops.activation import use_backend
 
@@ -362,6 +364,13 @@ def _builder_calls() -> None:
         module = shared(config=config, pg_collection=pg, gate=True, name="shared")
         assert isinstance(module, ParSharedExpertMLP) and module.impl == "drop_h"
         assert module.linear_fc1.weight.shape[0] == 2 * 32 and module.gate_weight is not None
+        # auto, on this CPU: drop_h for both, each saying why; the stock keys either way
+        auto_experts = ParExpertsMegatron(2, config, pg_collection=pg, impl="auto")
+        auto_shared = ParSharedExpertMLP(config, stock_submodules(), True, pg, impl="auto")
+        for chosen, named in ((auto_experts, experts), (auto_shared, module)):
+            assert chosen.impl == "drop_h" and chosen.auto_reason.startswith("drop_h: drop_h_quack")
+            assert chosen.state_dict().keys() == named.state_dict().keys()
+        assert named.auto_reason is None and "(auto)" in repr(auto_experts)
 
 
 def _worker(rank: int, world_size: int, rendezvous: str, root: str) -> None:
@@ -420,6 +429,7 @@ def test_moe_specs_put_our_experts_in_megatrons_slots() -> None:
         (moe_spec(EXPERTS, "drop_h", saved_fp8=True), "drop_h", True, installed),
         (_with_our_experts(builder, "drop_h", True, False), "drop_h", False, False),
         (_with_our_experts(legacy, "drop_h", True, False), "drop_h", False, True),
+        (moe_spec(EXPERTS, "auto"), "auto", False, installed),
     )
     for moe, impl, saved_fp8, specs in cases:
         module, _, submodules = _slot(moe)
@@ -473,3 +483,18 @@ def test_impls_and_layouts_that_experts_do_not_take_are_refused() -> None:
     with pytest.raises(ValueError, match="cannot run moe_shared_expert_overlap"):
         ParSharedExpertMLP(config, stock_submodules(), gate=False)
     assert SharedExpertMLP in ParSharedExpertMLP.__mro__  # the gate and keys stay Megatron's
+
+
+def test_auto_picks_per_shard_and_says_why(monkeypatch) -> None:
+    """The shared experts' auto: drop_h_quack only where quack runs and D >= 2048 (the dense
+    grid's misses were below); the recipe prints each distinct choice once."""
+    assert shared_experts.shared_auto(4096, 1408)[0] == "drop_h"  # no quack on this machine
+    monkeypatch.setattr(shared_experts, "experts_quack_unavailable_reason", lambda d, f: None)
+    assert shared_experts.shared_auto(4096, 1408)[0] == "drop_h_quack"
+    impl, why = shared_experts.shared_auto(1024, 1408)
+    assert impl == "drop_h" and "hidden_size 1024 < 2048" in why
+    model = torch.nn.Sequential(*(torch.nn.Linear(1, 1) for _ in range(3)))
+    choices = (("drop_h", "a"), ("drop_h", "a"), ("normal", None))
+    for layer, (impl, why) in zip(model, choices, strict=True):
+        layer.impl, layer.auto_reason = impl, why
+    assert auto_choices(model) == ["--mlp-impl auto: Linear run drop_h: a"]

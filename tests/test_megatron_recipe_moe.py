@@ -22,12 +22,13 @@ def test_moe_recipe_trains_with_expert_parallelism(tmp_path: Path) -> None:
         tmp_path,
         *MOE,
         *("--ep", "2", "--max-steps", "3", "--summary-json", "out/summary.json"),
+        *("--mlp-impl", "auto"),  # the experts' auto: drop_h on the CPU
         tp=1,
         dp=2,
     )
     assert sorted(losses) == [0, 1, 2] and all(0 < loss < 10 for loss in losses.values())
     summary = json.loads((tmp_path / "out" / "summary.json").read_text())
-    assert summary["mlp_impl"] == "drop_h" and summary["dp"] == 2
+    assert summary["mlp_impl"] == "auto" and summary["dp"] == 2
     # the memory profiler counts each rank's local experts (their saved bytes vary with the
     # routing) and labels them apart from dense MLPs
     assert set(summary["mlp_saved_MiB"]) == {"experts/drop_h"}
@@ -41,11 +42,13 @@ def test_moe_flags_reach_megatrons_config(capsys) -> None:
     assert config.moe_router_topk == 1 and config.moe_router_pre_softmax  # Megatron's rule at 1
     assert config.expert_model_parallel_size == 2 and config.moe_aux_loss_coeff == 1e-2
     assert config.moe_token_dispatcher_type == "alltoall"
+    assert parse_args(["--device", "cpu", *MOE, "--mlp-impl", "auto"]).mlp_impl == "auto"
     dense = transformer_config(parse_args(["--device", "cpu"]))
     assert dense.num_moe_experts is None
     for argv, message in (
         (["--ep", "2"], "--ep configure MoE layers: add --num-experts"),
         ([*MOE, "--mlp-impl", "save_factors"], "does not run routed experts"),
+        (["--mlp-impl", "auto"], "--mlp-impl auto is the MoE experts' (add --num-experts)"),
         ([*MOE, "--ep", "3"], "--ep 3 must divide --num-experts 4"),
         ([*MOE, "--tp", "2"], "needs --sequence-parallel"),
         ([*MOE, "--moe-router-topk", "5"], "need 1 <= topk <= experts"),

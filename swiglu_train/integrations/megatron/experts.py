@@ -48,8 +48,11 @@ from swiglu_train.integrations.megatron.experts_checkpoint import (
     sequential_keys_on_load,
     sequential_keys_on_save,
 )
+from swiglu_train.layers.experts import experts_auto
 from swiglu_train.ops.experts import IMPLS, experts_mlp
 from swiglu_train.ops.experts_quack import check_experts_quack_runs
+
+AUTO = "auto"
 
 
 def check_experts_config(config: TransformerConfig) -> None:
@@ -72,10 +75,12 @@ def check_experts_config(config: TransformerConfig) -> None:
 
 
 def check_experts_impl(impl: str, saved_fp8: bool) -> None:
-    """The impls routed experts run (no packed fc1: ``save_factors`` is dense-only)."""
-    if impl not in IMPLS:
+    """The impls routed experts run (no packed fc1: ``save_factors`` is dense-only), and
+    ``auto``: unlike a dense MLP's, the experts' auto picks between impls of one layout
+    (drop_h, drop_h_quack), so a checkpoint's format is known before the model is built."""
+    if impl not in (*IMPLS, AUTO):
         raise ValueError(
-            f"impl {impl!r} does not run routed experts; choose one of {', '.join(IMPLS)}"
+            f"impl {impl!r} does not run routed experts; choose one of {', '.join((*IMPLS, AUTO))}"
         )
     if saved_fp8 and impl == "normal":
         raise ValueError("saved_fp8=True needs impl='drop_h' (normal saves h as well)")
@@ -93,7 +98,8 @@ def router_runs_without_te() -> None:
 
 class ParExpertsMegatron(MegatronModule):
     """Drop-in for Megatron's ``SequentialMLP`` running routed-experts ``impl`` ("drop_h",
-    "normal" or "drop_h_quack"; see :class:`~swiglu_train.layers.experts.ParExperts`).
+    "normal", "drop_h_quack", or "auto": ``experts_auto`` on this rank's expert shard, why in
+    ``auto_reason``; see :class:`~swiglu_train.layers.experts.ParExperts`).
 
     Built as Megatron builds its experts: ``ModuleSpec(module=ParExpertsMegatron, params=...)``
     on megatron-core 0.16 (``build_module(spec, num_local_experts, config, pg_collection=...)``)
@@ -132,11 +138,14 @@ class ParExpertsMegatron(MegatronModule):
             raise ValueError(
                 f"moe_ffn_hidden_size {ffn} must divide by the expert tensor-parallel size {tp}"
             )
+        self.weights_on = "input" if config.moe_apply_probs_on_input else "output"
+        self.auto_reason = None  # why auto chose the impl; None when it was named
+        if impl == AUTO:
+            impl, self.auto_reason = experts_auto(config.hidden_size, ffn // tp, self.weights_on)
         if impl == "drop_h_quack":
             check_experts_quack_runs(config.hidden_size, ffn // tp)
         self.num_local_experts, self.ffn_hidden_size = num_local_experts, ffn
         self.impl, self.saved_fp8, self.inplace = impl, saved_fp8, inplace
-        self.weights_on = "input" if config.moe_apply_probs_on_input else "output"
         self.name = name
         self._make_weights(tp)
         self._register_state_dict_hook(sequential_keys_on_save)
@@ -225,7 +234,8 @@ class ParExpertsMegatron(MegatronModule):
 
     def extra_repr(self) -> str:
         fp8 = ", saved_fp8=True" if self.saved_fp8 else ""
+        auto = " (auto)" if self.auto_reason is not None else ""
         return (
-            f"num_local_experts={self.num_local_experts}, impl={self.impl!r}{fp8}, "
+            f"num_local_experts={self.num_local_experts}, impl={self.impl!r}{auto}{fp8}, "
             f"weights_on={self.weights_on!r}, inplace={self.inplace}"
         )

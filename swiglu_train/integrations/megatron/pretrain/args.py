@@ -31,10 +31,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--mlp-impl",
         default=None,
-        choices=[*SUPPORTED_IMPLS, *MEGATRON_MLP],
+        choices=[*SUPPORTED_IMPLS, *MEGATRON_MLP, AUTO],
         help="ours (default drop_h), or Megatron's own MLP: 'stock' with its fused "
         "(torch.compile'd) bias-SwiGLU, 'stock_eager' with bias_activation_fusion off, "
-        "'liger' with Liger-Kernel's SwiGLU patched into the fused path",
+        "'liger' with Liger-Kernel's SwiGLU patched into the fused path; with --num-experts, "
+        "'auto' lets each MoE layer's experts choose drop_h or drop_h_quack",
     )
     p.add_argument(
         "--recompute-granularity",
@@ -393,6 +394,11 @@ def check_moe(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         if given:
             flags = ", ".join("--" + f.replace("_", "-") for f in given)
             p.error(f"{flags} configure MoE layers: add --num-experts")
+        if args.mlp_impl == AUTO:
+            p.error("--mlp-impl auto is the MoE experts' (add --num-experts): a dense MLP's "
+                    "auto picks a layout per shape, while Megatron needs one layout before its "
+                    "checkpoint is built; name an impl, or plan with --activation-checkpointing "
+                    "auto")  # fmt: skip
         args.ep = 1
         return
     for name, default in MOE_OPTIONS.items():
@@ -403,7 +409,7 @@ def check_moe(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
                 "need 1 <= topk <= experts")  # fmt: skip
     if args.ep < 1 or args.num_experts % args.ep:
         p.error(f"--ep {args.ep} must divide --num-experts {args.num_experts}")
-    runnable = (*EXPERTS_IMPLS, *STOCK)
+    runnable = (*EXPERTS_IMPLS, AUTO, *STOCK)
     if args.mlp_impl not in runnable:
         p.error(f"--num-experts: --mlp-impl {args.mlp_impl} does not run routed experts; choose "
                 f"one of {', '.join(runnable)}")  # fmt: skip

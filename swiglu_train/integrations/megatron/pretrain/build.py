@@ -99,6 +99,17 @@ def transformer_config(args: argparse.Namespace) -> TransformerConfig:
     )
 
 
+def auto_choices(model: torch.nn.Module) -> list[str]:
+    """One line per distinct choice ``--mlp-impl auto`` made (routed and shared experts each
+    choose on their own shard's sizes), saying what and why."""
+    seen = {
+        (type(m).__name__, m.impl, m.auto_reason): None
+        for m in model.modules()
+        if getattr(m, "auto_reason", None) is not None
+    }
+    return [f"--mlp-impl auto: {kind} run {impl}: {why}" for kind, impl, why in seen]
+
+
 def build_model(args: argparse.Namespace, config: TransformerConfig) -> DistributedDataParallel:
     if args.mlp_impl == "liger":
         said = patch_liger_swiglu()
@@ -120,6 +131,9 @@ def build_model(args: argparse.Namespace, config: TransformerConfig) -> Distribu
         post_process=parallel_state.is_pipeline_last_stage(),
         position_embedding_type="rope",
     )
+    if args.mlp_impl == "auto" and torch.distributed.get_rank() == 0:
+        for line in auto_choices(model):
+            print(line)
     if args.device == "cuda":
         model = model.cuda()
     if config.bf16:
