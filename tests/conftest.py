@@ -35,6 +35,12 @@ def device_backends() -> list:
     return pairs
 
 
+def cpu_backends() -> list:
+    """``device_backends`` on the CPU alone, for tests whose inputs are built there: on a CUDA
+    machine, where the interpreter is off, that is torch's math alone."""
+    return [p for p in device_backends() if p.values[0] == "cpu"]
+
+
 def pytest_collection_modifyitems(items: list) -> None:
     """The tests marked slow go first (in file order otherwise): under pytest-xdist a worker that
     draws a 3-minute test last runs alone at the end while the others wait."""
