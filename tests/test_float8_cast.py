@@ -9,6 +9,7 @@ import pytest
 import torch
 from conftest import device_backends
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 from torchao import float8
 from torchao.float8.config import ScalingGranularity
 from torchao.float8.float8_scaling_utils import get_maybe_axiswise_dim, hp_tensor_to_float8_dynamic
@@ -103,6 +104,25 @@ def test_scales_rounded_to_a_power_of_two_are_torchao_s(device):
         theirs = torchao_cast(t, torch.float8_e4m3fn, granularity, -1, round_pow2=True)
         assert_same_float8(ours, theirs, -1)
         assert torch.equal(ours._scale.log2(), ours._scale.log2().round())
+
+
+@pytest.mark.parametrize("device", TRITON_DEVICES)
+def test_the_one_launch_scale_is_torchao_s_to_the_bit(device):
+    """torchao's amax_to_scale (fp64, floor, reciprocal, product, fp32) from one kernel: random
+    amaxes over fp32's range and the edges (0 and below the floor, subnormal, huge, inf, NaN),
+    0-dim and per row, both formats."""
+    torch.manual_seed(0)
+    wide = torch.exp(torch.empty(3000).uniform_(-85, 85))
+    edges = torch.tensor([0.0, 1e-13, 1e-12, 1e-40, 3.4e38, float("inf"), float("nan"), 1.0])
+    amaxes = torch.cat([wide, edges]).to(device)
+    for dtype in float8_cast.FLOAT8_DTYPES:
+        theirs = float8.float8_utils.amax_to_scale(amaxes, dtype)
+        for amax, their in ((amaxes, theirs), (amaxes[:, None], theirs[:, None])):
+            ours = float8_cast.amax_to_scale(amax, dtype)
+            assert ours.shape == amax.shape and ours.dtype == torch.float32
+            assert torch.equal(ours.view(torch.int32), their.view(torch.int32))
+        one = float8_cast.amax_to_scale(amaxes[3], dtype)
+        assert one.dim() == 0 and torch.equal(one, theirs[3])
 
 
 @pytest.mark.parametrize("value", [float("nan"), float("inf"), -float("inf")])
@@ -251,6 +271,48 @@ def test_a_step_reads_for_each_amax_once_at_most(
         anew = drop_h_step(recipe, device, saved_fp8)
     for name, value in shared.items():
         assert torch.equal(value, anew[name]), name
+
+
+class _Reciprocals(TorchDispatchMode):
+    """Counts torch's reciprocal ops: torchao's amax_to_scale runs one per scale."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += func.overloadpacket is torch.ops.aten.reciprocal
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("saved_fp8", [False, True])
+@pytest.mark.parametrize("device", TRITON_DEVICES)
+def test_tensorwise_scales_are_one_launch_each(device, saved_fp8, monkeypatch):
+    """Tensorwise, each of the step's 12 casts (two operands of six GEMMs) takes its scale
+    from one kernel, not torchao's five ops (none of their reciprocals runs), and the step
+    gives the bytes of torchao's own scales."""
+    launches = []
+    real = float8_cast.amax_to_scale
+
+    def counted(*args):
+        launches.append(args[1])
+        return real(*args)
+
+    monkeypatch.setattr(float8_cast, "amax_to_scale", counted)
+    with use_backend("triton"), _Reciprocals() as seen:
+        fused = drop_h_step("tensorwise", device, saved_fp8)
+    assert seen.count == 0 and len(launches) == 12, (seen.count, launches)
+    assert launches.count(torch.float8_e5m2) == 4  # grad_y's and grad_preact's, two each
+
+    def torchao_scale(amax, dtype, round_pow2, fused):
+        return float8_casts.torchao_float8().amax_to_scale(amax, dtype, round_pow2)
+
+    for module in (float8_casts, float8_mlp):
+        monkeypatch.setattr(module, "scale_of", torchao_scale)
+    with use_backend("triton"):
+        theirs = drop_h_step("tensorwise", device, saved_fp8)
+    for name, value in fused.items():
+        assert torch.equal(value, theirs[name]), name
 
 
 @pytest.mark.parametrize(("device", "backend"), device_backends())

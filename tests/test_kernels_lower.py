@@ -173,6 +173,9 @@ def _drive_float8_cast(dtype: torch.dtype) -> None:
             for fp8 in float8_cast.FLOAT8_DTYPES:
                 float8_cast.cast(t, 448.0 / amax, dim, fp8)
     float8_cast.amax_both(t)  # both rowwise casts' amaxes in one read
+    for fp8 in float8_cast.FLOAT8_DTYPES:  # torchao's scale, 0-dim and per row
+        float8_cast.amax_to_scale(float8_cast.amax(t, -1, False), fp8)
+        float8_cast.amax_to_scale(float8_cast.amax(t, -1, True), fp8)
 
 
 def _drive_fp8_saved(dtype: torch.dtype) -> None:

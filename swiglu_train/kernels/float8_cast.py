@@ -15,6 +15,11 @@ the fp32 bits: |v|'s bits order as int32 for non-negative
 floats, and NaN's (sign cleared) sort above inf's, so a NaN anywhere makes the amax NaN, as
 ``torch.amax`` does.
 
+**Scale.** torchao's ``amax_to_scale`` is five eager kernels (to fp64, clamp, reciprocal,
+multiply, to fp32) a cast, about sixty tiny launches an FP8 step; ``amax_to_scale`` here is one,
+in the same order and precision, so the scale is torchao's bit for bit (its power-of-two rounding
+goes through log2, which only torch's own kernel reproduces: that recipe keeps torchao's).
+
 **Bytes.** ``swiglu_fp8.fp8_code``: on CUDA the hardware's conversion (round to nearest-even,
 saturating), by hand under the interpreter, whose own conversion is exact on the grid only.
 """
@@ -36,6 +41,8 @@ TRANSPOSE_TILE = 64  # square tiles where the input's contiguous dim is not the 
 PROGRAMS_PER_SM = 8  # amax programs to aim for: several waves, so no SM idles at the tail
 INTERPRET_TILE = 16
 FLOAT8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+AMAX_FLOOR = 1e-12  # torchao's float8_utils.EPS: amax_to_scale clamps the amax to it
+SCALE_BLOCK = 1024
 
 
 @triton.jit
@@ -106,6 +113,35 @@ def _cast_kernel(
     v = tl.load(t_ptr + o * stride_o + k * stride_k, mask=mask, other=0.0).to(tl.float32)
     scale = tl.load(scale_ptr + o, mask=o < OUTER, other=1.0) if ROWWISE else tl.load(scale_ptr)
     tl.store(out_ptr + o * K + k, fp8_code(v * scale, E5M2, INTERPRET), mask=mask)
+
+
+@triton.jit
+def _scale_kernel(
+    amax_ptr, scale_ptr, N, FLOAT8_MAX: tl.constexpr, FLOOR: tl.constexpr, BLOCK: tl.constexpr
+):
+    """scale[i] = fp32(FLOAT8_MAX · (1 / max(fp64(amax[i]), FLOOR))), as torchao computes it: in
+    fp64, a clamp that keeps NaN, reciprocal then product (``float / tensor`` in torch), one
+    rounding to fp32. Constants are built as fp64: a Python float literal would be fp32."""
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    a = tl.load(amax_ptr + i, mask=i < N, other=1.0).to(tl.float64)
+    floor = tl.full((BLOCK,), FLOOR, tl.float64)
+    a = tl.where(a < floor, floor, a)
+    reciprocal = tl.full((BLOCK,), 1.0, tl.float64) / a  # fp64 division rounds correctly
+    scale = reciprocal * tl.full((BLOCK,), FLOAT8_MAX, tl.float64)
+    tl.store(scale_ptr + i, scale.to(tl.float32), mask=i < N)
+
+
+def amax_to_scale(amax: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """torchao's ``amax_to_scale(amax, dtype)`` (no power-of-two rounding) in one launch: fp32
+    scales shaped as the fp32 ``amax`` (0-dim, or one per row or column)."""
+    amax = amax.contiguous()
+    scale = torch.empty(amax.shape, device=amax.device, dtype=torch.float32)
+    n = amax.numel()
+    block = min(SCALE_BLOCK, triton.next_power_of_2(max(n, 1)))
+    _scale_kernel[(triton.cdiv(n, block),)](
+        amax, scale, n, FLOAT8_MAX=torch.finfo(dtype).max, FLOOR=AMAX_FLOOR, BLOCK=block
+    )
+    return scale
 
 
 @functools.lru_cache(maxsize=1024)

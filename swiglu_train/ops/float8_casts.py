@@ -5,7 +5,8 @@ Each GEMM casts its two operands (e4m3 or e5m2, tensorwise or rowwise scales, as
 
 - **Where Triton runs, outside torch.compile,** two passes of ``kernels.float8_cast`` (the amax,
   then the bytes in the layout ``torch._scaled_mm`` takes) with torchao's ``amax_to_scale``
-  between them. torchao's eager cast is six full-size kernels and, for half the operands, a
+  between them: its bytes in one launch (``scale_of``), or torchao's own five ops where the
+  recipe rounds scales to powers of two. torchao's eager cast is six full-size kernels and, for half the operands, a
   copy into that layout.
 - **Elsewhere** torchao's own ``hp_tensor_to_float8_dynamic`` (inductor fuses it under
   torch.compile; DTensors and other subclasses are torchao's to handle).
@@ -216,13 +217,22 @@ def cast_operand(
         amax = cast_kernels.amax(t, dim, granularity is ao.ScalingGranularity.AXISWISE)
     elif amax is None:  # torchao's own amax, as hp_tensor_to_float8_dynamic finds it
         amax = ao.tensor_to_amax(t, scaling_granularity=granularity, axiswise_dim=axiswise_dim)
-    scale = ao.amax_to_scale(amax, dtype, round_pow2)
+    scale = scale_of(amax, dtype, round_pow2, fused)
     if not (fused or opaque):
         return ao.hp_tensor_and_scale_to_float8(
             t, scale, dtype, gemms.mm_config, role, axiswise_dim
         )
     data = float8_cast_bytes(t, scale, dim, dtype, after)
     return ao.Float8TrainingTensor(data, scale, t.dtype, gemms.mm_config, role, axiswise_dim)
+
+
+def scale_of(amax: torch.Tensor, dtype: torch.dtype, round_pow2: bool, fused: bool):
+    """torchao's scale of ``amax``: its five kernels in one where the fused casts run and the
+    recipe does not round scales to powers of two (``kernels.float8_cast.amax_to_scale``), else
+    torchao's own ``amax_to_scale``, which inductor fuses under torch.compile."""
+    if fused and not round_pow2:
+        return cast_kernels.amax_to_scale(amax, dtype)
+    return torchao_float8().amax_to_scale(amax, dtype, round_pow2)
 
 
 @eager_op("swiglu_train::float8_cast_bytes", mutates_args=())

@@ -40,6 +40,7 @@ from swiglu_train.ops.float8_casts import (
     cast_operand,
     dynamic_granularity,
     fp8_kernels_run,
+    scale_of,
     shared_amax,
     torchao_float8,
 )
@@ -128,7 +129,9 @@ def fc2_input(preact: torch.Tensor, gemms: Float8Gemms | None):
     ao, rowwise = torchao_float8(), granularity == "axiswise"
     amax = kernels.swiglu_row_amax(preact)
     amax = amax[:, None] if rowwise else amax.max()
-    scale = ao.amax_to_scale(amax, cast.target_dtype, gemms.config.round_scales_to_power_of_2)
+    fused = not torch.compiler.is_compiling()  # else inductor fuses torchao's scale
+    round_pow2 = gemms.config.round_scales_to_power_of_2
+    scale = scale_of(amax, cast.target_dtype, round_pow2, fused)
     data = kernels.swiglu_cast_e4m3(preact, scale)
     role = ao.GemmInputRole.INPUT
     axiswise_dim = -1 if rowwise else None
