@@ -77,6 +77,17 @@ def test_ci_installs_what_the_cpu_interpreter_needs_and_builds_the_docs():
     assert CI.rstrip().splitlines()[-1] == 'python -m pytest -m "not gpu" -n auto'  # the README's
 
 
+def test_every_ci_command_stops_the_run_when_it_fails():
+    """Under ``set -e`` a failure inside an ``&&`` or ``||`` list, or a pipeline's but the
+    last without pipefail, does not stop the script: ``ruff check . && ruff format --check .``
+    let a lint error through with exit 0. So the gates run one to a line, and lint is one."""
+    commands = [line for line in CI.splitlines() if line.strip() and not line.startswith("#")]
+    assert commands[0] == "set -euo pipefail"
+    for line in commands:
+        assert " && " not in line and " || " not in line, line
+    assert {"ruff check .", "ruff format --check ."} <= set(commands)
+
+
 def test_the_test_extra_brings_every_package_the_tests_import():
     local = {p.stem for p in (ROOT / "tests").glob("*.py")}
     imported: dict[str, str] = {}

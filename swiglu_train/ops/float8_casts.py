@@ -6,8 +6,8 @@ Each GEMM casts its two operands (e4m3 or e5m2, tensorwise or rowwise scales, as
 - **Where Triton runs, outside torch.compile,** two passes of ``kernels.float8_cast`` (the amax,
   then the bytes in the layout ``torch._scaled_mm`` takes) with torchao's ``amax_to_scale``
   between them: its bytes in one launch (``scale_of``), or torchao's own five ops where the
-  recipe rounds scales to powers of two. torchao's eager cast is six full-size kernels and, for half the operands, a
-  copy into that layout.
+  recipe rounds scales to powers of two. torchao's eager cast is six full-size kernels and,
+  for half the operands, a copy into that layout.
 - **Elsewhere** torchao's own ``hp_tensor_to_float8_dynamic`` (inductor fuses it under
   torch.compile; DTensors and other subclasses are torchao's to handle).
 

@@ -32,7 +32,8 @@ def shared_auto(hidden_size: int, ffn_hidden_size: int) -> tuple[str, str]:
     these sizes and D >= 2048, else drop_h. Both keep the stock canonical fc1, so the choice
     never changes a checkpoint. Evidence, the dense grid (grid_h100.md, grid_h200.md):
     drop_h_quack ran at or below drop_h at 31 of 36 points on the H100 and 30 of 36 on the
-    H200; every miss but one (8192 x 28672, by 3 %) was at D < 2048 or M = 4096."""
+    H200; on each GPU every miss but one (8192 x 28672, by 1.5-3 %) was at D < 2048 or
+    M = 4096."""
     reason = experts_quack_unavailable_reason(hidden_size, ffn_hidden_size)
     if reason is None and hidden_size < QUACK_MIN_HIDDEN:
         reason = f"hidden_size {hidden_size} < {QUACK_MIN_HIDDEN}, where drop_h was faster"
