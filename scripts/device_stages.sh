@@ -505,6 +505,18 @@ stage_moe_wgrad() {
     --json "$RES/moe/moe_wgrad_${GPU}.json" --md "$RES/moe/moe_wgrad_${GPU}.md" 2>&1 | tail -40
 }
 
+## host: benchmarks/profile_host.py, where a step's host time goes, one file per case ($HOST_CASES; carry .whla for the fp8 cases)
+stage_host() {
+  # an FP8 case compiles first (an 80 s bound cut both FP8 cases on the H100, 0d37874): each
+  # case gets $HOST_SECONDS (240) of its own, so one slow compile costs the others nothing
+  mkdir -p "$RES/host"
+  local case
+  for case in ${HOST_CASES:-experts:drop_h_quack:qwen3-30b-a3b fp8:tensorwise fp8:tensorwise:compile}; do
+    timeout "${HOST_SECONDS:-240}" python3 benchmarks/profile_host.py "$case" \
+      --out "$RES/host/host_${case//:/_}_${GPU}.txt" 2>&1 | grep "ms/step" || echo "$case: no profile"
+  done
+}
+
 ## sonic: SonicMoE beside drop_h in a process of its own, its wheels from .whls ($MOE_MODELS, $MOE_ROUTING)
 stage_sonic() {
   # .whls (carried alone: 46 MB; `device.py wheels .whls` builds it) holds sonicmoe's snapshot
