@@ -49,10 +49,9 @@ from swiglu_train.integrations.megatron.experts_checkpoint import (
     sequential_keys_on_save,
 )
 from swiglu_train.layers.experts import experts_auto
+from swiglu_train.layers.registry import AUTO
 from swiglu_train.ops.experts import IMPLS, experts_mlp
 from swiglu_train.ops.experts_quack import check_experts_quack_runs
-
-AUTO = "auto"
 
 
 def check_experts_config(config: TransformerConfig) -> None:

@@ -19,8 +19,9 @@ from megatron.core.transformer.moe.shared_experts import SharedExpertMLP
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.utils import get_pg_size
 
-from swiglu_train.integrations.megatron.experts import AUTO, check_experts_impl
+from swiglu_train.integrations.megatron.experts import check_experts_impl
 from swiglu_train.integrations.megatron.mlp import ParMLPMegatron
+from swiglu_train.layers.registry import AUTO
 from swiglu_train.ops.experts_quack import experts_quack_unavailable_reason
 
 _TAKES_NAME = "name" in inspect.signature(SharedExpertMLP.__init__).parameters  # 0.18+

@@ -22,7 +22,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 from swiglu_train.integrations.megatron import get_gpt_layer_spec
 from swiglu_train.integrations.megatron.experts import router_runs_without_te
-from swiglu_train.integrations.megatron.pretrain.args import MEGATRON_MLP
+from swiglu_train.integrations.megatron.pretrain.args import AUTO, MEGATRON_MLP
 from swiglu_train.integrations.megatron.pretrain.peers import patch_liger_swiglu
 
 CPU_SHIMS_ENV = "SWIGLU_TRAIN_MEGATRON_CPU_SHIMS"  # set by tests/megatron_recipe_cpu.py
@@ -131,7 +131,7 @@ def build_model(args: argparse.Namespace, config: TransformerConfig) -> Distribu
         post_process=parallel_state.is_pipeline_last_stage(),
         position_embedding_type="rope",
     )
-    if args.mlp_impl == "auto" and torch.distributed.get_rank() == 0:
+    if args.mlp_impl == AUTO and torch.distributed.get_rank() == 0:
         for line in auto_choices(model):
             print(line)
     if args.device == "cuda":
